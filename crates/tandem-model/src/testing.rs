@@ -1,0 +1,128 @@
+//! Tiny random models written to disk as real HF directories, so tests exercise the same loader
+//! and forward pass as the real model in milliseconds.
+
+use std::path::Path;
+
+use rand::{Rng, SeedableRng};
+use safetensors::{Dtype, serialize_to_file, tensor::TensorView};
+
+use crate::config::HfConfig;
+
+/// A small Llama-style config: `layers` blocks, hidden 32, 4 heads / 2 KV heads, vocab 96.
+pub fn tiny_config(architecture: &str, layers: usize) -> HfConfig {
+    serde_json::from_value(serde_json::json!({
+        "architectures": [architecture],
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "vocab_size": 96, "max_position_embeddings": 256,
+        "tie_word_embeddings": false
+    }))
+    .expect("tiny config is valid")
+}
+
+/// Writes `config.json` and `model.safetensors` with seeded random weights (HF names) to `dir`.
+pub fn write_random_model(dir: &Path, config: &HfConfig, seed: u64) -> std::io::Result<()> {
+    let spec = config.resolve().map_err(std::io::Error::other)?;
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(config).map_err(std::io::Error::other)?,
+    )?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+        let n: usize = shape.iter().product();
+        let bytes: Vec<u8> = (0..n)
+            .flat_map(|_| (offset + scale * (rng.random::<f32>() * 2.0 - 1.0)).to_le_bytes())
+            .collect();
+        tensors.push((name, shape, bytes));
+    };
+    let (h, hd, i) = (spec.hidden_size, spec.head_dim, spec.intermediate_size);
+    let w = 1.0 / (h as f32).sqrt();
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![spec.vocab_size, h],
+        1.0,
+        0.0,
+    );
+    for l in 0..spec.num_layers {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.input_layernorm.weight"), vec![h], 0.2, 1.0);
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            0.2,
+            1.0,
+        );
+        add(
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![spec.num_heads * hd, h],
+            w,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![spec.num_kv_heads * hd, h],
+            w,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![spec.num_kv_heads * hd, h],
+            w,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, spec.num_heads * hd],
+            w,
+            0.0,
+        );
+        if spec.qkv_bias {
+            add(
+                format!("{p}.self_attn.q_proj.bias"),
+                vec![spec.num_heads * hd],
+                0.1,
+                0.0,
+            );
+            add(
+                format!("{p}.self_attn.k_proj.bias"),
+                vec![spec.num_kv_heads * hd],
+                0.1,
+                0.0,
+            );
+            add(
+                format!("{p}.self_attn.v_proj.bias"),
+                vec![spec.num_kv_heads * hd],
+                0.1,
+                0.0,
+            );
+        }
+        if spec.qk_norm {
+            add(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.2, 1.0);
+            add(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.2, 1.0);
+        }
+        add(format!("{p}.mlp.gate_proj.weight"), vec![i, h], w, 0.0);
+        add(format!("{p}.mlp.up_proj.weight"), vec![i, h], w, 0.0);
+        add(
+            format!("{p}.mlp.down_proj.weight"),
+            vec![h, i],
+            1.0 / (i as f32).sqrt(),
+            0.0,
+        );
+    }
+    add("model.norm.weight".into(), vec![h], 0.2, 1.0);
+    if !spec.tie_word_embeddings {
+        add("lm_head.weight".into(), vec![spec.vocab_size, h], w, 0.0);
+    }
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            (
+                name.clone(),
+                TensorView::new(Dtype::F32, shape.clone(), bytes).expect("sizes agree"),
+            )
+        })
+        .collect();
+    serialize_to_file(views, None, &dir.join("model.safetensors")).map_err(std::io::Error::other)
+}

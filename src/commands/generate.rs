@@ -1,0 +1,97 @@
+use std::time::Instant;
+
+use clap::Args;
+use tandem_model::burn::prelude::Backend;
+use tandem_model::{ChatMessage, GenerateOptions, SamplingParams, TargetModel, TargetTokenizer};
+
+use super::ModelArgs;
+use crate::with_backend;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt text.
+    #[arg(long, default_value = "The capital of France is")]
+    pub prompt: String,
+    /// Render the prompt as a user turn with the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System prompt for --chat (default: whatever the template does without one).
+    #[arg(long)]
+    pub system: Option<String>,
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the generated token ids too.
+    #[arg(long)]
+    pub ids: bool,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    with_backend!(args.model.device, |B, device| run_on::<B>(&args, &device))
+}
+
+fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result<()> {
+    let load_start = Instant::now();
+    let tokenizer = TargetTokenizer::load(&args.model.model)?;
+    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    eprintln!(
+        "loaded {} ({} layers) on {} in {:.2}s",
+        args.model.model.display(),
+        model.spec.num_layers,
+        args.model.device,
+        load_start.elapsed().as_secs_f64()
+    );
+    let prompt = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage::new("system", system.clone()));
+        }
+        messages.push(ChatMessage::new("user", args.prompt.clone()));
+        tokenizer.encode_chat(&messages, true)?
+    } else {
+        tokenizer.encode(&args.prompt, true)?
+    };
+    let options = GenerateOptions {
+        max_new_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+        },
+        stop_ids: if args.chat {
+            tokenizer.eos_ids.clone()
+        } else {
+            Vec::new()
+        },
+        seed: args.seed,
+    };
+    let generation = tandem_model::generate(&model, &prompt, &options)?;
+    let text = tokenizer.decode(&generation.tokens, false)?;
+    if args.chat {
+        println!("{text}");
+    } else {
+        println!("{}{}", args.prompt, text);
+    }
+    if args.ids {
+        println!("ids: {:?}", generation.tokens);
+    }
+    eprintln!(
+        "prompt {} tokens, generated {} ({:?}); time to first token {:.1} ms; decode {:.1} tok/s",
+        prompt.len(),
+        generation.tokens.len(),
+        generation.finish_reason,
+        generation.time_to_first_token * 1e3,
+        generation.decode_tokens_per_second()
+    );
+    Ok(())
+}

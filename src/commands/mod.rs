@@ -1,0 +1,52 @@
+pub mod generate;
+pub mod import;
+pub mod taps;
+
+use std::path::PathBuf;
+
+use clap::Args;
+use tandem_model::backend::DeviceKind;
+
+/// Where the default model lives after `scripts/fetch_smollm2.sh`.
+pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
+
+/// Options shared by every job that runs the target model.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// HF model directory (config.json, model.safetensors, tokenizer.json).
+    #[arg(long, default_value = DEFAULT_MODEL_DIR)]
+    pub model: PathBuf,
+    /// cpu (ndarray, f32) or cuda (burn-cuda, bf16; needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+}
+
+/// Runs `$body` with `B` bound to the backend selected by `$device` and `device` to its device.
+#[macro_export]
+macro_rules! with_backend {
+    ($device:expr, |$b:ident, $dev:ident| $body:expr) => {{
+        match $device {
+            tandem_model::backend::DeviceKind::Cpu => {
+                type $b = tandem_model::backend::CpuBackend;
+                let $dev = Default::default();
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            tandem_model::backend::DeviceKind::Cuda => {
+                type $b = tandem_model::backend::CudaBackend;
+                let $dev: tandem_model::burn::backend::cuda::CudaDevice = Default::default();
+                tandem_model::burn::tensor::set_default_dtypes::<$b>(
+                    &$dev,
+                    tandem_model::burn::tensor::DType::BF16,
+                    tandem_model::burn::tensor::DType::I32,
+                )
+                .map_err(|e| anyhow::anyhow!("cannot set bf16 as the CUDA default dtype: {e:?}"))?;
+                $body
+            }
+            #[cfg(not(feature = "cuda"))]
+            tandem_model::backend::DeviceKind::Cuda => {
+                anyhow::bail!("this binary was built without CUDA support; rebuild with `cargo build --release --features cuda`")
+            }
+        }
+    }};
+}
