@@ -24,6 +24,10 @@ enum Command {
     Generate(commands::generate::GenerateArgs),
     /// Print the taps of the target for a prompt (through the capture hook) and their norms.
     Taps(commands::taps::TapsArgs),
+    /// Benchmark target-only decoding (TTFT, step time, tokens/s) at several batch sizes.
+    BenchTarget(commands::bench::BenchTargetArgs),
+    /// Compare a device (CUDA bf16) against the CPU f32 path: logits, taps, greedy tokens.
+    CheckDevice(commands::check_device::CheckDeviceArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,5 +36,7 @@ fn main() -> anyhow::Result<()> {
         Command::ImportGguf(args) => commands::import::run(args),
         Command::Generate(args) => commands::generate::run(args),
         Command::Taps(args) => commands::taps::run(args),
+        Command::BenchTarget(args) => commands::bench::run(args),
+        Command::CheckDevice(args) => commands::check_device::run(args),
     }
 }

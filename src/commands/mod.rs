@@ -1,3 +1,5 @@
+pub mod bench;
+pub mod check_device;
 pub mod generate;
 pub mod import;
 pub mod taps;

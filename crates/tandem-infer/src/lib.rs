@@ -1,0 +1,12 @@
+//! The speculative decoding loop, split by role (as mistral.rs does): the draft tree and its
+//! verification mask ([`tree`]), the acceptance policy ([`verify`]: greedy and lossless
+//! sampling), and acceptance statistics ([`stats`]). These are pure host functions so the math
+//! that decides correctness is unit-tested on tiny hand-made cases.
+
+pub mod stats;
+pub mod tree;
+pub mod verify;
+
+pub use stats::AcceptanceStats;
+pub use tree::{DraftStep, DraftTree, TreeBuilder, TreeError};
+pub use verify::{Acceptance, verify_greedy, verify_sampling};

@@ -1,0 +1,309 @@
+//! Draft trees in SGLang's scheme (EAGLE-2/3 "efficient" tree).
+//!
+//! Drafting runs `depth` steps. Step 0 expands the last verified token into its `topk` most
+//! likely children (score = draft probability). Each later step expands the `topk` current beams
+//! into `topk` children each, scores them by the product of probabilities along the path, and
+//! keeps the best `topk` as the next beams. Every candidate of every step is recorded; the tree
+//! that the target verifies is the root (the verified token) plus the `num_draft_tokens - 1`
+//! best-scored candidates overall, kept in the order they were recorded so parents precede
+//! children.
+//!
+//! The recorded lists use SGLang's layout so its published test case is our golden test:
+//! `scores[i]`/`tokens[i]` of step 0 hold `topk` entries, of step i>0 `topk * topk` entries
+//! (beam-major); `parents[0] = [-1, 0, .., topk-1]` and `parents[i]` (i>0) are the flat indices
+//! of the beams chosen at step i.
+
+use serde::Serialize;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum TreeError {
+    #[error(
+        "draft tree needs topk >= 1, depth >= 1 and num_draft_tokens >= 2 (got topk {topk}, depth {depth}, num_draft_tokens {num_draft_tokens})"
+    )]
+    BadShape {
+        topk: usize,
+        depth: usize,
+        num_draft_tokens: usize,
+    },
+    #[error(
+        "num_draft_tokens {num_draft_tokens} exceeds the {available} candidates that topk {topk} and depth {depth} produce, plus the root"
+    )]
+    TooManyDraftTokens {
+        num_draft_tokens: usize,
+        available: usize,
+        topk: usize,
+        depth: usize,
+    },
+    #[error("step {step}: expected {expected} entries, got {got}")]
+    StepSize {
+        step: usize,
+        expected: usize,
+        got: usize,
+    },
+    #[error("selected candidate {index} has no selected parent (invalid tree)")]
+    OrphanCandidate { index: usize },
+}
+
+/// One drafting step's candidates, in SGLang's flat layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftStep {
+    /// Cumulative path probabilities of the candidates.
+    pub scores: Vec<f32>,
+    pub tokens: Vec<u32>,
+    /// Step 0: `[-1, 0, .., topk-1]`; step i>0: flat candidate indices of the chosen beams.
+    pub parents: Vec<i64>,
+}
+
+/// The tree the target verifies: node 0 is the last verified token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DraftTree {
+    pub tokens: Vec<u32>,
+    /// `parents[0] = None` (root); every other node's parent precedes it.
+    pub parents: Vec<Option<usize>>,
+    /// Depth of each node (root 0); the node's position is prefix length + depth.
+    pub depth: Vec<usize>,
+    /// First child of each node (SGLang `retrive_next_token`), the most recently recorded first.
+    pub first_child: Vec<Option<usize>>,
+    /// Next sibling of each node (SGLang `retrive_next_sibling`).
+    pub next_sibling: Vec<Option<usize>>,
+}
+
+impl DraftTree {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// A chain: root followed by `draft` tokens, each the child of the previous one.
+    pub fn chain(root: u32, draft: &[u32]) -> Self {
+        let mut tokens = vec![root];
+        tokens.extend_from_slice(draft);
+        let parents = (0..tokens.len()).map(|i| i.checked_sub(1)).collect();
+        Self::from_parents(tokens, parents)
+    }
+
+    /// Builds the child/sibling links from a parent array (parents precede children). Children
+    /// are linked so that the most recently added child comes first, as SGLang's kernel does.
+    pub fn from_parents(tokens: Vec<u32>, parents: Vec<Option<usize>>) -> Self {
+        let n = tokens.len();
+        let mut depth = vec![0usize; n];
+        let mut first_child = vec![None; n];
+        let mut next_sibling = vec![None; n];
+        for i in 1..n {
+            if let Some(p) = parents[i] {
+                depth[i] = depth[p] + 1;
+            }
+        }
+        // SGLang walks nodes from last to first and pushes each onto its parent's child list.
+        for i in (1..n).rev() {
+            if let Some(p) = parents[i] {
+                next_sibling[i] = first_child[p];
+                first_child[p] = Some(i);
+            }
+        }
+        Self {
+            tokens,
+            parents,
+            depth,
+            first_child,
+            next_sibling,
+        }
+    }
+
+    /// Children of `node` in verification order.
+    pub fn children(&self, node: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        let mut cur = self.first_child[node];
+        while let Some(c) = cur {
+            out.push(c);
+            cur = self.next_sibling[c];
+        }
+        out
+    }
+
+    /// `mask[i * n + j]`: node i may attend to node j (an ancestor or itself).
+    pub fn attention_mask(&self) -> Vec<bool> {
+        let n = self.len();
+        let mut mask = vec![false; n * n];
+        for i in 0..n {
+            let mut cur = Some(i);
+            while let Some(c) = cur {
+                mask[i * n + c] = true;
+                cur = self.parents[c];
+            }
+        }
+        mask
+    }
+
+    /// Absolute positions of the nodes after a prefix of `prefix_len` committed tokens (the root
+    /// is the last verified token, not yet in the cache, so it sits at `prefix_len`).
+    pub fn positions(&self, prefix_len: usize) -> Vec<usize> {
+        self.depth.iter().map(|d| prefix_len + d).collect()
+    }
+}
+
+/// Accumulates drafting steps (SGLang `select_top_k_tokens`) and organises them into the tree
+/// to verify (SGLang `build_tree_kernel_efficient`).
+#[derive(Debug, Clone)]
+pub struct TreeBuilder {
+    topk: usize,
+    steps: Vec<DraftStep>,
+    /// Cumulative scores of the current beams.
+    beam_scores: Vec<f32>,
+}
+
+/// A beam to expand in the next drafting step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Beam {
+    /// Which beam of the previous step it extends (index into the previous step's beams; for
+    /// step 0 always 0, the root).
+    pub from_beam: usize,
+    pub token: u32,
+}
+
+impl TreeBuilder {
+    pub fn new(topk: usize) -> Self {
+        Self {
+            topk,
+            steps: Vec::new(),
+            beam_scores: Vec::new(),
+        }
+    }
+
+    pub fn steps(&self) -> &[DraftStep] {
+        &self.steps
+    }
+
+    /// Records one drafting step from the draft's top-k per current beam (`probs[b][c]`,
+    /// `tokens[b][c]`; one beam at step 0) and returns the beams to expand next, best first.
+    pub fn push(&mut self, probs: &[Vec<f32>], tokens: &[Vec<u32>]) -> Vec<Beam> {
+        let k = self.topk;
+        if self.steps.is_empty() {
+            let scores = probs[0][..k].to_vec();
+            let toks = tokens[0][..k].to_vec();
+            let mut parents = vec![-1i64];
+            parents.extend((0..k as i64).collect::<Vec<_>>());
+            self.beam_scores = scores.clone();
+            self.steps.push(DraftStep {
+                scores,
+                tokens: toks.clone(),
+                parents,
+            });
+            return toks
+                .iter()
+                .enumerate()
+                .map(|(c, &token)| Beam {
+                    from_beam: c,
+                    token,
+                })
+                .collect();
+        }
+        let mut scores = Vec::with_capacity(k * k);
+        let mut toks = Vec::with_capacity(k * k);
+        for b in 0..k {
+            for c in 0..k {
+                scores.push(self.beam_scores[b] * probs[b][c]);
+                toks.push(tokens[b][c]);
+            }
+        }
+        let chosen = top_k_indices(&scores, k);
+        // Flat index of the chosen candidates in the whole recorded score list.
+        let offset = k + (self.steps.len() - 1) * k * k;
+        let parents = chosen.iter().map(|&i| (offset + i) as i64).collect();
+        self.beam_scores = chosen.iter().map(|&i| scores[i]).collect();
+        let beams = chosen
+            .iter()
+            .map(|&i| Beam {
+                from_beam: i / k,
+                token: toks[i],
+            })
+            .collect();
+        self.steps.push(DraftStep {
+            scores,
+            tokens: toks,
+            parents,
+        });
+        beams
+    }
+
+    /// The tree to verify: `root` plus the `num_draft_tokens - 1` best candidates.
+    pub fn build(&self, root: u32, num_draft_tokens: usize) -> Result<DraftTree, TreeError> {
+        build_tree(root, &self.steps, self.topk, num_draft_tokens)
+    }
+}
+
+/// Indices of the `k` largest values, largest first; ties keep the lower index first (as
+/// torch.topk on CUDA does for distinct values; ties are unspecified there).
+fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+/// SGLang's `build_tree_kernel_efficient` for one sequence: selects the best
+/// `num_draft_tokens - 1` candidates over all steps, keeps them in recorded order, and links
+/// each to its parent (the root for step-0 candidates).
+pub fn build_tree(
+    root: u32,
+    steps: &[DraftStep],
+    topk: usize,
+    num_draft_tokens: usize,
+) -> Result<DraftTree, TreeError> {
+    let depth = steps.len();
+    if topk == 0 || depth == 0 || num_draft_tokens < 2 {
+        return Err(TreeError::BadShape {
+            topk,
+            depth,
+            num_draft_tokens,
+        });
+    }
+    let mut all_scores = Vec::new();
+    let mut all_tokens = Vec::new();
+    // parent_list: step 0's [-1, 0..topk) then the chosen beams of steps 1..depth-1.
+    let mut parent_list: Vec<i64> = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        let expected = if i == 0 { topk } else { topk * topk };
+        if step.scores.len() != expected || step.tokens.len() != expected {
+            return Err(TreeError::StepSize {
+                step: i,
+                expected,
+                got: step.scores.len().min(step.tokens.len()),
+            });
+        }
+        all_scores.extend_from_slice(&step.scores);
+        all_tokens.extend_from_slice(&step.tokens);
+        if i + 1 < depth {
+            parent_list.extend_from_slice(&step.parents);
+        }
+    }
+    if num_draft_tokens - 1 > all_scores.len() {
+        return Err(TreeError::TooManyDraftTokens {
+            num_draft_tokens,
+            available: all_scores.len(),
+            topk,
+            depth,
+        });
+    }
+    let mut selected = top_k_indices(&all_scores, num_draft_tokens - 1);
+    selected.sort_unstable();
+    let mut tokens = vec![root];
+    let mut parents = vec![None];
+    for &index in &selected {
+        tokens.push(all_tokens[index]);
+        let parent_slot = index / topk;
+        if parent_slot == 0 {
+            parents.push(Some(0));
+            continue;
+        }
+        let parent_index = parent_list[parent_slot];
+        match selected.iter().position(|&s| s as i64 == parent_index) {
+            Some(p) => parents.push(Some(p + 1)),
+            None => return Err(TreeError::OrphanCandidate { index }),
+        }
+    }
+    Ok(DraftTree::from_parents(tokens, parents))
+}

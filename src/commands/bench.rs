@@ -1,0 +1,138 @@
+//! `tandem bench-target`: target-only decode speed (time to first token, per-step decode time,
+//! tokens/s) at several batch sizes, with device synchronisation before every clock read (a
+//! token id is read back each step, as a real decoder must).
+
+use std::time::Instant;
+
+use clap::Args;
+use tandem_model::burn::prelude::*;
+use tandem_model::{LogitsFor, TapRequest, TargetModel, TargetTokenizer};
+
+use super::ModelArgs;
+use crate::with_backend;
+
+#[derive(Args, Debug)]
+pub struct BenchTargetArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length in tokens (the prompt is real text repeated to this length).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Decode steps measured per run.
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    /// Batch sizes to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub batch: Vec<usize>,
+    /// Timed repetitions per batch size (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct BenchRow {
+    pub device: String,
+    pub batch: usize,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub ttft_ms_median: f64,
+    pub step_ms_median: f64,
+    pub tokens_per_second: f64,
+}
+
+pub fn run(args: BenchTargetArgs) -> anyhow::Result<()> {
+    with_backend!(args.model.device, |B, device| run_on::<B>(&args, &device))
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn greedy_ids<B: Backend>(logits: Tensor<B, 3>) -> Vec<u32> {
+    let ids = logits.argmax(2).into_data().convert::<i64>();
+    ids.as_slice::<i64>()
+        .expect("ints")
+        .iter()
+        .map(|&i| i as u32)
+        .collect()
+}
+
+fn run_on<B: Backend>(args: &BenchTargetArgs, device: &B::Device) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let tokenizer = TargetTokenizer::load(&args.model.model)?;
+    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let seed_text = "The history of mathematics spans thousands of years, from counting and \
+                     geometry in ancient civilisations to the abstract structures of today. ";
+    let seed = tokenizer.encode(seed_text, false)?;
+    let prompt: Vec<u32> = seed
+        .iter()
+        .copied()
+        .cycle()
+        .take(args.prompt_tokens)
+        .collect();
+    let mut rows = Vec::new();
+    let mut first_token_s = None;
+    for &batch in &args.batch {
+        let mut ttfts = Vec::new();
+        let mut steps = Vec::new();
+        for rep in 0..=args.repeats {
+            let mut cache = model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1);
+            let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
+            let t0 = Instant::now();
+            let step = cache.prefill_step(&prompts)?;
+            let out = model.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
+            let mut next = greedy_ids(out.logits.expect("logits"));
+            let ttft = t0.elapsed().as_secs_f64();
+            first_token_s.get_or_insert(started.elapsed().as_secs_f64());
+            let mut step_times = Vec::new();
+            for _ in 0..args.new_tokens {
+                let t = Instant::now();
+                let step = cache.decode_step(&next)?;
+                let out = model.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
+                next = greedy_ids(out.logits.expect("logits"));
+                step_times.push(t.elapsed().as_secs_f64());
+            }
+            if rep > 0 {
+                ttfts.push(ttft);
+                steps.push(median(&mut step_times));
+            }
+        }
+        let step = median(&mut steps);
+        let row = BenchRow {
+            device: args.model.device.to_string(),
+            batch,
+            prompt_tokens: args.prompt_tokens,
+            new_tokens: args.new_tokens,
+            ttft_ms_median: median(&mut ttfts) * 1e3,
+            step_ms_median: step * 1e3,
+            tokens_per_second: batch as f64 / step,
+        };
+        eprintln!("{row:?}");
+        rows.push(row);
+    }
+    println!(
+        "cold start (process start to first token): {:.1} s",
+        first_token_s.unwrap_or(0.0)
+    );
+    println!("| device | batch | prompt | TTFT ms (median) | decode step ms (median) | tokens/s |");
+    println!("|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {:.1} | {:.2} | {:.1} |",
+            r.device,
+            r.batch,
+            r.prompt_tokens,
+            r.ttft_ms_median,
+            r.step_ms_median,
+            r.tokens_per_second
+        );
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
+    }
+    Ok(())
+}
