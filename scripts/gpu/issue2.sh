@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Runs on the H200 (device tool), from the repository root, after .device/ has been carried:
-#   .device/tandem.xz        release binary built with --features cuda (CUDARC_CUDA_VERSION=13000)
+#   .device/b/tandem.xz        release binary built with --features cuda (CUDARC_CUDA_VERSION=13000)
 #   /tmp/tandem/part-a       first part of the SmolLM2 GGUF (left by the previous run)
-#   .device/part-b           the rest
+#   .device/b/part-b           the rest
 # Checks "Paris" and CPU-vs-GPU parity, then benchmarks tandem vs HF transformers generate().
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 W=/tmp/tandem
 mkdir -p "$W" "$OUT"
-cat "$W/part-a" .device/part-b > "$W/smollm2.gguf"
+cat "$W/part-a" .device/b/part-b > "$W/smollm2.gguf"
 ls -la "$W/smollm2.gguf"
-xz -dc .device/tandem.xz > "$W/tandem" && chmod +x "$W/tandem"
+xz -dc .device/b/tandem.xz > "$W/tandem" && chmod +x "$W/tandem"
 T="$W/tandem"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 "$T" import-gguf "$W/smollm2.gguf" "$W/smollm2" | tail -1
