@@ -63,6 +63,7 @@ fn logits_and_taps_match_transformers() {
             err <= LOGITS_RTOL,
             "{case}: last-position logits rel err {err}"
         );
+        eprintln!("{case}: last-position logits rel err {err:.2e}");
         // Every position, first 256 vocabulary entries, and the argmax of every position.
         let head: Vec<f32> = (0..n)
             .flat_map(|p| logits[p * vocab..p * vocab + 256].to_vec())
@@ -85,6 +86,7 @@ fn logits_and_taps_match_transformers() {
         // of layer k (= hidden_states[k+1] for k < L-1), final = hidden_states[L].
         let hs = &golden[&format!("{case}.hidden_states_last")].floats;
         let blocks = &golden[&format!("{case}.block_out_last")].floats;
+        let mut worst_block = 0f32;
         let at_last = |tap: TapId| -> Vec<f32> {
             let t = to_vec(out.taps.get(tap).unwrap().clone());
             t[(n - 1) * hidden..n * hidden].to_vec()
@@ -101,6 +103,7 @@ fn logits_and_taps_match_transformers() {
                 err <= HIDDEN_RTOL,
                 "{case}: block {k} vs layer {k} output: {err}"
             );
+            worst_block = worst_block.max(err);
             if k + 1 < layers {
                 let err = relative_error(&ours, &hs[(k + 1) * hidden..(k + 2) * hidden]);
                 assert!(
@@ -118,6 +121,7 @@ fn logits_and_taps_match_transformers() {
             err <= HIDDEN_RTOL,
             "{case}: final vs hidden_states[{layers}]: {err}"
         );
+        eprintln!("{case}: worst block tap rel err {worst_block:.2e}, final tap {err:.2e}");
     }
 }
 
