@@ -3,10 +3,12 @@
 //! sampling), and acceptance statistics ([`stats`]). These are pure host functions so the math
 //! that decides correctness is unit-tested on tiny hand-made cases.
 
+pub mod engine;
 pub mod stats;
 pub mod tree;
 pub mod verify;
 
+pub use engine::{BatchOutput, Finish, InferError, SpecConfig, SpecEngine, SpecOutput, Timings};
 pub use stats::AcceptanceStats;
 pub use tree::{DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};

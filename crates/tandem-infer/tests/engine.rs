@@ -1,0 +1,257 @@
+//! The speculative loop on a tiny random target and a random (untrained) head: greedy
+//! speculative output must equal target-only greedy output token for token whatever the head
+//! proposes (chain and tree, batch > 1, ragged prompts), and sampling must keep the target's
+//! distribution (chi-square).
+
+use tandem_eagle::{Eagle3Config, Eagle3Draft, VocabMap};
+use tandem_infer::engine::target_greedy;
+use tandem_infer::{SpecConfig, SpecEngine};
+use tandem_model::backend::CpuBackend;
+use tandem_model::sampling::{SamplingParams, distribution};
+use tandem_model::testing::{tiny_config, write_random_model};
+use tandem_model::{LogitsFor, TapRequest, TargetModel};
+use tandem_wiring::default_aux_taps;
+
+type B = CpuBackend;
+
+fn setup(name: &str) -> (TargetModel<B>, Eagle3Draft<B>, TapRequest) {
+    let dir = std::env::temp_dir().join(format!("tandem-engine-{name}-{}", std::process::id()));
+    let config = tiny_config("LlamaForCausalLM", 4);
+    write_random_model(&dir, &config, 21).unwrap();
+    let target = TargetModel::<B>::load(&dir, &Default::default()).unwrap();
+    let taps = default_aux_taps(4).unwrap();
+    let head_config = Eagle3Config::for_target(&config, config.vocab_size, taps.len());
+    let spec = head_config.resolve().unwrap();
+    let draft = Eagle3Draft::init(
+        spec,
+        VocabMap::identity(config.vocab_size),
+        target.embed_tokens.clone(),
+        5,
+        &Default::default(),
+    )
+    .unwrap();
+    (target, draft, TapRequest::new(taps))
+}
+
+fn check_greedy_equivalence(config: SpecConfig) {
+    let (target, draft, taps) = setup(&format!("greedy-{}-{}", config.topk, config.num_steps));
+    let prompts = vec![vec![3u32, 14, 15, 92, 65], vec![2u32, 71, 82]];
+    let engine = SpecEngine {
+        target: &target,
+        draft: &draft,
+        taps,
+        config,
+    };
+    let out = engine.generate(&prompts, 24, &[]).unwrap();
+    for (b, prompt) in prompts.iter().enumerate() {
+        let expected = target_greedy(&target, prompt, 24, &[]).unwrap();
+        assert_eq!(
+            out.sequences[b].tokens, expected,
+            "sequence {b} with {config:?}"
+        );
+        let stats = &out.sequences[b].stats;
+        // Every round commits at least the bonus token and at most the tree depth + 1.
+        assert!(stats.rounds > 0, "no verification round ran");
+        let tau = stats.accept_length();
+        assert!(
+            (1.0..=config.num_steps as f64 + 1.0).contains(&tau),
+            "tau {tau}"
+        );
+        eprintln!(
+            "{config:?}: sequence {b}: {} rounds, tau {tau:.2}",
+            stats.rounds
+        );
+    }
+}
+
+#[test]
+fn chain_greedy_equals_target_greedy() {
+    check_greedy_equivalence(SpecConfig::chain(3));
+}
+
+#[test]
+fn tree_greedy_equals_target_greedy() {
+    check_greedy_equivalence(SpecConfig {
+        num_steps: 3,
+        topk: 4,
+        num_draft_tokens: 8,
+        sampling: SamplingParams::greedy(),
+        seed: 0,
+    });
+}
+
+/// Partial acceptance exercised for real: the head's final norm is zeroed so it always proposes
+/// token 0, and the target's lm_head column for token 0 is scaled so the target itself emits
+/// token 0 in runs at some positions and other tokens elsewhere. Greedy output must still equal
+/// target-only greedy output, and accepted runs must show up in the statistics.
+#[test]
+fn partially_accepted_drafts_commit_correctly() {
+    use tandem_model::burn::module::Param;
+    use tandem_model::burn::prelude::*;
+    let (mut target, mut draft, taps) = setup("partial");
+    let [h, v] = target.lm_head_t.dims();
+    let column0 = target.lm_head_t.clone().slice([0..h, 0..1]) * 6.0;
+    target.lm_head_t = target.lm_head_t.clone().slice_assign([0..h, 0..1], column0);
+    draft.norm.weight =
+        Param::from_tensor(Tensor::zeros([draft.spec.hidden_size], &Default::default()));
+    let prompts = vec![vec![9u32, 4, 33], vec![61u32, 2, 2, 8, 90, 17]];
+    for config in [
+        SpecConfig::chain(4),
+        SpecConfig {
+            num_steps: 3,
+            topk: 2,
+            num_draft_tokens: 6,
+            sampling: SamplingParams::greedy(),
+            seed: 0,
+        },
+    ] {
+        let engine = SpecEngine {
+            target: &target,
+            draft: &draft,
+            taps: taps.clone(),
+            config,
+        };
+        let out = engine.generate(&prompts, 40, &[]).unwrap();
+        let mut accepted = 0;
+        for (b, prompt) in prompts.iter().enumerate() {
+            let expected = target_greedy(&target, prompt, 40, &[]).unwrap();
+            assert_eq!(
+                out.sequences[b].tokens, expected,
+                "sequence {b} with {config:?}"
+            );
+            accepted += out.sequences[b].stats.accepted_tokens;
+            let zeros = expected.iter().filter(|&&t| t == 0).count();
+            assert!(
+                zeros > 0 && zeros < expected.len(),
+                "target output should mix token 0 and others (v={v})"
+            );
+        }
+        assert!(
+            accepted >= 5,
+            "drafts of token 0 should be accepted in runs: {accepted}"
+        );
+    }
+}
+
+/// Chi-square: the second generated token (the first one produced by tree verification) must
+/// follow the target's marginal distribution sum_t1 p(t1) p(t2 | t1), computed exactly here.
+#[test]
+fn sampling_keeps_the_target_distribution() {
+    let (target, draft, taps) = setup("sampling");
+    let prompt = vec![5u32, 6, 7];
+    let sampling = SamplingParams {
+        temperature: 2.0,
+        top_p: 1.0,
+        top_k: 0,
+    };
+    let vocab = target.spec.vocab_size;
+    let probs_after = |tokens: &[u32]| -> Vec<f32> {
+        let mut cache = target.new_cache(1, tokens.len());
+        let step = cache.prefill_step(&[tokens]).unwrap();
+        let out = target
+            .forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)
+            .unwrap();
+        let logits = out.logits.unwrap().into_data().to_vec::<f32>().unwrap();
+        distribution(&logits, &sampling)
+    };
+    let p1 = probs_after(&prompt);
+    let mut marginal = vec![0f64; vocab];
+    for (t1, &p) in p1.iter().enumerate() {
+        if p < 1e-6 {
+            continue;
+        }
+        let mut ctx = prompt.clone();
+        ctx.push(t1 as u32);
+        for (t2, q) in probs_after(&ctx).into_iter().enumerate() {
+            marginal[t2] += p as f64 * q as f64;
+        }
+    }
+    let draws = 3000;
+    let mut counts = vec![0usize; vocab];
+    let config = SpecConfig {
+        num_steps: 2,
+        topk: 2,
+        num_draft_tokens: 4,
+        sampling,
+        seed: 0,
+    };
+    for seed in 0..draws {
+        let engine = SpecEngine {
+            target: &target,
+            draft: &draft,
+            taps: taps.clone(),
+            config: SpecConfig {
+                seed: seed as u64,
+                ..config
+            },
+        };
+        let out = engine.generate(&[prompt.clone()], 2, &[]).unwrap();
+        counts[out.sequences[0].tokens[1] as usize] += 1;
+    }
+    // Pool cells with expected count < 5 into one.
+    let (mut chi2, mut dof, mut pooled_e, mut pooled_c) = (0f64, 0usize, 0f64, 0f64);
+    for (e, c) in marginal.iter().map(|m| m * draws as f64).zip(&counts) {
+        if e < 5.0 {
+            pooled_e += e;
+            pooled_c += *c as f64;
+        } else {
+            chi2 += (*c as f64 - e).powi(2) / e;
+            dof += 1;
+        }
+    }
+    if pooled_e > 0.0 {
+        chi2 += (pooled_c - pooled_e).powi(2) / pooled_e;
+        dof += 1;
+    }
+    dof -= 1;
+    // 99.9% quantile of chi-square via the Wilson-Hilferty approximation.
+    let k = dof as f64;
+    let z = 3.09;
+    let limit = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    assert!(
+        chi2 < limit,
+        "chi2 {chi2:.1} over {dof} dof (limit {limit:.1})"
+    );
+}
+
+#[test]
+fn bad_requests_are_refused_by_name() {
+    let (target, draft, taps) = setup("bad");
+    let engine = SpecEngine {
+        target: &target,
+        draft: &draft,
+        taps: taps.clone(),
+        config: SpecConfig::chain(3),
+    };
+    let err = engine.generate(&[vec![]], 4, &[]).unwrap_err().to_string();
+    assert!(err.contains("at least one token"), "{err}");
+    let long = vec![1u32; 300];
+    let err = engine.generate(&[long], 4, &[]).unwrap_err().to_string();
+    assert!(err.contains("does not fit"), "{err}");
+    let bad = SpecEngine {
+        target: &target,
+        draft: &draft,
+        taps: taps.clone(),
+        config: SpecConfig {
+            num_draft_tokens: 9,
+            ..SpecConfig::chain(3)
+        },
+    };
+    let err = bad.generate(&[vec![1]], 4, &[]).unwrap_err().to_string();
+    assert!(err.contains("num_draft_tokens"), "{err}");
+    let hot = SpecEngine {
+        target: &target,
+        draft: &draft,
+        taps,
+        config: SpecConfig {
+            sampling: SamplingParams {
+                temperature: -1.0,
+                top_p: 1.0,
+                top_k: 0,
+            },
+            ..SpecConfig::chain(3)
+        },
+    };
+    let err = hot.generate(&[vec![1]], 4, &[]).unwrap_err().to_string();
+    assert!(err.contains("temperature"), "{err}");
+}
