@@ -24,10 +24,19 @@ enum Command {
     Generate(commands::generate::GenerateArgs),
     /// Print the taps of the target for a prompt (through the capture hook) and their norms.
     Taps(commands::taps::TapsArgs),
+    /// Dump EAGLE-3 training data (aux hidden states through the capture hook) as Arrow shards.
+    Dump(commands::dump::DumpArgs),
+    /// Summarise a dump directory: rows, tokens, taps, dtype, per-tap norm statistics.
+    DumpInfo(commands::dump::DumpInfoArgs),
     /// Benchmark target-only decoding (TTFT, step time, tokens/s) at several batch sizes.
     BenchTarget(commands::bench::BenchTargetArgs),
     /// Compare a device (CUDA bf16) against the CPU f32 path: logits, taps, greedy tokens.
     CheckDevice(commands::check_device::CheckDeviceArgs),
+    /// Train an EAGLE-3 draft head on dumps and export it for SGLang / vLLM.
+    Train(commands::train::TrainArgs),
+    /// Speculative vs target-only decoding on a prompt set: tokens/s, accept length,
+    /// per-position acceptance, greedy equality.
+    Bench(commands::spec::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,7 +45,11 @@ fn main() -> anyhow::Result<()> {
         Command::ImportGguf(args) => commands::import::run(args),
         Command::Generate(args) => commands::generate::run(args),
         Command::Taps(args) => commands::taps::run(args),
+        Command::Dump(args) => commands::dump::run(args),
+        Command::DumpInfo(args) => commands::dump::run_info(args),
         Command::BenchTarget(args) => commands::bench::run(args),
         Command::CheckDevice(args) => commands::check_device::run(args),
+        Command::Train(args) => commands::train::run(args),
+        Command::Bench(args) => commands::spec::run_bench(args),
     }
 }

@@ -34,6 +34,22 @@ pub struct GenerateArgs {
     /// Print the generated token ids too.
     #[arg(long)]
     pub ids: bool,
+    /// Decode speculatively with this EAGLE-3 head (see also --steps, --topk,
+    /// --num-draft-tokens).
+    #[arg(long)]
+    pub draft: Option<std::path::PathBuf>,
+    /// Draft depth (SGLang --speculative-num-steps).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Branching (SGLang --speculative-eagle-topk); 1 = chain.
+    #[arg(long, default_value_t = 1)]
+    pub topk: usize,
+    /// Tree size verified (default steps + 1 for a chain, 8 for a tree).
+    #[arg(long)]
+    pub num_draft_tokens: Option<usize>,
+    /// Serve even when the head's wiring differs from the serving taps (experiments only).
+    #[arg(long)]
+    pub allow_wiring_mismatch: bool,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -61,6 +77,44 @@ fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result
     } else {
         tokenizer.encode(&args.prompt, true)?
     };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+    };
+    let stop_ids = if args.chat {
+        tokenizer.eos_ids.clone()
+    } else {
+        Vec::new()
+    };
+    if let Some(draft) = &args.draft {
+        let spec = super::spec::SpecArgs {
+            draft: draft.clone(),
+            steps: args.steps,
+            topk: args.topk,
+            num_draft_tokens: args.num_draft_tokens,
+            allow_wiring_mismatch: args.allow_wiring_mismatch,
+        };
+        drop(model);
+        let request = super::spec::SpecRequest {
+            prompt: prompt.clone(),
+            sampling,
+            seed: args.seed,
+            max_tokens: args.max_tokens,
+            stop_ids: stop_ids.clone(),
+        };
+        let tokens = super::spec::generate::<B>(&args.model, &spec, &request, device)?;
+        let text = tokenizer.decode(&tokens, false)?;
+        if args.chat {
+            println!("{text}");
+        } else {
+            println!("{}{}", args.prompt, text);
+        }
+        if args.ids {
+            println!("ids: {tokens:?}");
+        }
+        return Ok(());
+    }
     let options = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: SamplingParams {

@@ -1,8 +1,11 @@
 pub mod bench;
 pub mod check_device;
+pub mod dump;
 pub mod generate;
 pub mod import;
+pub mod spec;
 pub mod taps;
+pub mod train;
 
 use std::path::PathBuf;
 

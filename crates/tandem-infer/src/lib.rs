@@ -7,6 +7,7 @@ pub mod engine;
 pub mod stats;
 pub mod tree;
 pub mod verify;
+pub mod wiring;
 
 pub use engine::{BatchOutput, Finish, InferError, SpecConfig, SpecEngine, SpecOutput, Timings};
 pub use stats::AcceptanceStats;

@@ -46,6 +46,9 @@ fn token_string(v: &Option<serde_json::Value>) -> Option<String> {
     }
 }
 
+/// A token's byte range `(start, end)` in the text it was encoded from.
+pub type ByteSpan = (usize, usize);
+
 /// The target's tokenizer and chat template, loaded from an HF model directory.
 pub struct TargetTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -146,6 +149,24 @@ impl TargetTokenizer {
                 reason: e.to_string(),
             })?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Like [`TargetTokenizer::encode`], with each token's byte range `(start, end)` in
+    /// `text`: the dump job maps the character spans of assistant turns in a rendered chat to
+    /// tokens with these. Tokens added by the post-processor (BOS) have the range `(0, 0)`.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, Vec<ByteSpan>), ModelError> {
+        let encoding = self
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| ModelError::Tokenizer {
+                path: self.path.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ModelError> {

@@ -1,0 +1,285 @@
+//! Reading a dump directory: [`DumpReader`] (the trainer's entry point) and the shard scan
+//! shared with resuming writers.
+
+use std::fs::{self, File};
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use arrow_ipc::reader::FileReader;
+
+use crate::error::DumpError;
+use crate::layout::{Layout, META_MANIFEST, META_SHARD};
+use crate::manifest::{DumpManifest, MANIFEST_FILE, ShardInfo};
+
+/// One sample of a dump, hidden states widened to f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DumpRecord {
+    /// The dataset's id of the conversation (not necessarily unique: ShareGPT repeats some).
+    pub sample_id: String,
+    /// `n` token ids of the rendered conversation (chat template applied, truncated).
+    pub input_ids: Vec<u32>,
+    /// `n` flags: 1 where the token belongs to an assistant turn (its content and its
+    /// end-of-turn token), 0 for everything the template or the user wrote.
+    pub loss_mask: Vec<u8>,
+    /// `[n, slots * T]` row-major: for each token, the taps in slot order, concatenated.
+    pub aux_hidden: Vec<f32>,
+    /// `[n, T]` row-major: the residual stream leaving the last block (block L-1), from which
+    /// the trainer recomputes target logits with the final norm and lm_head.
+    pub last_hidden: Vec<f32>,
+}
+
+impl DumpRecord {
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    /// Whether the record has no tokens (never true for rows written by `tandem dump`).
+    pub fn is_empty(&self) -> bool {
+        self.input_ids.is_empty()
+    }
+}
+
+/// Shard file name for shard number `n`.
+pub(crate) fn shard_name(n: usize) -> String {
+    format!("shard-{n:05}.arrow")
+}
+
+/// Temporary name of shard `n` while it is written.
+pub(crate) fn temp_shard_name(n: usize) -> String {
+    format!(".shard-{n:05}.arrow.tmp")
+}
+
+fn is_shard_name(name: &str) -> bool {
+    name.strip_prefix("shard-")
+        .and_then(|rest| rest.strip_suffix(".arrow"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+pub(crate) fn is_temp_shard_name(name: &str) -> bool {
+    name.starts_with(".shard-") && name.ends_with(".arrow.tmp")
+}
+
+type ShardFile = FileReader<BufReader<File>>;
+
+fn open_shard(path: &Path) -> Result<ShardFile, DumpError> {
+    let file = File::open(path).map_err(DumpError::io("open", path))?;
+    FileReader::try_new(BufReader::new(file), None).map_err(DumpError::arrow(path))
+}
+
+/// A completed shard found on disk.
+#[derive(Debug, Clone)]
+pub(crate) struct ScannedShard {
+    pub path: PathBuf,
+    pub info: ShardInfo,
+}
+
+/// Lists the completed shards of `dir` in order and checks each against `identity`: same
+/// layout, same manifest identity, rows and record ranges contiguous. Temporary shards are
+/// ignored (they are incomplete by construction).
+pub(crate) fn scan_shards(
+    dir: &Path,
+    identity: &DumpManifest,
+) -> Result<Vec<ScannedShard>, DumpError> {
+    let mut names = Vec::new();
+    for entry in fs::read_dir(dir).map_err(DumpError::io("list", dir))? {
+        let entry = entry.map_err(DumpError::io("list", dir))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if is_shard_name(&name) {
+            names.push(name);
+        }
+    }
+    names.sort();
+    let layout = Layout::of(identity);
+    let mut shards: Vec<ScannedShard> = Vec::with_capacity(names.len());
+    for (n, name) in names.iter().enumerate() {
+        let path = dir.join(name);
+        let bad = |reason: String| DumpError::BadShard {
+            path: path.clone(),
+            reason,
+        };
+        if *name != shard_name(n) {
+            return Err(bad(format!(
+                "shards must be numbered without gaps; expected {} here",
+                shard_name(n)
+            )));
+        }
+        let reader = open_shard(&path)?;
+        let schema = reader.schema();
+        layout.check_schema(&schema).map_err(bad)?;
+        let meta = schema
+            .metadata()
+            .get(META_MANIFEST)
+            .ok_or_else(|| bad(format!("no {META_MANIFEST} schema metadata")))?;
+        let shard_identity: DumpManifest =
+            serde_json::from_str(meta).map_err(|source| DumpError::Json {
+                path: path.join(META_MANIFEST),
+                source,
+            })?;
+        let differences = identity.differences(&shard_identity);
+        if !differences.is_empty() {
+            return Err(bad(format!(
+                "written with other settings than {MANIFEST_FILE}: {}",
+                differences.join("; ")
+            )));
+        }
+        let info = reader
+            .custom_metadata()
+            .get(META_SHARD)
+            .ok_or_else(|| bad(format!("no {META_SHARD} footer metadata")))?;
+        let info: ShardInfo = serde_json::from_str(info).map_err(|source| DumpError::Json {
+            path: path.join(META_SHARD),
+            source,
+        })?;
+        if info.file != *name {
+            return Err(bad(format!("its metadata names it {:?}", info.file)));
+        }
+        if reader.num_batches() as u64 != info.rows {
+            return Err(bad(format!(
+                "{} record batches but its metadata says {} rows (one batch per row)",
+                reader.num_batches(),
+                info.rows
+            )));
+        }
+        let expected_first = shards.last().map_or(0, |s| s.info.end_record);
+        if info.first_record != expected_first || info.end_record < info.first_record {
+            return Err(bad(format!(
+                "covers dataset records {}..{}, but the previous shards end at record {}",
+                info.first_record, info.end_record, expected_first
+            )));
+        }
+        shards.push(ScannedShard { path, info });
+    }
+    Ok(shards)
+}
+
+/// Reads a dump directory written by `tandem dump`.
+///
+/// The shards are authoritative: [`DumpReader::manifest`] is `manifest.json` with the shard
+/// list and totals recomputed from the shards found, so a dump interrupted between a shard
+/// rename and the manifest rewrite reads completely. Rows are numbered across shards in
+/// order. Reads go through one cached open shard (behind a mutex), so sequential iteration
+/// opens each shard once; the reader is `Send + Sync`.
+pub struct DumpReader {
+    dir: PathBuf,
+    manifest: DumpManifest,
+    layout: Layout,
+    shards: Vec<ScannedShard>,
+    /// `starts[i]`: global index of shard i's first row; one extra entry = total rows.
+    starts: Vec<usize>,
+    cache: Mutex<Option<(usize, ShardFile)>>,
+}
+
+impl std::fmt::Debug for DumpReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DumpReader")
+            .field("dir", &self.dir)
+            .field("rows", &self.len())
+            .field("shards", &self.shards.len())
+            .finish()
+    }
+}
+
+impl DumpReader {
+    /// Opens `dir`: reads and validates `manifest.json`, then checks every completed shard.
+    pub fn open(dir: &Path) -> Result<Self, DumpError> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        if !manifest_path.is_file() {
+            return Err(DumpError::NotADump {
+                path: dir.to_owned(),
+                reason: format!("no {MANIFEST_FILE}"),
+            });
+        }
+        let mut manifest = DumpManifest::load(&manifest_path)?;
+        let shards = scan_shards(dir, &manifest.identity())?;
+        manifest.shards = shards.iter().map(|s| s.info.clone()).collect();
+        // Keep `complete` from manifest.json only if it describes the same shards.
+        let complete = manifest.complete
+            && manifest.records_read == manifest.shards.last().map_or(0, |s| s.end_record);
+        manifest.recount();
+        manifest.complete = complete;
+        let mut starts = Vec::with_capacity(shards.len() + 1);
+        let mut total = 0usize;
+        for s in &shards {
+            starts.push(total);
+            total += s.info.rows as usize;
+        }
+        starts.push(total);
+        Ok(DumpReader {
+            dir: dir.to_owned(),
+            layout: Layout::of(&manifest),
+            manifest,
+            shards,
+            starts,
+            cache: Mutex::new(None),
+        })
+    }
+
+    /// The dump's manifest (totals from the shards).
+    pub fn manifest(&self) -> &DumpManifest {
+        &self.manifest
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Number of rows (samples).
+    pub fn len(&self) -> usize {
+        *self.starts.last().unwrap_or(&0)
+    }
+
+    /// Whether the dump has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Row `index` (0-based across all shards).
+    pub fn read(&self, index: usize) -> Result<DumpRecord, DumpError> {
+        if index >= self.len() {
+            return Err(DumpError::RowOutOfRange {
+                index,
+                len: self.len(),
+            });
+        }
+        // Last shard whose first row is <= index (empty shards are skipped over).
+        let shard = self.starts.partition_point(|&s| s <= index) - 1;
+        let row = index - self.starts[shard];
+        let path = &self.shards[shard].path;
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.as_ref().is_none_or(|(i, _)| *i != shard) {
+            *cache = Some((shard, open_shard(path)?));
+        }
+        let (_, reader) = cache.as_mut().expect("just filled");
+        reader.set_index(row).map_err(DumpError::arrow(path))?;
+        let batch = reader
+            .next()
+            .ok_or_else(|| DumpError::BadShard {
+                path: path.clone(),
+                reason: format!("record batch {row} is missing"),
+            })?
+            .map_err(DumpError::arrow(path))?;
+        if batch.num_rows() != 1 {
+            return Err(DumpError::BadShard {
+                path: path.clone(),
+                reason: format!(
+                    "record batch {row} has {} rows; this layout has one row per batch",
+                    batch.num_rows()
+                ),
+            });
+        }
+        self.layout
+            .decode(&batch, 0)
+            .map_err(|reason| DumpError::BadShard {
+                path: path.clone(),
+                reason,
+            })
+    }
+
+    /// All rows in order.
+    pub fn iter(&self) -> impl Iterator<Item = Result<DumpRecord, DumpError>> + '_ {
+        (0..self.len()).map(|i| self.read(i))
+    }
+}

@@ -1,0 +1,27 @@
+//! `tandem train`: trains an EAGLE-3 head ([`tandem_eagle::Eagle3Draft`]) on offline dumps
+//! written by `tandem dump`, and exports it as a directory SGLang / vLLM load.
+//!
+//! - [`data`]: dumps as one row space ([`data::SampleSource`], [`data::Dataset`]), the
+//!   train/validation split by sample id, seeded shuffling with length bucketing, batches.
+//! - [`target`]: the frozen target pieces (embedding, final norm, lm_head) and its
+//!   fingerprint; target logits are recomputed from the dumped last-block residual.
+//! - [`objective`]: soft cross-entropy against the target distribution renormalised over the
+//!   draft vocabulary, masked by `t2d[target argmax] * loss_mask`, `sum 0.8^i loss_i`; acc_i.
+//! - [`schedule`]: warm-up + cosine learning rate.
+//! - [`trainer`]: the loop (AdamW, global grad-norm clipping, validation, checkpoints with
+//!   exact `--resume`, metrics JSONL, progress bar, curves, export).
+//! - [`metrics`], [`plot`]: `metrics.jsonl` and `curves.html`.
+
+#![warn(missing_docs)]
+
+pub mod data;
+pub mod error;
+pub mod metrics;
+pub mod objective;
+pub mod plot;
+pub mod schedule;
+pub mod target;
+pub mod trainer;
+
+pub use error::TrainError;
+pub use trainer::{TrainOptions, TrainReport, TrainState, clip_global_norm, train, train_on};

@@ -1,0 +1,1018 @@
+//! The training loop of `tandem train`: checks, the data pass, AdamW with warm-up + cosine and
+//! global grad-norm clipping, validation, checkpoints with exact resume, metrics, export.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::TensorData;
+use burn::tensor::backend::AutodiffBackend;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use tandem_eagle::{
+    Eagle3Config, Eagle3Draft, VocabMap, WeightDtype, build_vocab_map, load_pretrained,
+    save_pretrained,
+};
+use tandem_wiring::{Convention, Job, Producer, RawIds, TapPoint, WiringManifest, check};
+
+use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation, plan_epoch};
+use crate::error::TrainError;
+use crate::metrics::{MetricsLine, MetricsLog, StatsSum, read_lines};
+use crate::objective::{BatchTargets, objective};
+use crate::plot;
+use crate::schedule::{lr_at, warmup_steps};
+use crate::target::{TargetHead, fingerprint};
+
+/// Batches sorted together by length when planning an epoch.
+const BUCKET_BATCHES: usize = 32;
+/// Where checkpoints go inside `--out`.
+pub const CHECKPOINT_DIR: &str = "checkpoints";
+/// The metrics log inside `--out`.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// The curves page inside `--out`.
+pub const CURVES_FILE: &str = "curves.html";
+/// The resolved options inside `--out`.
+pub const OPTIONS_FILE: &str = "train_options.json";
+
+/// Everything `tandem train` is told. Defaults: [`TrainOptions::new`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainOptions {
+    /// Dump directories (`tandem dump` output), read as one dataset.
+    pub dumps: Vec<PathBuf>,
+    /// The target model directory the dumps were captured from.
+    pub model: PathBuf,
+    /// Output directory: the exported head, checkpoints, metrics, curves.
+    pub out: PathBuf,
+    /// Draft vocabulary size (default: min(32000, target vocab)).
+    pub draft_vocab: Option<usize>,
+    /// TTT unroll length.
+    pub ttt_steps: usize,
+    /// Passes over the training split.
+    pub epochs: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Sequences per batch.
+    pub batch_size: usize,
+    /// Tokens per sequence (longer rows are cut).
+    pub max_len: usize,
+    /// Share of the steps spent warming up.
+    pub warmup_ratio: f64,
+    /// Final learning rate as a share of the peak.
+    pub min_lr_ratio: f64,
+    /// AdamW weight decay.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0 = off).
+    pub max_grad_norm: f64,
+    /// Share of samples (by id) held out for validation.
+    pub val_fraction: f64,
+    /// Validate every this many steps (0 = only at the end of each epoch).
+    pub eval_every: usize,
+    /// Checkpoint every this many steps (0 = only at the end).
+    pub save_every: usize,
+    /// Checkpoints kept on disk (oldest deleted first; at least 1).
+    pub keep_checkpoints: usize,
+    /// Seed of the initialisation and of the data order.
+    pub seed: u64,
+    /// Stop after this many optimizer steps in total (the schedule still spans all epochs).
+    pub max_steps: Option<usize>,
+    /// Start from this head directory instead of a random initialisation.
+    pub init_from: Option<PathBuf>,
+    /// Export the final head in bf16 instead of f32.
+    pub export_bf16: bool,
+    /// Continue the run in `out` from its latest checkpoint.
+    pub resume: bool,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+    /// Device description for the manifest (`cpu`, `cuda`).
+    pub device_label: String,
+}
+
+impl TrainOptions {
+    /// SpecForge-like defaults: 7 TTT steps, 1 epoch, lr 1e-4, batch 4, max length 2048,
+    /// warm-up 1.5%, cosine to 0, no weight decay, clip 0.5, 2% validation, checkpoint every
+    /// 500 steps (2 kept), seed 0.
+    pub fn new(dumps: Vec<PathBuf>, model: impl Into<PathBuf>, out: impl Into<PathBuf>) -> Self {
+        TrainOptions {
+            dumps,
+            model: model.into(),
+            out: out.into(),
+            draft_vocab: None,
+            ttt_steps: 7,
+            epochs: 1,
+            lr: 1e-4,
+            batch_size: 4,
+            max_len: 2048,
+            warmup_ratio: 0.015,
+            min_lr_ratio: 0.0,
+            weight_decay: 0.0,
+            max_grad_norm: 0.5,
+            val_fraction: 0.02,
+            eval_every: 0,
+            save_every: 500,
+            keep_checkpoints: 2,
+            seed: 0,
+            max_steps: None,
+            init_from: None,
+            export_bf16: false,
+            resume: false,
+            progress: false,
+            device_label: "cpu".to_owned(),
+        }
+    }
+
+    /// The options a resumed run must share with the interrupted one (everything that shapes
+    /// the parameters: data, model, schedule, seed).
+    fn identity(&self) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).expect("options serialise");
+        let map = v.as_object_mut().expect("object");
+        for volatile in [
+            "out",
+            "resume",
+            "progress",
+            "device_label",
+            "max_steps",
+            "eval_every",
+            "save_every",
+            "keep_checkpoints",
+            "export_bf16",
+        ] {
+            map.remove(volatile);
+        }
+        v
+    }
+
+    fn validate(&self) -> Result<(), TrainError> {
+        let bad = |option, reason: &str| {
+            Err(TrainError::InvalidOption {
+                option,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.dumps.is_empty() {
+            return bad("dump", "at least one dump directory is needed");
+        }
+        if self.ttt_steps == 0 {
+            return bad("ttt-steps", "must be at least 1");
+        }
+        if self.epochs == 0 {
+            return bad("epochs", "must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad("lr", "must be a positive number");
+        }
+        if self.batch_size == 0 {
+            return bad("batch-size", "must be at least 1");
+        }
+        if self.max_len < 3 {
+            return bad("max-len", "must be at least 3 tokens");
+        }
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return bad("val-fraction", "must be in [0, 1)");
+        }
+        if !(0.0..=1.0).contains(&self.warmup_ratio) || !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return bad(
+                "warmup-ratio",
+                "warm-up and minimum-lr ratios must be in [0, 1]",
+            );
+        }
+        if self.max_grad_norm < 0.0 || self.weight_decay < 0.0 {
+            return bad(
+                "max-grad-norm",
+                "clip and weight decay must not be negative",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Progress of a run, saved with every checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Optimizer steps done.
+    pub step: usize,
+    /// Epoch of the next batch.
+    pub epoch: usize,
+    /// Index of the next batch in that epoch's plan.
+    pub batch_in_epoch: usize,
+    /// Steps of the whole schedule.
+    pub total_steps: usize,
+    /// Real tokens trained on so far.
+    pub tokens_seen: u64,
+    /// Rows in the dataset and in the training split (a resumed run must see the same).
+    pub rows: usize,
+    /// Rows in the training split.
+    pub train_rows: usize,
+    /// [`TrainOptions`] identity of the run.
+    pub options: serde_json::Value,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct TrainReport {
+    /// Optimizer steps done in total.
+    pub steps: usize,
+    /// Steps of the whole schedule.
+    pub total_steps: usize,
+    /// The step the run resumed from, if it did.
+    pub resumed_from: Option<usize>,
+    /// The exported head directory (`--out`).
+    pub export_dir: PathBuf,
+    /// Rows in the training and validation splits.
+    pub train_rows: usize,
+    /// Rows held out.
+    pub val_rows: usize,
+    /// The first and last train lines of this run.
+    pub first_train: Option<MetricsLine>,
+    /// The last train line.
+    pub last_train: Option<MetricsLine>,
+    /// The first validation line of the whole run (its steps may come from before a resume).
+    pub first_val: Option<MetricsLine>,
+    /// The last validation line.
+    pub last_val: Option<MetricsLine>,
+    /// Steps per second of this run (data loading and validation included).
+    pub steps_per_s: f64,
+    /// Training tokens per second of this run.
+    pub tokens_per_s: f64,
+}
+
+fn record_err(path: &Path) -> impl FnOnce(burn::record::RecorderError) -> TrainError {
+    let path = path.to_owned();
+    move |e| TrainError::Record {
+        path,
+        reason: e.to_string(),
+    }
+}
+
+/// Runs `tandem train` on the dumps of `options` with backend `B` (an autodiff backend).
+pub fn train<B: AutodiffBackend>(
+    options: &TrainOptions,
+    device: &B::Device,
+) -> Result<TrainReport, TrainError> {
+    options.validate()?;
+    let data = Dataset::open(&options.dumps)?;
+    train_on::<B>(options, data, device)
+}
+
+/// [`train`] on an already opened dataset (tests use in-memory sources).
+pub fn train_on<B: AutodiffBackend>(
+    options: &TrainOptions,
+    data: Dataset,
+    device: &B::Device,
+) -> Result<TrainReport, TrainError> {
+    options.validate()?;
+    let start = Instant::now();
+    std::fs::create_dir_all(&options.out).map_err(TrainError::io("create", &options.out))?;
+    let wiring = check_data(options, &data)?;
+    let head = TargetHead::<B::InnerBackend>::load(&options.model, device)?;
+    let spec = &head.spec;
+    let hidden = spec.hidden_size;
+    let slots = wiring.taps.len();
+    let sglang_ids = Convention::SglangHeuristic
+        .from_canonical(&wiring.taps, spec.num_layers)
+        .map_err(|e| TrainError::InvalidOption {
+            option: "dump",
+            reason: format!(
+                "the dump's taps cannot be written as SGLang layer ids, so an exported head \
+                 would be served on other taps: {e}"
+            ),
+        })?;
+
+    // First pass: lengths, the split, token counts for the draft vocabulary.
+    let RowIndex {
+        train: train_rows,
+        val: val_rows,
+        counts,
+    } = index_rows(options, &data, slots, hidden, spec.vocab_size)?;
+    if train_rows.is_empty() {
+        return Err(TrainError::NoData {
+            reason: format!(
+                "{} rows, {} in validation, none left to train on (rows need at least 3 tokens)",
+                data.len(),
+                val_rows.len()
+            ),
+        });
+    }
+    let batches_per_epoch = train_rows.len().div_ceil(options.batch_size);
+    let total_steps = batches_per_epoch * options.epochs;
+    let warmup = warmup_steps(total_steps, options.warmup_ratio);
+
+    // The head, its vocabulary and config: resumed, initialised from a head, or fresh.
+    let checkpoints = options.out.join(CHECKPOINT_DIR);
+    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+    let mut optim = AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.999)
+        .with_epsilon(1e-8)
+        .with_weight_decay(options.weight_decay as f32)
+        .init::<B, Eagle3Draft<B>>();
+    let embed = || Tensor::<B, 2>::from_inner(head.embed_tokens.clone());
+    let identity = options.identity();
+    let (mut model, base_config, mut state, resumed_from) = if options.resume {
+        let (dir, state) = latest_checkpoint(&options.out)?;
+        if state.options != identity {
+            return Err(TrainError::Resume {
+                path: options.out.clone(),
+                reason: format!(
+                    "the options differ from the interrupted run's ({}); resume with the same \
+                     data, model, schedule and seed",
+                    describe_differences(&state.options, &identity)
+                ),
+            });
+        }
+        if state.rows != data.len() || state.train_rows != train_rows.len() {
+            return Err(TrainError::Resume {
+                path: options.out.clone(),
+                reason: format!(
+                    "the dumps now hold {} rows ({} for training), the run was started on {} \
+                     ({})",
+                    data.len(),
+                    train_rows.len(),
+                    state.rows,
+                    state.train_rows
+                ),
+            });
+        }
+        let loaded = load_pretrained::<B>(&dir.join("head"), embed(), device)?;
+        let model = loaded
+            .draft
+            .load_file(dir.join("model"), &recorder, device)
+            .map_err(record_err(&dir.join("model.mpk")))?;
+        let record = recorder
+            .load(dir.join("optim"), device)
+            .map_err(record_err(&dir.join("optim.mpk")))?;
+        optim = optim.load_record(record);
+        let step = state.step;
+        (model, loaded.config, state, Some(step))
+    } else {
+        let (model, config) = fresh_model::<B>(options, &head, &wiring, &counts, embed(), device)?;
+        let state = TrainState {
+            step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+            total_steps,
+            tokens_seen: 0,
+            rows: data.len(),
+            train_rows: train_rows.len(),
+            options: identity,
+        };
+        if checkpoints.exists() {
+            std::fs::remove_dir_all(&checkpoints).map_err(TrainError::io("clear", &checkpoints))?;
+        }
+        (model, config, state, None)
+    };
+    let export_config = export_config(&base_config, &wiring, &sglang_ids, &options.device_label)?;
+    write_json(&options.out.join(OPTIONS_FILE), options)?;
+    let mut log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
+    let draft_ids = Tensor::<B::InnerBackend, 1, Int>::from_data(
+        TensorData::new(
+            model
+                .vocab
+                .target_ids()
+                .into_iter()
+                .map(i64::from)
+                .collect::<Vec<_>>(),
+            [model.vocab.draft_size()],
+        ),
+        device,
+    );
+
+    let bar = if options.progress {
+        let bar = ProgressBar::new(total_steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps {msg}",
+            )
+            .expect("valid template"),
+        );
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_position(state.step as u64);
+
+    let stop_at = options.max_steps.unwrap_or(usize::MAX).min(total_steps);
+    let run_start = Instant::now();
+    let steps_before = state.step;
+    let mut tokens_this_run = 0usize;
+    let mut first_train = None;
+    let mut last_train = None;
+    let mut last_saved = None;
+    let elapsed = |s: &Instant| s.elapsed().as_secs_f64();
+    'epochs: while state.epoch < options.epochs && state.step < stop_at {
+        let plan = plan_epoch(
+            &train_rows,
+            options.batch_size,
+            BUCKET_BATCHES,
+            options.seed,
+            state.epoch,
+        );
+        while state.batch_in_epoch < plan.len() {
+            if state.step >= stop_at {
+                break 'epochs;
+            }
+            let step_start = Instant::now();
+            let rows = &plan[state.batch_in_epoch];
+            let batch = assemble(&data, rows, options.max_len, slots, hidden)?;
+            let lr = lr_at(
+                state.step,
+                total_steps,
+                warmup,
+                options.lr,
+                options.min_lr_ratio,
+            );
+            let aux = Tensor::<B, 3>::from_data(
+                TensorData::new(
+                    batch.aux.clone(),
+                    [batch.size(), batch.width, slots * hidden],
+                ),
+                device,
+            );
+            let outputs =
+                model.forward_ttt(aux, &batch.input_ids, &batch.lengths, options.ttt_steps)?;
+            let inner = BatchTargets::compute(&head, &batch, &draft_ids);
+            let targets = BatchTargets::<B> {
+                probs: Tensor::from_inner(inner.probs),
+                argmax: inner.argmax,
+            };
+            let (loss, stats) = objective(&outputs, &targets, &batch, &model.vocab);
+            drop(outputs);
+            let loss_value = scalar(loss.clone());
+            if !loss_value.is_finite() {
+                return Err(TrainError::Diverged {
+                    step: state.step + 1,
+                    loss: loss_value,
+                });
+            }
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grad_norm = clip_global_norm::<B>(&model, &mut grads, options.max_grad_norm);
+            model = optim.step(lr, model, grads);
+            state.step += 1;
+            state.batch_in_epoch += 1;
+            state.tokens_seen += batch.tokens() as u64;
+            tokens_this_run += batch.tokens();
+            let mut sum = StatsSum::default();
+            sum.add(&stats, batch.tokens());
+            let line = MetricsLine {
+                kind: "train".to_owned(),
+                step: state.step,
+                epoch: state.epoch,
+                lr: Some(lr),
+                loss: loss_value,
+                ploss: sum.ploss(),
+                acc: sum.acc(),
+                grad_norm: Some(grad_norm),
+                tokens: batch.tokens(),
+                tokens_per_s: Some(batch.tokens() as f64 / elapsed(&step_start).max(1e-9)),
+                elapsed_s: elapsed(&start),
+            };
+            log.append(&line)?;
+            bar.set_position(state.step as u64);
+            bar.set_message(format!(
+                "loss {:.3} acc0 {:.3} {:.0} tok/s",
+                line.loss,
+                line.acc.first().copied().unwrap_or(0.0),
+                tokens_this_run as f64 / elapsed(&run_start).max(1e-9)
+            ));
+            if first_train.is_none() {
+                first_train = Some(line.clone());
+            }
+            last_train = Some(line);
+
+            let epoch_done = state.batch_in_epoch == plan.len();
+            let evaluate = (options.eval_every > 0
+                && state.step.is_multiple_of(options.eval_every))
+                || epoch_done
+                || state.step == stop_at;
+            if evaluate && !val_rows.is_empty() {
+                let sum = validate(
+                    &model.valid(),
+                    &data,
+                    &val_rows,
+                    &head,
+                    &draft_ids,
+                    options,
+                    slots,
+                    hidden,
+                )?;
+                log.append(&MetricsLine {
+                    kind: "val".to_owned(),
+                    step: state.step,
+                    epoch: state.epoch,
+                    lr: None,
+                    loss: sum.total_loss(),
+                    ploss: sum.ploss(),
+                    acc: sum.acc(),
+                    grad_norm: None,
+                    tokens: sum.tokens,
+                    tokens_per_s: None,
+                    elapsed_s: elapsed(&start),
+                })?;
+            }
+            if epoch_done {
+                state.epoch += 1;
+                state.batch_in_epoch = 0;
+            }
+            let periodic = options.save_every > 0 && state.step.is_multiple_of(options.save_every);
+            if periodic && state.step < stop_at {
+                save_checkpoint(&model, &optim, &state, &export_config, options)?;
+                last_saved = Some(state.step);
+            }
+            if epoch_done {
+                continue 'epochs;
+            }
+        }
+        // Only reached when a plan was already exhausted (a resume right at an epoch end).
+        state.epoch += 1;
+        state.batch_in_epoch = 0;
+    }
+    bar.finish_and_clear();
+
+    if last_saved != Some(state.step) && state.step > steps_before {
+        save_checkpoint(&model, &optim, &state, &export_config, options)?;
+    }
+    let valid = model.valid();
+    save_pretrained(&valid, &export_config, &options.out, export_dtype(options))?;
+    let lines = read_lines(log.path())?;
+    plot::write(
+        &options.out.join(CURVES_FILE),
+        &format!("tandem train: {}", options.out.display()),
+        &lines,
+    )?;
+    let run_seconds = elapsed(&run_start).max(1e-9);
+    let vals: Vec<&MetricsLine> = lines.iter().filter(|l| l.kind == "val").collect();
+    Ok(TrainReport {
+        steps: state.step,
+        total_steps,
+        resumed_from,
+        export_dir: options.out.clone(),
+        train_rows: train_rows.len(),
+        val_rows: val_rows.len(),
+        first_train,
+        last_train,
+        first_val: vals.first().map(|l| (*l).clone()),
+        last_val: vals.last().map(|l| (*l).clone()),
+        steps_per_s: (state.step - steps_before) as f64 / run_seconds,
+        tokens_per_s: tokens_this_run as f64 / run_seconds,
+    })
+}
+
+fn export_dtype(options: &TrainOptions) -> WeightDtype {
+    if options.export_bf16 {
+        WeightDtype::Bf16
+    } else {
+        WeightDtype::F32
+    }
+}
+
+/// Checks the dumps against each other and against `--model`, refuses evaluation data and
+/// non-residual taps, and returns the wiring the head is trained on.
+fn check_data(options: &TrainOptions, data: &Dataset) -> Result<WiringManifest, TrainError> {
+    let first = data.sources()[0].wiring().clone();
+    for source in data.sources() {
+        if source.split() == Some("eval") {
+            return Err(TrainError::EvalData {
+                path: PathBuf::from(source.name()),
+                dataset: source.split().unwrap_or_default().to_owned(),
+            });
+        }
+    }
+    for source in &data.sources()[1..] {
+        let sentences: Vec<String> = check(&first, source.wiring())
+            .iter()
+            .filter(|m| m.is_fatal())
+            .map(ToString::to_string)
+            .collect();
+        if !sentences.is_empty() {
+            return Err(TrainError::WiringMismatch {
+                what: format!(
+                    "dump {} does not agree with dump {}",
+                    source.name(),
+                    data.sources()[0].name()
+                ),
+                sentences,
+            });
+        }
+    }
+    if first.tap_point != TapPoint::ResidualStream {
+        return Err(TrainError::InvalidOption {
+            option: "dump",
+            reason: format!(
+                "the dump captured {}; EAGLE-3 heads read the residual stream",
+                first.tap_point.describe()
+            ),
+        });
+    }
+    let model_target = fingerprint(&options.model, first.target.chat_template_sha256.is_some())?;
+    let mut actual = first.clone();
+    actual.target = model_target;
+    let sentences: Vec<String> = check(&first, &actual)
+        .iter()
+        .filter(|m| m.is_fatal())
+        .map(ToString::to_string)
+        .collect();
+    if !sentences.is_empty() {
+        return Err(TrainError::WiringMismatch {
+            what: format!(
+                "dump {} was not captured from --model {}",
+                data.sources()[0].name(),
+                options.model.display()
+            ),
+            sentences,
+        });
+    }
+    Ok(first)
+}
+
+/// What the first pass over the data finds.
+struct RowIndex {
+    /// Training rows (at least 3 tokens), with lengths after `--max-len`.
+    train: Vec<RowInfo>,
+    /// Validation rows.
+    val: Vec<RowInfo>,
+    /// `[vocab]` counts of the training split's assistant tokens.
+    counts: Vec<u64>,
+}
+
+/// The first pass over the data: every row checked, split by id, lengths after `--max-len`,
+/// and counts of the assistant tokens of the training split (for the draft vocabulary).
+fn index_rows(
+    options: &TrainOptions,
+    data: &Dataset,
+    slots: usize,
+    hidden: usize,
+    vocab: usize,
+) -> Result<RowIndex, TrainError> {
+    let bar = if options.progress {
+        let bar = ProgressBar::new(data.len() as u64);
+        bar.set_style(
+            ProgressStyle::with_template("indexing dump {bar:30} {pos}/{len} rows")
+                .expect("valid template"),
+        );
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut train = Vec::new();
+    let mut val = Vec::new();
+    let mut counts = vec![0u64; vocab];
+    for index in 0..data.len() {
+        let r = data.read(index)?;
+        check_record(&r, index, slots, hidden)?;
+        if let Some(&id) = r.input_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(TrainError::BadSample {
+                index,
+                sample_id: r.sample_id.clone(),
+                reason: format!("token id {id} is outside the target vocabulary ({vocab})"),
+            });
+        }
+        let len = r.len().min(options.max_len);
+        bar.inc(1);
+        if len < 3 {
+            continue;
+        }
+        let info = RowInfo { index, len };
+        if is_validation(&r.sample_id, options.val_fraction) {
+            val.push(info);
+        } else {
+            for (&t, &m) in r.input_ids[..len].iter().zip(&r.loss_mask[..len]) {
+                if m != 0 {
+                    counts[t as usize] += 1;
+                }
+            }
+            train.push(info);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(RowIndex { train, val, counts })
+}
+
+/// A new head: from `--init-from` or randomly initialised, with its config.
+fn fresh_model<B: AutodiffBackend>(
+    options: &TrainOptions,
+    head: &TargetHead<B::InnerBackend>,
+    wiring: &WiringManifest,
+    counts: &[u64],
+    embed: Tensor<B, 2>,
+    device: &B::Device,
+) -> Result<(Eagle3Draft<B>, Eagle3Config), TrainError> {
+    let vocab_size = head.spec.vocab_size;
+    if let Some(dir) = &options.init_from {
+        let loaded = load_pretrained::<B>(dir, embed, device)?;
+        let spec = &loaded.draft.spec;
+        if spec.fc_in() != wiring.taps.len() * head.spec.hidden_size {
+            return Err(TrainError::InvalidOption {
+                option: "init-from",
+                reason: format!(
+                    "{}: fc reads {} values per token, the dump has {} taps x {}",
+                    dir.display(),
+                    spec.fc_in(),
+                    wiring.taps.len(),
+                    head.spec.hidden_size
+                ),
+            });
+        }
+        if let Some(want) = options.draft_vocab
+            && want != spec.draft_vocab_size
+        {
+            return Err(TrainError::InvalidOption {
+                option: "draft-vocab",
+                reason: format!(
+                    "{want}, but --init-from {} has a draft vocabulary of {} (its d2t/t2d are \
+                     kept)",
+                    dir.display(),
+                    spec.draft_vocab_size
+                ),
+            });
+        }
+        if let Some(trained) = &loaded.config.tandem_wiring {
+            let sentences: Vec<String> = check(trained, wiring)
+                .iter()
+                .filter(|m| m.is_fatal())
+                .map(ToString::to_string)
+                .collect();
+            if !sentences.is_empty() {
+                return Err(TrainError::WiringMismatch {
+                    what: format!(
+                        "--init-from {} was trained on other wiring than the dump",
+                        dir.display()
+                    ),
+                    sentences,
+                });
+            }
+        } else if let Some(ids) = loaded
+            .config
+            .eagle_config
+            .as_ref()
+            .and_then(|e| e.eagle_aux_hidden_state_layer_ids.clone())
+        {
+            let taps = Convention::SglangHeuristic.to_canonical(&ids, head.spec.num_layers)?;
+            if taps != wiring.taps {
+                return Err(TrainError::WiringMismatch {
+                    what: format!(
+                        "--init-from {} names other taps than the dump",
+                        dir.display()
+                    ),
+                    sentences: vec![format!(
+                        "its eagle_aux_hidden_state_layer_ids {ids:?} read by SGLang are {}, \
+                         the dump holds {}",
+                        tandem_wiring::format_taps(&taps),
+                        tandem_wiring::format_taps(&wiring.taps)
+                    )],
+                });
+            }
+        }
+        return Ok((loaded.draft, loaded.config));
+    }
+    let draft_vocab = options.draft_vocab.unwrap_or(32_000.min(vocab_size));
+    if draft_vocab == 0 || draft_vocab > vocab_size {
+        return Err(TrainError::InvalidOption {
+            option: "draft-vocab",
+            reason: format!("{draft_vocab} must be in 1..={vocab_size} (the target vocabulary)"),
+        });
+    }
+    let vocab: VocabMap = build_vocab_map(counts, draft_vocab, vocab_size)?;
+    let config = Eagle3Config::for_target(&head.config, draft_vocab, wiring.taps.len());
+    let spec = config.resolve()?;
+    let model = Eagle3Draft::init(spec, vocab, embed, options.seed, device)?;
+    Ok((model, config))
+}
+
+/// The config the head is exported with: SGLang-convention aux ids in `eagle_config`, the
+/// canonical wiring (job `train`) under `tandem_wiring`.
+fn export_config(
+    base: &Eagle3Config,
+    wiring: &WiringManifest,
+    sglang_ids: &[i64],
+    device_label: &str,
+) -> Result<Eagle3Config, TrainError> {
+    let mut config = base.clone();
+    let mut eagle = config
+        .eagle_config
+        .take()
+        .unwrap_or(tandem_eagle::EagleConfig {
+            eagle_aux_hidden_state_layer_ids: None,
+            use_aux_hidden_state: true,
+            extra: Default::default(),
+        });
+    eagle.eagle_aux_hidden_state_layer_ids = Some(sglang_ids.to_vec());
+    eagle.use_aux_hidden_state = true;
+    config.eagle_config = Some(eagle);
+    let mut trained = wiring.clone();
+    trained.producer = Producer::tandem(Job::Train, device_label, "train");
+    trained.raw_ids = Some(RawIds::new(
+        Convention::SglangHeuristic,
+        sglang_ids.to_vec(),
+    ));
+    trained.validate()?;
+    config.tandem_wiring = Some(trained);
+    config.extra.remove("num_aux_taps");
+    if config.num_taps() != wiring.taps.len() {
+        return Err(TrainError::InvalidOption {
+            option: "dump",
+            reason: "tap count of the head and of the dump differ".to_owned(),
+        });
+    }
+    Ok(config)
+}
+
+/// Validation pass: the whole held-out split, batches sorted by length, no gradients.
+#[allow(clippy::too_many_arguments)]
+fn validate<B: Backend>(
+    model: &Eagle3Draft<B>,
+    data: &Dataset,
+    rows: &[RowInfo],
+    head: &TargetHead<B>,
+    draft_ids: &Tensor<B, 1, Int>,
+    options: &TrainOptions,
+    slots: usize,
+    hidden: usize,
+) -> Result<StatsSum, TrainError> {
+    let mut sorted = rows.to_vec();
+    sorted.sort_by_key(|r| (r.len, r.index));
+    let device = draft_ids.device();
+    let mut sum = StatsSum::default();
+    for chunk in sorted.chunks(options.batch_size) {
+        let indices: Vec<usize> = chunk.iter().map(|r| r.index).collect();
+        let batch = assemble(data, &indices, options.max_len, slots, hidden)?;
+        let aux = Tensor::<B, 3>::from_data(
+            TensorData::new(
+                batch.aux.clone(),
+                [batch.size(), batch.width, slots * hidden],
+            ),
+            &device,
+        );
+        let outputs =
+            model.forward_ttt(aux, &batch.input_ids, &batch.lengths, options.ttt_steps)?;
+        let targets = BatchTargets::compute(head, &batch, draft_ids);
+        let (_, stats) = objective(&outputs, &targets, &batch, &model.vocab);
+        sum.add(&stats, batch.tokens());
+    }
+    Ok(sum)
+}
+
+fn scalar<B: Backend>(t: Tensor<B, 1>) -> f64 {
+    t.into_data()
+        .convert::<f64>()
+        .to_vec::<f64>()
+        .expect("float scalar")[0]
+}
+
+/// Global L2 norm of all gradients (as `torch.nn.utils.clip_grad_norm_`), and, when it exceeds
+/// `max_norm > 0`, every gradient scaled by `max_norm / (norm + 1e-6)`. Returns the norm before
+/// clipping. (burn's own `GradientClippingConfig::Norm` clips each tensor separately.)
+pub fn clip_global_norm<B: AutodiffBackend>(
+    model: &Eagle3Draft<B>,
+    grads: &mut GradientsParams,
+    max_norm: f64,
+) -> f64 {
+    struct SquaredNorm<'a> {
+        grads: &'a GradientsParams,
+        sum: f64,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.sum += g
+                    .powi_scalar(2)
+                    .sum()
+                    .into_data()
+                    .convert::<f64>()
+                    .to_vec::<f64>()
+                    .expect("float")[0];
+            }
+        }
+    }
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f64,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register(param.id, g * self.factor);
+            }
+        }
+    }
+    let mut norm = SquaredNorm { grads, sum: 0.0 };
+    Module::<B>::visit(model, &mut norm);
+    let total = norm.sum.sqrt();
+    if max_norm > 0.0 && total > max_norm {
+        let mut scale = Scale {
+            grads,
+            factor: max_norm / (total + 1e-6),
+        };
+        Module::<B>::visit(model, &mut scale);
+    }
+    total
+}
+
+fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), TrainError> {
+    let mut text = serde_json::to_string_pretty(value).expect("serialise");
+    text.push('\n');
+    std::fs::write(path, text).map_err(TrainError::io("write", path))
+}
+
+fn checkpoint_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+/// Saves parameters + optimizer state (burn records, full precision), the state, the head as
+/// an engine-loadable directory, and the curves; points `checkpoints/latest` at it; deletes
+/// the oldest beyond `keep_checkpoints`.
+fn save_checkpoint<B: AutodiffBackend, O: Optimizer<Eagle3Draft<B>, B>>(
+    model: &Eagle3Draft<B>,
+    optim: &O,
+    state: &TrainState,
+    config: &Eagle3Config,
+    options: &TrainOptions,
+) -> Result<(), TrainError> {
+    let root = options.out.join(CHECKPOINT_DIR);
+    let name = checkpoint_name(state.step);
+    let dir = root.join(&name);
+    let tmp = root.join(format!(".{name}.tmp"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(TrainError::io("clear", &tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(TrainError::io("create", &tmp))?;
+    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+    model
+        .clone()
+        .save_file(tmp.join("model"), &recorder)
+        .map_err(record_err(&tmp.join("model.mpk")))?;
+    Recorder::<B>::record(&recorder, optim.to_record(), tmp.join("optim"))
+        .map_err(record_err(&tmp.join("optim.mpk")))?;
+    write_json(&tmp.join("state.json"), state)?;
+    save_pretrained(&model.valid(), config, &tmp.join("head"), WeightDtype::F32)?;
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(TrainError::io("replace", &dir))?;
+    }
+    std::fs::rename(&tmp, &dir).map_err(TrainError::io("rename into place", &dir))?;
+    let latest = root.join("latest");
+    let latest_tmp = root.join(".latest.tmp");
+    std::fs::write(&latest_tmp, format!("{name}\n"))
+        .map_err(TrainError::io("write", &latest_tmp))?;
+    std::fs::rename(&latest_tmp, &latest).map_err(TrainError::io("rename into place", &latest))?;
+    // Keep the newest `keep_checkpoints`.
+    let mut names: Vec<String> = std::fs::read_dir(&root)
+        .map_err(TrainError::io("list", &root))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    names.sort();
+    let keep = options.keep_checkpoints.max(1);
+    if names.len() > keep {
+        for old in &names[..names.len() - keep] {
+            let path = root.join(old);
+            std::fs::remove_dir_all(&path).map_err(TrainError::io("delete", &path))?;
+        }
+    }
+    let lines = read_lines(&options.out.join(METRICS_FILE))?;
+    plot::write(
+        &options.out.join(CURVES_FILE),
+        &format!("tandem train: {}", options.out.display()),
+        &lines,
+    )
+}
+
+/// The checkpoint `checkpoints/latest` names, and its state.
+fn latest_checkpoint(out: &Path) -> Result<(PathBuf, TrainState), TrainError> {
+    let root = out.join(CHECKPOINT_DIR);
+    let latest = root.join("latest");
+    let name = std::fs::read_to_string(&latest).map_err(|e| TrainError::Resume {
+        path: out.to_owned(),
+        reason: format!("no checkpoint to resume from ({}: {e})", latest.display()),
+    })?;
+    let dir = root.join(name.trim());
+    let path = dir.join("state.json");
+    let text = std::fs::read_to_string(&path).map_err(TrainError::io("read", &path))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|source| TrainError::Json {
+        path: path.clone(),
+        source,
+    })?;
+    Ok((dir, state))
+}
+
+fn describe_differences(before: &serde_json::Value, now: &serde_json::Value) -> String {
+    let (Some(a), Some(b)) = (before.as_object(), now.as_object()) else {
+        return "unreadable options".to_owned();
+    };
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let diffs: Vec<String> = keys
+        .into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| {
+            format!(
+                "{k}: was {}, now {}",
+                a.get(k).map_or("unset".to_owned(), ToString::to_string),
+                b.get(k).map_or("unset".to_owned(), ToString::to_string)
+            )
+        })
+        .collect();
+    diffs.join("; ")
+}

@@ -1,0 +1,16 @@
+# Sourced by the GPU scripts: joins the GGUF carried in two calls, unpacks the binary, imports
+# the model once per machine. Expects /tmp/tandem/part-a from the previous call.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"
+W=/tmp/tandem
+mkdir -p "$W" "$OUT"
+if [[ ! -f "$W/smollm2/model.safetensors" ]]; then
+  cat "$W/part-a" .device/b/part-b > "$W/smollm2.gguf"
+  ls -la "$W/smollm2.gguf"
+fi
+xz -dc .device/b/tandem.xz > "$W/tandem" && chmod +x "$W/tandem"
+T="$W/tandem"
+if [[ ! -f "$W/smollm2/model.safetensors" ]]; then
+  "$T" import-gguf "$W/smollm2.gguf" "$W/smollm2" | tail -1
+fi
+M="$W/smollm2"

@@ -1,0 +1,170 @@
+//! `tandem dump` and `tandem dump-info`: thin wrappers over `tandem_dump`.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use tandem_dump::{DumpOptions, GenerationSettings, ShardLimits, StorageDtype};
+use tandem_model::burn::prelude::Backend;
+use tandem_wiring::TapSpec;
+
+use super::ModelArgs;
+use crate::with_backend;
+
+#[derive(Args, Debug)]
+pub struct DumpArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Registry name (sharegpt, mtbench, humaneval) or path of a ShareGPT JSON / chat JSONL file.
+    #[arg(long)]
+    pub dataset: String,
+    /// Where registry datasets are fetched to (scripts/fetch_datasets.sh).
+    #[arg(long, default_value = "data")]
+    pub data_root: PathBuf,
+    /// Output directory; re-running the same command resumes it.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Aux taps: `default` (blocks [1, L/2-1, L-4]), `canonical:block1,block14,block26`, or
+    /// engine ids such as `sglang:1,14,26`, `vllm:2,15,27`, `hf:2,15,27`.
+    #[arg(long, default_value = "default")]
+    pub taps: TapSpec,
+    /// Let the target write the assistant turns itself (recommended EAGLE-3 data).
+    #[arg(long)]
+    pub regenerate: bool,
+    /// Stop once the dump holds this many samples (earlier runs included).
+    #[arg(long)]
+    pub max_samples: Option<u64>,
+    /// Samples are truncated to this many tokens.
+    #[arg(long, default_value_t = 2048)]
+    pub max_len: usize,
+    /// --regenerate: token budget of one assistant turn.
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// --regenerate: sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// --regenerate: nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// --regenerate: top-k (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// --regenerate: base seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// --regenerate: conversations generated together.
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Storage type of the hidden states: bf16 (UInt16 bit patterns) or f16 (Float16).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: StorageDtype,
+    /// Close a shard after this many samples.
+    #[arg(long, default_value_t = 4096)]
+    pub shard_rows: u64,
+    /// Close a shard after this many MiB of (uncompressed) hidden states.
+    #[arg(long, default_value_t = 512)]
+    pub shard_mib: u64,
+    /// Allow an evaluation set (mtbench, humaneval) as training data.
+    #[arg(long)]
+    pub allow_eval: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DumpInfoArgs {
+    /// A directory written by `tandem dump`.
+    pub dir: PathBuf,
+    /// Read at most this many rows for the norm statistics.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+pub fn run(args: DumpArgs) -> anyhow::Result<()> {
+    let options = DumpOptions {
+        model_dir: args.model.model.clone(),
+        dataset: args.dataset.clone(),
+        data_root: args.data_root.clone(),
+        out: args.out.clone(),
+        taps: args.taps.clone(),
+        max_samples: args.max_samples,
+        max_len: args.max_len,
+        regenerate: args.regenerate.then_some(GenerationSettings {
+            max_new_tokens: args.max_new_tokens,
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: args.seed,
+        }),
+        batch_size: args.batch_size,
+        dtype: args.dtype,
+        shard_limits: ShardLimits {
+            max_rows: args.shard_rows,
+            max_bytes: args.shard_mib << 20,
+        },
+        allow_eval: args.allow_eval,
+        device_label: args.model.device.to_string(),
+        progress: !args.quiet,
+        simulate_full_disk_after: None,
+    };
+    with_backend!(args.model.device, |B, device| run_on::<B>(
+        &options, &device
+    ))
+}
+
+fn run_on<B: Backend>(options: &DumpOptions, device: &B::Device) -> anyhow::Result<()> {
+    let s = tandem_dump::run_dump::<B>(options, device)?;
+    let m = &s.manifest;
+    if s.resumed_rows > 0 {
+        eprintln!(
+            "resumed after {} rows already in {}",
+            s.resumed_rows,
+            options.out.display()
+        );
+    }
+    eprintln!(
+        "wrote {} rows, {} tokens in {:.1}s: {:.0} tok/s overall, {:.0} tok/s in prefill captures",
+        s.rows,
+        s.tokens,
+        s.seconds,
+        s.tokens_per_second(),
+        s.capture_tokens_per_second()
+    );
+    if options.regenerate.is_some() {
+        eprintln!(
+            "regenerated {} turns ({} hit the token budget): {} tokens in {:.1}s, {:.1} tok/s",
+            s.generated_turns,
+            s.cut_turns,
+            s.generated_tokens,
+            s.generation_seconds,
+            s.generation_tokens_per_second()
+        );
+    }
+    let skipped: Vec<String> = s.skipped.iter().map(|(r, n)| format!("{r}={n}")).collect();
+    eprintln!(
+        "skipped this run: {}",
+        if skipped.is_empty() {
+            "none".to_owned()
+        } else {
+            skipped.join(" ")
+        }
+    );
+    eprintln!(
+        "{}: {} rows, {} tokens ({:.1}% assistant), {} shards, taps {}, {}{}",
+        options.out.display(),
+        m.rows,
+        m.tokens,
+        100.0 * m.assistant_share(),
+        m.shards.len(),
+        tandem_wiring::format_taps(&m.wiring.taps),
+        m.dtype,
+        if m.complete { ", dataset complete" } else { "" }
+    );
+    Ok(())
+}
+
+pub fn run_info(args: DumpInfoArgs) -> anyhow::Result<()> {
+    let info = tandem_dump::dump_info(&args.dir, args.limit)?;
+    print!("{info}");
+    Ok(())
+}

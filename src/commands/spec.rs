@@ -1,0 +1,364 @@
+//! `tandem generate --draft` and `tandem bench`: the speculative loop from the command line.
+//! Loading a head checks its wiring manifest against what serving will tap and refuses to go
+//! on when they differ (unless `--allow-wiring-mismatch`, for experiments).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use tandem_infer::wiring::{check_head, head_taps, serving_manifest};
+use tandem_infer::{AcceptanceStats, SpecConfig, SpecEngine};
+use tandem_model::burn::prelude::Backend;
+use tandem_model::{ChatMessage, SamplingParams, TapRequest, TargetModel, TargetTokenizer};
+
+use super::ModelArgs;
+use crate::with_backend;
+
+/// Where the committed SmolLM2 head lives.
+pub const DEFAULT_HEAD_DIR: &str = "heads/smollm2-135m-eagle3";
+
+/// SGLang's speculative knobs.
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// EAGLE-3 head directory (config.json + model.safetensors; Tandem, SpecForge or EAGLE).
+    #[arg(long, default_value = DEFAULT_HEAD_DIR)]
+    pub draft: PathBuf,
+    /// Draft depth (SGLang --speculative-num-steps).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Branching (SGLang --speculative-eagle-topk); 1 = chain.
+    #[arg(long, default_value_t = 1)]
+    pub topk: usize,
+    /// Tree size verified (SGLang --speculative-num-draft-tokens); default steps + 1 for a
+    /// chain, 8 for a tree.
+    #[arg(long)]
+    pub num_draft_tokens: Option<usize>,
+    /// Serve even when the head's wiring differs from the serving taps (experiments only).
+    #[arg(long)]
+    pub allow_wiring_mismatch: bool,
+}
+
+impl SpecArgs {
+    pub fn config(&self, sampling: SamplingParams, seed: u64) -> SpecConfig {
+        let default_tokens = if self.topk == 1 { self.steps + 1 } else { 8 };
+        SpecConfig {
+            num_steps: self.steps,
+            topk: self.topk,
+            num_draft_tokens: self.num_draft_tokens.unwrap_or(default_tokens),
+            sampling,
+            seed,
+        }
+    }
+}
+
+/// A target and head loaded and wiring-checked.
+pub struct Loaded<B: Backend> {
+    pub tokenizer: TargetTokenizer,
+    pub target: TargetModel<B>,
+    pub head: tandem_eagle::LoadedHead<B>,
+    pub taps: TapRequest,
+}
+
+pub fn load<B: Backend>(
+    model: &ModelArgs,
+    spec: &SpecArgs,
+    device: &B::Device,
+) -> anyhow::Result<Loaded<B>> {
+    let tokenizer = TargetTokenizer::load(&model.model)?;
+    let target = TargetModel::<B>::load(&model.model, device)?;
+    let head = tandem_eagle::load_pretrained(&spec.draft, target.embed_tokens.clone(), device)
+        .with_context(|| format!("loading the head {}", spec.draft.display()))?;
+    let taps = head_taps(&head.config, target.spec.num_layers)?;
+    let dtype = if model.device.to_string() == "cuda" {
+        "bf16"
+    } else {
+        "f32"
+    };
+    let serving = serving_manifest(&model.model, taps.clone(), dtype, &model.device.to_string())?;
+    let mismatches = check_head(&head.config, &serving)?;
+    let fatal: Vec<_> = mismatches.iter().filter(|m| m.is_fatal()).collect();
+    for m in &mismatches {
+        eprintln!("wiring: {m}");
+    }
+    if !fatal.is_empty() && !spec.allow_wiring_mismatch {
+        anyhow::bail!(
+            "the head {} was not trained on what serving would feed it ({} mismatch(es) above); \
+             fix the wiring or pass --allow-wiring-mismatch to experiment",
+            spec.draft.display(),
+            fatal.len()
+        );
+    }
+    Ok(Loaded {
+        tokenizer,
+        target,
+        head,
+        taps: TapRequest::new(taps),
+    })
+}
+
+pub fn print_acceptance(stats: &AcceptanceStats) {
+    let per_position: Vec<String> = stats
+        .per_position()
+        .iter()
+        .map(|p| format!("{p:.3}"))
+        .collect();
+    eprintln!(
+        "accept length {:.3} over {} rounds; per-position acceptance [{}]",
+        stats.accept_length(),
+        stats.rounds,
+        per_position.join(", ")
+    );
+}
+
+/// One prompt for `tandem generate --draft`.
+#[derive(Debug, Clone)]
+pub struct SpecRequest {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub seed: u64,
+    pub max_tokens: usize,
+    pub stop_ids: Vec<u32>,
+}
+
+/// `tandem generate --draft ...`: one prompt through the speculative loop.
+pub fn generate<B: Backend>(
+    model: &ModelArgs,
+    spec: &SpecArgs,
+    request: &SpecRequest,
+    device: &B::Device,
+) -> anyhow::Result<Vec<u32>> {
+    let loaded = load::<B>(model, spec, device)?;
+    let engine = SpecEngine {
+        target: &loaded.target,
+        draft: &loaded.head.draft,
+        taps: loaded.taps.clone(),
+        config: spec.config(request.sampling, request.seed),
+    };
+    let start = Instant::now();
+    let out = engine.generate(
+        std::slice::from_ref(&request.prompt),
+        request.max_tokens,
+        &request.stop_ids,
+    )?;
+    let seconds = start.elapsed().as_secs_f64();
+    let seq = &out.sequences[0];
+    eprintln!(
+        "speculative: {} tokens in {:.2}s ({:.1} tok/s), finish {:?}",
+        seq.tokens.len(),
+        seconds,
+        seq.tokens.len() as f64 / seconds,
+        seq.finish
+    );
+    print_acceptance(&seq.stats);
+    Ok(seq.tokens.clone())
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Prompt set: mtbench, humaneval (first turns, chat template), or a JSONL/JSON path.
+    #[arg(long, default_value = "mtbench")]
+    pub prompts: String,
+    /// Where datasets were fetched (scripts/fetch_datasets.sh).
+    #[arg(long, default_value = "data")]
+    pub data_root: PathBuf,
+    /// Use only the first N prompts.
+    #[arg(long)]
+    pub max_prompts: Option<usize>,
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Skip the target-only baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct BenchReport {
+    pub prompts: usize,
+    pub config: SpecConfig,
+    pub batch: usize,
+    pub target_tokens: usize,
+    pub target_seconds: f64,
+    pub target_tokens_per_second: f64,
+    pub spec_tokens: usize,
+    pub spec_seconds: f64,
+    pub spec_tokens_per_second: f64,
+    pub speedup: f64,
+    pub accept_length: f64,
+    pub per_position: Vec<f64>,
+    pub identical_outputs: usize,
+    pub compared_outputs: usize,
+    pub first_mismatch: Option<String>,
+    pub timings: tandem_infer::Timings,
+}
+
+pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
+    with_backend!(args.model.device, |B, device| bench_on::<B>(&args, &device))
+}
+
+fn chat_prompts(args: &BenchArgs, tokenizer: &TargetTokenizer) -> anyhow::Result<Vec<Vec<u32>>> {
+    let prompts = tandem_data::eval_prompts(&args.prompts, &args.data_root)
+        .with_context(|| format!("reading prompts {}", args.prompts))?;
+    let limit = args.max_prompts.unwrap_or(prompts.len());
+    prompts
+        .iter()
+        .take(limit)
+        .map(|p| {
+            let first = p.turns.first().cloned().unwrap_or_default();
+            Ok(tokenizer.encode_chat(&[ChatMessage::new("user", first)], true)?)
+        })
+        .collect()
+}
+
+fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<()> {
+    let loaded = load::<B>(&args.model, &args.spec, device)?;
+    let prompts = chat_prompts(args, &loaded.tokenizer)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+    };
+    let config = args.spec.config(sampling, args.seed);
+    let stop = loaded.tokenizer.eos_ids.clone();
+    let engine = SpecEngine {
+        target: &loaded.target,
+        draft: &loaded.head.draft,
+        taps: loaded.taps.clone(),
+        config,
+    };
+    // Warm-up (first kernels compile on GPU).
+    engine.generate(&[prompts[0].clone()], 8, &stop)?;
+
+    let mut baseline: Vec<Vec<u32>> = Vec::new();
+    let (mut target_tokens, mut target_seconds) = (0usize, 0f64);
+    if !args.no_baseline {
+        for p in &prompts {
+            let options = tandem_model::GenerateOptions {
+                max_new_tokens: args.max_new_tokens,
+                sampling,
+                stop_ids: stop.clone(),
+                seed: args.seed,
+            };
+            let start = Instant::now();
+            let generation = tandem_model::generate(&loaded.target, p, &options)?;
+            target_seconds += start.elapsed().as_secs_f64();
+            target_tokens += generation.tokens.len();
+            baseline.push(generation.tokens);
+        }
+    }
+    let mut stats = AcceptanceStats::new(config.num_steps);
+    let mut timings = tandem_infer::Timings::default();
+    let (mut spec_tokens, mut spec_seconds) = (0usize, 0f64);
+    let mut outputs = Vec::new();
+    for chunk in prompts.chunks(args.batch.max(1)) {
+        let start = Instant::now();
+        let out = engine.generate(chunk, args.max_new_tokens, &stop)?;
+        spec_seconds += start.elapsed().as_secs_f64();
+        timings.prefill_s += out.timings.prefill_s;
+        timings.draft_s += out.timings.draft_s;
+        timings.verify_s += out.timings.verify_s;
+        timings.extend_s += out.timings.extend_s;
+        for seq in out.sequences {
+            spec_tokens += seq.tokens.len();
+            stats.merge(&seq.stats);
+            outputs.push(seq.tokens);
+        }
+    }
+    let mut identical = 0;
+    let mut first_mismatch = None;
+    if sampling.is_greedy() {
+        for (i, (a, b)) in outputs.iter().zip(&baseline).enumerate() {
+            if a == b {
+                identical += 1;
+            } else if first_mismatch.is_none() {
+                let at = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+                first_mismatch = Some(format!(
+                    "prompt {i}: first difference at generated token {at} (speculative {:?} vs target {:?})",
+                    a.get(at),
+                    b.get(at)
+                ));
+            }
+        }
+    }
+    let report = BenchReport {
+        prompts: prompts.len(),
+        config,
+        batch: args.batch,
+        target_tokens,
+        target_seconds,
+        target_tokens_per_second: target_tokens as f64 / target_seconds.max(1e-9),
+        spec_tokens,
+        spec_seconds,
+        spec_tokens_per_second: spec_tokens as f64 / spec_seconds.max(1e-9),
+        speedup: (spec_tokens as f64 / spec_seconds.max(1e-9))
+            / (target_tokens as f64 / target_seconds.max(1e-9)),
+        accept_length: stats.accept_length(),
+        per_position: stats.per_position(),
+        identical_outputs: identical,
+        compared_outputs: baseline.len().min(outputs.len()),
+        first_mismatch,
+        timings,
+    };
+    print_report(&report, &args.model.device.to_string());
+    if let Some(path) = &args.json {
+        write_json(path, &report)?;
+    }
+    Ok(())
+}
+
+fn write_json(path: &Path, report: &BenchReport) -> anyhow::Result<()> {
+    let tmp = path.with_extension("json.partial");
+    std::fs::write(&tmp, serde_json::to_string_pretty(report)?)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+fn print_report(r: &BenchReport, device: &str) {
+    let c = &r.config;
+    println!(
+        "| device | steps/topk/tokens | batch | prompts | target tok/s | speculative tok/s | speedup | accept length | per-position acceptance | greedy identical |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let per: Vec<String> = r.per_position.iter().map(|p| format!("{p:.2}")).collect();
+    println!(
+        "| {device} | {}/{}/{} | {} | {} | {:.1} | {:.1} | {:.2}x | {:.2} | {} | {}/{} |",
+        c.num_steps,
+        c.topk,
+        c.num_draft_tokens,
+        r.batch,
+        r.prompts,
+        r.target_tokens_per_second,
+        r.spec_tokens_per_second,
+        r.speedup,
+        r.accept_length,
+        per.join(" "),
+        r.identical_outputs,
+        r.compared_outputs
+    );
+    let t = &r.timings;
+    println!(
+        "time split: prefill {:.2}s, draft {:.2}s, verify {:.2}s, extend {:.2}s",
+        t.prefill_s, t.draft_s, t.verify_s, t.extend_s
+    );
+    if let Some(m) = &r.first_mismatch {
+        println!("first mismatch: {m}");
+    }
+}

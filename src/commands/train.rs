@@ -1,0 +1,163 @@
+//! `tandem train`: a thin wrapper over `tandem_train`.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use clap::Args;
+use tandem_model::backend::DeviceKind;
+use tandem_model::burn::backend::Autodiff;
+use tandem_model::burn::prelude::Backend;
+use tandem_train::{TrainOptions, TrainReport};
+
+use super::DEFAULT_MODEL_DIR;
+use crate::with_backend;
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// A dump directory written by `tandem dump` (repeat to train on several; their wiring
+    /// must agree).
+    #[arg(long = "dump", required = true)]
+    pub dumps: Vec<PathBuf>,
+    /// The target model directory the dumps were captured from (checked against their wiring).
+    #[arg(long, default_value = DEFAULT_MODEL_DIR)]
+    pub model: PathBuf,
+    /// Output directory: the exported head (config.json + model.safetensors, loadable by
+    /// SGLang/vLLM), checkpoints/, metrics.jsonl, curves.html.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Draft vocabulary size: the most frequent assistant tokens of the training split
+    /// [default: min(32000, target vocab)].
+    #[arg(long)]
+    pub draft_vocab: Option<usize>,
+    /// Training-time-test unroll length.
+    #[arg(long, default_value_t = 7)]
+    pub ttt_steps: usize,
+    /// Passes over the training split.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 4)]
+    pub batch_size: usize,
+    /// Samples are cut to this many tokens.
+    #[arg(long, default_value_t = 2048)]
+    pub max_len: usize,
+    /// Share of the steps spent on linear warm-up before the cosine decay.
+    #[arg(long, default_value_t = 0.015)]
+    pub warmup_ratio: f64,
+    /// Final learning rate as a share of --lr.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr_ratio: f64,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (0 = off).
+    #[arg(long, default_value_t = 0.5)]
+    pub max_grad_norm: f64,
+    /// Share of samples (by sample id) held out for validation.
+    #[arg(long, default_value_t = 0.02)]
+    pub val_fraction: f64,
+    /// Validate every N steps (0 = at the end of each epoch only).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: usize,
+    /// Checkpoint every N steps (0 = at the end only).
+    #[arg(long, default_value_t = 500)]
+    pub save_every: usize,
+    /// Checkpoints kept on disk.
+    #[arg(long, default_value_t = 2)]
+    pub keep_checkpoints: usize,
+    /// Seed of the initialisation and the data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop after this many steps in total (the schedule still spans --epochs).
+    #[arg(long)]
+    pub max_steps: Option<usize>,
+    /// Continue the run in --out from its latest checkpoint (same options required).
+    #[arg(long)]
+    pub resume: bool,
+    /// Start from an existing head directory (SGLang/vLLM/SpecForge/EAGLE/Tandem layout).
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// Export the final head in bf16 (checkpoints stay f32).
+    #[arg(long)]
+    pub export_bf16: bool,
+    /// cpu (ndarray, f32) or cuda (burn-cuda, bf16; needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let options = TrainOptions {
+        dumps: args.dumps.clone(),
+        model: args.model.clone(),
+        out: args.out.clone(),
+        draft_vocab: args.draft_vocab,
+        ttt_steps: args.ttt_steps,
+        epochs: args.epochs,
+        lr: args.lr,
+        batch_size: args.batch_size,
+        max_len: args.max_len,
+        warmup_ratio: args.warmup_ratio,
+        min_lr_ratio: args.min_lr_ratio,
+        weight_decay: args.weight_decay,
+        max_grad_norm: args.max_grad_norm,
+        val_fraction: args.val_fraction,
+        eval_every: args.eval_every,
+        save_every: args.save_every,
+        keep_checkpoints: args.keep_checkpoints,
+        seed: args.seed,
+        max_steps: args.max_steps,
+        init_from: args.init_from.clone(),
+        export_bf16: args.export_bf16,
+        resume: args.resume,
+        progress: !args.quiet && std::io::stderr().is_terminal(),
+        device_label: args.device.to_string(),
+    };
+    with_backend!(args.device, |B, device| run_on::<B>(&options, &device))
+}
+
+fn run_on<B: Backend>(options: &TrainOptions, device: &B::Device) -> anyhow::Result<()> {
+    let report = tandem_train::train::<Autodiff<B>>(options, device)?;
+    print_report(&report);
+    Ok(())
+}
+
+fn print_report(r: &TrainReport) {
+    if let Some(step) = r.resumed_from {
+        eprintln!("resumed at step {step}");
+    }
+    eprintln!(
+        "{} of {} steps ({} train / {} validation samples): {:.2} steps/s, {:.0} tokens/s",
+        r.steps, r.total_steps, r.train_rows, r.val_rows, r.steps_per_s, r.tokens_per_s
+    );
+    let fmt = |acc: &[f64]| {
+        acc.iter()
+            .map(|a| format!("{a:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    if let (Some(a), Some(b)) = (&r.first_train, &r.last_train) {
+        eprintln!(
+            "train: loss {:.4} -> {:.4}, acc_i [{}] -> [{}]",
+            a.loss,
+            b.loss,
+            fmt(&a.acc),
+            fmt(&b.acc)
+        );
+    }
+    if let (Some(a), Some(b)) = (&r.first_val, &r.last_val) {
+        eprintln!(
+            "validation: loss {:.4} -> {:.4}, acc_i [{}] -> [{}]",
+            a.loss,
+            b.loss,
+            fmt(&a.acc),
+            fmt(&b.acc)
+        );
+    }
+    println!("{}", r.export_dir.display());
+}
