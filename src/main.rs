@@ -37,6 +37,12 @@ enum Command {
     /// Speculative vs target-only decoding on a prompt set: tokens/s, accept length,
     /// per-position acceptance, greedy equality.
     Bench(commands::spec::BenchArgs),
+    /// Re-run a dump through the serving path: per slot, what it holds vs its manifest and
+    /// what serving feeds the head; fingerprints, widths, dtypes. Non-zero exit on a mismatch.
+    Replay(commands::replay::ReplayArgs),
+    /// Offline acceptance (the head teacher-forced on a dump) next to online acceptance (the
+    /// speculative engine on prompts), per draft position; flags a gap.
+    Compare(commands::replay::CompareArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -51,5 +57,7 @@ fn main() -> anyhow::Result<()> {
         Command::CheckDevice(args) => commands::check_device::run(args),
         Command::Train(args) => commands::train::run(args),
         Command::Bench(args) => commands::spec::run_bench(args),
+        Command::Replay(args) => commands::replay::run(args),
+        Command::Compare(args) => commands::replay::run_compare(args),
     }
 }

@@ -10,6 +10,11 @@ echo "== dump (prefill, dataset replies) on cuda"
 /usr/bin/time -f "dump wall %e s" "$T" dump --model "$M" --dataset "$W/sharegpt-3k.jsonl" --out "$W/dump" \
   --max-samples "$SAMPLES" --max-len 512 --device cuda 2>&1 | tail -5
 "$T" dump-info "$W/dump" 2>&1 | tail -20 | tee "$OUT/dump_info.txt"
+echo "== HF transformers capture baseline (same samples, same GPU)"
+python3 scripts/reference/hf_capture_bench.py "$M" "$W/sharegpt-3k.jsonl" --samples 300 --max-len 512 2>&1 | grep '^|' | tee "$OUT/hf_capture.txt"
+echo "== dump with --regenerate (small subset)"
+/usr/bin/time -f "regen dump wall %e s" "$T" dump --model "$M" --dataset "$W/sharegpt-3k.jsonl" --out "$W/dump-regen" \
+  --max-samples 64 --max-len 512 --regenerate --max-new-tokens 128 --batch-size 16 --device cuda 2>&1 | tail -3
 echo "== train on cuda"
 /usr/bin/time -f "train wall %e s" "$T" train --dump "$W/dump" --model "$M" --out "$W/head" \
   --draft-vocab 8192 --batch-size 8 --max-len 512 --lr 3e-4 --epochs 3 --max-steps "$STEPS" \

@@ -3,6 +3,7 @@ pub mod check_device;
 pub mod dump;
 pub mod generate;
 pub mod import;
+pub mod replay;
 pub mod spec;
 pub mod taps;
 pub mod train;

@@ -345,6 +345,71 @@ fn wiring_mismatches_are_refused_with_sentences() {
     std::fs::remove_dir_all(&model).unwrap();
 }
 
+/// `--init-from` starts from an exported head (its weights and its d2t/t2d), and refuses a head
+/// whose manifest names other taps than the dump.
+#[test]
+fn init_from_starts_from_a_head_and_refuses_other_taps() {
+    let model = tiny_target("init-model");
+    let rows = records(&model, 16, 4);
+    let run = |out: &Path, init: Option<&Path>, epochs: usize| {
+        let data = Dataset::new(vec![source(&model, rows.clone(), "memory")]).unwrap();
+        let mut o = options(&model, out);
+        o.epochs = epochs;
+        o.init_from = init.map(Path::to_path_buf);
+        train_on::<AB>(&o, data, &Default::default())
+    };
+    let first = temp_dir("init-first");
+    let trained = run(&first, None, 6).unwrap();
+    let scratch = temp_dir("init-scratch");
+    let fresh = run(&scratch, None, 1).unwrap();
+    let second = temp_dir("init-second");
+    let continued = run(&second, Some(&first), 1).unwrap();
+    let loss = |r: &tandem_train::TrainReport| r.first_train.as_ref().unwrap().loss;
+    eprintln!(
+        "first-step loss: scratch {:.3}, after 6 epochs {:.3}, init-from {:.3}",
+        loss(&fresh),
+        trained.last_train.as_ref().unwrap().loss,
+        loss(&continued)
+    );
+    assert!(
+        loss(&continued) < 0.8 * loss(&fresh),
+        "init-from did not start from the head"
+    );
+    let vocab = |dir: &Path| {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensor("d2t").unwrap().data().to_vec()
+    };
+    assert_eq!(vocab(&first), vocab(&second), "d2t kept from the head");
+
+    // The same head, its manifest edited to blocks 2, 3, 4 (SGLang ids 3, 4, 5).
+    let edited = temp_dir("init-edited");
+    std::fs::copy(
+        first.join("model.safetensors"),
+        edited.join("model.safetensors"),
+    )
+    .unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(first.join("config.json")).unwrap()).unwrap();
+    json["tandem_wiring"]["taps"] = serde_json::json!(["block:2", "block:3", "block:4"]);
+    json["tandem_wiring"]["raw_ids"]["ids"] = serde_json::json!([3, 4, 5]);
+    json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([3, 4, 5]);
+    std::fs::write(edited.join("config.json"), json.to_string()).unwrap();
+    let refused = temp_dir("init-refused");
+    let text = run(&refused, Some(&edited), 1).unwrap_err().to_string();
+    assert!(
+        text.contains("was trained on other wiring than the dump"),
+        "{text}"
+    );
+    assert!(
+        text.contains("slot 0: trained on block 2, served block 1"),
+        "{text}"
+    );
+    for dir in [first, scratch, second, edited, refused, model] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
 /// Global-norm clipping scales all gradients together to the bound.
 #[test]
 fn clipping_bounds_the_global_norm() {

@@ -1,0 +1,183 @@
+//! The candidates a dumped slot is compared against: every point of the serving engine's block
+//! loop (`embed`, `block 0..L-1`, `final`), captured through the one capture hook by a prefill
+//! exactly like the speculative loop's, plus the normed input of every layer (what a capture
+//! that reads `input_layernorm(hidden)` instead of `hidden + residual` records).
+
+use std::fmt;
+
+use burn::prelude::*;
+use serde::{Serialize, Serializer};
+use tandem_model::{LogitsFor, TapRequest, TargetModel};
+use tandem_wiring::TapId;
+
+use crate::error::ReplayError;
+
+/// A value the serving path computes that a dumped slot may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Candidate {
+    /// A tap point of the block loop (`final` is post-norm by definition).
+    Tap(TapId),
+    /// The residual stream entering decoder layer `k` after that layer's `input_layernorm`:
+    /// a normed value where the residual stream was meant.
+    NormedInput(usize),
+}
+
+impl Candidate {
+    /// Whether the value is the output of an RMSNorm rather than the residual stream.
+    pub fn is_normed(&self) -> bool {
+        matches!(
+            self,
+            Candidate::Tap(TapId::Final) | Candidate::NormedInput(_)
+        )
+    }
+
+    /// Machine form: `embed`, `block:3`, `final`, `normed-input:4`.
+    pub fn canonical(&self) -> String {
+        match self {
+            Candidate::Tap(t) => t.canonical(),
+            Candidate::NormedInput(k) => format!("normed-input:{k}"),
+        }
+    }
+
+    /// A phrase for sentences, naming the norm for normed values.
+    pub fn describe(&self) -> String {
+        match self {
+            Candidate::Tap(TapId::Final) => "final (the final RMSNorm's output)".to_owned(),
+            Candidate::Tap(t) => t.to_string(),
+            Candidate::NormedInput(k) => format!(
+                "the normed input of layer {k} (its input_layernorm applied to {})",
+                TapId::from_residual_position(*k)
+            ),
+        }
+    }
+
+    /// The canonical tap, when this is a tap point of the block loop.
+    pub fn tap(&self) -> Option<TapId> {
+        match self {
+            Candidate::Tap(t) => Some(*t),
+            Candidate::NormedInput(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for Candidate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Candidate::Tap(t) => t.fmt(f),
+            Candidate::NormedInput(k) => write!(f, "normed input of layer {k}"),
+        }
+    }
+}
+
+impl Serialize for Candidate {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.canonical())
+    }
+}
+
+/// Every tap point of a model with `num_layers` blocks, in forward order: `embed`,
+/// `block 0..L-1`, `final`.
+pub fn all_taps(num_layers: usize) -> Vec<TapId> {
+    let mut taps = Vec::with_capacity(num_layers + 2);
+    taps.push(TapId::Embed);
+    taps.extend((0..num_layers).map(TapId::Block));
+    taps.push(TapId::Final);
+    taps
+}
+
+/// The candidate list of a model: the tap points, then the normed input of every layer.
+pub fn all_candidates(num_layers: usize) -> Vec<Candidate> {
+    let mut out: Vec<Candidate> = all_taps(num_layers)
+        .into_iter()
+        .map(Candidate::Tap)
+        .collect();
+    out.extend((0..num_layers).map(Candidate::NormedInput));
+    out
+}
+
+/// Every candidate's values for one sample, on the host in f32.
+#[derive(Debug, Clone)]
+pub struct CandidateValues {
+    /// The candidates, in [`all_candidates`] order.
+    pub candidates: Vec<Candidate>,
+    /// `values[c]` is `[tokens, hidden]` row-major for `candidates[c]`.
+    pub values: Vec<Vec<f32>>,
+    /// Tokens of the sample.
+    pub tokens: usize,
+    /// The target's hidden size T.
+    pub hidden: usize,
+}
+
+impl CandidateValues {
+    /// The `[tokens, hidden]` values of `candidate`.
+    pub fn get(&self, candidate: Candidate) -> Option<&[f32]> {
+        self.candidates
+            .iter()
+            .position(|c| *c == candidate)
+            .map(|i| self.values[i].as_slice())
+    }
+}
+
+/// Runs `input_ids` as one prefill through the target's block loop (the path the speculative
+/// loop takes for a prompt) with every tap point requested, and derives the normed inputs.
+pub fn capture_candidates<B: Backend>(
+    model: &TargetModel<B>,
+    input_ids: &[u32],
+) -> Result<CandidateValues, ReplayError> {
+    let layers = model.spec.num_layers;
+    let hidden = model.spec.hidden_size;
+    let tokens = input_ids.len();
+    let mut cache = model.new_cache(1, tokens);
+    let step = cache.prefill_step(&[input_ids])?;
+    let request = TapRequest::new(all_taps(layers));
+    let out = model.forward(&step, &mut cache, &request, LogitsFor::None)?;
+    let mut values: Vec<Vec<f32>> = out.taps.tensors.into_iter().map(to_host).collect();
+    // Request index k is residual position k (embed = 0, block k-1 = k) for k <= L.
+    for k in 0..layers {
+        let norm = &model.layers[k].input_layernorm;
+        let weight = to_host_1d(norm.weight.clone());
+        values.push(rms_norm_rows(&values[k], &weight, norm.eps));
+    }
+    Ok(CandidateValues {
+        candidates: all_candidates(layers),
+        values,
+        tokens,
+        hidden,
+    })
+}
+
+/// `x * rsqrt(mean(x^2) + eps) * w` per row of `x` (`[rows, w.len()]`), in f64 like a careful
+/// reference; the f32 result differs from the device's by rounding only.
+pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
+    let h = weight.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(h) {
+        let mean_sq = row
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            / h as f64;
+        let scale = 1.0 / (mean_sq + eps).sqrt();
+        out.extend(
+            row.iter()
+                .zip(weight)
+                .map(|(&v, &w)| (f64::from(v) * scale * f64::from(w)) as f32),
+        );
+    }
+    out
+}
+
+fn to_host<B: Backend>(t: Tensor<B, 3>) -> Vec<f32> {
+    // The CUDA backend computes in bf16: widen before reading.
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("converted to f32")
+}
+
+fn to_host_1d<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("converted to f32")
+}

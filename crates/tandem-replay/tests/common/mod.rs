@@ -1,0 +1,234 @@
+//! Shared fixtures of the fault suite: a tiny random target (8 blocks, hidden 32) with SmolLM2's
+//! tokenizer files (for a real fingerprint), and dumps written through `tandem_dump::DumpWriter`
+//! whose data the tests produce themselves, faulty on purpose.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use rand::{Rng, SeedableRng};
+use tandem_dump::{
+    DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, FORMAT_NAME, FORMAT_VERSION,
+    ShardLimits, StorageDtype,
+};
+use tandem_model::backend::CpuBackend;
+use tandem_model::testing::{tiny_config, write_random_model};
+use tandem_model::{LogitsFor, TapRequest, TargetModel};
+use tandem_replay::{HeadWiring, ReplayOptions, ReplayReport, fingerprint_model, replay};
+use tandem_wiring::{Job, Producer, RawIds, TapId, TapPoint, TargetFingerprint, WiringManifest};
+
+pub type B = CpuBackend;
+
+/// Blocks of the tiny target; its default aux taps are blocks [1, 3, 4], its last block 7.
+pub const LAYERS: usize = 8;
+/// Hidden size of the tiny target.
+pub const HIDDEN: usize = 32;
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn smollm2_dir() -> PathBuf {
+    let dir = std::env::var_os("TANDEM_SMOLLM2_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("models/SmolLM2-135M-Instruct"));
+    assert!(
+        dir.join("model.safetensors").exists() && dir.join("tokenizer.json").exists(),
+        "{} is missing: run scripts/fetch_smollm2.sh first",
+        dir.display()
+    );
+    dir
+}
+
+/// A fresh, empty directory for one test.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("tandem-replay-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The tiny target's directory (written once per test binary).
+pub fn tiny_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = temp_dir("tiny-model");
+        let mut config = tiny_config("LlamaForCausalLM", LAYERS);
+        config.model_type = Some("llama".to_owned());
+        write_random_model(&dir, &config, 11).unwrap();
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(smollm2_dir().join(file), dir.join(file)).unwrap();
+        }
+        dir
+    })
+}
+
+pub fn tiny_model() -> TargetModel<B> {
+    TargetModel::load(tiny_dir(), &Default::default()).unwrap()
+}
+
+pub fn tiny_fingerprint() -> TargetFingerprint {
+    fingerprint_model(tiny_dir()).unwrap()
+}
+
+pub fn blocks(ks: &[usize]) -> Vec<TapId> {
+    ks.iter().map(|&k| TapId::Block(k)).collect()
+}
+
+/// Three samples of seeded random ids (lengths 20, 33, 12).
+pub fn sample_ids() -> Vec<Vec<u32>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    [20usize, 33, 12]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(0..96u32)).collect())
+        .collect()
+}
+
+/// The values of `taps` for one prefill of `ids`, each `[n, T]`, through the capture hook: what
+/// an engine that taps these points records.
+pub fn tap_values(model: &TargetModel<B>, ids: &[u32], taps: &[TapId]) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache(1, ids.len());
+    let step = cache.prefill_step(&[ids]).unwrap();
+    let out = model
+        .forward(
+            &step,
+            &mut cache,
+            &TapRequest::new(taps.to_vec()),
+            LogitsFor::None,
+        )
+        .unwrap();
+    out.taps
+        .tensors
+        .into_iter()
+        .map(|t| t.into_data().to_vec::<f32>().unwrap())
+        .collect()
+}
+
+/// A dump manifest as `tandem dump` writes it, with `taps` in the manifest and slots of
+/// `slot_width` values (the fingerprint's hidden size is set to it, as a dump taken on one
+/// tensor-parallel rank would record).
+pub fn identity(
+    target: &TargetFingerprint,
+    taps: &[TapId],
+    raw: Option<RawIds>,
+    slot_width: usize,
+) -> DumpManifest {
+    let mut target = target.clone();
+    target.hidden_size = slot_width;
+    let mut wiring = WiringManifest::new(
+        target.clone(),
+        taps.to_vec(),
+        TapPoint::ResidualStream,
+        "bf16",
+        Producer::tandem(Job::Dump, "cpu", "prefill"),
+    );
+    if let Some(raw) = raw {
+        wiring = wiring.with_raw_ids(raw);
+    }
+    DumpManifest {
+        format: FORMAT_NAME.to_owned(),
+        format_version: FORMAT_VERSION,
+        wiring,
+        hidden_size: slot_width,
+        num_slots: taps.len(),
+        last_hidden_tap: TapId::Block(target.num_layers - 1),
+        dtype: StorageDtype::Bf16,
+        compression: "zstd".to_owned(),
+        dataset: "fault-suite".to_owned(),
+        dataset_split: None,
+        chat_template_sha256: target.chat_template_sha256.clone(),
+        settings: DumpSettings {
+            max_len: 64,
+            regenerate: None,
+        },
+        rows: 0,
+        tokens: 0,
+        assistant_tokens: 0,
+        truncated: 0,
+        records_read: 0,
+        skipped: Default::default(),
+        complete: false,
+        shards: Vec::new(),
+    }
+}
+
+/// Writes a dump of [`sample_ids`] under `identity`; `slots(model, ids)` produces each slot's
+/// `[n, w]` values (the fault under test). `last_hidden` is the true block L-1.
+pub fn write_dump(
+    name: &str,
+    identity: &DumpManifest,
+    slots: impl Fn(&TargetModel<B>, &[u32]) -> Vec<Vec<f32>>,
+) -> PathBuf {
+    let model = tiny_model();
+    let dir = temp_dir(name);
+    let mut writer = DumpWriter::open(&dir, identity, ShardLimits::default()).unwrap();
+    for (i, ids) in sample_ids().iter().enumerate() {
+        let n = ids.len();
+        let values = slots(&model, ids);
+        let w = identity.hidden_size;
+        assert_eq!(values.len(), identity.num_slots);
+        let mut aux = Vec::with_capacity(n * w * values.len());
+        for t in 0..n {
+            for v in &values {
+                aux.extend_from_slice(&v[t * w..(t + 1) * w]);
+            }
+        }
+        let last = tap_values(&model, ids, &[TapId::Block(LAYERS - 1)]).remove(0);
+        let last = if w == HIDDEN { last } else { vec![0.0; n * w] };
+        let record = DumpRecord {
+            sample_id: format!("s{i}"),
+            input_ids: ids.clone(),
+            loss_mask: vec![1; n],
+            aux_hidden: aux,
+            last_hidden: last,
+        };
+        writer.write(&record, false).unwrap();
+    }
+    writer.finish(true).unwrap();
+    dir
+}
+
+/// A dump whose data holds the true values of `data_taps` under a manifest naming
+/// `manifest_taps`.
+pub fn tap_dump(
+    name: &str,
+    manifest_taps: &[TapId],
+    raw: Option<RawIds>,
+    data_taps: &[TapId],
+) -> PathBuf {
+    let id = identity(&tiny_fingerprint(), manifest_taps, raw, HIDDEN);
+    let data_taps = data_taps.to_vec();
+    write_dump(name, &id, move |model, ids| {
+        tap_values(model, ids, &data_taps)
+    })
+}
+
+/// Replays `dir` through the tiny target (its own fingerprint) and prints the table.
+pub fn run_replay(dir: &Path, head: Option<&HeadWiring>) -> ReplayReport {
+    run_replay_with(dir, head, &tiny_fingerprint())
+}
+
+pub fn run_replay_with(
+    dir: &Path,
+    head: Option<&HeadWiring>,
+    target: &TargetFingerprint,
+) -> ReplayReport {
+    let model = tiny_model();
+    let dump = DumpReader::open(dir).unwrap();
+    let options = ReplayOptions {
+        model_label: "tiny".to_owned(),
+        ..ReplayOptions::default()
+    };
+    let report = replay(&model, target, &dump, head, &options).unwrap();
+    eprintln!("{}", report.to_table());
+    report
+}
+
+/// All findings and verdicts as one string, for `contains` assertions.
+pub fn all_text(report: &ReplayReport) -> String {
+    let mut parts: Vec<String> = report.slots.iter().map(|s| s.verdict.clone()).collect();
+    parts.extend(report.findings.iter().map(|f| f.message.clone()));
+    parts.join("\n")
+}

@@ -1,0 +1,382 @@
+//! The fault suite: for each single-machine failure mode of `eagle3-facts.md` section 6, the
+//! test produces the faulty artefact itself (a dump whose data or manifest is wrong, a model
+//! with another fingerprint, a head wired elsewhere) and asserts that replay names the fault.
+//! The product paths have no option to produce any of these.
+
+mod common;
+
+use common::*;
+use tandem_eagle::{Eagle3Config, EagleConfig};
+use tandem_model::burn::prelude::*;
+use tandem_model::testing::tiny_config;
+use tandem_replay::{Candidate, HeadWiring, Level, Status};
+use tandem_wiring::{Convention, RawIds, TapId};
+
+fn default_taps() -> Vec<TapId> {
+    blocks(&[1, 3, 4])
+}
+
+fn sglang_raw() -> RawIds {
+    RawIds::new(Convention::SglangHeuristic, vec![1, 3, 4])
+}
+
+#[test]
+fn a_consistent_dump_matches_every_slot() {
+    let dir = tap_dump(
+        "clean",
+        &default_taps(),
+        Some(sglang_raw()),
+        &default_taps(),
+    );
+    let report = run_replay(&dir, None);
+    assert!(report.ok(), "{:?}", report.problems());
+    for s in &report.slots {
+        assert_eq!(s.status, Status::Match, "{}", s.verdict);
+        assert_eq!(s.verdict, "match");
+        assert_eq!(s.observed, Some(Candidate::Tap(default_taps()[s.slot])));
+        let best = s.best.unwrap();
+        assert!(best.cosine > 0.9999 && best.rel_err < 5e-3, "{best:?}");
+        assert!(!s.normed);
+    }
+    assert_eq!(report.samples, 3);
+    assert_eq!(report.tokens, 65);
+    let lh = report.last_hidden.as_ref().unwrap();
+    assert_eq!(lh.status, Status::Match);
+    // The report renders; the HTML is self-contained.
+    let html = report.to_html();
+    assert!(html.starts_with("<!DOCTYPE html>") && html.contains("<style>"));
+    assert!(!html.contains("http://") && !html.contains("https://") && !html.contains("<script"));
+    let json: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+    assert_eq!(json["slots"][0]["verdict"], "match");
+    assert_eq!(json["slots"][0]["observed"], "block:1");
+}
+
+/// (a) Layer-id convention mismatch / off-by-one: the manifest says [1, 3, 4] (requested as
+/// SGLang ids) but the data holds [2, 4, 5], as when vLLM/HF-style ids reach a loop that reads
+/// them as SGLang ids; and the other direction, the SGLang ids read as vLLM ids.
+#[test]
+fn a_off_by_one_is_named_with_the_conventions_that_produce_it() {
+    let dir = tap_dump(
+        "plus-one",
+        &default_taps(),
+        Some(sglang_raw()),
+        &blocks(&[2, 4, 5]),
+    );
+    let report = run_replay(&dir, None);
+    assert!(!report.ok());
+    assert_eq!(report.mismatched_slots().len(), 3);
+    let v0 = &report.slots[0].verdict;
+    assert!(
+        v0.starts_with("dump slot 0 holds block 2 but the manifest says block 1: off by +1 block"),
+        "{v0}"
+    );
+    assert!(v0.contains("read as a sglang-classic"), "{v0}");
+    assert!(v0.contains("vllm"), "{v0}");
+    let text = all_text(&report);
+    assert!(text.contains("every slot holds the tap +1 block"), "{text}");
+    assert!(
+        text.contains("ids [2, 4, 5] mean [block 1, block 3, block 4] in hf/vllm/eagle"),
+        "{text}"
+    );
+
+    let dir = tap_dump(
+        "minus-one",
+        &default_taps(),
+        Some(sglang_raw()),
+        &blocks(&[0, 2, 3]),
+    );
+    let report = run_replay(&dir, None);
+    let v1 = &report.slots[1].verdict;
+    assert!(
+        v1.starts_with("dump slot 1 holds block 2 but the manifest says block 3: off by -1 block"),
+        "{v1}"
+    );
+    // The recorded ids, read as vLLM ids, give exactly the data's taps.
+    assert!(v1.contains("a sglang-heuristic"), "{v1}");
+    let text = all_text(&report);
+    assert!(
+        text.contains("ids [1, 3, 4] mean [block 1, block 3, block 4] in sglang-heuristic")
+            && text.contains("read as hf/vllm/eagle"),
+        "{text}"
+    );
+}
+
+/// (b) Trained on [embed, a, b], declared [a, b, c] (and the reverse).
+#[test]
+fn b_missing_or_extra_embedding_tap() {
+    let with_embed = [TapId::Embed, TapId::Block(1), TapId::Block(3)];
+    let dir = tap_dump("extra-embed", &default_taps(), None, &with_embed);
+    let report = run_replay(&dir, None);
+    assert!(!report.ok());
+    let v0 = &report.slots[0].verdict;
+    assert!(
+        v0.starts_with("dump slot 0 holds embed but the manifest says block 1: an embedding tap"),
+        "{v0}"
+    );
+    let text = all_text(&report);
+    assert!(text.contains("extra embedding tap"), "{text}");
+    assert!(text.contains("moved one slot later"), "{text}");
+
+    let dir = tap_dump("missing-embed", &with_embed, None, &default_taps());
+    let report = run_replay(&dir, None);
+    let text = all_text(&report);
+    assert!(text.contains("missing embedding tap"), "{text}");
+    assert!(
+        report.slots[0]
+            .verdict
+            .starts_with("dump slot 0 holds block 1 but the manifest says embed"),
+        "{}",
+        report.slots[0].verdict
+    );
+}
+
+/// (c) Slots permuted: the data holds [3, 1, 4] under a manifest saying [1, 3, 4].
+#[test]
+fn c_permuted_slots() {
+    let dir = tap_dump("permuted", &default_taps(), None, &blocks(&[3, 1, 4]));
+    let report = run_replay(&dir, None);
+    assert_eq!(report.mismatched_slots().len(), 2);
+    assert_eq!(report.slots[2].status, Status::Match);
+    assert!(
+        report.slots[0].verdict.starts_with(
+            "dump slot 0 holds block 3 but the manifest says block 1: off by +2 blocks"
+        ),
+        "{}",
+        report.slots[0].verdict
+    );
+    let text = all_text(&report);
+    assert!(text.contains("permuted slots"), "{text}");
+}
+
+/// (d) An execution path that skips the tap: a slot of zeros, a slot captured for only half of
+/// the tokens, a stale value one token late, a value captured once and reused.
+#[test]
+fn d_skipped_and_stale_taps() {
+    let id = identity(&tiny_fingerprint(), &default_taps(), None, HIDDEN);
+    let dir = write_dump("zeros", &id, |model, ids| {
+        let mut v = tap_values(model, ids, &default_taps());
+        v[1].iter_mut().for_each(|x| *x = 0.0);
+        v
+    });
+    let report = run_replay(&dir, None);
+    assert_eq!(report.slots[1].status, Status::Mismatch);
+    let v = &report.slots[1].verdict;
+    assert!(
+        v.contains("is all zeros over 65 tokens") && v.contains("skipped the tap"),
+        "{v}"
+    );
+    assert_eq!(report.slots[1].zero_tokens, 65);
+    assert_eq!(report.slots[0].status, Status::Match);
+
+    let dir = write_dump("half", &id, |model, ids| {
+        let mut v = tap_values(model, ids, &default_taps());
+        let half = ids.len() / 2 * HIDDEN;
+        v[2][half..].iter_mut().for_each(|x| *x = 0.0);
+        v
+    });
+    let report = run_replay(&dir, None);
+    let v = &report.slots[2].verdict;
+    assert!(
+        v.contains("is zero for") && v.contains("only part of the tokens"),
+        "{v}"
+    );
+
+    let dir = write_dump("late", &id, |model, ids| {
+        let mut v = tap_values(model, ids, &default_taps());
+        // Token t carries token t-1's value (token 0 keeps its own).
+        let shifted: Vec<f32> = v[0][..HIDDEN]
+            .iter()
+            .chain(&v[0][..(ids.len() - 1) * HIDDEN])
+            .copied()
+            .collect();
+        v[0] = shifted;
+        v
+    });
+    let report = run_replay(&dir, None);
+    let v = &report.slots[0].verdict;
+    assert!(
+        v.contains("holds block 1 one token late") && v.contains("stale"),
+        "{v}"
+    );
+
+    let dir = write_dump("reused", &id, |model, ids| {
+        let mut v = tap_values(model, ids, &default_taps());
+        let first = v[1][..HIDDEN].to_vec();
+        v[1] = first.repeat(ids.len());
+        v
+    });
+    let report = run_replay(&dir, None);
+    let v = &report.slots[1].verdict;
+    assert!(v.contains("same values at every token"), "{v}");
+}
+
+/// (e) A normed tap instead of the residual stream: `final` in the last slot, and the normed
+/// input of layer 4 (input_layernorm(block 3)) in the middle slot.
+#[test]
+fn e_normed_instead_of_residual() {
+    let id = identity(&tiny_fingerprint(), &default_taps(), None, HIDDEN);
+    let dir = write_dump("normed", &id, |model, ids| {
+        let mut v = tap_values(
+            model,
+            ids,
+            &[TapId::Block(1), TapId::Block(3), TapId::Final],
+        );
+        let block3: Tensor<B, 2> = Tensor::from_data(
+            TensorData::new(v[1].clone(), [ids.len(), HIDDEN]),
+            &Default::default(),
+        );
+        v[1] = model.layers[4]
+            .input_layernorm
+            .forward(block3)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        v
+    });
+    let report = run_replay(&dir, None);
+    let s2 = &report.slots[2];
+    assert_eq!(s2.observed, Some(Candidate::Tap(TapId::Final)));
+    assert!(s2.normed);
+    assert!(
+        s2.verdict
+            .starts_with("dump slot 2 holds final (the final RMSNorm's output) but the manifest says block 4: the tap is post-norm"),
+        "{}",
+        s2.verdict
+    );
+    let s1 = &report.slots[1];
+    assert_eq!(s1.observed, Some(Candidate::NormedInput(4)));
+    assert!(
+        s1.normed && s1.verdict.contains("normed input of layer 4"),
+        "{}",
+        s1.verdict
+    );
+    assert!(!report.slots[0].normed);
+    // Flat norms are reported: the normed slots' per-token norms barely vary.
+    assert!(
+        s2.norm_cv < report.slots[0].norm_cv,
+        "{} vs {}",
+        s2.norm_cv,
+        report.slots[0].norm_cv
+    );
+}
+
+/// (f) Tokenizer or chat-template mismatch: the dump's fingerprint differs from the model's.
+#[test]
+fn f_tokenizer_and_chat_template_mismatch() {
+    let mut other = tiny_fingerprint();
+    other.tokenizer_sha256 = tandem_wiring::sha256_hex(b"another tokenizer");
+    other.chat_template_sha256 = Some(tandem_wiring::sha256_hex(b"{{ messages }}"));
+    let id = identity(&other, &default_taps(), None, HIDDEN);
+    let taps = default_taps();
+    let dir = write_dump("fingerprint", &id, move |model, ids| {
+        tap_values(model, ids, &taps)
+    });
+    let report = run_replay(&dir, None);
+    // The data still matches tap by tap; the fingerprints are what is wrong.
+    assert!(report.mismatched_slots().is_empty());
+    assert!(!report.ok());
+    let errors: Vec<String> = report.errors().iter().map(|f| f.message.clone()).collect();
+    let text = errors.join("\n");
+    assert!(
+        text.contains("dump vs --model: tokenizer differs"),
+        "{text}"
+    );
+    assert!(text.contains("chat template differs"), "{text}");
+    assert!(
+        report.errors().iter().all(|f| f.topic == "fingerprint"),
+        "{text}"
+    );
+}
+
+/// (g) Wrong widths: each slot is T/2 wide, a tensor-parallel shard that was never gathered.
+#[test]
+fn g_sharded_tap_width() {
+    let half = HIDDEN / 2;
+    let id = identity(&tiny_fingerprint(), &default_taps(), None, half);
+    let dir = write_dump("sharded", &id, move |model, ids| {
+        let full = tap_values(model, ids, &default_taps());
+        full.iter()
+            .enumerate()
+            .map(|(slot, v)| {
+                // Slot 1 holds the second shard, the others the first.
+                let shard = usize::from(slot == 1);
+                v.chunks_exact(HIDDEN)
+                    .flat_map(|row| row[shard * half..(shard + 1) * half].to_vec())
+                    .collect()
+            })
+            .collect()
+    });
+    let report = run_replay(&dir, None);
+    assert!(!report.ok());
+    let width = report.findings.iter().find(|f| f.topic == "width").unwrap();
+    assert_eq!(width.level, Level::Error);
+    assert!(
+        width.message.contains("aux width 48 = 3 x 16")
+            && width.message.contains("T/2 wide, a tensor-parallel shard"),
+        "{}",
+        width.message
+    );
+    let v = &report.slots[1].verdict;
+    assert!(
+        v.contains("is 16 wide but the target's hidden size is 32: it holds columns 16..32 of block 3, shard 1 of 2"),
+        "{v}"
+    );
+    let text = all_text(&report);
+    assert!(
+        text.contains("hidden size: trained on 16, served 32"),
+        "{text}"
+    );
+}
+
+/// (h) The head's manifest (or its SGLang ids) names other taps than the dump holds: serving
+/// would feed the head other slots than it was trained on.
+#[test]
+fn h_head_manifest_vs_dump_taps() {
+    let dir = tap_dump("head", &default_taps(), None, &default_taps());
+    let dump = tandem_dump::DumpReader::open(&dir).unwrap();
+    let mut config = Eagle3Config::for_target(&tiny_config("LlamaForCausalLM", LAYERS), 64, 3);
+    let mut trained = dump.manifest().wiring.clone();
+    trained.taps = blocks(&[2, 4, 5]);
+    config.tandem_wiring = Some(trained);
+    let head = HeadWiring::from_config(&config, LAYERS, "head-a").unwrap();
+    let report = run_replay(&dir, Some(&head));
+    assert_eq!(report.mismatched_slots().len(), 3);
+    let v = &report.slots[0].verdict;
+    assert!(
+        v.starts_with("dump slot 0 holds block 1 as its manifest says, but serving would feed the head block 2 in this slot"),
+        "{v}"
+    );
+    let text = all_text(&report);
+    assert!(
+        text.contains("serving would feed the head [block 2, block 4, block 5]")
+            && text.contains("every slot off by +1"),
+        "{text}"
+    );
+
+    // A head from elsewhere: SGLang reads its ids [3, 5, 6] as layer inputs, blocks [2, 4, 5].
+    config.tandem_wiring = None;
+    config.eagle_config = Some(EagleConfig {
+        eagle_aux_hidden_state_layer_ids: Some(vec![3, 5, 6]),
+        use_aux_hidden_state: true,
+        extra: Default::default(),
+    });
+    let head = HeadWiring::from_config(&config, LAYERS, "head-b").unwrap();
+    assert_eq!(head.taps, blocks(&[2, 4, 5]));
+    let report = run_replay(&dir, Some(&head));
+    assert_eq!(report.mismatched_slots().len(), 3);
+    assert!(
+        report.slots[2].verdict.contains("sglang-heuristic"),
+        "{}",
+        report.slots[2].verdict
+    );
+
+    // The head that matches: its ids read by SGLang name exactly the dump's taps.
+    config.eagle_config = Some(EagleConfig {
+        eagle_aux_hidden_state_layer_ids: Some(vec![1, 3, 4]),
+        use_aux_hidden_state: true,
+        extra: Default::default(),
+    });
+    let head = HeadWiring::from_config(&config, LAYERS, "head-c").unwrap();
+    let report = run_replay(&dir, Some(&head));
+    assert!(report.ok(), "{:?}", report.problems());
+}
