@@ -185,7 +185,9 @@ fn sampling_keeps_the_target_distribution() {
                 ..config
             },
         };
-        let out = engine.generate(&[prompt.clone()], 2, &[]).unwrap();
+        let out = engine
+            .generate(std::slice::from_ref(&prompt), 2, &[])
+            .unwrap();
         counts[out.sequences[0].tokens[1] as usize] += 1;
     }
     // Pool cells with expected count < 5 into one.

@@ -1,6 +1,6 @@
 //! Bad model directories are refused with a message that names the problem.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tandem_model::backend::CpuBackend;
 use tandem_model::testing::{tiny_config, write_random_model};
@@ -13,7 +13,7 @@ fn fresh(name: &str) -> PathBuf {
     dir
 }
 
-fn load_err(dir: &PathBuf) -> ModelError {
+fn load_err(dir: &Path) -> ModelError {
     TargetModel::<CpuBackend>::load(dir, &Default::default()).unwrap_err()
 }
 
