@@ -59,14 +59,6 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
 fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result<()> {
     let load_start = Instant::now();
     let tokenizer = TargetTokenizer::load(&args.model.model)?;
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
-    eprintln!(
-        "loaded {} ({} layers) on {} in {:.2}s",
-        args.model.model.display(),
-        model.spec.num_layers,
-        args.model.device,
-        load_start.elapsed().as_secs_f64()
-    );
     let prompt = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
@@ -95,7 +87,6 @@ fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result
             num_draft_tokens: args.num_draft_tokens,
             allow_wiring_mismatch: args.allow_wiring_mismatch,
         };
-        drop(model);
         let request = super::spec::SpecRequest {
             prompt: prompt.clone(),
             sampling,
@@ -115,6 +106,15 @@ fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result
         }
         return Ok(());
     }
+    // Loaded only on the plain path: the speculative path loads target and head together.
+    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    eprintln!(
+        "loaded {} ({} layers) on {} in {:.2}s",
+        args.model.model.display(),
+        model.spec.num_layers,
+        args.model.device,
+        load_start.elapsed().as_secs_f64()
+    );
     let options = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: SamplingParams {
