@@ -43,10 +43,7 @@ fn smollm2_dir() -> PathBuf {
 
 /// A fresh, empty directory for one test.
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-dump-test-{}-{name}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    dir
+    tandem_model::testing::scratch_dir(&format!("dump-test-{name}"))
 }
 
 /// A tiny random Llama (8 blocks, hidden 32) with SmolLM2's tokenizer and chat template: the

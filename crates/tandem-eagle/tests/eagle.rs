@@ -19,10 +19,7 @@ use tandem_model::testing::tiny_config;
 type B = NdArray<f32>;
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-eagle-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    tandem_model::testing::scratch_dir(&format!("eagle-{name}"))
 }
 
 fn random(rng: &mut rand::rngs::StdRng, n: usize, scale: f32) -> Vec<f32> {

@@ -15,7 +15,7 @@ use tandem_wiring::default_aux_taps;
 type B = CpuBackend;
 
 fn setup(name: &str) -> (TargetModel<B>, Eagle3Draft<B>, TapRequest) {
-    let dir = std::env::temp_dir().join(format!("tandem-engine-{name}-{}", std::process::id()));
+    let dir = tandem_model::testing::scratch_dir(&format!("engine-{name}"));
     let config = tiny_config("LlamaForCausalLM", 4);
     write_random_model(&dir, &config, 21).unwrap();
     let target = TargetModel::<B>::load(&dir, &Default::default()).unwrap();

@@ -1,7 +1,8 @@
 //! Tiny random models written to disk as real HF directories, so tests exercise the same loader
 //! and forward pass as the real model in milliseconds.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::{Rng, SeedableRng};
 use safetensors::{Dtype, serialize_to_file, tensor::TensorView};
@@ -20,14 +21,33 @@ pub fn tiny_config(architecture: &str, layers: usize) -> HfConfig {
     .expect("tiny config is valid")
 }
 
+/// A fresh, empty scratch directory under the system temp dir, unique per call even within one
+/// test process (tests run in parallel threads of one process, so the pid alone is not enough).
+pub fn scratch_dir(name: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("tandem-{name}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+    dir
+}
+
 /// Writes `config.json` and `model.safetensors` with seeded random weights (HF names) to `dir`.
+///
+/// Both files are written under a temporary name and renamed into place: a model that another
+/// thread has already memory-mapped keeps its old inode instead of being truncated under it
+/// (which is a SIGBUS, not an error).
 pub fn write_random_model(dir: &Path, config: &HfConfig, seed: u64) -> std::io::Result<()> {
     let spec = config.resolve().map_err(std::io::Error::other)?;
     std::fs::create_dir_all(dir)?;
+    let unique = format!("{}-{:?}", std::process::id(), std::thread::current().id())
+        .replace(|c: char| !c.is_ascii_alphanumeric(), "");
+    let config_tmp = dir.join(format!(".config.json.{unique}"));
     std::fs::write(
-        dir.join("config.json"),
+        &config_tmp,
         serde_json::to_string_pretty(config).map_err(std::io::Error::other)?,
     )?;
+    std::fs::rename(&config_tmp, dir.join("config.json"))?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
@@ -124,5 +144,7 @@ pub fn write_random_model(dir: &Path, config: &HfConfig, seed: u64) -> std::io::
             )
         })
         .collect();
-    serialize_to_file(views, None, &dir.join("model.safetensors")).map_err(std::io::Error::other)
+    let weights_tmp = dir.join(format!(".model.safetensors.{unique}"));
+    serialize_to_file(views, None, &weights_tmp).map_err(std::io::Error::other)?;
+    std::fs::rename(&weights_tmp, dir.join("model.safetensors"))
 }

@@ -7,8 +7,7 @@ use tandem_model::testing::{tiny_config, write_random_model};
 use tandem_model::{ModelError, TargetModel};
 
 fn fresh(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-bad-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = tandem_model::testing::scratch_dir(&format!("bad-{name}"));
     write_random_model(&dir, &tiny_config("LlamaForCausalLM", 2), 5).unwrap();
     dir
 }

@@ -4,7 +4,7 @@
 
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::{tiny_config, write_random_model};
+use tandem_model::testing::{scratch_dir, tiny_config, write_random_model};
 use tandem_model::{KvCache, LogitsFor, StepInput, TapRequest, TargetModel};
 use tandem_wiring::TapId;
 
@@ -12,7 +12,7 @@ type B = CpuBackend;
 const TOL: f32 = 1e-4;
 
 fn model(arch: &str) -> TargetModel<B> {
-    let dir = std::env::temp_dir().join(format!("tandem-capture-{arch}-{}", std::process::id()));
+    let dir = scratch_dir(&format!("capture-{arch}"));
     write_random_model(&dir, &tiny_config(arch, 3), 11).unwrap();
     TargetModel::load(&dir, &Default::default()).unwrap()
 }

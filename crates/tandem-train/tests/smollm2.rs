@@ -33,10 +33,7 @@ fn smollm2_dir() -> PathBuf {
 }
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-train-smol-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    tandem_model::testing::scratch_dir(&format!("train-smol-{name}"))
 }
 
 const CONVERSATIONS: [(&str, &str); 10] = [

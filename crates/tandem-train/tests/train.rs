@@ -26,10 +26,7 @@ type B = NdArray<f32>;
 type AB = Autodiff<B>;
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-train-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    tandem_model::testing::scratch_dir(&format!("train-test-{name}"))
 }
 
 const TAPS: [TapId; 3] = [TapId::Block(1), TapId::Block(2), TapId::Block(3)];

@@ -43,11 +43,7 @@ pub fn smollm2_dir() -> PathBuf {
 
 /// A fresh, empty directory for one test.
 pub fn temp_dir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("tandem-replay-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    tandem_model::testing::scratch_dir(&format!("replay-test-{name}"))
 }
 
 /// The tiny target's directory (written once per test binary).
