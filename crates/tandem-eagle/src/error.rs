@@ -114,16 +114,8 @@ pub enum EagleError {
         reason: String,
     },
 
-    /// The serving KV cache has no room for a step.
-    #[error("draft KV cache is full: {needed} columns needed, capacity {capacity}")]
-    CacheFull {
-        /// Columns the step needs in total.
-        needed: usize,
-        /// Columns the cache has.
-        capacity: usize,
-    },
-
-    /// A target-side error (config resolution of the shared Llama pieces).
+    /// A target-side error: config resolution of the shared Llama pieces, or the serving
+    /// cache's column bookkeeping (shared with the target's cache), e.g. a full cache.
     #[error(transparent)]
     Model(#[from] tandem_model::ModelError),
 }

@@ -31,6 +31,7 @@ use burn::tensor::TensorData;
 use burn::tensor::activation::{silu, softmax};
 use rand::{Rng, SeedableRng};
 use tandem_model::StepInput;
+use tandem_model::cache::{ColumnLayout, append_rows, compact_columns, remove_row};
 
 use crate::config::DraftSpec;
 use crate::error::EagleError;
@@ -613,9 +614,9 @@ impl<B: Backend> Eagle3Draft<B> {
             &device,
         );
         let mask = cache.attention_mask(step, self.spec.groups());
-        let total = cache.used + step.width;
+        let total = cache.used() + step.width;
         let mut context = CacheAttention {
-            start: cache.used,
+            start: cache.used(),
             mask: Tensor::from_data(
                 TensorData::new(
                     mask,
@@ -768,16 +769,14 @@ impl<B: Backend> AttentionContext<B> for CacheAttention<'_, B> {
 }
 
 /// The draft's serving KV cache: keys and values `[batch, kv_heads, capacity, head_dim]` of the
-/// one layer, with per-sequence column validity (as the target's cache: padding of a shorter
-/// sequence and discarded tree branches are invalid columns).
+/// one layer, with the same per-sequence column bookkeeping as the target's cache
+/// ([`ColumnLayout`]: padding of a shorter sequence and discarded tree branches are invalid
+/// columns; sequences join and leave by row).
 #[derive(Debug, Clone)]
 pub struct DraftCache<B: Backend> {
     keys: Tensor<B, 4>,
     values: Tensor<B, 4>,
-    capacity: usize,
-    used: usize,
-    valid: Vec<Vec<bool>>,
-    next_position: Vec<usize>,
+    layout: ColumnLayout,
 }
 
 impl<B: Backend> DraftCache<B> {
@@ -793,162 +792,93 @@ impl<B: Backend> DraftCache<B> {
         DraftCache {
             keys: zeros(),
             values: zeros(),
-            capacity,
-            used: 0,
-            valid: vec![Vec::new(); batch],
-            next_position: vec![0; batch],
+            layout: ColumnLayout::new(batch, capacity),
         }
     }
 
+    /// The column bookkeeping (what each sequence owns).
+    pub fn layout(&self) -> &ColumnLayout {
+        &self.layout
+    }
     /// Sequences in the cache.
     pub fn batch(&self) -> usize {
-        self.next_position.len()
+        self.layout.batch()
     }
     /// Columns the cache can hold.
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.layout.capacity()
     }
     /// Columns written so far.
     pub fn used(&self) -> usize {
-        self.used
+        self.layout.used()
     }
     /// Next RoPE position of sequence `b` (= number of valid columns it owns).
     pub fn seq_len(&self, b: usize) -> usize {
-        self.next_position[b]
+        self.layout.seq_len(b)
     }
 
     /// A causal chunk per sequence (draft extend over accepted tokens): positions continue
     /// from each sequence's length. Empty slices add nothing to their sequence.
     pub fn prefill_step(&self, chunks: &[&[u32]]) -> Result<StepInput, EagleError> {
-        self.check_batch(chunks.len())?;
-        let width = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
-        if width == 0 {
-            return Err(EagleError::Input {
-                reason: "every chunk of the draft step is empty".to_owned(),
-            });
-        }
-        let mut step = empty_step(chunks.len(), width);
-        for (b, chunk) in chunks.iter().enumerate() {
-            for (i, &token) in chunk.iter().enumerate() {
-                let slot = b * width + i;
-                step.tokens[slot] = token;
-                step.positions[slot] = self.next_position[b] + i;
-                step.real[slot] = true;
-                for j in 0..=i {
-                    step.sees[slot * width + j] = true;
-                }
-            }
-        }
-        Ok(step)
+        Ok(self.layout.prefill_step(chunks)?)
     }
 
     /// One draft token per sequence (a chain draft step).
     pub fn decode_step(&self, tokens: &[u32]) -> Result<StepInput, EagleError> {
-        let chunks: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
-        self.prefill_step(&chunks)
+        Ok(self.layout.decode_step(tokens)?)
     }
 
     /// A tree of draft tokens per sequence: `tokens[i]` has parent `parents[i]` (`None` = child
     /// of the cached prefix), parents before children; a node sees the prefix, its ancestors
     /// and itself, at position prefix length + depth.
     pub fn tree_step(&self, trees: &[(&[u32], &[Option<usize>])]) -> Result<StepInput, EagleError> {
-        self.check_batch(trees.len())?;
-        let width = trees.iter().map(|(t, _)| t.len()).max().unwrap_or(0);
-        if width == 0 {
-            return Err(EagleError::Input {
-                reason: "every tree of the draft step is empty".to_owned(),
-            });
-        }
-        let mut step = empty_step(trees.len(), width);
-        for (b, (tokens, parents)) in trees.iter().enumerate() {
-            if tokens.len() != parents.len() {
-                return Err(EagleError::Input {
-                    reason: format!(
-                        "tree {b}: {} tokens but {} parent entries",
-                        tokens.len(),
-                        parents.len()
-                    ),
-                });
-            }
-            let mut depth = vec![0usize; tokens.len()];
-            for i in 0..tokens.len() {
-                let slot = b * width + i;
-                step.tokens[slot] = tokens[i];
-                step.real[slot] = true;
-                step.sees[slot * width + i] = true;
-                if let Some(p) = parents[i] {
-                    if p >= i {
-                        return Err(EagleError::Input {
-                            reason: format!(
-                                "tree {b}: node {i} has parent {p}, which does not precede it"
-                            ),
-                        });
-                    }
-                    depth[i] = depth[p] + 1;
-                    for j in 0..i {
-                        if step.sees[(b * width + p) * width + j] {
-                            step.sees[slot * width + j] = true;
-                        }
-                    }
-                }
-                step.positions[slot] = self.next_position[b] + depth[i];
-            }
-        }
-        Ok(step)
+        Ok(self.layout.tree_step(trees)?)
     }
 
     /// Forgets every column from `columns` on (the draft steps of a round, before the next
     /// extend over the tokens the target accepted). Lengths become the valid columns left.
     pub fn rollback(&mut self, columns: usize) {
-        let columns = columns.min(self.used);
-        self.used = columns;
-        for (b, valid) in self.valid.iter_mut().enumerate() {
-            valid.truncate(columns);
-            self.next_position[b] = valid.iter().filter(|v| **v).count();
-        }
+        self.layout.rollback(columns)
     }
 
     /// After a tree step of width `step_width`: keep only the `accepted` slots of sequence `b`
     /// (a root-to-leaf path), the others become invisible.
     pub fn keep_only(&mut self, b: usize, step_width: usize, accepted: &[usize]) {
-        let start = self.used - step_width;
-        for i in 0..step_width {
-            if !accepted.contains(&i) {
-                self.valid[b][start + i] = false;
-            }
-        }
-        self.next_position[b] = self.valid[b].iter().filter(|v| **v).count();
+        self.layout.keep_only(b, step_width, accepted)
     }
 
-    fn check_batch(&self, got: usize) -> Result<(), EagleError> {
-        if got != self.batch() {
-            return Err(EagleError::Input {
-                reason: format!("step has {got} sequences, the draft cache {}", self.batch()),
-            });
-        }
+    /// Moves the sequences of `other` (same head and capacity) into this batch, after its rows.
+    pub fn append(&mut self, other: DraftCache<B>) -> Result<(), EagleError> {
+        self.layout.append(other.layout)?;
+        self.keys = append_rows(self.keys.clone(), other.keys);
+        self.values = append_rows(self.values.clone(), other.values);
         Ok(())
+    }
+
+    /// Drops sequence `b`; later rows move up. The last sequence cannot be removed: drop the
+    /// cache instead.
+    pub fn remove(&mut self, b: usize) {
+        assert!(
+            self.batch() > 1,
+            "remove the last sequence by dropping the cache"
+        );
+        self.layout.remove(b);
+        self.keys = remove_row(self.keys.clone(), b);
+        self.values = remove_row(self.values.clone(), b);
+    }
+
+    /// Moves every sequence's columns to the front (see [`KvCache::compact`]).
+    ///
+    /// [`KvCache::compact`]: tandem_model::KvCache::compact
+    pub fn compact(&mut self) {
+        let plan = self.layout.compaction_plan();
+        self.keys = compact_columns(self.keys.clone(), &plan);
+        self.values = compact_columns(self.values.clone(), &plan);
+        self.layout.compact();
     }
 
     fn check(&self, step: &StepInput) -> Result<(), EagleError> {
-        self.check_batch(step.batch)?;
-        let needed = self.used + step.width;
-        if needed > self.capacity {
-            return Err(EagleError::CacheFull {
-                needed,
-                capacity: self.capacity,
-            });
-        }
-        let n = step.batch * step.width;
-        if step.tokens.len() != n
-            || step.positions.len() != n
-            || step.real.len() != n
-            || step.sees.len() != n * step.width
-        {
-            return Err(EagleError::Input {
-                reason: "step input vectors do not match its batch and width".to_owned(),
-            });
-        }
-        Ok(())
+        Ok(self.layout.check_step(step)?)
     }
 
     /// Writes `k`, `v` (`[batch, kv_heads, width, hd]`) at column `start`; returns the whole
@@ -973,58 +903,11 @@ impl<B: Backend> DraftCache<B> {
 
     /// Additive mask `[batch, 1, groups * width, used + width]`, row-major: 0 where visible.
     fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
-        let total = self.used + step.width;
-        let mut mask = vec![f32::NEG_INFINITY; step.batch * groups * step.width * total];
-        for b in 0..step.batch {
-            for i in 0..step.width {
-                let slot = b * step.width + i;
-                let mut row = vec![f32::NEG_INFINITY; total];
-                if step.real[slot] {
-                    for (col, &ok) in self.valid[b].iter().enumerate() {
-                        if ok {
-                            row[col] = 0.0;
-                        }
-                    }
-                    for j in 0..step.width {
-                        if step.sees[slot * step.width + j] {
-                            row[self.used + j] = 0.0;
-                        }
-                    }
-                } else {
-                    // Padding attends to itself only; its output is never read.
-                    row[self.used + i] = 0.0;
-                }
-                for g in 0..groups {
-                    let start = ((b * groups + g) * step.width + i) * total;
-                    mask[start..start + total].copy_from_slice(&row);
-                }
-            }
-        }
-        mask
+        self.layout.attention_mask(step, groups)
     }
 
     fn advance(&mut self, step: &StepInput) {
-        for b in 0..step.batch {
-            let mut committed = 0;
-            for i in 0..step.width {
-                let real = step.real[b * step.width + i];
-                self.valid[b].push(real);
-                committed += usize::from(real);
-            }
-            self.next_position[b] += committed;
-        }
-        self.used += step.width;
-    }
-}
-
-fn empty_step(batch: usize, width: usize) -> StepInput {
-    StepInput {
-        batch,
-        width,
-        tokens: vec![0; batch * width],
-        positions: vec![0; batch * width],
-        sees: vec![false; batch * width * width],
-        real: vec![false; batch * width],
+        self.layout.advance(step)
     }
 }
 

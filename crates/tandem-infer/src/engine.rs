@@ -152,9 +152,400 @@ fn floats<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .expect("floats")
 }
 
+/// One request to a [`RunningBatch`]: its own prompt, budget, stop tokens and sampling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The caller's handle; unique within the batch.
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub stop_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Seed of this request's own sampling stream (results do not depend on batch-mates).
+    pub seed: u64,
+}
+
+/// What one sequence produced in one [`SpecEngine::admit`] or [`SpecEngine::step`] call.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    pub id: u64,
+    /// Tokens committed by this call (a stop token is not included).
+    pub tokens: Vec<u32>,
+    /// Draft tokens accepted in this round (`None` for the admission's first token).
+    pub accepted: Option<usize>,
+    /// The whole output once the sequence has finished; it has then left the batch.
+    pub finished: Option<SpecOutput>,
+}
+
+struct Sequence<B: Backend> {
+    request: Request,
+    root: Root<B>,
+    output: SpecOutput,
+    rng: rand::rngs::StdRng,
+    done: bool,
+}
+
+/// The sequences decoding together, with their target and draft caches (one row each).
+/// Requests join ([`SpecEngine::admit`]) and leave (finish or [`SpecEngine::cancel`]) between
+/// rounds; columns freed by rejected drafts and departed sequences are reclaimed by compaction
+/// when the cache runs out of room.
+pub struct RunningBatch<B: Backend> {
+    caches: Option<(KvCache<B>, DraftCache<B>)>,
+    sequences: Vec<Sequence<B>>,
+    capacity: usize,
+    draft_capacity: usize,
+    /// Time spent so far, by phase.
+    pub timings: Timings,
+    /// Compactions run so far.
+    pub compactions: usize,
+}
+
+impl<B: Backend> RunningBatch<B> {
+    pub fn len(&self) -> usize {
+        self.sequences.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+    /// Ids of the running requests, in row order.
+    pub fn ids(&self) -> Vec<u64> {
+        self.sequences.iter().map(|s| s.request.id).collect()
+    }
+    /// Token columns of the target cache (the longest context a sequence can reach).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn remove(&mut self, row: usize) -> Sequence<B> {
+        if self.sequences.len() == 1 {
+            self.caches = None;
+        } else if let Some((cache, dcache)) = &mut self.caches {
+            cache.remove(row);
+            dcache.remove(row);
+        }
+        self.sequences.remove(row)
+    }
+}
+
 impl<B: Backend> SpecEngine<'_, B> {
+    /// Extra draft-cache columns a round may use beyond the target's: the scratch of the draft
+    /// steps (rolled back every round).
+    fn draft_scratch(&self) -> usize {
+        let cfg = &self.config;
+        2 * cfg.num_draft_tokens + cfg.num_steps * cfg.topk * (cfg.num_steps + 1) + 8
+    }
+
+    /// An empty running batch whose sequences may each reach `capacity` tokens.
+    pub fn new_batch(&self, capacity: usize) -> RunningBatch<B> {
+        RunningBatch {
+            caches: None,
+            sequences: Vec::new(),
+            capacity,
+            draft_capacity: capacity + self.draft_scratch(),
+            timings: Timings::default(),
+            compactions: 0,
+        }
+    }
+
+    /// Checks a request against the engine and the batch before anything runs.
+    pub fn check_request(&self, batch: &RunningBatch<B>, r: &Request) -> Result<(), InferError> {
+        r.sampling.validate()?;
+        if r.prompt.is_empty() {
+            return Err(InferError::Request {
+                reason: "the prompt is empty: it must have at least one token".into(),
+            });
+        }
+        let vocab = self.target.spec.vocab_size;
+        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(InferError::Request {
+                reason: format!("prompt token {t} is outside the vocabulary of {vocab}"),
+            });
+        }
+        if r.max_new_tokens == 0 {
+            return Err(InferError::Request {
+                reason: "max_new_tokens must be at least 1".into(),
+            });
+        }
+        let room = self.max_prompt_len(batch);
+        if r.prompt.len() > room {
+            return Err(InferError::Request {
+                reason: format!(
+                    "a prompt of {} tokens does not fit the context: at most {room} tokens \
+                     leave room for one speculative round in {} columns",
+                    r.prompt.len(),
+                    batch.capacity
+                ),
+            });
+        }
+        if batch.sequences.iter().any(|s| s.request.id == r.id) {
+            return Err(InferError::Request {
+                reason: format!("request id {} is already running", r.id),
+            });
+        }
+        Ok(())
+    }
+
+    /// The longest prompt `batch` accepts: one speculative round must still fit after it.
+    pub fn max_prompt_len(&self, batch: &RunningBatch<B>) -> usize {
+        batch
+            .capacity
+            .saturating_sub(self.config.num_draft_tokens + 1)
+    }
+
+    /// Prefills `requests` on their own (target prefill with taps, first token, draft extend)
+    /// and moves them into the running batch. Requests are all checked first: one bad request
+    /// refuses the call and changes nothing.
+    pub fn admit(
+        &self,
+        batch: &mut RunningBatch<B>,
+        requests: Vec<Request>,
+    ) -> Result<Vec<Progress>, InferError> {
+        self.config.validate()?;
+        for r in &requests {
+            self.check_request(batch, r)?;
+        }
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = requests.len();
+        let t0 = Instant::now();
+        let mut cache = self.target.new_cache(n, batch.capacity);
+        let mut dcache = self.draft.new_cache(n, batch.draft_capacity);
+        let refs: Vec<&[u32]> = requests.iter().map(|r| r.prompt.as_slice()).collect();
+        let step = cache.prefill_step(&refs)?;
+        let out = self
+            .target
+            .forward(&step, &mut cache, &self.taps, LogitsFor::Last)?;
+        let mut rngs: Vec<rand::rngs::StdRng> = requests
+            .iter()
+            .map(|r| rand::rngs::StdRng::seed_from_u64(r.seed))
+            .collect();
+        let params: Vec<SamplingParams> = requests.iter().map(|r| r.sampling).collect();
+        let first = pick(out.logits.expect("asked for logits"), &params, &mut rngs);
+        batch.timings.prefill_s += t0.elapsed().as_secs_f64();
+
+        // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
+        // the first generated token).
+        let t0 = Instant::now();
+        let chunks: Vec<Vec<u32>> = requests
+            .iter()
+            .zip(&first)
+            .map(|(r, &f)| r.prompt[1..].iter().copied().chain([f]).collect())
+            .collect();
+        let aux = out.taps.concatenated().expect("the engine requests taps");
+        let roots = self.extend(&mut dcache, &chunks, aux, &first)?;
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+
+        match &mut batch.caches {
+            None => batch.caches = Some((cache, dcache)),
+            Some((c, d)) => {
+                c.append(cache)?;
+                d.append(dcache)?;
+            }
+        }
+        let mut progress = Vec::with_capacity(n);
+        for ((request, root), (rng, &token)) in requests
+            .into_iter()
+            .zip(roots)
+            .zip(rngs.into_iter().zip(&first))
+        {
+            let mut seq = Sequence {
+                output: SpecOutput {
+                    tokens: Vec::new(),
+                    finish: Finish::Length,
+                    stats: AcceptanceStats::new(self.config.num_steps),
+                },
+                request,
+                root,
+                rng,
+                done: false,
+            };
+            commit(&mut seq, &[token]);
+            progress.push(Progress {
+                id: seq.request.id,
+                tokens: seq.output.tokens.clone(),
+                accepted: None,
+                finished: None,
+            });
+            batch.sequences.push(seq);
+        }
+        self.retire(batch, &mut progress);
+        Ok(progress)
+    }
+
+    /// Removes a request from the batch (a client went away); its output so far is returned.
+    pub fn cancel(&self, batch: &mut RunningBatch<B>, id: u64) -> Option<SpecOutput> {
+        let row = batch.sequences.iter().position(|s| s.request.id == id)?;
+        Some(batch.remove(row).output)
+    }
+
+    /// Moves finished sequences out of the batch, filling in their `finished` output.
+    fn retire(&self, batch: &mut RunningBatch<B>, progress: &mut [Progress]) {
+        for row in (0..batch.sequences.len()).rev() {
+            if batch.sequences[row].done {
+                let seq = batch.remove(row);
+                if let Some(p) = progress.iter_mut().find(|p| p.id == seq.request.id) {
+                    p.finished = Some(seq.output);
+                }
+            }
+        }
+    }
+
+    /// Makes room for one round: compacts both caches when either would overflow, and ends the
+    /// sequences that no longer fit even then (`Finish::ContextFull`).
+    fn make_room(&self, batch: &mut RunningBatch<B>, progress: &mut Vec<Progress>) {
+        let width = self.config.num_draft_tokens;
+        let scratch = self.draft_scratch();
+        let needs_room = |batch: &RunningBatch<B>| match &batch.caches {
+            Some((c, d)) => {
+                c.used() + width > c.capacity() || d.used() + width + scratch > d.capacity()
+            }
+            None => false,
+        };
+        if !needs_room(batch) {
+            return;
+        }
+        let t0 = Instant::now();
+        if let Some((c, d)) = &mut batch.caches {
+            c.compact();
+            d.compact();
+        }
+        batch.compactions += 1;
+        let mut full = Vec::new();
+        if let Some((c, _)) = &batch.caches {
+            for (row, seq) in batch.sequences.iter_mut().enumerate() {
+                if c.seq_len(row) + width > c.capacity() {
+                    seq.output.finish = Finish::ContextFull;
+                    seq.done = true;
+                    full.push(seq.request.id);
+                }
+            }
+        }
+        for id in full {
+            progress.push(Progress {
+                id,
+                tokens: Vec::new(),
+                accepted: None,
+                finished: None,
+            });
+        }
+        self.retire(batch, progress);
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+    }
+
+    /// One speculative round for every running sequence: draft, verify with the target (one
+    /// tree step for the batch), accept, commit, draft extend over what was accepted.
+    /// Sequences that finish leave the batch.
+    pub fn step(&self, batch: &mut RunningBatch<B>) -> Result<Vec<Progress>, InferError> {
+        let mut progress = Vec::new();
+        self.make_room(batch, &mut progress);
+        let Some((cache, dcache)) = &mut batch.caches else {
+            return Ok(progress);
+        };
+
+        // Draft.
+        let t0 = Instant::now();
+        let draft_columns = dcache.used();
+        let roots: Vec<&Root<B>> = batch.sequences.iter().map(|s| &s.root).collect();
+        let trees = self.draft_trees(&roots, dcache)?;
+        dcache.rollback(draft_columns);
+        batch.timings.draft_s += t0.elapsed().as_secs_f64();
+
+        // Verify the trees with the target (one tree step for the whole batch).
+        let t0 = Instant::now();
+        let tree_refs: Vec<(&[u32], &[Option<usize>])> = trees
+            .iter()
+            .map(|t| (t.tokens.as_slice(), t.parents.as_slice()))
+            .collect();
+        let step = cache.tree_step(&tree_refs)?;
+        let verify_width = step.width;
+        let out = self
+            .target
+            .forward(&step, cache, &self.taps, LogitsFor::All)?;
+        let logits = out.logits.expect("asked for logits");
+        let greedy = |s: &Sequence<B>| s.request.sampling.is_greedy();
+        let argmax = batch
+            .sequences
+            .iter()
+            .any(greedy)
+            .then(|| ints(logits.clone().argmax(2)));
+        let host = (!batch.sequences.iter().all(greedy)).then(|| floats(logits));
+        let vocab = self.target.spec.vocab_size;
+        let acceptances: Vec<Acceptance> = trees
+            .iter()
+            .zip(batch.sequences.iter_mut())
+            .enumerate()
+            .map(|(b, (tree, seq))| match (&argmax, &host) {
+                (Some(argmax), _) if seq.request.sampling.is_greedy() => {
+                    let row: Vec<u32> = argmax[b * verify_width..b * verify_width + tree.len()]
+                        .iter()
+                        .map(|&i| i as u32)
+                        .collect();
+                    verify_greedy(tree, &row)
+                }
+                (_, Some(host)) => {
+                    let params = seq.request.sampling;
+                    verify_sampling(
+                        tree,
+                        |node| {
+                            let at = (b * verify_width + node) * vocab;
+                            distribution(&host[at..at + vocab], &params)
+                        },
+                        &mut seq.rng,
+                    )
+                }
+                _ => unreachable!("argmax is computed for greedy rows, host logits for the rest"),
+            })
+            .collect();
+        batch.timings.verify_s += t0.elapsed().as_secs_f64();
+
+        // Commit: keep the accepted path in the target cache; record statistics.
+        let t0 = Instant::now();
+        let rows = trees.len();
+        let mut chunks = Vec::with_capacity(rows);
+        let mut aux_rows = Vec::with_capacity(rows);
+        let mut last_tokens = Vec::with_capacity(rows);
+        for (b, ((tree, acc), seq)) in trees
+            .iter()
+            .zip(&acceptances)
+            .zip(batch.sequences.iter_mut())
+            .enumerate()
+        {
+            let path = acc.path_with_root();
+            cache.keep_only(b, verify_width, &path);
+            let committed = acc.committed_tokens(tree);
+            let depth = tree.depth.iter().copied().max().unwrap_or(0);
+            seq.output.stats.record(acc.accepted.len(), depth);
+            let before = seq.output.tokens.len();
+            commit(seq, &committed);
+            progress.push(Progress {
+                id: seq.request.id,
+                tokens: seq.output.tokens[before..].to_vec(),
+                accepted: Some(acc.accepted.len()),
+                finished: None,
+            });
+            last_tokens.push(*committed.last().expect("bonus token"));
+            aux_rows.push(
+                path.iter()
+                    .map(|&n| b * verify_width + n)
+                    .collect::<Vec<_>>(),
+            );
+            chunks.push(committed);
+        }
+        let aux = out.taps.concatenated().expect("the engine requests taps");
+        let aux = gather_rows(aux, &aux_rows);
+        let roots = self.extend(dcache, &chunks, aux, &last_tokens)?;
+        for (seq, root) in batch.sequences.iter_mut().zip(roots) {
+            seq.root = root;
+        }
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        self.retire(batch, &mut progress);
+        Ok(progress)
+    }
+
     /// Generates up to `max_new_tokens` for each prompt together. Greedy output equals
     /// target-only greedy output; sampled output follows the target distribution exactly.
+    /// Sequence `i` samples from its own stream seeded `config.seed + i`.
     pub fn generate(
         &self,
         prompts: &[Vec<u32>],
@@ -162,9 +553,9 @@ impl<B: Backend> SpecEngine<'_, B> {
         stop_ids: &[u32],
     ) -> Result<BatchOutput, InferError> {
         self.config.validate()?;
-        if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+        if prompts.is_empty() {
             return Err(InferError::Request {
-                reason: "every prompt must have at least one token".into(),
+                reason: "no prompts to generate from".into(),
             });
         }
         let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -176,206 +567,41 @@ impl<B: Backend> SpecEngine<'_, B> {
                 ),
             });
         }
-        let batch = prompts.len();
-        let cfg = self.config;
-        let width = cfg.num_draft_tokens;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-        let mut timings = Timings::default();
-        let target_capacity = max_prompt + (max_new_tokens + 1) * width + 1;
-        let mut cache = self.target.new_cache(batch, target_capacity);
-        let draft_capacity = max_prompt
-            + max_new_tokens
-            + 2 * width
-            + cfg.num_steps * cfg.topk * (cfg.num_steps + 1)
-            + 8;
-        let mut dcache = self.draft.new_cache(batch, draft_capacity);
-
-        // Target prefill, taps through the hook.
-        let t0 = Instant::now();
-        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-        let step = cache.prefill_step(&refs)?;
-        let out = self
-            .target
-            .forward(&step, &mut cache, &self.taps, LogitsFor::Last)?;
-        let first = self.pick(out.logits.expect("asked for logits"), &mut rng);
-        timings.prefill_s += t0.elapsed().as_secs_f64();
-
-        let mut outputs: Vec<SpecOutput> = (0..batch)
-            .map(|_| SpecOutput {
-                tokens: Vec::new(),
-                finish: Finish::Length,
-                stats: AcceptanceStats::new(cfg.num_steps),
+        // Room for every round without compaction: each round takes at most one tree's width.
+        let width = self.config.num_draft_tokens;
+        let mut batch = self.new_batch(max_prompt + (max_new_tokens + 1) * width + 1);
+        let requests = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| Request {
+                id: i as u64,
+                prompt: prompt.clone(),
+                max_new_tokens,
+                stop_ids: stop_ids.to_vec(),
+                sampling: self.config.sampling,
+                seed: self.config.seed.wrapping_add(i as u64),
             })
             .collect();
-        let mut done = vec![false; batch];
-        for b in 0..batch {
-            self.commit(
-                &mut outputs[b],
-                &mut done[b],
-                &[first[b]],
-                max_new_tokens,
-                stop_ids,
-            );
-        }
-
-        // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
-        // the first generated token).
-        let t0 = Instant::now();
-        let chunks: Vec<Vec<u32>> = prompts
-            .iter()
-            .zip(&first)
-            .map(|(p, &f)| p[1..].iter().copied().chain([f]).collect())
-            .collect();
-        let aux = out.taps.concatenated().expect("the engine requests taps");
-        let mut roots = self.extend(&mut dcache, &chunks, aux, &first)?;
-        timings.extend_s += t0.elapsed().as_secs_f64();
-
-        while done.iter().any(|d| !d) {
-            if cache.used() + width > cache.capacity() {
-                for b in 0..batch {
-                    if !done[b] {
-                        outputs[b].finish = Finish::ContextFull;
-                        done[b] = true;
-                    }
+        let mut outputs: Vec<Option<SpecOutput>> = vec![None; prompts.len()];
+        let mut progress = self.admit(&mut batch, requests)?;
+        loop {
+            for p in progress {
+                if let Some(out) = p.finished {
+                    outputs[p.id as usize] = Some(out);
                 }
+            }
+            if batch.is_empty() {
                 break;
             }
-            // Draft.
-            let t0 = Instant::now();
-            let draft_columns = dcache.used();
-            let trees = self.draft_trees(&roots, &mut dcache)?;
-            dcache.rollback(draft_columns);
-            timings.draft_s += t0.elapsed().as_secs_f64();
-
-            // Verify the trees with the target (one tree step for the whole batch).
-            let t0 = Instant::now();
-            let tree_refs: Vec<(&[u32], &[Option<usize>])> = trees
-                .iter()
-                .map(|t| (t.tokens.as_slice(), t.parents.as_slice()))
-                .collect();
-            let step = cache.tree_step(&tree_refs)?;
-            let verify_width = step.width;
-            let out = self
-                .target
-                .forward(&step, &mut cache, &self.taps, LogitsFor::All)?;
-            let logits = out.logits.expect("asked for logits");
-            let acceptances: Vec<Acceptance> = if cfg.sampling.is_greedy() {
-                let argmax = ints(logits.argmax(2));
-                trees
-                    .iter()
-                    .enumerate()
-                    .map(|(b, tree)| {
-                        let row: Vec<u32> = argmax[b * verify_width..b * verify_width + tree.len()]
-                            .iter()
-                            .map(|&i| i as u32)
-                            .collect();
-                        verify_greedy(tree, &row)
-                    })
-                    .collect()
-            } else {
-                let host = floats(logits);
-                let vocab = self.target.spec.vocab_size;
-                trees
-                    .iter()
-                    .enumerate()
-                    .map(|(b, tree)| {
-                        verify_sampling(
-                            tree,
-                            |node| {
-                                let at = (b * verify_width + node) * vocab;
-                                distribution(&host[at..at + vocab], &cfg.sampling)
-                            },
-                            &mut rng,
-                        )
-                    })
-                    .collect()
-            };
-            timings.verify_s += t0.elapsed().as_secs_f64();
-
-            // Commit: keep the accepted path in the target cache; record statistics.
-            let t0 = Instant::now();
-            let mut chunks = Vec::with_capacity(batch);
-            let mut aux_rows = Vec::with_capacity(batch);
-            let mut last_tokens = Vec::with_capacity(batch);
-            for (b, (tree, acc)) in trees.iter().zip(&acceptances).enumerate() {
-                let path = acc.path_with_root();
-                cache.keep_only(b, verify_width, &path);
-                let committed = acc.committed_tokens(tree);
-                if !done[b] {
-                    let depth = tree.depth.iter().copied().max().unwrap_or(0);
-                    outputs[b].stats.record(acc.accepted.len(), depth);
-                    self.commit(
-                        &mut outputs[b],
-                        &mut done[b],
-                        &committed,
-                        max_new_tokens,
-                        stop_ids,
-                    );
-                }
-                last_tokens.push(*committed.last().expect("bonus token"));
-                aux_rows.push(
-                    path.iter()
-                        .map(|&n| b * verify_width + n)
-                        .collect::<Vec<_>>(),
-                );
-                chunks.push(committed);
-            }
-            let aux = out.taps.concatenated().expect("the engine requests taps");
-            let aux = gather_rows(aux, &aux_rows);
-            roots = self.extend(&mut dcache, &chunks, aux, &last_tokens)?;
-            timings.extend_s += t0.elapsed().as_secs_f64();
+            progress = self.step(&mut batch)?;
         }
         Ok(BatchOutput {
-            sequences: outputs,
-            timings,
-        })
-    }
-
-    /// Appends committed tokens, stopping at a stop token or the length limit.
-    fn commit(
-        &self,
-        out: &mut SpecOutput,
-        done: &mut bool,
-        tokens: &[u32],
-        max_new: usize,
-        stop_ids: &[u32],
-    ) {
-        for &t in tokens {
-            if *done {
-                return;
-            }
-            if stop_ids.contains(&t) {
-                out.finish = Finish::Stop;
-                *done = true;
-                return;
-            }
-            out.tokens.push(t);
-            if out.tokens.len() >= max_new {
-                out.finish = Finish::Length;
-                *done = true;
-            }
-        }
-    }
-
-    /// Next token per sequence from `[batch, 1, vocab]` target logits.
-    fn pick(&self, logits: Tensor<B, 3>, rng: &mut rand::rngs::StdRng) -> Vec<u32> {
-        if self.config.sampling.is_greedy() {
-            ints(logits.argmax(2))
+            sequences: outputs
                 .into_iter()
-                .map(|i| i as u32)
-                .collect()
-        } else {
-            let [b, _, v] = logits.dims();
-            let host = floats(logits);
-            (0..b)
-                .map(|i| {
-                    sample_from(
-                        &distribution(&host[i * v..(i + 1) * v], &self.config.sampling),
-                        rng,
-                    ) as u32
-                })
-                .collect()
-        }
+                .map(|o| o.expect("every sequence finishes"))
+                .collect(),
+            timings: batch.timings,
+        })
     }
 
     /// Draft extend over per-sequence chunks (`chunks[b][j]` pairs with `aux[b, j]`), returning
@@ -415,7 +641,7 @@ impl<B: Backend> SpecEngine<'_, B> {
     /// otherwise). Draft-step keys are written to `dcache`; the caller rolls them back.
     fn draft_trees(
         &self,
-        roots: &[Root<B>],
+        roots: &[&Root<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
         if self.config.topk == 1 {
@@ -427,7 +653,7 @@ impl<B: Backend> SpecEngine<'_, B> {
 
     fn draft_chains(
         &self,
-        roots: &[Root<B>],
+        roots: &[&Root<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
         let batch = roots.len();
@@ -469,7 +695,7 @@ impl<B: Backend> SpecEngine<'_, B> {
     /// beam attends to exactly its own ancestors.
     fn draft_beams(
         &self,
-        roots: &[Root<B>],
+        roots: &[&Root<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
         let k = self.config.topk;
@@ -604,6 +830,49 @@ impl<B: Backend> SpecEngine<'_, B> {
             .map(|(r, builder)| Ok(builder.build(r.token, self.config.num_draft_tokens)?))
             .collect()
     }
+}
+
+/// Appends committed tokens, stopping at a stop token or the length limit.
+fn commit<B: Backend>(seq: &mut Sequence<B>, tokens: &[u32]) {
+    for &t in tokens {
+        if seq.done {
+            return;
+        }
+        if seq.request.stop_ids.contains(&t) {
+            seq.output.finish = Finish::Stop;
+            seq.done = true;
+            return;
+        }
+        seq.output.tokens.push(t);
+        if seq.output.tokens.len() >= seq.request.max_new_tokens {
+            seq.output.finish = Finish::Length;
+            seq.done = true;
+        }
+    }
+}
+
+/// Next token per sequence from `[batch, 1, vocab]` target logits, each with its own sampling
+/// parameters and random stream.
+fn pick<B: Backend>(
+    logits: Tensor<B, 3>,
+    params: &[SamplingParams],
+    rngs: &mut [rand::rngs::StdRng],
+) -> Vec<u32> {
+    let [b, _, v] = logits.dims();
+    let argmax = ints(logits.clone().argmax(2));
+    let host = params
+        .iter()
+        .any(|p| !p.is_greedy())
+        .then(|| floats(logits));
+    (0..b)
+        .map(|i| match &host {
+            Some(host) if !params[i].is_greedy() => sample_from(
+                &distribution(&host[i * v..(i + 1) * v], &params[i]),
+                &mut rngs[i],
+            ) as u32,
+            _ => argmax[i] as u32,
+        })
+        .collect()
 }
 
 /// Selects rows of `aux: [batch, width, D]`: `rows[b]` are flat indices `b * width + i`;

@@ -9,7 +9,10 @@ pub mod tree;
 pub mod verify;
 pub mod wiring;
 
-pub use engine::{BatchOutput, Finish, InferError, SpecConfig, SpecEngine, SpecOutput, Timings};
+pub use engine::{
+    BatchOutput, Finish, InferError, Progress, Request, RunningBatch, SpecConfig, SpecEngine,
+    SpecOutput, Timings,
+};
 pub use stats::AcceptanceStats;
 pub use tree::{DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};

@@ -257,3 +257,118 @@ fn bad_requests_are_refused_by_name() {
     let err = hot.generate(&[vec![1]], 4, &[]).unwrap_err().to_string();
     assert!(err.contains("temperature"), "{err}");
 }
+
+/// The serving pattern: requests join a running batch between rounds, leave when done or
+/// cancelled, and a small cache forces compaction (and ends one sequence for a full context).
+/// Every finished greedy sequence still equals target-only greedy output.
+#[test]
+fn requests_join_and_leave_a_running_batch() {
+    use tandem_infer::{Finish, Request};
+    let (target, draft, taps) = setup("running-batch");
+    let engine = SpecEngine {
+        target: &target,
+        draft: &draft,
+        taps,
+        config: SpecConfig {
+            num_steps: 3,
+            topk: 2,
+            num_draft_tokens: 5,
+            sampling: SamplingParams::greedy(),
+            seed: 0,
+        },
+    };
+    let request = |id: u64, prompt: Vec<u32>, max_new_tokens: usize| Request {
+        id,
+        prompt,
+        max_new_tokens,
+        stop_ids: Vec::new(),
+        sampling: SamplingParams::greedy(),
+        seed: id,
+    };
+    let capacity = 40;
+    let mut batch = engine.new_batch(capacity);
+    let mut streamed: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+    let mut finished = std::collections::BTreeMap::new();
+    let mut record = |progress: Vec<tandem_infer::Progress>| {
+        for p in progress {
+            streamed.entry(p.id).or_default().extend(&p.tokens);
+            if let Some(out) = p.finished {
+                finished.insert(p.id, out);
+            }
+        }
+    };
+    let prompts = [
+        vec![3u32, 14, 15, 92, 65],
+        vec![2u32, 71, 82],
+        vec![9u32, 26, 53, 58, 79, 93, 23],
+        vec![5u32, 8],
+    ];
+    record(
+        engine
+            .admit(&mut batch, vec![request(0, prompts[0].clone(), 12)])
+            .unwrap(),
+    );
+    record(engine.step(&mut batch).unwrap());
+    record(
+        engine
+            .admit(
+                &mut batch,
+                vec![
+                    request(1, prompts[1].clone(), 30),
+                    request(2, prompts[2].clone(), 200),
+                ],
+            )
+            .unwrap(),
+    );
+    assert_eq!(batch.ids(), vec![0, 1, 2]);
+    for _ in 0..2 {
+        record(engine.step(&mut batch).unwrap());
+    }
+    let cancelled = engine.cancel(&mut batch, 1).expect("request 1 is running");
+    assert!(!cancelled.tokens.is_empty());
+    record(
+        engine
+            .admit(&mut batch, vec![request(3, prompts[3].clone(), 8)])
+            .unwrap(),
+    );
+    // A duplicate id and an over-long prompt are refused without touching the batch.
+    let before = batch.ids();
+    assert!(
+        engine
+            .admit(&mut batch, vec![request(3, vec![1], 4)])
+            .is_err()
+    );
+    assert!(
+        engine
+            .admit(&mut batch, vec![request(9, vec![1; capacity], 4)])
+            .is_err()
+    );
+    assert_eq!(batch.ids(), before);
+    while !batch.is_empty() {
+        record(engine.step(&mut batch).unwrap());
+    }
+    assert!(
+        batch.compactions > 0,
+        "the small cache must have been compacted"
+    );
+
+    for id in [0u64, 3] {
+        let out = &finished[&id];
+        let expected =
+            target_greedy(&target, &prompts[id as usize], out.tokens.len(), &[]).unwrap();
+        assert_eq!(out.finish, Finish::Length, "request {id}");
+        assert_eq!(out.tokens, expected, "request {id}");
+        assert_eq!(streamed[&id], out.tokens, "streamed pieces of request {id}");
+    }
+    // Request 2 wanted 200 tokens in 40 columns: it ends for a full context, its tokens still
+    // equal target greedy output, and it reached as far as one more round could not fit.
+    let out = &finished[&2];
+    assert_eq!(out.finish, Finish::ContextFull);
+    let expected = target_greedy(&target, &prompts[2], out.tokens.len(), &[]).unwrap();
+    assert_eq!(out.tokens, expected);
+    assert!(prompts[2].len() + out.tokens.len() + 5 > capacity);
+    assert!(
+        !finished.contains_key(&1),
+        "a cancelled request does not finish"
+    );
+}

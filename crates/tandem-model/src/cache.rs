@@ -6,19 +6,28 @@
 //! tree verification one code path, and committing an accepted tree path costs no copy.
 
 use burn::prelude::*;
+use burn::tensor::TensorData;
 
 use crate::error::ModelError;
 
 /// Per-layer key and value tensors, `[batch, kv_heads, capacity, head_dim]` each, plus the host
-/// bookkeeping that decides what each sequence may attend to.
+/// bookkeeping ([`ColumnLayout`]) that decides what each sequence may attend to.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
     pub(crate) keys: Vec<Tensor<B, 4>>,
     pub(crate) values: Vec<Tensor<B, 4>>,
+    layout: ColumnLayout,
+}
+
+/// Which cache columns each sequence owns, and each sequence's next RoPE position. Shared by
+/// the target's [`KvCache`] and the draft head's cache, so both build steps, masks, commits and
+/// row moves (a sequence joining or leaving a running batch) with the same code.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ColumnLayout {
     capacity: usize,
     /// Columns written so far (shared by the batch).
     used: usize,
-    /// `valid[b][col]`: sequence `b` may attend to cache column `col`.
+    /// `valid[b][col]` for `col < used`: sequence `b` may attend to cache column `col`.
     valid: Vec<Vec<bool>>,
     /// Next RoPE position of each sequence = number of tokens it has committed.
     next_position: Vec<usize>,
@@ -40,48 +49,14 @@ pub struct StepInput {
     pub real: Vec<bool>,
 }
 
-impl<B: Backend> KvCache<B> {
-    pub fn new(
-        num_layers: usize,
-        batch: usize,
-        num_kv_heads: usize,
-        head_dim: usize,
-        capacity: usize,
-        device: &B::Device,
-    ) -> Self {
-        let zeros = || Tensor::<B, 4>::zeros([batch, num_kv_heads, capacity, head_dim], device);
+impl ColumnLayout {
+    pub fn new(batch: usize, capacity: usize) -> Self {
         Self {
-            keys: (0..num_layers).map(|_| zeros()).collect(),
-            values: (0..num_layers).map(|_| zeros()).collect(),
             capacity,
             used: 0,
             valid: vec![Vec::new(); batch],
             next_position: vec![0; batch],
         }
-    }
-
-    /// Writes `k`, `v` (`[batch, kv_heads, width, head_dim]`) of layer `layer` at column
-    /// `start` and returns the updated cache tensors. The cache tensor is moved out before the
-    /// write so it is uniquely owned and the backend can update it in place instead of copying
-    /// the whole cache every layer.
-    pub(crate) fn write(
-        &mut self,
-        layer: usize,
-        start: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let [b, kvh, n, hd] = k.dims();
-        let range = [0..b, 0..kvh, start..start + n, 0..hd];
-        let device = k.device();
-        let placeholder = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
-        let keys =
-            std::mem::replace(&mut self.keys[layer], placeholder()).slice_assign(range.clone(), k);
-        let values =
-            std::mem::replace(&mut self.values[layer], placeholder()).slice_assign(range, v);
-        self.keys[layer] = keys.clone();
-        self.values[layer] = values.clone();
-        (keys, values)
     }
 
     pub fn batch(&self) -> usize {
@@ -189,10 +164,34 @@ impl<B: Backend> KvCache<B> {
         Ok(())
     }
 
+    /// Checks, before any tensor is written, that `step` is well formed for this batch and that
+    /// there is room for it.
+    pub fn check_step(&self, step: &StepInput) -> Result<(), ModelError> {
+        self.check_batch(step.batch)?;
+        let n = step.batch * step.width;
+        if step.tokens.len() != n
+            || step.positions.len() != n
+            || step.real.len() != n
+            || step.sees.len() != n * step.width
+        {
+            return Err(ModelError::InvalidStep {
+                reason: "step input vectors do not match its batch and width".into(),
+            });
+        }
+        let needed = self.used + step.width;
+        if needed > self.capacity {
+            return Err(ModelError::CacheFull {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
     /// Additive attention mask for `step`, `[batch * groups * width * (used + width)]` laid out
     /// as `[batch, 1, groups * width, used + width]`: 0 where visible, -inf elsewhere. The mask
     /// is repeated per query group so grouped-query attention needs no K/V copy.
-    pub(crate) fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
+    pub fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
         let total = self.used + step.width;
         let mut mask = vec![f32::NEG_INFINITY; step.batch * groups * step.width * total];
         for b in 0..step.batch {
@@ -224,21 +223,9 @@ impl<B: Backend> KvCache<B> {
         mask
     }
 
-    /// Checks there is room for `step` before any tensor is written.
-    pub(crate) fn reserve(&self, step: &StepInput) -> Result<(), ModelError> {
-        let needed = self.used + step.width;
-        if needed > self.capacity {
-            return Err(ModelError::CacheFull {
-                needed,
-                capacity: self.capacity,
-            });
-        }
-        Ok(())
-    }
-
     /// Records that `step` has been written at columns `used .. used + width`: real tokens become
     /// valid, padding stays invalid.
-    pub(crate) fn advance(&mut self, step: &StepInput) {
+    pub fn advance(&mut self, step: &StepInput) {
         for b in 0..step.batch {
             let mut committed = 0;
             for i in 0..step.width {
@@ -263,6 +250,228 @@ impl<B: Backend> KvCache<B> {
         }
         // Invariant: a sequence's committed length is its number of valid columns.
         self.next_position[b] = self.valid[b].iter().filter(|v| **v).count();
+    }
+
+    /// Forgets every column from `columns` on (e.g. the draft steps of a round). Lengths become
+    /// the valid columns left.
+    pub fn rollback(&mut self, columns: usize) {
+        let columns = columns.min(self.used);
+        self.used = columns;
+        for (b, valid) in self.valid.iter_mut().enumerate() {
+            valid.truncate(columns);
+            self.next_position[b] = valid.iter().filter(|v| **v).count();
+        }
+    }
+
+    /// Appends the sequences of `other` (same capacity) after this batch's. Each keeps the
+    /// columns it owns; columns past the shorter layout's `used` are invalid for its rows.
+    pub fn append(&mut self, other: ColumnLayout) -> Result<(), ModelError> {
+        if other.capacity != self.capacity {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "cannot join caches of {} and {} columns",
+                    self.capacity, other.capacity
+                ),
+            });
+        }
+        self.used = self.used.max(other.used);
+        self.valid.extend(other.valid);
+        self.next_position.extend(other.next_position);
+        for valid in &mut self.valid {
+            valid.resize(self.used, false);
+        }
+        Ok(())
+    }
+
+    /// Drops sequence `b`; the rows after it move up by one.
+    pub fn remove(&mut self, b: usize) {
+        self.valid.remove(b);
+        self.next_position.remove(b);
+        if self.valid.is_empty() {
+            self.used = 0;
+        }
+    }
+
+    /// For each sequence, the columns it owns, in order: where [`compact_columns`] moves them
+    /// (to `0..len`). Positions are baked into the cached keys, so moving columns keeps
+    /// attention exact.
+    pub fn compaction_plan(&self) -> Vec<Vec<usize>> {
+        self.valid
+            .iter()
+            .map(|valid| (0..valid.len()).filter(|&c| valid[c]).collect())
+            .collect()
+    }
+
+    /// The bookkeeping after [`compact_columns`] moved every sequence to the front.
+    pub fn compact(&mut self) {
+        self.used = self.next_position.iter().copied().max().unwrap_or(0);
+        for (valid, &len) in self.valid.iter_mut().zip(&self.next_position) {
+            *valid = (0..self.used).map(|c| c < len).collect();
+        }
+    }
+}
+
+/// Rows of `a` then rows of `b` (`[batch, kv_heads, capacity, head_dim]` both).
+pub fn append_rows<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> Tensor<B, 4> {
+    Tensor::cat(vec![a, b], 0)
+}
+
+/// `t` without row `row` (the batch must keep at least one row).
+pub fn remove_row<B: Backend>(t: Tensor<B, 4>, row: usize) -> Tensor<B, 4> {
+    let [batch, h, c, d] = t.dims();
+    let mut parts = Vec::with_capacity(2);
+    if row > 0 {
+        parts.push(t.clone().slice([0..row, 0..h, 0..c, 0..d]));
+    }
+    if row + 1 < batch {
+        parts.push(t.slice([row + 1..batch, 0..h, 0..c, 0..d]));
+    }
+    Tensor::cat(parts, 0)
+}
+
+/// Moves each row's columns `plan[b]` to the front (`0..plan[b].len()`), one gather for the
+/// whole tensor; the columns after them hold stale values the layout marks invalid.
+pub fn compact_columns<B: Backend>(t: Tensor<B, 4>, plan: &[Vec<usize>]) -> Tensor<B, 4> {
+    let [batch, h, c, d] = t.dims();
+    let mut index = Vec::with_capacity(batch * c);
+    for (b, cols) in plan.iter().enumerate() {
+        for j in 0..c {
+            index.push((b * c + cols.get(j).copied().unwrap_or(j)) as i64);
+        }
+    }
+    let index = Tensor::<B, 1, Int>::from_data(TensorData::new(index, [batch * c]), &t.device());
+    t.swap_dims(1, 2)
+        .reshape([batch * c, h * d])
+        .select(0, index)
+        .reshape([batch, c, h, d])
+        .swap_dims(1, 2)
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(
+        num_layers: usize,
+        batch: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        device: &B::Device,
+    ) -> Self {
+        let zeros = || Tensor::<B, 4>::zeros([batch, num_kv_heads, capacity, head_dim], device);
+        Self {
+            keys: (0..num_layers).map(|_| zeros()).collect(),
+            values: (0..num_layers).map(|_| zeros()).collect(),
+            layout: ColumnLayout::new(batch, capacity),
+        }
+    }
+
+    /// Writes `k`, `v` (`[batch, kv_heads, width, head_dim]`) of layer `layer` at column
+    /// `start` and returns the updated cache tensors. The cache tensor is moved out before the
+    /// write so it is uniquely owned and the backend can update it in place instead of copying
+    /// the whole cache every layer.
+    pub(crate) fn write(
+        &mut self,
+        layer: usize,
+        start: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let [b, kvh, n, hd] = k.dims();
+        let range = [0..b, 0..kvh, start..start + n, 0..hd];
+        let device = k.device();
+        let placeholder = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
+        let keys =
+            std::mem::replace(&mut self.keys[layer], placeholder()).slice_assign(range.clone(), k);
+        let values =
+            std::mem::replace(&mut self.values[layer], placeholder()).slice_assign(range, v);
+        self.keys[layer] = keys.clone();
+        self.values[layer] = values.clone();
+        (keys, values)
+    }
+
+    /// The column bookkeeping (what each sequence owns).
+    pub fn layout(&self) -> &ColumnLayout {
+        &self.layout
+    }
+    pub fn batch(&self) -> usize {
+        self.layout.batch()
+    }
+    pub fn capacity(&self) -> usize {
+        self.layout.capacity()
+    }
+    /// Columns written so far.
+    pub fn used(&self) -> usize {
+        self.layout.used()
+    }
+    /// Committed length (= next position) of sequence `b`.
+    pub fn seq_len(&self, b: usize) -> usize {
+        self.layout.seq_len(b)
+    }
+    /// See [`ColumnLayout::prefill_step`].
+    pub fn prefill_step(&self, prompts: &[&[u32]]) -> Result<StepInput, ModelError> {
+        self.layout.prefill_step(prompts)
+    }
+    /// See [`ColumnLayout::decode_step`].
+    pub fn decode_step(&self, tokens: &[u32]) -> Result<StepInput, ModelError> {
+        self.layout.decode_step(tokens)
+    }
+    /// See [`ColumnLayout::tree_step`].
+    pub fn tree_step(&self, trees: &[(&[u32], &[Option<usize>])]) -> Result<StepInput, ModelError> {
+        self.layout.tree_step(trees)
+    }
+    pub(crate) fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
+        self.layout.attention_mask(step, groups)
+    }
+    /// Checks the step and that there is room for it before any tensor is written.
+    pub(crate) fn reserve(&self, step: &StepInput) -> Result<(), ModelError> {
+        self.layout.check_step(step)
+    }
+    pub(crate) fn advance(&mut self, step: &StepInput) {
+        self.layout.advance(step)
+    }
+    /// See [`ColumnLayout::keep_only`].
+    pub fn keep_only(&mut self, b: usize, step_width: usize, accepted: &[usize]) {
+        self.layout.keep_only(b, step_width, accepted)
+    }
+
+    /// Moves the sequences of `other` (same model and capacity, e.g. newcomers prefilled on
+    /// their own) into this batch, after its current rows.
+    pub fn append(&mut self, other: KvCache<B>) -> Result<(), ModelError> {
+        if other.keys.len() != self.keys.len() {
+            return Err(ModelError::InvalidStep {
+                reason: "cannot join caches of different models".into(),
+            });
+        }
+        self.layout.append(other.layout)?;
+        for (mine, theirs) in self.keys.iter_mut().zip(other.keys) {
+            *mine = append_rows(mine.clone(), theirs);
+        }
+        for (mine, theirs) in self.values.iter_mut().zip(other.values) {
+            *mine = append_rows(mine.clone(), theirs);
+        }
+        Ok(())
+    }
+
+    /// Drops sequence `b` (a finished or cancelled request); later rows move up. The last
+    /// sequence cannot be removed: drop the cache instead.
+    pub fn remove(&mut self, b: usize) {
+        assert!(
+            self.batch() > 1,
+            "remove the last sequence by dropping the cache"
+        );
+        self.layout.remove(b);
+        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            *t = remove_row(t.clone(), b);
+        }
+    }
+
+    /// Moves every sequence's columns to the front so `used` becomes the longest sequence:
+    /// reclaims the columns of rejected drafts, padding and departed sequences.
+    pub fn compact(&mut self) {
+        let plan = self.layout.compaction_plan();
+        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            *t = compact_columns(t.clone(), &plan);
+        }
+        self.layout.compact();
     }
 }
 

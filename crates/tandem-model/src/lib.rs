@@ -14,7 +14,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use burn;
-pub use cache::{KvCache, StepInput};
+pub use cache::{ColumnLayout, KvCache, StepInput};
 pub use capture::{CapturedTaps, TapRequest};
 pub use config::{Family, HfConfig, ModelSpec};
 pub use error::ModelError;

@@ -38,29 +38,45 @@ fn run(
     b: usize,
     slots: &[usize],
 ) -> Rows {
+    run_rows(m, cache, step, &[(b, slots)]).remove(0)
+}
+
+/// One forward; the rows of several sequences (`(b, slots)` each).
+fn run_rows(
+    m: &TargetModel<B>,
+    cache: &mut KvCache<B>,
+    step: &StepInput,
+    picks: &[(usize, &[usize])],
+) -> Vec<Rows> {
     let out = m.forward(step, cache, &taps(m), LogitsFor::All).unwrap();
     let expected: Vec<TapId> = taps(m).taps;
     assert_eq!(
         out.taps.visited, expected,
         "the path must pass every tap point in order"
     );
-    let rows_of = |t: Tensor<B, 3>| -> Vec<Vec<f32>> {
-        let [_, w, d] = t.dims();
-        let v = t.into_data().to_vec::<f32>().unwrap();
-        slots
-            .iter()
-            .map(|&i| v[(b * w + i) * d..(b * w + i + 1) * d].to_vec())
-            .collect()
-    };
-    Rows {
-        taps: out
-            .taps
-            .tensors
-            .iter()
-            .map(|t| rows_of(t.clone()))
-            .collect(),
-        logits: rows_of(out.logits.unwrap()),
-    }
+    let logits = out.logits.unwrap();
+    picks
+        .iter()
+        .map(|&(b, slots)| {
+            let rows_of = |t: Tensor<B, 3>| -> Vec<Vec<f32>> {
+                let [_, w, d] = t.dims();
+                let v = t.into_data().to_vec::<f32>().unwrap();
+                slots
+                    .iter()
+                    .map(|&i| v[(b * w + i) * d..(b * w + i + 1) * d].to_vec())
+                    .collect()
+            };
+            Rows {
+                taps: out
+                    .taps
+                    .tensors
+                    .iter()
+                    .map(|t| rows_of(t.clone()))
+                    .collect(),
+                logits: rows_of(logits.clone()),
+            }
+        })
+        .collect()
 }
 
 fn append(acc: &mut Rows, more: Rows) {
@@ -100,9 +116,21 @@ fn assert_close(a: &Rows, b: &Rows, what: &str) {
 const SEQ: [u32; 12] = [5, 17, 42, 3, 88, 61, 9, 70, 33, 2, 50, 14];
 
 fn reference(m: &TargetModel<B>) -> Rows {
+    reference_of(m, &SEQ)
+}
+
+fn reference_of(m: &TargetModel<B>, seq: &[u32]) -> Rows {
     let mut cache = m.new_cache(1, 64);
-    let step = cache.prefill_step(&[&SEQ]).unwrap();
-    run(m, &mut cache, &step, 0, &(0..SEQ.len()).collect::<Vec<_>>())
+    let step = cache.prefill_step(&[seq]).unwrap();
+    run(m, &mut cache, &step, 0, &(0..seq.len()).collect::<Vec<_>>())
+}
+
+/// The first `n` tokens of `rows`.
+fn first(rows: &Rows, n: usize) -> Rows {
+    Rows {
+        taps: rows.taps.iter().map(|t| t[..n].to_vec()).collect(),
+        logits: rows.logits[..n].to_vec(),
+    }
 }
 
 fn check_all_paths(arch: &str) {
@@ -233,4 +261,75 @@ fn out_of_range_tokens_and_taps_are_named() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("block"), "{err}");
+}
+
+/// A running batch: sequence B is prefilled on its own and joins A's cache as a new row; a
+/// tree step with a rejected sibling leaves invalid columns; compaction moves every sequence's
+/// columns to the front; A leaves and B decodes on. Every token's taps and logits must equal
+/// the same sequence run alone.
+#[test]
+fn sequences_join_leave_and_compact_without_changing_taps() {
+    const OTHER: [u32; 9] = [8, 1, 77, 23, 64, 12, 40, 91, 6];
+    let m = model("LlamaForCausalLM");
+    let (want_a, want_b) = (reference_of(&m, &SEQ), reference_of(&m, &OTHER));
+    let empty = || Rows {
+        taps: Vec::new(),
+        logits: Vec::new(),
+    };
+    let (mut got_a, mut got_b) = (empty(), empty());
+
+    let capacity = 24;
+    let mut cache = m.new_cache(1, capacity);
+    let step = cache.prefill_step(&[&SEQ[..5]]).unwrap();
+    append(&mut got_a, run(&m, &mut cache, &step, 0, &[0, 1, 2, 3, 4]));
+
+    let mut newcomer = m.new_cache(1, capacity);
+    let step = newcomer.prefill_step(&[&OTHER[..3]]).unwrap();
+    append(&mut got_b, run(&m, &mut newcomer, &step, 0, &[0, 1, 2]));
+    cache.append(newcomer).unwrap();
+    assert_eq!((cache.batch(), cache.used()), (2, 5));
+    assert_eq!((cache.seq_len(0), cache.seq_len(1)), (5, 3));
+
+    // Each sequence verifies its true next token beside a wrong sibling and keeps the first.
+    let trees: [(&[u32], &[Option<usize>]); 2] = [
+        (&[SEQ[5], 0], &[None, None]),
+        (&[OTHER[3], 1], &[None, None]),
+    ];
+    let step = cache.tree_step(&trees).unwrap();
+    let mut rows = run_rows(&m, &mut cache, &step, &[(0, &[0]), (1, &[0])]);
+    append(&mut got_b, rows.pop().unwrap());
+    append(&mut got_a, rows.pop().unwrap());
+    cache.keep_only(0, 2, &[0]);
+    cache.keep_only(1, 2, &[0]);
+
+    for i in 0..2 {
+        let step = cache.decode_step(&[SEQ[6 + i], OTHER[4 + i]]).unwrap();
+        let mut rows = run_rows(&m, &mut cache, &step, &[(0, &[0]), (1, &[0])]);
+        append(&mut got_b, rows.pop().unwrap());
+        append(&mut got_a, rows.pop().unwrap());
+    }
+    assert_eq!(cache.used(), 9);
+    cache.compact();
+    assert_eq!(
+        (cache.used(), cache.seq_len(0), cache.seq_len(1)),
+        (8, 8, 6),
+        "compaction reclaims padding and rejected columns"
+    );
+
+    let step = cache.decode_step(&[SEQ[8], OTHER[6]]).unwrap();
+    let mut rows = run_rows(&m, &mut cache, &step, &[(0, &[0]), (1, &[0])]);
+    append(&mut got_b, rows.pop().unwrap());
+    append(&mut got_a, rows.pop().unwrap());
+
+    cache.remove(0);
+    assert_eq!((cache.batch(), cache.seq_len(0)), (1, 7));
+    let step = cache.prefill_step(&[&OTHER[7..]]).unwrap();
+    append(&mut got_b, run(&m, &mut cache, &step, 0, &[0, 1]));
+
+    assert_close(
+        &got_a,
+        &first(&want_a, 9),
+        "sequence A in the running batch",
+    );
+    assert_close(&got_b, &want_b, "sequence B in the running batch");
 }
