@@ -834,26 +834,37 @@ impl<B: Backend> SpecEngine<'_, B> {
 
 /// Appends committed tokens, stopping at a stop token or the length limit.
 fn commit<B: Backend>(seq: &mut Sequence<B>, tokens: &[u32]) {
+    commit_tokens(&seq.request, &mut seq.output, &mut seq.done, tokens);
+}
+
+/// Appends `tokens` to `output` until a stop token (not included) or the request's length
+/// limit ends it.
+pub(crate) fn commit_tokens(
+    request: &Request,
+    output: &mut SpecOutput,
+    done: &mut bool,
+    tokens: &[u32],
+) {
     for &t in tokens {
-        if seq.done {
+        if *done {
             return;
         }
-        if seq.request.stop_ids.contains(&t) {
-            seq.output.finish = Finish::Stop;
-            seq.done = true;
+        if request.stop_ids.contains(&t) {
+            output.finish = Finish::Stop;
+            *done = true;
             return;
         }
-        seq.output.tokens.push(t);
-        if seq.output.tokens.len() >= seq.request.max_new_tokens {
-            seq.output.finish = Finish::Length;
-            seq.done = true;
+        output.tokens.push(t);
+        if output.tokens.len() >= request.max_new_tokens {
+            output.finish = Finish::Length;
+            *done = true;
         }
     }
 }
 
 /// Next token per sequence from `[batch, 1, vocab]` target logits, each with its own sampling
 /// parameters and random stream.
-fn pick<B: Backend>(
+pub(crate) fn pick<B: Backend>(
     logits: Tensor<B, 3>,
     params: &[SamplingParams],
     rngs: &mut [rand::rngs::StdRng],

@@ -4,6 +4,7 @@
 //! that decides correctness is unit-tested on tiny hand-made cases.
 
 pub mod engine;
+pub mod plain;
 pub mod stats;
 pub mod tree;
 pub mod verify;
@@ -13,6 +14,7 @@ pub use engine::{
     BatchOutput, Finish, InferError, Progress, Request, RunningBatch, SpecConfig, SpecEngine,
     SpecOutput, Timings,
 };
+pub use plain::{PlainBatch, PlainEngine};
 pub use stats::AcceptanceStats;
 pub use tree::{DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};

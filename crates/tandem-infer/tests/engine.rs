@@ -372,3 +372,65 @@ fn requests_join_and_leave_a_running_batch() {
         "a cancelled request does not finish"
     );
 }
+
+/// The target-only baseline has the same running-batch behaviour: joins, leaves, compaction,
+/// and greedy output equal to plain generation.
+#[test]
+fn target_only_batch_joins_and_leaves() {
+    use tandem_infer::{Finish, PlainEngine, Request};
+    let (target, _, _) = setup("plain-batch");
+    let engine = PlainEngine { target: &target };
+    let request = |id: u64, prompt: Vec<u32>, max_new_tokens: usize| Request {
+        id,
+        prompt,
+        max_new_tokens,
+        stop_ids: Vec::new(),
+        sampling: SamplingParams::greedy(),
+        seed: id,
+    };
+    let prompts = [
+        vec![3u32, 14, 15, 92, 65],
+        vec![2u32, 71, 82],
+        vec![7u32; 9],
+    ];
+    let mut batch = engine.new_batch(24);
+    let mut finished = std::collections::BTreeMap::new();
+    let mut record = |progress: Vec<tandem_infer::Progress>| {
+        for p in progress {
+            if let Some(out) = p.finished {
+                finished.insert(p.id, out);
+            }
+        }
+    };
+    record(
+        engine
+            .admit(&mut batch, vec![request(0, prompts[0].clone(), 10)])
+            .unwrap(),
+    );
+    for _ in 0..3 {
+        record(engine.step(&mut batch).unwrap());
+    }
+    record(
+        engine
+            .admit(
+                &mut batch,
+                vec![
+                    request(1, prompts[1].clone(), 12),
+                    request(2, prompts[2].clone(), 100),
+                ],
+            )
+            .unwrap(),
+    );
+    while !batch.is_empty() {
+        record(engine.step(&mut batch).unwrap());
+    }
+    assert!(batch.compactions > 0);
+    for id in 0..3u64 {
+        let out = &finished[&id];
+        let expected =
+            target_greedy(&target, &prompts[id as usize], out.tokens.len(), &[]).unwrap();
+        assert_eq!(out.tokens, expected, "request {id}");
+    }
+    assert_eq!(finished[&2].finish, Finish::ContextFull);
+    assert_eq!(finished[&0].tokens.len(), 10);
+}
