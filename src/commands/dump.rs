@@ -33,6 +33,10 @@ pub struct DumpArgs {
     /// Stop once the dump holds this many samples (earlier runs included).
     #[arg(long)]
     pub max_samples: Option<u64>,
+    /// Start no new batch after this many seconds (the batch under way is finished and
+    /// written; the dump stays resumable, like --max-samples).
+    #[arg(long)]
+    pub max_seconds: Option<f64>,
     /// Samples are truncated to this many tokens.
     #[arg(long, default_value_t = 2048)]
     pub max_len: usize,
@@ -88,6 +92,7 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         out: args.out.clone(),
         taps: args.taps.clone(),
         max_samples: args.max_samples,
+        max_seconds: args.max_seconds,
         max_len: args.max_len,
         regenerate: args.regenerate.then_some(GenerationSettings {
             max_new_tokens: args.max_new_tokens,

@@ -74,6 +74,10 @@ pub struct TrainArgs {
     /// Stop after this many steps in total (the schedule still spans --epochs).
     #[arg(long)]
     pub max_steps: Option<usize>,
+    /// Stop after the step during which this run has trained for this many seconds (then
+    /// validate, checkpoint and export as after --max-steps).
+    #[arg(long)]
+    pub max_seconds: Option<f64>,
     /// Continue the run in --out from its latest checkpoint (same options required).
     #[arg(long)]
     pub resume: bool,
@@ -112,6 +116,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         keep_checkpoints: args.keep_checkpoints,
         seed: args.seed,
         max_steps: args.max_steps,
+        max_seconds: args.max_seconds,
         init_from: args.init_from.clone(),
         export_bf16: args.export_bf16,
         resume: args.resume,
@@ -158,6 +163,9 @@ fn print_report(r: &TrainReport) {
             fmt(&a.acc),
             fmt(&b.acc)
         );
+    }
+    for d in &r.trained_on {
+        eprintln!("trained on dump {d}");
     }
     println!("{}", r.export_dir.display());
 }

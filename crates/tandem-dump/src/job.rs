@@ -39,6 +39,10 @@ pub struct DumpOptions {
     pub taps: TapSpec,
     /// Stop once the dump holds this many rows (earlier runs included).
     pub max_samples: Option<u64>,
+    /// Start no new batch of records after this many seconds of this run's processing loop
+    /// (model loading excluded); the batch under way is finished and written. Like
+    /// `max_samples`, it leaves the dump resumable and marked incomplete.
+    pub max_seconds: Option<f64>,
     /// Samples are cut to this many tokens.
     pub max_len: usize,
     /// `Some`: the target writes the assistant turns (`--regenerate`).
@@ -75,6 +79,7 @@ impl DumpOptions {
             out: out.into(),
             taps: TapSpec::Default,
             max_samples: None,
+            max_seconds: None,
             max_len: 2048,
             regenerate: None,
             batch_size: 8,
@@ -155,6 +160,9 @@ fn check_options(o: &DumpOptions) -> Result<(), DumpError> {
     }
     if o.max_samples == Some(0) {
         return invalid("--max-samples", "must be at least 1");
+    }
+    if o.max_seconds.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
+        return invalid("--max-seconds", "must be a positive number of seconds");
     }
     if o.shard_limits.max_rows == 0 || o.shard_limits.max_bytes == 0 {
         return invalid("shard limits", "must be at least 1");
@@ -345,6 +353,12 @@ pub fn run_dump<B: Backend>(
             1
         };
         while !exhausted {
+            if options
+                .max_seconds
+                .is_some_and(|limit| start.elapsed().as_secs_f64() >= limit)
+            {
+                return Ok(false);
+            }
             // Read records in order until `want` conversations are collected.
             let mut items: Vec<Result<Conversation, &'static str>> = Vec::new();
             while items.iter().filter(|i| i.is_ok()).count() < want {

@@ -164,6 +164,8 @@ pub(crate) fn scan_shards(
 pub struct DumpReader {
     dir: PathBuf,
     manifest: DumpManifest,
+    /// SHA-256 of `manifest.json` as read by [`DumpReader::open`].
+    manifest_sha256: String,
     layout: Layout,
     shards: Vec<ScannedShard>,
     /// `starts[i]`: global index of shard i's first row; one extra entry = total rows.
@@ -192,6 +194,9 @@ impl DumpReader {
             });
         }
         let mut manifest = DumpManifest::load(&manifest_path)?;
+        let manifest_bytes =
+            fs::read(&manifest_path).map_err(DumpError::io("read", &manifest_path))?;
+        let manifest_sha256 = tandem_wiring::sha256_hex(&manifest_bytes);
         let shards = scan_shards(dir, &manifest.identity())?;
         manifest.shards = shards.iter().map(|s| s.info.clone()).collect();
         // Keep `complete` from manifest.json only if it describes the same shards.
@@ -210,6 +215,7 @@ impl DumpReader {
             dir: dir.to_owned(),
             layout: Layout::of(&manifest),
             manifest,
+            manifest_sha256,
             shards,
             starts,
             cache: Mutex::new(None),
@@ -224,6 +230,33 @@ impl DumpReader {
     /// The directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Lowercase hex SHA-256 of the directory's `manifest.json` as it was opened (what
+    /// `sha256sum DIR/manifest.json` prints while the dump is unchanged).
+    pub fn manifest_sha256(&self) -> &str {
+        &self.manifest_sha256
+    }
+
+    /// What a head trained on this dump records about it (`tandem_wiring.trained_on`): the
+    /// directory name and path, the manifest hash, the dataset, whether it was regenerated,
+    /// rows and tokens (totals recounted from the shards).
+    pub fn dump_ref(&self) -> tandem_wiring::DumpRef {
+        // `.` or `..` name no directory; the resolved path does.
+        let resolved = fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
+        let name = resolved
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.dir.display().to_string());
+        tandem_wiring::DumpRef {
+            name,
+            path: self.dir.display().to_string(),
+            manifest_sha256: Some(self.manifest_sha256.clone()),
+            dataset: Some(self.manifest.dataset.clone()),
+            regenerated: Some(self.manifest.settings.regenerate.is_some()),
+            rows: self.manifest.rows,
+            tokens: self.manifest.tokens,
+        }
     }
 
     /// Number of rows (samples).

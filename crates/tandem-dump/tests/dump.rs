@@ -405,6 +405,32 @@ fn resume_after_a_max_samples_stop_equals_an_uninterrupted_run() {
     );
 }
 
+/// `--max-seconds` stops before the next batch once the time is up and leaves a resumable,
+/// incomplete dump; an expired limit starts no batch at all.
+#[test]
+fn a_time_limit_stops_between_batches_and_resumes() {
+    let dir = temp_dir("time-limit");
+    let data = write_dataset(&dir);
+    let whole = dir.join("whole");
+    dump(&options(tiny_model(), &data, &whole)).unwrap();
+
+    let parts = dir.join("parts");
+    let mut o = options(tiny_model(), &data, &parts);
+    o.max_seconds = Some(1e-9);
+    let first = dump(&o).unwrap();
+    assert_eq!((first.rows, first.manifest.rows), (0, 0));
+    assert!(!first.manifest.complete);
+    o.max_seconds = Some(3600.0);
+    let rest = dump(&o).unwrap();
+    assert_eq!(rest.rows, 6);
+    assert!(rest.manifest.complete);
+    assert_eq!(records(&parts), records(&whole));
+
+    o.max_seconds = Some(-1.0);
+    let err = dump(&o).unwrap_err();
+    assert!(err.to_string().contains("--max-seconds"), "{err}");
+}
+
 #[test]
 fn a_full_disk_keeps_completed_shards_valid_and_a_crash_is_resumed() {
     let dir = temp_dir("full-disk");
@@ -627,6 +653,21 @@ fn dump_info_reports_counts_dtype_and_per_tap_norms() {
     ] {
         assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
     }
+
+    // What a head trained on this dump records about it.
+    let reader = DumpReader::open(&out).unwrap();
+    let r = reader.dump_ref();
+    assert_eq!(r.name, "out");
+    assert_eq!(r.path, out.display().to_string());
+    assert_eq!((r.rows, r.tokens as usize), (6, tokens));
+    assert_eq!(r.regenerated, Some(false));
+    assert_eq!(r.dataset.as_deref(), Some(data.to_str().unwrap()));
+    let manifest_bytes = fs::read(out.join("manifest.json")).unwrap();
+    assert_eq!(
+        r.manifest_sha256.as_deref(),
+        Some(tandem_wiring::sha256_hex(&manifest_bytes).as_str()),
+        "the hash sha256sum prints for manifest.json"
+    );
 }
 
 /// Whether python3 with pyarrow and polars is available; CI (scripts/test.sh installs them)

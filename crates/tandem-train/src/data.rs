@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use sha2::{Digest, Sha256};
 use tandem_dump::{DumpReader, DumpRecord};
-use tandem_wiring::WiringManifest;
+use tandem_wiring::{DumpRef, WiringManifest};
 
 use crate::error::TrainError;
 
@@ -34,6 +34,9 @@ pub trait SampleSource: Send + Sync {
     fn split(&self) -> Option<&str> {
         None
     }
+    /// What a head trained on these rows records about them (`tandem_wiring.trained_on` of
+    /// the exported config.json): name, manifest hash, rows, tokens.
+    fn dump_ref(&self) -> DumpRef;
 }
 
 impl SampleSource for DumpReader {
@@ -57,6 +60,9 @@ impl SampleSource for DumpReader {
     }
     fn split(&self) -> Option<&str> {
         self.manifest().dataset_split.as_deref()
+    }
+    fn dump_ref(&self) -> DumpRef {
+        DumpReader::dump_ref(self)
     }
 }
 
@@ -96,6 +102,18 @@ impl SampleSource for MemorySource {
     }
     fn name(&self) -> String {
         self.name.clone()
+    }
+    /// Rows and tokens counted in memory; no manifest, dataset or generation settings.
+    fn dump_ref(&self) -> DumpRef {
+        DumpRef {
+            name: self.name.clone(),
+            path: self.name.clone(),
+            manifest_sha256: None,
+            dataset: None,
+            regenerated: None,
+            rows: self.records.len() as u64,
+            tokens: self.records.iter().map(|r| r.len() as u64).sum(),
+        }
     }
 }
 

@@ -15,10 +15,17 @@
 //!   all positions); total = sum_i 0.8^i loss_i;
 //! - acc_i = #(position mask and d2t-mapped draft argmax == target argmax) / #(shifted loss
 //!   mask).
+//!
+//! Precision: the target logits restricted to the draft vocabulary and the draft logits are
+//! upcast to f32 before the softmax / log-softmax, and the loss is reduced in f32, whatever the
+//! backend's float type (bf16 on CUDA). A bf16 softmax over 8K-32K entries rounds the small
+//! probabilities that make up most of the soft target and sums the row in bf16. On the CPU
+//! (ndarray, f32) the casts are no-ops (`Tensor::cast` returns the tensor unchanged when the
+//! dtype already matches), so CPU results are bit-for-bit what they were.
 
 use burn::prelude::*;
-use burn::tensor::TensorData;
 use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::{FloatDType, TensorData};
 use tandem_eagle::{DraftOutput, VocabMap};
 
 use crate::data::Batch;
@@ -59,7 +66,8 @@ pub fn position_mask(
 /// position, and the target's argmax over the full vocabulary.
 #[derive(Debug, Clone)]
 pub struct BatchTargets<B: Backend> {
-    /// `[batch, width, draft_vocab]`: row `u` = softmax of `logits_T[u]` over the draft ids.
+    /// `[batch, width, draft_vocab]`, f32 on every backend: row `u` = softmax of `logits_T[u]`
+    /// over the draft ids.
     pub probs: Tensor<B, 3>,
     /// `[batch * width]`: argmax of `logits_T[u]` (target ids).
     pub argmax: Vec<u32>,
@@ -86,7 +94,10 @@ impl<B: Backend> BatchTargets<B> {
             .into_iter()
             .map(|v| v as u32)
             .collect();
-        let probs = softmax(logits.select(2, draft_ids.clone()), 2);
+        // Select first (the draft vocabulary is a fraction of the target's), then upcast: the
+        // softmax runs in f32 even when the backend computes the logits in bf16.
+        let draft_logits = logits.select(2, draft_ids.clone()).cast(FloatDType::F32);
+        let probs = softmax(draft_logits, 2);
         BatchTargets { probs, argmax }
     }
 
@@ -96,7 +107,7 @@ impl<B: Backend> BatchTargets<B> {
         let [b, w, n] = self.probs.dims();
         let shift = (1 + step).min(w);
         let device = self.probs.device();
-        let pad = Tensor::<B, 3>::ones([b, shift, n], &device) / n as f64;
+        let pad = Tensor::<B, 3>::ones([b, shift, n], &device).cast(self.probs.dtype()) / n as f64;
         if shift == w {
             return pad;
         }
@@ -118,8 +129,9 @@ pub struct StepStats {
     pub denominator: usize,
 }
 
-/// The weighted total loss (a scalar tensor `[1]`, differentiable on an autodiff backend) and
-/// per-step stats of a batch. `targets` must live on the same backend as `outputs`.
+/// The weighted total loss (a scalar tensor `[1]` in f32, differentiable on an autodiff
+/// backend; gradients flow back to the draft logits in their own dtype) and per-step stats of
+/// a batch. `targets` must live on the same backend as `outputs`.
 pub fn objective<B: Backend>(
     outputs: &[DraftOutput<B>],
     targets: &BatchTargets<B>,
@@ -140,9 +152,10 @@ pub fn objective<B: Backend>(
             i,
         );
         let mask_values: Vec<f32> = mask.iter().map(|&m| f32::from(u8::from(m))).collect();
-        let mask_t = Tensor::<B, 3>::from_data(TensorData::new(mask_values, [b, w, 1]), &device);
-        let logp = log_softmax(out.logits.clone(), 2);
-        let plogp = (targets.shifted(i) * logp).sum_dim(2);
+        let mask_t = Tensor::<B, 3>::from_data(TensorData::new(mask_values, [b, w, 1]), &device)
+            .cast(FloatDType::F32);
+        let logp = log_softmax(out.logits.clone().cast(FloatDType::F32), 2);
+        let plogp = (targets.shifted(i).cast(FloatDType::F32) * logp).sum_dim(2);
         let loss = (plogp * mask_t).sum().neg() / (b * w) as f64;
         let loss_value = loss
             .clone()
@@ -180,7 +193,7 @@ pub fn objective<B: Backend>(
             None => weighted,
         });
     }
-    let total = total.unwrap_or_else(|| Tensor::zeros([1], &device));
+    let total = total.unwrap_or_else(|| Tensor::<B, 1>::zeros([1], &device).cast(FloatDType::F32));
     (total, stats)
 }
 

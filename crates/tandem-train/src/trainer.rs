@@ -16,7 +16,7 @@ use tandem_eagle::{
     Eagle3Config, Eagle3Draft, VocabMap, WeightDtype, build_vocab_map, load_pretrained,
     save_pretrained,
 };
-use tandem_wiring::{Convention, Job, Producer, RawIds, TapPoint, WiringManifest, check};
+use tandem_wiring::{Convention, DumpRef, Job, Producer, RawIds, TapPoint, WiringManifest, check};
 
 use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation, plan_epoch};
 use crate::error::TrainError;
@@ -78,6 +78,11 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Stop after this many optimizer steps in total (the schedule still spans all epochs).
     pub max_steps: Option<usize>,
+    /// Stop after the step during which this run has trained for this many seconds (the
+    /// schedule still spans all epochs; validation, checkpoint and export follow as after
+    /// `max_steps`). Not saved with the run's identity: a resumed run may use another limit.
+    #[serde(default)]
+    pub max_seconds: Option<f64>,
     /// Start from this head directory instead of a random initialisation.
     pub init_from: Option<PathBuf>,
     /// Export the final head in bf16 instead of f32.
@@ -115,6 +120,7 @@ impl TrainOptions {
             keep_checkpoints: 2,
             seed: 0,
             max_steps: None,
+            max_seconds: None,
             init_from: None,
             export_bf16: false,
             resume: false,
@@ -134,6 +140,7 @@ impl TrainOptions {
             "progress",
             "device_label",
             "max_steps",
+            "max_seconds",
             "eval_every",
             "save_every",
             "keep_checkpoints",
@@ -177,6 +184,12 @@ impl TrainOptions {
                 "warmup-ratio",
                 "warm-up and minimum-lr ratios must be in [0, 1]",
             );
+        }
+        if self
+            .max_seconds
+            .is_some_and(|s| !(s > 0.0 && s.is_finite()))
+        {
+            return bad("max-seconds", "must be a positive number of seconds");
         }
         if self.max_grad_norm < 0.0 || self.weight_decay < 0.0 {
             return bad(
@@ -236,6 +249,9 @@ pub struct TrainReport {
     pub steps_per_s: f64,
     /// Training tokens per second of this run.
     pub tokens_per_s: f64,
+    /// The dumps the head was trained on, as its config.json names them
+    /// (`tandem_wiring.trained_on`).
+    pub trained_on: Vec<DumpRef>,
 }
 
 fn record_err(path: &Path) -> impl FnOnce(burn::record::RecorderError) -> TrainError {
@@ -363,7 +379,14 @@ pub fn train_on<B: AutodiffBackend>(
         }
         (model, config, state, None)
     };
-    let export_config = export_config(&base_config, &wiring, &sglang_ids, &options.device_label)?;
+    let trained_on: Vec<DumpRef> = data.sources().iter().map(|s| s.dump_ref()).collect();
+    let export_config = export_config(
+        &base_config,
+        &wiring,
+        &sglang_ids,
+        &trained_on,
+        &options.device_label,
+    )?;
     write_json(&options.out.join(OPTIONS_FILE), options)?;
     let mut log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
     let draft_ids = Tensor::<B::InnerBackend, 1, Int>::from_data(
@@ -482,10 +505,14 @@ pub fn train_on<B: AutodiffBackend>(
             last_train = Some(line);
 
             let epoch_done = state.batch_in_epoch == plan.len();
+            let time_up = options
+                .max_seconds
+                .is_some_and(|limit| elapsed(&run_start) >= limit);
             let evaluate = (options.eval_every > 0
                 && state.step.is_multiple_of(options.eval_every))
                 || epoch_done
-                || state.step == stop_at;
+                || state.step == stop_at
+                || time_up;
             if evaluate && !val_rows.is_empty() {
                 let sum = validate(
                     &model.valid(),
@@ -516,9 +543,12 @@ pub fn train_on<B: AutodiffBackend>(
                 state.batch_in_epoch = 0;
             }
             let periodic = options.save_every > 0 && state.step.is_multiple_of(options.save_every);
-            if periodic && state.step < stop_at {
+            if periodic && state.step < stop_at && !time_up {
                 save_checkpoint(&model, &optim, &state, &export_config, options)?;
                 last_saved = Some(state.step);
+            }
+            if time_up {
+                break 'epochs;
             }
             if epoch_done {
                 continue 'epochs;
@@ -556,6 +586,7 @@ pub fn train_on<B: AutodiffBackend>(
         last_val: vals.last().map(|l| (*l).clone()),
         steps_per_s: (state.step - steps_before) as f64 / run_seconds,
         tokens_per_s: tokens_this_run as f64 / run_seconds,
+        trained_on,
     })
 }
 
@@ -781,11 +812,13 @@ fn fresh_model<B: AutodiffBackend>(
 }
 
 /// The config the head is exported with: SGLang-convention aux ids in `eagle_config`, the
-/// canonical wiring (job `train`) under `tandem_wiring`.
+/// canonical wiring (job `train`) under `tandem_wiring`, naming the dumps it was trained on
+/// (`trained_on`).
 fn export_config(
     base: &Eagle3Config,
     wiring: &WiringManifest,
     sglang_ids: &[i64],
+    trained_on: &[DumpRef],
     device_label: &str,
 ) -> Result<Eagle3Config, TrainError> {
     let mut config = base.clone();
@@ -806,6 +839,7 @@ fn export_config(
         Convention::SglangHeuristic,
         sglang_ids.to_vec(),
     ));
+    trained.trained_on = trained_on.to_vec();
     trained.validate()?;
     config.tandem_wiring = Some(trained);
     config.extra.remove("num_aux_taps");

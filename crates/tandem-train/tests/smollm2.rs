@@ -182,6 +182,21 @@ fn dump_train_export_reload_on_smollm2() {
         json["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
         serde_json::json!([1, 14, 26])
     );
+    // The head's manifest names its dump: directory, manifest hash, dataset, rows, tokens.
+    let reader = DumpReader::open(&dump).unwrap();
+    let named = &json["tandem_wiring"]["trained_on"];
+    assert_eq!(named.as_array().map(Vec::len), Some(1), "{named}");
+    let named = &named[0];
+    assert_eq!(named["name"], "dump");
+    assert_eq!(named["path"], dump.display().to_string());
+    let manifest_sha =
+        tandem_wiring::sha256_hex(&std::fs::read(dump.join("manifest.json")).unwrap());
+    assert_eq!(named["manifest_sha256"], manifest_sha.as_str());
+    assert_eq!(named["dataset"], data.to_string_lossy().as_ref());
+    assert_eq!(named["regenerated"], false);
+    assert_eq!(named["rows"], 10);
+    assert_eq!(named["tokens"], reader.manifest().tokens);
+    assert_eq!(report.trained_on, vec![reader.dump_ref()]);
 
     // Served: extend over positions 0..=t, then one draft step, equals the unroll at t.
     let t = n / 2;

@@ -195,6 +195,13 @@ fn tiny_target_training_learns_exports_and_reloads() {
         json["tandem_wiring"]["taps"],
         serde_json::json!(["block:1", "block:2", "block:3"])
     );
+    // The head names its data: one in-memory source of 40 rows (no manifest to hash).
+    let tokens: usize = rows.iter().map(DumpRecord::len).sum();
+    assert_eq!(
+        json["tandem_wiring"]["trained_on"],
+        serde_json::json!([{"name": "memory", "path": "memory", "rows": 40, "tokens": tokens}])
+    );
+    assert_eq!(report.trained_on.len(), 1);
     let device = Default::default();
     let target = TargetModel::<B>::load(&model, &device).unwrap();
     let exported = load_pretrained::<B>(&out, target.embed_tokens.clone(), &device)
@@ -272,6 +279,35 @@ fn resume_continues_exactly() {
     );
     std::fs::remove_dir_all(&straight).unwrap();
     std::fs::remove_dir_all(&split).unwrap();
+    std::fs::remove_dir_all(&model).unwrap();
+}
+
+/// `max_seconds` ends the run after the step in which the time ran out, validated, saved and
+/// exported like a `max_steps` stop, and the run resumes from there.
+#[test]
+fn a_time_limit_stops_after_a_step_and_exports() {
+    let model = tiny_target("time-model");
+    let rows = records(&model, 18, 4);
+    let out = temp_dir("time-out");
+    let run = |max_seconds: Option<f64>, resume: bool| {
+        let data = Dataset::new(vec![source(&model, rows.clone(), "memory")]).unwrap();
+        let mut o = options(&model, &out);
+        o.ttt_steps = 2;
+        o.max_seconds = max_seconds;
+        o.resume = resume;
+        train_on::<AB>(&o, data, &Default::default())
+    };
+    let first = run(Some(1e-9), false).unwrap();
+    assert_eq!(first.steps, 1, "the limit is checked after each step");
+    assert!(first.total_steps > 1);
+    assert_eq!(first.last_val.as_ref().map(|l| l.step), Some(1));
+    assert!(out.join("config.json").exists() && out.join("model.safetensors").exists());
+    let rest = run(Some(3600.0), true).unwrap();
+    assert_eq!(rest.resumed_from, Some(1));
+    assert_eq!(rest.steps, rest.total_steps);
+    let err = run(Some(0.0), false).unwrap_err();
+    assert!(err.to_string().contains("max-seconds"), "{err}");
+    std::fs::remove_dir_all(&out).unwrap();
     std::fs::remove_dir_all(&model).unwrap();
 }
 

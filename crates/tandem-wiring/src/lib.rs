@@ -44,7 +44,7 @@ pub use convention::{
 };
 pub use error::{Result, WiringError};
 pub use manifest::{
-    Job, Mismatch, MismatchKind, Producer, SCHEMA_VERSION, Severity, TargetFingerprint,
+    DumpRef, Job, Mismatch, MismatchKind, Producer, SCHEMA_VERSION, Severity, TargetFingerprint,
     WiringManifest, canonical_json, check, normalize_dtype, sha256_hex,
 };
 pub use taps::{TapId, TapPoint, format_taps};
