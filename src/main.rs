@@ -43,6 +43,14 @@ enum Command {
     /// Offline acceptance (the head teacher-forced on a dump) next to online acceptance (the
     /// speculative engine on prompts), per draft position; flags a gap.
     Compare(commands::replay::CompareArgs),
+    /// Sweep candidate wirings (conventions, +-1 shifts, embed, permutations, normed taps) and
+    /// measure the head's acceptance under each on target-generated text: which wiring the head
+    /// was trained with, and what serving it otherwise costs.
+    Diagnose(commands::diagnose::DiagnoseArgs),
+    /// Serve the target and the head behind an OpenAI-compatible HTTP API.
+    Serve(commands::serve::ServeArgs),
+    /// A bounded load test against a running server: p50/p99 latency and throughput.
+    LoadTest(commands::load_test::LoadTestArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,5 +67,8 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => commands::spec::run_bench(args),
         Command::Replay(args) => commands::replay::run(args),
         Command::Compare(args) => commands::replay::run_compare(args),
+        Command::Diagnose(args) => commands::diagnose::run(args),
+        Command::Serve(args) => commands::serve::run(args),
+        Command::LoadTest(args) => commands::load_test::run(args),
     }
 }

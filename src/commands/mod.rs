@@ -1,9 +1,12 @@
 pub mod bench;
 pub mod check_device;
+pub mod diagnose;
 pub mod dump;
 pub mod generate;
 pub mod import;
+pub mod load_test;
 pub mod replay;
+pub mod serve;
 pub mod spec;
 pub mod taps;
 pub mod train;

@@ -1,0 +1,413 @@
+//! One engine thread owns the target and the head (a GPU context and its tensors stay on one
+//! thread). Between speculative rounds it admits queued requests into the running batch, drops
+//! the ones whose client went away, and streams each request's committed tokens back over its
+//! own channel. The queue in front of it is bounded: a full queue is answered 429 at once.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use tandem_eagle::Eagle3Draft;
+use tandem_infer::{
+    InferError, PlainBatch, PlainEngine, Progress, Request, RunningBatch, SpecConfig, SpecEngine,
+    SpecOutput,
+};
+use tandem_model::burn::prelude::Backend;
+use tandem_model::{TapRequest, TargetModel};
+use tokio::sync::mpsc;
+
+use crate::metrics::{Metrics, Outcome};
+
+/// A running batch the scheduler can drive: the speculative engine or the target alone.
+pub trait Decoder {
+    /// Refuses a request the engine cannot run (before it joins).
+    fn check(&self, request: &Request) -> Result<(), InferError>;
+    fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError>;
+    fn step(&mut self) -> Result<Vec<Progress>, InferError>;
+    fn cancel(&mut self, id: u64) -> Option<SpecOutput>;
+    fn running(&self) -> usize;
+    fn limits(&self) -> Limits;
+}
+
+/// What the HTTP layer needs to validate requests before queueing them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Token columns per sequence (prompt + generated + one round).
+    pub context: usize,
+    /// The longest prompt accepted.
+    pub max_prompt: usize,
+    /// Columns one round needs beyond the committed tokens.
+    pub round: usize,
+    /// Draft depth (0 for target-only).
+    pub draft_depth: usize,
+}
+
+/// The speculative engine over an owned target and head.
+pub struct SpecDecoder<B: Backend> {
+    target: TargetModel<B>,
+    draft: Eagle3Draft<B>,
+    taps: TapRequest,
+    config: SpecConfig,
+    batch: RunningBatch<B>,
+}
+
+impl<B: Backend> SpecDecoder<B> {
+    pub fn new(
+        target: TargetModel<B>,
+        draft: Eagle3Draft<B>,
+        taps: TapRequest,
+        config: SpecConfig,
+        context: usize,
+    ) -> Result<Self, InferError> {
+        config.validate()?;
+        let batch = SpecEngine {
+            target: &target,
+            draft: &draft,
+            taps: taps.clone(),
+            config,
+        }
+        .new_batch(context);
+        Ok(Self {
+            target,
+            draft,
+            taps,
+            config,
+            batch,
+        })
+    }
+}
+
+/// Builds the engine over the decoder's fields without borrowing the batch.
+macro_rules! spec_engine {
+    ($s:expr) => {
+        SpecEngine {
+            target: &$s.target,
+            draft: &$s.draft,
+            taps: $s.taps.clone(),
+            config: $s.config,
+        }
+    };
+}
+
+impl<B: Backend> Decoder for SpecDecoder<B> {
+    fn check(&self, request: &Request) -> Result<(), InferError> {
+        spec_engine!(self).check_request(&self.batch, request)
+    }
+    fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
+        spec_engine!(self).admit(&mut self.batch, requests)
+    }
+    fn step(&mut self) -> Result<Vec<Progress>, InferError> {
+        spec_engine!(self).step(&mut self.batch)
+    }
+    fn cancel(&mut self, id: u64) -> Option<SpecOutput> {
+        spec_engine!(self).cancel(&mut self.batch, id)
+    }
+    fn running(&self) -> usize {
+        self.batch.len()
+    }
+    fn limits(&self) -> Limits {
+        Limits {
+            context: self.batch.capacity(),
+            max_prompt: spec_engine!(self).max_prompt_len(&self.batch),
+            round: self.config.num_draft_tokens,
+            draft_depth: self.config.num_steps,
+        }
+    }
+}
+
+/// The target alone (the baseline `tandem serve --no-draft` runs).
+pub struct PlainDecoder<B: Backend> {
+    target: TargetModel<B>,
+    batch: PlainBatch<B>,
+}
+
+impl<B: Backend> PlainDecoder<B> {
+    pub fn new(target: TargetModel<B>, context: usize) -> Self {
+        let batch = PlainEngine { target: &target }.new_batch(context);
+        Self { target, batch }
+    }
+}
+
+impl<B: Backend> Decoder for PlainDecoder<B> {
+    fn check(&self, request: &Request) -> Result<(), InferError> {
+        PlainEngine {
+            target: &self.target,
+        }
+        .check_request(&self.batch, request)
+    }
+    fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
+        PlainEngine {
+            target: &self.target,
+        }
+        .admit(&mut self.batch, requests)
+    }
+    fn step(&mut self) -> Result<Vec<Progress>, InferError> {
+        PlainEngine {
+            target: &self.target,
+        }
+        .step(&mut self.batch)
+    }
+    fn cancel(&mut self, id: u64) -> Option<SpecOutput> {
+        PlainEngine {
+            target: &self.target,
+        }
+        .cancel(&mut self.batch, id)
+    }
+    fn running(&self) -> usize {
+        self.batch.len()
+    }
+    fn limits(&self) -> Limits {
+        Limits {
+            context: self.batch.capacity(),
+            max_prompt: PlainEngine {
+                target: &self.target,
+            }
+            .max_prompt_len(&self.batch),
+            round: 1,
+            draft_depth: 0,
+        }
+    }
+}
+
+/// What the engine thread sends a request's handler.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Tokens committed in one round (`accepted`: draft tokens accepted in it).
+    Tokens {
+        tokens: Vec<u32>,
+        accepted: Option<usize>,
+    },
+    /// The request finished; its full output and statistics.
+    Finished(SpecOutput),
+    /// The engine refused or failed the request.
+    Failed { message: String, invalid: bool },
+}
+
+struct Job {
+    request: Request,
+    events: mpsc::UnboundedSender<Event>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    /// Sequences in the running batch at most.
+    pub max_batch: usize,
+    /// Requests waiting to join at most; more are answered 429.
+    pub max_queue: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the request queue ({0}) is full")]
+    QueueFull(usize),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// The handle the HTTP layer submits requests through. Dropping every handle lets the engine
+/// thread finish the running requests and exit.
+#[derive(Clone)]
+pub struct Scheduler {
+    queue: mpsc::Sender<Job>,
+    next_id: Arc<AtomicU64>,
+    config: SchedulerConfig,
+    pub limits: Limits,
+    pub metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("config", &self.config)
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+/// Builds the decoder on the engine thread (models are loaded where they run).
+pub type DecoderFactory = Box<dyn FnOnce() -> Result<Box<dyn Decoder>, String> + Send + 'static>;
+
+impl Scheduler {
+    /// Starts the engine thread and waits until the decoder is loaded (a load error, e.g. a
+    /// wiring mismatch, is returned here and nothing is served).
+    pub fn spawn(
+        config: SchedulerConfig,
+        make_decoder: DecoderFactory,
+    ) -> Result<(Self, JoinHandle<()>), String> {
+        if config.max_batch == 0 || config.max_queue == 0 {
+            return Err("max_batch and max_queue must be at least 1".into());
+        }
+        let (queue, jobs) = mpsc::channel::<Job>(config.max_queue);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("tandem-engine".into())
+            .spawn(move || {
+                let decoder = match make_decoder() {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let limits = decoder.limits();
+                let metrics = Arc::new(Metrics::new(limits.draft_depth + 1));
+                let _ = ready_tx.send(Ok((limits, metrics.clone())));
+                run_engine(decoder, jobs, config.max_batch, &metrics);
+            })
+            .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+        let (limits, metrics) = ready_rx
+            .recv()
+            .map_err(|_| "the engine thread died while loading".to_owned())??;
+        Ok((
+            Self {
+                queue,
+                next_id: Arc::new(AtomicU64::new(1)),
+                config,
+                limits,
+                metrics,
+            },
+            thread,
+        ))
+    }
+
+    /// Queues `request` (its id is assigned here); events arrive on the returned channel.
+    /// Dropping the receiver cancels the request.
+    pub fn submit(
+        &self,
+        mut request: Request,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, SubmitError> {
+        request.id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = mpsc::unbounded_channel();
+        self.queue
+            .try_send(Job { request, events })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => SubmitError::QueueFull(self.config.max_queue),
+                mpsc::error::TrySendError::Closed(_) => SubmitError::ShuttingDown,
+            })?;
+        Ok(rx)
+    }
+}
+
+fn run_engine(
+    mut decoder: Box<dyn Decoder>,
+    mut jobs: mpsc::Receiver<Job>,
+    max_batch: usize,
+    metrics: &Metrics,
+) {
+    let mut live: HashMap<u64, mpsc::UnboundedSender<Event>> = HashMap::new();
+    let mut closed = false;
+    loop {
+        let mut incoming = Vec::new();
+        if live.is_empty() {
+            if closed {
+                break;
+            }
+            match jobs.blocking_recv() {
+                Some(job) => incoming.push(job),
+                None => break,
+            }
+        }
+        while !closed && live.len() + incoming.len() < max_batch {
+            match jobs.try_recv() {
+                Ok(job) => incoming.push(job),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => closed = true,
+            }
+        }
+
+        let mut admitted = Vec::new();
+        for job in incoming {
+            if job.events.is_closed() {
+                metrics.request_done(Outcome::Cancelled);
+                continue;
+            }
+            if let Err(e) = decoder.check(&job.request) {
+                let _ = job.events.send(Event::Failed {
+                    message: e.to_string(),
+                    invalid: true,
+                });
+                continue;
+            }
+            metrics.prompt_tokens(job.request.prompt.len());
+            live.insert(job.request.id, job.events);
+            admitted.push(job.request);
+        }
+        if !admitted.is_empty() {
+            let ids: Vec<u64> = admitted.iter().map(|r| r.id).collect();
+            match decoder.admit(admitted) {
+                Ok(progress) => deliver(progress, &mut live, metrics),
+                Err(e) => fail(&ids, &e, &mut live, &mut *decoder, metrics),
+            }
+        }
+
+        let gone: Vec<u64> = live
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            if let Some(out) = decoder.cancel(id) {
+                metrics.acceptance(&out.stats);
+            }
+            live.remove(&id);
+            metrics.request_done(Outcome::Cancelled);
+        }
+
+        if decoder.running() > 0 {
+            match decoder.step() {
+                Ok(progress) => deliver(progress, &mut live, metrics),
+                Err(e) => {
+                    let ids: Vec<u64> = live.keys().copied().collect();
+                    fail(&ids, &e, &mut live, &mut *decoder, metrics);
+                }
+            }
+        }
+        metrics.set_queue(jobs.len(), decoder.running());
+    }
+}
+
+fn deliver(
+    progress: Vec<Progress>,
+    live: &mut HashMap<u64, mpsc::UnboundedSender<Event>>,
+    metrics: &Metrics,
+) {
+    for p in progress {
+        metrics.generated(p.tokens.len());
+        if let Some(accepted) = p.accepted {
+            metrics.round(accepted);
+        }
+        let Some(tx) = live.get(&p.id) else { continue };
+        if !p.tokens.is_empty() || p.accepted.is_some() {
+            let _ = tx.send(Event::Tokens {
+                tokens: p.tokens,
+                accepted: p.accepted,
+            });
+        }
+        if let Some(out) = p.finished {
+            metrics.acceptance(&out.stats);
+            let _ = tx.send(Event::Finished(out));
+            live.remove(&p.id);
+        }
+    }
+}
+
+/// An engine error fails the requests it concerned (they leave the batch); the server goes on.
+fn fail(
+    ids: &[u64],
+    error: &InferError,
+    live: &mut HashMap<u64, mpsc::UnboundedSender<Event>>,
+    decoder: &mut dyn Decoder,
+    metrics: &Metrics,
+) {
+    for id in ids {
+        decoder.cancel(*id);
+        if let Some(tx) = live.remove(id) {
+            let _ = tx.send(Event::Failed {
+                message: error.to_string(),
+                invalid: matches!(error, InferError::Request { .. }),
+            });
+        }
+        metrics.request_done(Outcome::Failed);
+    }
+}

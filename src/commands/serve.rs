@@ -1,0 +1,123 @@
+//! `tandem serve`: loads the target and the head on the engine thread (the wiring manifest is
+//! checked there and a mismatch refuses to start), then serves the OpenAI API with axum.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use tandem_model::{SamplingParams, TargetModel, TargetTokenizer};
+use tandem_serve::scheduler::DecoderFactory;
+use tandem_serve::{AppState, Decoder, PlainDecoder, Scheduler, SchedulerConfig, SpecDecoder};
+
+use super::ModelArgs;
+use super::spec::SpecArgs;
+use crate::with_backend;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Serve the target alone (the baseline), without the draft head.
+    #[arg(long)]
+    pub no_draft: bool,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port (printed on start).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Requests waiting to join the batch at most; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Context (KV-cache columns) per sequence.
+    #[arg(long, default_value_t = 2048)]
+    pub context: usize,
+    /// max_tokens when a request gives none.
+    #[arg(long, default_value_t = 256)]
+    pub default_max_tokens: usize,
+    /// The model name clients pass (default: the model directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let tokenizer = Arc::new(TargetTokenizer::load(&args.model.model)?);
+    let model_id = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "tandem".into())
+    });
+    let factory_args = args.clone();
+    let factory: DecoderFactory =
+        Box::new(move || load_decoder(&factory_args).map_err(|e| format!("{e:#}")));
+    let (scheduler, engine) = Scheduler::spawn(
+        SchedulerConfig {
+            max_batch: args.max_batch,
+            max_queue: args.max_queue,
+        },
+        factory,
+    )
+    .map_err(|e| anyhow::anyhow!("tandem serve did not start: {e}"))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let head = if args.no_draft {
+        "none (target only)".to_owned()
+    } else {
+        args.spec.draft.display().to_string()
+    };
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        println!(
+            "tandem serve: listening on http://{addr} (model `{model_id}` from {}, head {head}, \
+             device {}, context {}, max batch {})",
+            args.model.model.display(),
+            args.model.device,
+            scheduler.limits.context,
+            args.max_batch
+        );
+        let state = AppState {
+            scheduler,
+            tokenizer,
+            model_id,
+            default_max_tokens: args.default_max_tokens,
+        };
+        tandem_serve::serve(listener, tandem_serve::router(state)).await?;
+        anyhow::Ok(())
+    })?;
+    // Every handle is gone with the router: the engine thread finishes and exits.
+    let _ = engine.join();
+    println!("tandem serve: stopped");
+    Ok(())
+}
+
+fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
+    with_backend!(args.model.device, |B, device| {
+        if args.no_draft {
+            let target = TargetModel::<B>::load(&args.model.model, &device)?;
+            Ok(Box::new(PlainDecoder::new(target, args.context)) as Box<dyn Decoder>)
+        } else {
+            let loaded = super::spec::load::<B>(&args.model, &args.spec, &device)?;
+            // Sampling and seed are per request; the engine's own are unused by the server.
+            let config = args.spec.config(SamplingParams::greedy(), 0);
+            let decoder = SpecDecoder::new(
+                loaded.target,
+                loaded.head.draft,
+                loaded.taps,
+                config,
+                args.context,
+            )?;
+            Ok(Box::new(decoder) as Box<dyn Decoder>)
+        }
+    })
+}
