@@ -5,7 +5,8 @@ cd "$(dirname "$0")/.."
 cargo fmt --all --check
 PROFILE=dev scripts/fetch_smollm2.sh
 scripts/fetch_datasets.sh mtbench
-# The dump tests read the Arrow shards from Python too (scripts/check_dump.py).
-python3 -m pip install --quiet --disable-pip-version-check pyarrow==26.0.1 polars==2.1.0 numpy==2.4.6
+# The dump tests read the Arrow shards from Python too (scripts/check_dump.py); the serve test
+# drives the server with the official openai client (tests/serve/openai_client.py).
+python3 -m pip install --quiet --disable-pip-version-check pyarrow==26.0.1 polars==2.1.0 numpy==2.4.6 openai==3.57.0
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace

@@ -217,21 +217,13 @@ fn check_model(model: &Option<String>, served: &str) -> Result<(), ApiError> {
     }
 }
 
+/// The fields both endpoints share, validated, around `prompt`.
 fn validate_common(
     c: CommonFields,
     max_tokens: Option<i64>,
     max_tokens_field: &str,
-) -> Result<
-    (
-        Option<usize>,
-        SamplingParams,
-        Vec<String>,
-        bool,
-        bool,
-        Option<u64>,
-    ),
-    ApiError,
-> {
+    prompt: PromptSource,
+) -> Result<Generation, ApiError> {
     let max_tokens = match max_tokens.or(c.max_tokens) {
         None => None,
         Some(n) if n >= 1 => Some(n as usize),
@@ -292,15 +284,15 @@ fn validate_common(
         top_p: top_p as f32,
         top_k,
     };
-    let include_usage = c.stream_options.unwrap_or_default().include_usage;
-    Ok((
+    Ok(Generation {
+        prompt,
         max_tokens,
         sampling,
         stop,
-        c.stream.unwrap_or(false),
-        include_usage,
-        c.seed,
-    ))
+        stream: c.stream.unwrap_or(false),
+        include_usage: c.stream_options.unwrap_or_default().include_usage,
+        seed: c.seed,
+    })
 }
 
 /// Validates a `/v1/completions` body for the model `served`.
@@ -339,17 +331,7 @@ pub fn parse_completion(body: &[u8], served: &str) -> Result<Generation, ApiErro
             "the prompt is empty",
         ));
     }
-    let (max_tokens, sampling, stop, stream, include_usage, seed) =
-        validate_common(r.common, None, "max_tokens")?;
-    Ok(Generation {
-        prompt: PromptSource::Text(prompt),
-        max_tokens,
-        sampling,
-        stop,
-        stream,
-        include_usage,
-        seed,
-    })
+    validate_common(r.common, None, "max_tokens", PromptSource::Text(prompt))
 }
 
 /// Validates a `/v1/chat/completions` body for the model `served`.
@@ -408,24 +390,17 @@ pub fn parse_chat(body: &[u8], served: &str) -> Result<Generation, ApiError> {
         };
         messages.push(ChatMessage::new(role, content));
     }
-    let (max_tokens, sampling, stop, stream, include_usage, seed) = validate_common(
+    let field = if r.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    validate_common(
         r.common,
         r.max_completion_tokens,
-        if r.max_completion_tokens.is_some() {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
-        },
-    )?;
-    Ok(Generation {
-        prompt: PromptSource::Chat(messages),
-        max_tokens,
-        sampling,
-        stop,
-        stream,
-        include_usage,
-        seed,
-    })
+        field,
+        PromptSource::Chat(messages),
+    )
 }
 
 /// Which endpoint a response is for.
