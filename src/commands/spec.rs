@@ -207,6 +207,8 @@ pub struct BenchReport {
     pub identical_outputs: usize,
     pub compared_outputs: usize,
     pub first_mismatch: Option<String>,
+    /// Every greedy mismatch, traced to the target's logits at the divergence.
+    pub mismatches: Vec<MismatchTrace>,
     pub timings: tandem_infer::Timings,
 }
 
@@ -284,17 +286,32 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
     }
     let mut identical = 0;
     let mut first_mismatch = None;
+    let mut mismatches = Vec::new();
     if sampling.is_greedy() {
         for (i, (a, b)) in outputs.iter().zip(&baseline).enumerate() {
             if a == b {
                 identical += 1;
-            } else if first_mismatch.is_none() {
-                let at = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+                continue;
+            }
+            let at = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+            if first_mismatch.is_none() {
                 first_mismatch = Some(format!(
                     "prompt {i}: first difference at generated token {at} (speculative {:?} vs target {:?})",
                     a.get(at),
                     b.get(at)
                 ));
+            }
+            if let (Some(&spec), Some(&plain)) = (a.get(at), b.get(at)) {
+                let mut context = prompts[i].clone();
+                context.extend_from_slice(&a[..at]);
+                mismatches.push(trace_mismatch(
+                    &loaded.target,
+                    i,
+                    at,
+                    &context,
+                    spec,
+                    plain,
+                )?);
             }
         }
     }
@@ -315,6 +332,7 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
         identical_outputs: identical,
         compared_outputs: baseline.len().min(outputs.len()),
         first_mismatch,
+        mismatches,
         timings,
     };
     print_report(&report, &args.model.device.to_string());
@@ -360,5 +378,112 @@ fn print_report(r: &BenchReport, device: &str) {
     );
     if let Some(m) = &r.first_mismatch {
         println!("first mismatch: {m}");
+    }
+    if !r.mismatches.is_empty() {
+        println!(
+            "| prompt | at token | speculative | target-only | logit gap | bf16 ulp | verdict |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for m in &r.mismatches {
+            println!(
+                "| {} | {} | {} ({:.4}) | {} ({:.4}) | {:.4} | {:.4} | {} |",
+                m.prompt,
+                m.position,
+                m.speculative_token,
+                m.speculative_logit,
+                m.target_token,
+                m.target_logit,
+                m.gap,
+                m.bf16_ulp,
+                m.verdict
+            );
+        }
+    }
+}
+
+/// Where a greedy speculative output left target-only greedy output, and whether the two
+/// tokens were a near-tie for the target: their logits from one more target forward over the
+/// shared prefix, the gap, and the bf16 spacing at that magnitude. A gap within a few bf16
+/// steps means the two paths (tree verification vs one-token decode) rounded differently, not
+/// that the engine is wrong.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MismatchTrace {
+    pub prompt: usize,
+    pub position: usize,
+    pub speculative_token: u32,
+    pub target_token: u32,
+    pub speculative_logit: f32,
+    pub target_logit: f32,
+    pub gap: f32,
+    pub bf16_ulp: f32,
+    pub verdict: &'static str,
+}
+
+/// A gap of at most this many bf16 steps counts as a near-tie.
+const TIE_ULPS: f32 = 4.0;
+
+/// Spacing of bf16 numbers around `x` (8 significant bits).
+pub fn bf16_ulp(x: f32) -> f32 {
+    let x = x.abs().max(f32::MIN_POSITIVE);
+    2f32.powi(x.log2().floor() as i32 - 7)
+}
+
+fn trace_mismatch<B: Backend>(
+    target: &TargetModel<B>,
+    prompt: usize,
+    position: usize,
+    context: &[u32],
+    speculative_token: u32,
+    target_token: u32,
+) -> anyhow::Result<MismatchTrace> {
+    let mut cache = target.new_cache(1, context.len() + 1);
+    let step = cache.prefill_step(&[context])?;
+    let out = target.forward(
+        &step,
+        &mut cache,
+        &TapRequest::none(),
+        tandem_model::LogitsFor::Last,
+    )?;
+    let logits: Vec<f32> = out
+        .logits
+        .expect("asked for logits")
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+    let (ls, lt) = (
+        logits[speculative_token as usize],
+        logits[target_token as usize],
+    );
+    let gap = (ls - lt).abs();
+    let ulp = bf16_ulp(ls.abs().max(lt.abs()));
+    Ok(MismatchTrace {
+        prompt,
+        position,
+        speculative_token,
+        target_token,
+        speculative_logit: ls,
+        target_logit: lt,
+        gap,
+        bf16_ulp: ulp,
+        verdict: if gap <= TIE_ULPS * ulp {
+            "bf16 near-tie"
+        } else {
+            "NOT a tie: investigate"
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bf16_ulp;
+
+    #[test]
+    fn bf16_spacing_by_hand() {
+        // bf16 keeps 8 significant bits: numbers in [16, 32) are 2^(4-7) = 0.125 apart.
+        assert_eq!(bf16_ulp(17.3), 0.125);
+        assert_eq!(bf16_ulp(-20.0), 0.125);
+        assert_eq!(bf16_ulp(1.0), 2f32.powi(-7));
+        assert_eq!(bf16_ulp(0.75), 2f32.powi(-8));
     }
 }
