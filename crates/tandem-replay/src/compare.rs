@@ -149,17 +149,30 @@ pub fn offline_acceptance<B: Backend>(
             TensorData::new(record.aux_hidden.clone(), [1, n, aux_width]),
             &device,
         );
-        let outputs = draft.forward_ttt(aux, &record.input_ids, &[n], steps)?;
-        let proposals: Vec<Vec<u32>> = outputs
-            .into_iter()
-            .map(|o| draft.to_target_ids(&ints(o.logits.argmax(2))))
-            .collect();
+        let proposals = teacher_forced_proposals(draft, aux, &record.input_ids, steps)?;
         out.add_sample(&proposals, &argmax, &record.loss_mask);
     }
     Ok(out)
 }
 
-fn ints<B: Backend>(t: Tensor<B, 3, Int>) -> Vec<u32> {
+/// The head teacher-forced on one sequence: `aux: [1, n, num_taps * T]`, `input_ids: [n]`.
+/// `out[i][t]` is the target id TTT step `i` proposes at index `t` (draft argmax through
+/// `d2t`), the `draft` argument of [`OfflineAcceptance::add_sample`].
+pub fn teacher_forced_proposals<B: Backend>(
+    draft: &Eagle3Draft<B>,
+    aux: Tensor<B, 3>,
+    input_ids: &[u32],
+    steps: usize,
+) -> Result<Vec<Vec<u32>>, ReplayError> {
+    let n = input_ids.len();
+    let outputs = draft.forward_ttt(aux, input_ids, &[n], steps)?;
+    Ok(outputs
+        .into_iter()
+        .map(|o| draft.to_target_ids(&ints(o.logits.argmax(2))))
+        .collect())
+}
+
+pub(crate) fn ints<B: Backend>(t: Tensor<B, 3, Int>) -> Vec<u32> {
     t.into_data()
         .convert::<i64>()
         .to_vec::<i64>()

@@ -43,6 +43,12 @@ pub enum ReplayError {
         /// The dump directory.
         dir: PathBuf,
     },
+    /// The head cannot be measured on this target (widths, slots, no data).
+    #[error("diagnose: {reason}")]
+    HeadMismatch {
+        /// What does not fit.
+        reason: String,
+    },
     /// A report could not be written.
     #[error("cannot write {}: {source}", path.display())]
     Write {

@@ -1,5 +1,7 @@
 //! `tandem replay`: re-runs the samples of a dump through the serving engine's target path and
-//! names every way the dump, its manifest, the target and the head disagree.
+//! names every way the dump, its manifest, the target and the head disagree. Also `compare`
+//! (offline vs online acceptance, [`compare`]) and `diagnose` (which wiring a head was trained
+//! with, measured on target-generated text, [`mod@diagnose`]).
 //!
 //! Each sample's `input_ids` go through one prefill of [`tandem_model::TargetModel::forward`]
 //! (the block loop and capture hook the speculative loop uses) with every tap point requested:
@@ -30,6 +32,7 @@
 
 pub mod candidate;
 pub mod compare;
+pub mod diagnose;
 pub mod error;
 pub mod explain;
 pub mod render;
@@ -40,6 +43,11 @@ pub mod score;
 pub use candidate::{Candidate, CandidateValues, all_candidates, all_taps, capture_candidates};
 pub use compare::{
     CompareReport, OfflineAcceptance, OnlineAcceptance, offline_acceptance, online_acceptance,
+    teacher_forced_proposals,
+};
+pub use diagnose::{
+    DeclaredReading, DiagnoseLabels, DiagnoseOptions, DiagnoseReport, DiagnoseSample,
+    ReadingVerdict, SweepEntry, WiringScore, declared_readings, diagnose, generate_samples, sweep,
 };
 pub use error::ReplayError;
 pub use explain::{ConventionSwap, constant_shift, convention_swaps, describe_pattern};

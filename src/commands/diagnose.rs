@@ -1,0 +1,102 @@
+//! `tandem diagnose`: which wiring was a head trained with? Generates greedy continuations of a
+//! few prompts with the target, teacher-forces the head on them under every candidate wiring
+//! and ranks the wirings by acceptance (the logic is in `tandem_replay::diagnose`). Exits
+//! non-zero when the wiring Tandem / SGLang would serve the head on is not the best one.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use tandem_model::burn::prelude::Backend;
+use tandem_model::{ChatMessage, TargetModel, TargetTokenizer};
+use tandem_replay::{DiagnoseLabels, DiagnoseOptions, diagnose, generate_samples};
+
+use super::ModelArgs;
+use crate::with_backend;
+
+#[derive(Args, Debug)]
+pub struct DiagnoseArgs {
+    /// EAGLE-3 head directory (Tandem, SpecForge, EAGLE or SGLang/vLLM layout; the config may
+    /// carry a Tandem manifest, only eagle_aux_hidden_state_layer_ids, or no ids at all).
+    #[arg(long)]
+    pub head: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt set the target continues: mtbench, humaneval, or a JSONL/JSON path.
+    #[arg(long, default_value = "mtbench")]
+    pub prompts: String,
+    /// Where datasets were fetched (scripts/fetch_datasets.sh).
+    #[arg(long, default_value = "data")]
+    pub data_root: PathBuf,
+    /// Prompts continued (the first turn of each).
+    #[arg(long, default_value_t = 4)]
+    pub samples: usize,
+    /// Tokens the target generates per prompt (greedy); the head is measured on these.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Draft steps of the chain measured.
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Accept-length margin over the runner-up below which the result is called inconclusive.
+    #[arg(long, default_value_t = 0.05)]
+    pub min_margin: f64,
+    /// Wirings printed in the terminal table (all of them go to the JSON / HTML reports).
+    #[arg(long, default_value_t = 15)]
+    pub top: usize,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write the report as a self-contained HTML page here.
+    #[arg(long)]
+    pub html: Option<PathBuf>,
+}
+
+pub fn run(args: DiagnoseArgs) -> anyhow::Result<()> {
+    with_backend!(args.model.device, |B, device| run_on::<B>(&args, &device))
+}
+
+fn run_on<B: Backend>(args: &DiagnoseArgs, device: &B::Device) -> anyhow::Result<()> {
+    let tokenizer = TargetTokenizer::load(&args.model.model)?;
+    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let head = tandem_eagle::load_pretrained(&args.head, model.embed_tokens.clone(), device)
+        .with_context(|| format!("loading the head {}", args.head.display()))?;
+    let prompts: Vec<Vec<u32>> = tandem_data::eval_prompts(&args.prompts, &args.data_root)
+        .with_context(|| format!("reading prompts {}", args.prompts))?
+        .iter()
+        .take(args.samples)
+        .map(|p| {
+            let first = p.turns.first().cloned().unwrap_or_default();
+            tokenizer.encode_chat(&[ChatMessage::new("user", first)], true)
+        })
+        .collect::<Result<_, _>>()?;
+    anyhow::ensure!(!prompts.is_empty(), "no prompts in {}", args.prompts);
+    let samples = generate_samples(&model, &prompts, args.max_new_tokens, &tokenizer.eos_ids)?;
+    let options = DiagnoseOptions {
+        steps: args.steps,
+        min_margin: args.min_margin,
+        labels: DiagnoseLabels {
+            head: args.head.display().to_string(),
+            model: args.model.model.display().to_string(),
+            prompts: args.prompts.clone(),
+            device: args.model.device.to_string(),
+        },
+    };
+    let report = diagnose(&model, &head.draft, &head.config, &samples, &options)?;
+    print!("{}", report.to_table(args.top));
+    if let Some(path) = &args.json {
+        std::fs::write(path, report.to_json() + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.html {
+        std::fs::write(path, report.to_html())
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if !report.consistent && report.conclusive {
+        anyhow::bail!(
+            "the head is served on another wiring than it was trained with; see the diagnosis"
+        );
+    }
+    Ok(())
+}
