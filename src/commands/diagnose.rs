@@ -1,7 +1,8 @@
 //! `tandem diagnose`: which wiring was a head trained with? Generates greedy continuations of a
 //! few prompts with the target, teacher-forces the head on them under every candidate wiring
 //! and ranks the wirings by acceptance (the logic is in `tandem_replay::diagnose`). Exits
-//! non-zero when the wiring Tandem / SGLang would serve the head on is not the best one.
+//! non-zero when the wiring Tandem / SGLang would serve the head on loses significant acceptance
+//! against the best one.
 
 use std::path::PathBuf;
 
@@ -93,9 +94,11 @@ fn run_on<B: Backend>(args: &DiagnoseArgs, device: &B::Device) -> anyhow::Result
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
-    if !report.consistent && report.conclusive {
+    if !report.consistent {
         anyhow::bail!(
-            "the head is served on another wiring than it was trained with; see the diagnosis"
+            "serving the head on {} costs significant acceptance against {}; see the diagnosis",
+            tandem_wiring::format_taps(&report.serving),
+            tandem_replay::diagnose::format_wiring(&report.best)
         );
     }
     Ok(())
