@@ -1,11 +1,13 @@
 # Sourced by the GPU scripts: joins the GGUF carried in two calls, unpacks the binary, imports
-# the model once per machine. Expects /tmp/tandem/part-a from the previous call.
+# the model once per machine. Expects /tmp/tandem/part-a (and part-c) from previous calls.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 W=/tmp/tandem
 mkdir -p "$W" "$OUT"
 if [[ ! -f "$W/smollm2/model.safetensors" ]]; then
-  cat "$W/part-a" .device/b/part-b > "$W/smollm2.gguf"
+  # The GGUF travels in pieces (each call carries at most 64 MiB with the working tree):
+  # part-a and, when the tree has grown, part-c in earlier calls; part-b with this one.
+  cat "$W/part-a" $( [[ -f "$W/part-c" ]] && echo "$W/part-c" ) .device/b/part-b > "$W/smollm2.gguf"
   ls -la "$W/smollm2.gguf"
 fi
 xz -dc .device/b/tandem.xz > "$W/tandem" && chmod +x "$W/tandem"

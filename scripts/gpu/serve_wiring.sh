@@ -7,7 +7,7 @@
 #
 #   call 1 (carry .device/a):  mkdir -p /tmp/tandem && cp .device/a/part-a /tmp/tandem/
 #   call 2 (carry .device/b):  bash scripts/gpu/serve_wiring.sh
-# Knobs: HEAD (default: the regenerated head if present, else the committed one), REQUESTS
+# Knobs: PARTS (which parts, in order; default "replay diagnose serve bench"), HEAD (default: the regenerated head if present, else the committed one), REQUESTS
 # (64), CONCURRENCY (8), MAX_TOKENS (128), PROMPTS (compare/diagnose prompts, 16).
 source scripts/gpu/common.sh
 mkdir -p "$W/data/mtbench" && cp .device/b/mtbench.jsonl "$W/data/mtbench/question.jsonl"
@@ -36,7 +36,10 @@ print("mis-wired ids", ids, "->", c["eagle_config"]["eagle_aux_hidden_state_laye
 PY
 
 run() { echo "== $*" | tee -a "$LOG"; timeout 300 "$@" 2>&1 | grep -v '^wiring: dtype' | tail -${TAIL:-25} | tee -a "$LOG"; }
+PARTS="${PARTS:-replay diagnose serve bench}"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 
+part_replay() {
 if [[ -f "$DUMP/manifest.json" ]]; then
   run "$T" replay --dump "$DUMP" --model "$M" --head "$HEAD" --device cuda --max-samples 8 \
     --json "$OUT/replay.json"
@@ -49,10 +52,14 @@ if [[ -f "$DUMP/manifest.json" ]]; then
 else
   echo "no dump at $DUMP: replay/compare skipped" | tee -a "$LOG"
 fi
-run "$T" diagnose --head "$HEAD" --model "$M" --device cuda --data-root "$W/data" --samples 8 \
+}
+
+part_diagnose() {
+run "$T" diagnose --head "$HEAD" --model "$M" --device cuda --data-root "$W/data" --samples "${DIAG_SAMPLES:-8}" --max-new-tokens 48 \
   --json "$OUT/diagnose.json"
-run "$T" diagnose --head "$BAD" --model "$M" --device cuda --data-root "$W/data" --samples 8 \
+run "$T" diagnose --head "$BAD" --model "$M" --device cuda --data-root "$W/data" --samples "${DIAG_SAMPLES:-8}" --max-new-tokens 48 \
   --json "$OUT/diagnose_miswired.json"
+}
 
 serve_load() {
   local label=$1; shift
@@ -69,13 +76,17 @@ serve_load() {
   kill -TERM $pid; wait $pid
   tail -2 "$W/serve_$label.txt" | tee -a "$LOG"
 }
+part_serve() {
 echo "== serve load test: $REQUESTS requests, concurrency $CONCURRENCY, max_tokens $MAX_TOKENS" | tee -a "$LOG"
 serve_load speculative --draft "$HEAD" --steps 3 --topk 1
 serve_load target-only --no-draft
+}
 
 # Issue #6: greedy equality on the GPU, every mismatch traced to the target's logit gap.
-if [[ -n "${BENCH_PROMPTS:-20}" ]]; then
+part_bench() {
   echo "== bench with mismatch tracing: ${BENCH_PROMPTS:-20} MT-Bench prompts, 64 tokens" | tee -a "$LOG"
   TAIL=40 run "$T" bench --model "$M" --draft "$HEAD" --device cuda --prompts mtbench --data-root "$W/data" \
     --max-prompts "${BENCH_PROMPTS:-20}" --max-new-tokens 64 --steps 3 --topk 1 --json "$OUT/bench_trace.json"
-fi
+}
+
+for part in $PARTS; do "part_$part"; done
