@@ -31,7 +31,7 @@ use burn::tensor::TensorData;
 use burn::tensor::activation::{silu, softmax};
 use rand::{Rng, SeedableRng};
 use tandem_model::StepInput;
-use tandem_model::cache::{ColumnLayout, append_rows, compact_columns, remove_row};
+use tandem_model::cache::{ColumnLayout, append_rows, compact_columns, remove_row, write_columns};
 
 use crate::config::DraftSpec;
 use crate::error::EagleError;
@@ -882,23 +882,17 @@ impl<B: Backend> DraftCache<B> {
     }
 
     /// Writes `k`, `v` (`[batch, kv_heads, width, hd]`) at column `start`; returns the whole
-    /// updated cache tensors. The old tensors are moved out first so the backend can update in
-    /// place.
+    /// updated cache tensors (updated in place, see [`write_columns`]).
     fn write(
         &mut self,
         start: usize,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let [b, kvh, n, hd] = k.dims();
-        let range = [0..b, 0..kvh, start..start + n, 0..hd];
-        let device = k.device();
-        let placeholder = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
-        let keys = std::mem::replace(&mut self.keys, placeholder()).slice_assign(range.clone(), k);
-        let values = std::mem::replace(&mut self.values, placeholder()).slice_assign(range, v);
-        self.keys = keys.clone();
-        self.values = values.clone();
-        (keys, values)
+        (
+            write_columns(&mut self.keys, start, k),
+            write_columns(&mut self.values, start, v),
+        )
     }
 
     /// Additive mask `[batch, 1, groups * width, used + width]`, row-major: 0 where visible.

@@ -311,6 +311,22 @@ impl ColumnLayout {
     }
 }
 
+/// Writes `new` (`[batch, heads, width, head_dim]`) into `cache` at column `start` and returns
+/// the updated tensor (also left in `cache`). The cache tensor is moved out before the write so
+/// it is uniquely owned and the backend can update it in place instead of copying it.
+pub fn write_columns<B: Backend>(
+    cache: &mut Tensor<B, 4>,
+    start: usize,
+    new: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let [b, h, n, d] = new.dims();
+    let placeholder = Tensor::<B, 4>::empty([0, 0, 0, 0], &new.device());
+    let updated = std::mem::replace(cache, placeholder)
+        .slice_assign([0..b, 0..h, start..start + n, 0..d], new);
+    *cache = updated.clone();
+    updated
+}
+
 /// Rows of `a` then rows of `b` (`[batch, kv_heads, capacity, head_dim]` both).
 pub fn append_rows<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> Tensor<B, 4> {
     Tensor::cat(vec![a, b], 0)
@@ -365,9 +381,7 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Writes `k`, `v` (`[batch, kv_heads, width, head_dim]`) of layer `layer` at column
-    /// `start` and returns the updated cache tensors. The cache tensor is moved out before the
-    /// write so it is uniquely owned and the backend can update it in place instead of copying
-    /// the whole cache every layer.
+    /// `start` and returns the updated cache tensors (see [`write_columns`]).
     pub(crate) fn write(
         &mut self,
         layer: usize,
@@ -375,17 +389,10 @@ impl<B: Backend> KvCache<B> {
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let [b, kvh, n, hd] = k.dims();
-        let range = [0..b, 0..kvh, start..start + n, 0..hd];
-        let device = k.device();
-        let placeholder = || Tensor::<B, 4>::empty([0, 0, 0, 0], &device);
-        let keys =
-            std::mem::replace(&mut self.keys[layer], placeholder()).slice_assign(range.clone(), k);
-        let values =
-            std::mem::replace(&mut self.values[layer], placeholder()).slice_assign(range, v);
-        self.keys[layer] = keys.clone();
-        self.values[layer] = values.clone();
-        (keys, values)
+        (
+            write_columns(&mut self.keys[layer], start, k),
+            write_columns(&mut self.values[layer], start, v),
+        )
     }
 
     /// The column bookkeeping (what each sequence owns).
