@@ -30,8 +30,8 @@ use burn::prelude::*;
 use burn::tensor::TensorData;
 use burn::tensor::activation::{silu, softmax};
 use rand::{Rng, SeedableRng};
+use tandem_model::KvCache;
 use tandem_model::StepInput;
-use tandem_model::cache::{ColumnLayout, append_rows, compact_columns, remove_row, write_columns};
 
 use crate::config::DraftSpec;
 use crate::error::EagleError;
@@ -603,7 +603,7 @@ impl<B: Backend> Eagle3Draft<B> {
                 ),
             });
         }
-        cache.check(step)?;
+        cache.reserve(step)?;
         let device = hidden.device();
         let embeds = self.embed(&step.tokens, step.batch, step.width)?;
         let rope = Rope::new(
@@ -653,7 +653,8 @@ impl<B: Backend> Eagle3Draft<B> {
 
     /// An empty serving cache for `batch` sequences of up to `capacity` columns.
     pub fn new_cache(&self, batch: usize, capacity: usize) -> DraftCache<B> {
-        DraftCache::new(
+        KvCache::new(
+            1,
             batch,
             self.spec.num_kv_heads,
             self.spec.head_dim,
@@ -758,7 +759,7 @@ impl<B: Backend> AttentionContext<B> for CacheAttention<'_, B> {
         let kvh = k.dims()[1];
         let groups = h / kvh;
         let end = self.start + n;
-        let (keys, values) = self.cache.write(self.start, k, v);
+        let (keys, values) = self.cache.write(0, self.start, k, v);
         let keys = keys.slice([0..b, 0..kvh, 0..end, 0..hd]);
         let values = values.slice([0..b, 0..kvh, 0..end, 0..hd]);
         let q = q.reshape([b, kvh, groups * n, hd]);
@@ -768,142 +769,10 @@ impl<B: Backend> AttentionContext<B> for CacheAttention<'_, B> {
     }
 }
 
-/// The draft's serving KV cache: keys and values `[batch, kv_heads, capacity, head_dim]` of the
-/// one layer, with the same per-sequence column bookkeeping as the target's cache
-/// ([`ColumnLayout`]: padding of a shorter sequence and discarded tree branches are invalid
-/// columns; sequences join and leave by row).
-#[derive(Debug, Clone)]
-pub struct DraftCache<B: Backend> {
-    keys: Tensor<B, 4>,
-    values: Tensor<B, 4>,
-    layout: ColumnLayout,
-}
-
-impl<B: Backend> DraftCache<B> {
-    /// An empty cache.
-    pub fn new(
-        batch: usize,
-        num_kv_heads: usize,
-        head_dim: usize,
-        capacity: usize,
-        device: &B::Device,
-    ) -> Self {
-        let zeros = || Tensor::<B, 4>::zeros([batch, num_kv_heads, capacity, head_dim], device);
-        DraftCache {
-            keys: zeros(),
-            values: zeros(),
-            layout: ColumnLayout::new(batch, capacity),
-        }
-    }
-
-    /// The column bookkeeping (what each sequence owns).
-    pub fn layout(&self) -> &ColumnLayout {
-        &self.layout
-    }
-    /// Sequences in the cache.
-    pub fn batch(&self) -> usize {
-        self.layout.batch()
-    }
-    /// Columns the cache can hold.
-    pub fn capacity(&self) -> usize {
-        self.layout.capacity()
-    }
-    /// Columns written so far.
-    pub fn used(&self) -> usize {
-        self.layout.used()
-    }
-    /// Next RoPE position of sequence `b` (= number of valid columns it owns).
-    pub fn seq_len(&self, b: usize) -> usize {
-        self.layout.seq_len(b)
-    }
-
-    /// A causal chunk per sequence (draft extend over accepted tokens): positions continue
-    /// from each sequence's length. Empty slices add nothing to their sequence.
-    pub fn prefill_step(&self, chunks: &[&[u32]]) -> Result<StepInput, EagleError> {
-        Ok(self.layout.prefill_step(chunks)?)
-    }
-
-    /// One draft token per sequence (a chain draft step).
-    pub fn decode_step(&self, tokens: &[u32]) -> Result<StepInput, EagleError> {
-        Ok(self.layout.decode_step(tokens)?)
-    }
-
-    /// A tree of draft tokens per sequence: `tokens[i]` has parent `parents[i]` (`None` = child
-    /// of the cached prefix), parents before children; a node sees the prefix, its ancestors
-    /// and itself, at position prefix length + depth.
-    pub fn tree_step(&self, trees: &[(&[u32], &[Option<usize>])]) -> Result<StepInput, EagleError> {
-        Ok(self.layout.tree_step(trees)?)
-    }
-
-    /// Forgets every column from `columns` on (the draft steps of a round, before the next
-    /// extend over the tokens the target accepted). Lengths become the valid columns left.
-    pub fn rollback(&mut self, columns: usize) {
-        self.layout.rollback(columns)
-    }
-
-    /// After a tree step of width `step_width`: keep only the `accepted` slots of sequence `b`
-    /// (a root-to-leaf path), the others become invisible.
-    pub fn keep_only(&mut self, b: usize, step_width: usize, accepted: &[usize]) {
-        self.layout.keep_only(b, step_width, accepted)
-    }
-
-    /// Moves the sequences of `other` (same head and capacity) into this batch, after its rows.
-    pub fn append(&mut self, other: DraftCache<B>) -> Result<(), EagleError> {
-        self.layout.append(other.layout)?;
-        self.keys = append_rows(self.keys.clone(), other.keys);
-        self.values = append_rows(self.values.clone(), other.values);
-        Ok(())
-    }
-
-    /// Drops sequence `b`; later rows move up. The last sequence cannot be removed: drop the
-    /// cache instead.
-    pub fn remove(&mut self, b: usize) {
-        assert!(
-            self.batch() > 1,
-            "remove the last sequence by dropping the cache"
-        );
-        self.layout.remove(b);
-        self.keys = remove_row(self.keys.clone(), b);
-        self.values = remove_row(self.values.clone(), b);
-    }
-
-    /// Moves every sequence's columns to the front (see [`KvCache::compact`]).
-    ///
-    /// [`KvCache::compact`]: tandem_model::KvCache::compact
-    pub fn compact(&mut self) {
-        let plan = self.layout.compaction_plan();
-        self.keys = compact_columns(self.keys.clone(), &plan);
-        self.values = compact_columns(self.values.clone(), &plan);
-        self.layout.compact();
-    }
-
-    fn check(&self, step: &StepInput) -> Result<(), EagleError> {
-        Ok(self.layout.check_step(step)?)
-    }
-
-    /// Writes `k`, `v` (`[batch, kv_heads, width, hd]`) at column `start`; returns the whole
-    /// updated cache tensors (updated in place, see [`write_columns`]).
-    fn write(
-        &mut self,
-        start: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        (
-            write_columns(&mut self.keys, start, k),
-            write_columns(&mut self.values, start, v),
-        )
-    }
-
-    /// Additive mask `[batch, 1, groups * width, used + width]`, row-major: 0 where visible.
-    fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
-        self.layout.attention_mask(step, groups)
-    }
-
-    fn advance(&mut self, step: &StepInput) {
-        self.layout.advance(step)
-    }
-}
+/// The draft's serving KV cache: the target's [`KvCache`] with one layer, so the head shares
+/// its column bookkeeping (padding of a shorter sequence and discarded tree branches are
+/// invalid columns; sequences join and leave by row; compaction).
+pub type DraftCache<B> = KvCache<B>;
 
 #[cfg(test)]
 mod tests {

@@ -314,7 +314,7 @@ impl ColumnLayout {
 /// Writes `new` (`[batch, heads, width, head_dim]`) into `cache` at column `start` and returns
 /// the updated tensor (also left in `cache`). The cache tensor is moved out before the write so
 /// it is uniquely owned and the backend can update it in place instead of copying it.
-pub fn write_columns<B: Backend>(
+fn write_columns<B: Backend>(
     cache: &mut Tensor<B, 4>,
     start: usize,
     new: Tensor<B, 4>,
@@ -328,12 +328,12 @@ pub fn write_columns<B: Backend>(
 }
 
 /// Rows of `a` then rows of `b` (`[batch, kv_heads, capacity, head_dim]` both).
-pub fn append_rows<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> Tensor<B, 4> {
+fn append_rows<B: Backend>(a: Tensor<B, 4>, b: Tensor<B, 4>) -> Tensor<B, 4> {
     Tensor::cat(vec![a, b], 0)
 }
 
 /// `t` without row `row` (the batch must keep at least one row).
-pub fn remove_row<B: Backend>(t: Tensor<B, 4>, row: usize) -> Tensor<B, 4> {
+fn remove_row<B: Backend>(t: Tensor<B, 4>, row: usize) -> Tensor<B, 4> {
     let [batch, h, c, d] = t.dims();
     let mut parts = Vec::with_capacity(2);
     if row > 0 {
@@ -347,7 +347,7 @@ pub fn remove_row<B: Backend>(t: Tensor<B, 4>, row: usize) -> Tensor<B, 4> {
 
 /// Moves each row's columns `plan[b]` to the front (`0..plan[b].len()`), one gather for the
 /// whole tensor; the columns after them hold stale values the layout marks invalid.
-pub fn compact_columns<B: Backend>(t: Tensor<B, 4>, plan: &[Vec<usize>]) -> Tensor<B, 4> {
+fn compact_columns<B: Backend>(t: Tensor<B, 4>, plan: &[Vec<usize>]) -> Tensor<B, 4> {
     let [batch, h, c, d] = t.dims();
     let mut index = Vec::with_capacity(batch * c);
     for (b, cols) in plan.iter().enumerate() {
@@ -381,8 +381,10 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Writes `k`, `v` (`[batch, kv_heads, width, head_dim]`) of layer `layer` at column
-    /// `start` and returns the updated cache tensors (see [`write_columns`]).
-    pub(crate) fn write(
+    /// `start` and returns the updated cache tensors (see [`write_columns`]). Public, with
+    /// [`KvCache::reserve`], [`KvCache::attention_mask`] and [`KvCache::advance`], for the
+    /// models that keep their keys here besides the target (the draft head).
+    pub fn write(
         &mut self,
         layer: usize,
         start: usize,
@@ -425,15 +427,21 @@ impl<B: Backend> KvCache<B> {
     pub fn tree_step(&self, trees: &[(&[u32], &[Option<usize>])]) -> Result<StepInput, ModelError> {
         self.layout.tree_step(trees)
     }
-    pub(crate) fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
+    /// See [`ColumnLayout::attention_mask`].
+    pub fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
         self.layout.attention_mask(step, groups)
     }
     /// Checks the step and that there is room for it before any tensor is written.
-    pub(crate) fn reserve(&self, step: &StepInput) -> Result<(), ModelError> {
+    pub fn reserve(&self, step: &StepInput) -> Result<(), ModelError> {
         self.layout.check_step(step)
     }
-    pub(crate) fn advance(&mut self, step: &StepInput) {
+    /// See [`ColumnLayout::advance`].
+    pub fn advance(&mut self, step: &StepInput) {
         self.layout.advance(step)
+    }
+    /// See [`ColumnLayout::rollback`].
+    pub fn rollback(&mut self, columns: usize) {
+        self.layout.rollback(columns)
     }
     /// See [`ColumnLayout::keep_only`].
     pub fn keep_only(&mut self, b: usize, step_width: usize, accepted: &[usize]) {
