@@ -32,6 +32,11 @@ enum Command {
     BenchTarget(commands::bench::BenchTargetArgs),
     /// Compare a device (CUDA bf16) against the CPU f32 path: logits, taps, greedy tokens.
     CheckDevice(commands::check_device::CheckDeviceArgs),
+    /// The CUDA fast path against the CPU f32 reference: logits, every tap and greedy tokens
+    /// over a sweep of batch sizes and KV lengths (prefill, decode and tree steps).
+    FastCheck(commands::fast::FastCheckArgs),
+    /// Decode speed of the CUDA fast path (TTFT, step time, tokens/s), like bench-target.
+    FastBench(commands::fast::FastBenchArgs),
     /// Train an EAGLE-3 draft head on dumps and export it for SGLang / vLLM.
     Train(commands::train::TrainArgs),
     /// Speculative vs target-only decoding on a prompt set: tokens/s, accept length,
@@ -63,6 +68,8 @@ fn main() -> anyhow::Result<()> {
         Command::DumpInfo(args) => commands::dump::run_info(args),
         Command::BenchTarget(args) => commands::bench::run(args),
         Command::CheckDevice(args) => commands::check_device::run(args),
+        Command::FastCheck(args) => commands::fast::run_check(args),
+        Command::FastBench(args) => commands::fast::run_bench(args),
         Command::Train(args) => commands::train::run(args),
         Command::Bench(args) => commands::spec::run_bench(args),
         Command::Replay(args) => commands::replay::run(args),

@@ -2,6 +2,10 @@
 //! [`CaptureHook::observe`] after the embedding, after every block and after the final norm,
 //! and nowhere else in the crate reads hidden states. Every execution path (prefill, chunked
 //! prefill, decode, tree verification) runs that loop, so a tap cannot be skipped by a path.
+//!
+//! The hook is generic over what a hidden state is, so the CUDA fast path (`tandem-cuda`, whose
+//! hidden states are raw device buffers, not burn tensors) takes its taps through this same
+//! type and the same slot logic; a test there proves its taps equal this crate's.
 
 use burn::prelude::*;
 use tandem_wiring::TapId;
@@ -38,18 +42,19 @@ impl TapRequest {
 }
 
 /// Collects the requested taps of one forward step. Each entry is `[batch, width, hidden]`,
-/// in the order of the request (a tap requested twice is stored twice).
+/// in the order of the request (a tap requested twice is stored twice). `T` is the hidden state
+/// of the execution path: a burn tensor here, a device buffer in the CUDA fast path.
 #[derive(Debug)]
-pub struct CaptureHook<B: Backend> {
+pub struct CaptureHook<T> {
     request: TapRequest,
-    captured: Vec<Option<Tensor<B, 3>>>,
+    captured: Vec<Option<T>>,
     /// Every tap point the loop passed through, in order: lets tests prove that no path skips
     /// the hook.
     visited: Vec<TapId>,
 }
 
-impl<B: Backend> CaptureHook<B> {
-    pub(crate) fn new(request: TapRequest) -> Self {
+impl<T: Clone> CaptureHook<T> {
+    pub fn new(request: TapRequest) -> Self {
         let slots = request.taps.len();
         Self {
             request,
@@ -58,8 +63,9 @@ impl<B: Backend> CaptureHook<B> {
         }
     }
 
-    /// Called by the block loop, and only there.
-    pub(crate) fn observe(&mut self, tap: TapId, hidden: &Tensor<B, 3>) {
+    /// Called by a block loop (this crate's, or the CUDA fast path's), and only there. Copies
+    /// `hidden` only when a slot asks for `tap`.
+    pub fn observe(&mut self, tap: TapId, hidden: &T) {
         self.visited.push(tap);
         for (slot, wanted) in self.request.taps.iter().enumerate() {
             if *wanted == tap {
@@ -68,8 +74,8 @@ impl<B: Backend> CaptureHook<B> {
         }
     }
 
-    pub(crate) fn finish(self) -> CapturedTaps<B> {
-        CapturedTaps {
+    pub fn finish(self) -> Taps<T> {
+        Taps {
             taps: self.request.taps,
             tensors: self
                 .captured
@@ -83,12 +89,24 @@ impl<B: Backend> CaptureHook<B> {
 
 /// The taps of one step, in request order, each `[batch, width, hidden]`.
 #[derive(Debug, Clone)]
-pub struct CapturedTaps<B: Backend> {
+pub struct Taps<T> {
     pub taps: Vec<TapId>,
-    pub tensors: Vec<Tensor<B, 3>>,
+    pub tensors: Vec<T>,
     /// The tap points the block loop passed, in order (embed, block 0.., final).
     pub visited: Vec<TapId>,
 }
+
+impl<T> Taps<T> {
+    pub fn get(&self, tap: TapId) -> Option<&T> {
+        self.taps
+            .iter()
+            .position(|t| *t == tap)
+            .map(|i| &self.tensors[i])
+    }
+}
+
+/// The taps of one step of the burn model.
+pub type CapturedTaps<B> = Taps<Tensor<B, 3>>;
 
 impl<B: Backend> CapturedTaps<B> {
     /// All taps of a token concatenated in slot order, `[batch, width, slots * hidden]`, the
@@ -99,12 +117,5 @@ impl<B: Backend> CapturedTaps<B> {
         } else {
             Some(Tensor::cat(self.tensors.clone(), 2))
         }
-    }
-
-    pub fn get(&self, tap: TapId) -> Option<&Tensor<B, 3>> {
-        self.taps
-            .iter()
-            .position(|t| *t == tap)
-            .map(|i| &self.tensors[i])
     }
 }

@@ -15,7 +15,7 @@ pub mod weights;
 
 pub use burn;
 pub use cache::{ColumnLayout, KvCache, StepInput};
-pub use capture::{CapturedTaps, TapRequest};
+pub use capture::{CaptureHook, CapturedTaps, TapRequest, Taps};
 pub use config::{Family, HfConfig, ModelSpec};
 pub use error::ModelError;
 pub use generate::{FinishReason, GenerateOptions, Generation, generate};

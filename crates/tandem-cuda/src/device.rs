@@ -1,0 +1,461 @@
+//! The GPU handles (context, one stream, cuBLAS, the compiled kernels) and one typed wrapper per
+//! kernel of `kernels/llama.cu`. Every `unsafe` of the crate is here: a kernel launch is unsafe
+//! because the compiler cannot check the argument list against the CUDA signature, so each
+//! wrapper states the sizes it relies on and the callers pass buffers of those sizes.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::result::gemm_ex;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use crate::error::CudaError;
+
+const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
+
+/// Threads per block of the attention kernel (8 warps walk the cache columns).
+const ATTENTION_THREADS: u32 = 256;
+
+struct Kernels {
+    embed_rows: CudaFunction,
+    add_rms_norm: CudaFunction,
+    rope_qkv: CudaFunction,
+    attention: CudaFunction,
+    silu_mul: CudaFunction,
+    gather_rows: CudaFunction,
+    argmax_rows: CudaFunction,
+}
+
+/// One GPU: its context, the stream every launch goes to, cuBLAS bound to that stream, and the
+/// kernels compiled once by NVRTC.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu(ordinal {})", self.ctx.ordinal())
+    }
+}
+
+/// A null device pointer for optional kernel arguments.
+const NULL: u64 = 0;
+
+impl Gpu {
+    /// Opens GPU `ordinal`, compiles the kernels and creates the cuBLAS handle.
+    pub fn new(ordinal: usize) -> Result<Arc<Self>, CudaError> {
+        // cudarc panics when a library cannot be loaded; ask first so a machine without CUDA
+        // gets an error naming what is missing.
+        // SAFETY: these only try to dlopen the libraries.
+        let present = unsafe {
+            [
+                (
+                    "libcuda (the NVIDIA driver)",
+                    cudarc::driver::sys::is_culib_present(),
+                ),
+                (
+                    "libnvrtc (CUDA runtime compiler)",
+                    cudarc::nvrtc::sys::is_culib_present(),
+                ),
+                ("libcublas", cudarc::cublas::sys::is_culib_present()),
+            ]
+        };
+        if let Some((name, _)) = present.iter().find(|(_, ok)| !ok) {
+            return Err(CudaError::MissingLibrary(name));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(CudaError::NoDevice)?;
+        // One stream does all the work, so cudarc's per-buffer events (made for multi-stream
+        // programs) are pure overhead: two event calls per argument per launch.
+        // SAFETY: no buffer of this context is ever used from a second stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())?;
+        let ptx = compile_ptx_with_opts(
+            KERNEL_SOURCE,
+            CompileOptions {
+                name: Some("llama.cu".into()),
+                ..Default::default()
+            },
+        )?;
+        let module = ctx.load_module(ptx)?;
+        let kernels = Kernels {
+            embed_rows: module.load_function("embed_rows")?,
+            add_rms_norm: module.load_function("add_rms_norm")?,
+            rope_qkv: module.load_function("rope_qkv")?,
+            attention: module.load_function("attention")?,
+            silu_mul: module.load_function("silu_mul")?,
+            gather_rows: module.load_function("gather_rows")?,
+            argmax_rows: module.load_function("argmax_rows")?,
+        };
+        Ok(Arc::new(Self {
+            ctx,
+            stream,
+            blas,
+            kernels,
+        }))
+    }
+
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "CUDA device".into())
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        device: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        Ok(self.stream.clone_dtoh(device)?)
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros(n.max(1))?)
+    }
+
+    /// An uninitialised buffer of `n` values that the next kernel overwrites completely.
+    pub fn scratch<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>, CudaError> {
+        // SAFETY: callers write every element before any read (each use below fills the whole
+        // buffer: a matmul output, or a kernel that writes every row it is launched over).
+        Ok(unsafe { self.stream.alloc(n.max(1)) }?)
+    }
+
+    /// `y[rows, out] (f32) = x[rows, inp] (bf16) . w[out, inp]^T (bf16)`, f32 accumulation.
+    /// cuBLAS is column-major: row-major `w [out, inp]` is the column-major `[inp, out]`
+    /// matrix, so `y^T = w . x^T` is `gemm(T, N, m = out, n = rows, k = inp)`.
+    pub fn linear(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), CudaError> {
+        assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
+        let alpha = 1.0f32;
+        let beta = 0.0f32;
+        let (xp, _x) = x.device_ptr(&self.stream);
+        let (wp, _w) = w.device_ptr(&self.stream);
+        let (yp, _y) = y.device_ptr_mut(&self.stream);
+        // SAFETY: the assert above bounds every access of the three matrices.
+        unsafe {
+            gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                out as i32,
+                rows as i32,
+                inp as i32,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                inp as i32,
+                xp as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                inp as i32,
+                (&beta) as *const f32 as *const _,
+                yp as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                out as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn rows_config(rows: usize, threads: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `out[r] = f32(table[tokens[r]])`; `out` holds `tokens.len() * hidden`.
+    pub fn embed_rows(
+        &self,
+        table: &CudaSlice<u16>,
+        tokens: &CudaSlice<u32>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
+        assert!(tokens.len() >= rows && out.len() >= rows * hidden);
+        let hidden_i = hidden as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.embed_rows);
+        launch.arg(table).arg(tokens).arg(out).arg(&hidden_i);
+        // SAFETY: signature (u16*, u32*, f32*, int); sizes asserted; token ids were checked
+        // against the vocabulary on the host.
+        unsafe { launch.launch(Self::rows_config(rows, 256)) }?;
+        Ok(())
+    }
+
+    /// `x += delta` (when given), then `out = rms_norm(x) * w` in bf16, and in f32 into
+    /// `out_f32` when given.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        delta: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        out_f32: Option<&mut CudaSlice<f32>>,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        assert!(x.len() >= rows * hidden && out.len() >= rows * hidden && w.len() >= hidden);
+        assert!(delta.is_none_or(|d| d.len() >= rows * hidden));
+        let hidden_i = hidden as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.add_rms_norm);
+        launch.arg(x);
+        match delta {
+            Some(d) => launch.arg(d),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(w).arg(out);
+        match out_f32 {
+            Some(o) => {
+                assert!(o.len() >= rows * hidden);
+                launch.arg(o)
+            }
+            None => launch.arg(&NULL),
+        };
+        launch.arg(&hidden_i).arg(&eps);
+        // SAFETY: signature (f32*, const f32* or null, u16*, u16*, f32* or null, int, float).
+        unsafe { launch.launch(Self::rows_config(rows, 256)) }?;
+        Ok(())
+    }
+
+    /// See `rope_qkv` in kernels/llama.cu.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_qkv(
+        &self,
+        qkv: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        positions: &CudaSlice<i32>,
+        inv_freq: &CudaSlice<f32>,
+        q_out: &mut CudaSlice<f32>,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
+        shape: AttentionShape,
+        col0: usize,
+    ) -> Result<(), CudaError> {
+        let s = shape;
+        let q_dim = s.heads * s.head_dim;
+        let kv_dim = s.kv_heads * s.head_dim;
+        assert!(qkv.len() >= s.rows() * (q_dim + 2 * kv_dim) && q_out.len() >= s.rows() * q_dim);
+        assert!(positions.len() >= s.rows() && inv_freq.len() >= s.head_dim / 2);
+        assert!(col0 + s.width <= s.capacity);
+        assert!(k_cache.len() >= s.batch * kv_dim * s.capacity && v_cache.len() == k_cache.len());
+        let (width, heads, kv_heads, head_dim, capacity, col0) = (
+            s.width as i32,
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.head_dim as i32,
+            s.capacity as i32,
+            col0 as i32,
+        );
+        let mut launch = self.stream.launch_builder(&self.kernels.rope_qkv);
+        launch.arg(qkv);
+        match bias {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&NULL),
+        };
+        launch
+            .arg(positions)
+            .arg(inv_freq)
+            .arg(q_out)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&width)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&head_dim)
+            .arg(&capacity)
+            .arg(&col0);
+        // SAFETY: sizes asserted above; the cache column col0 + i < capacity.
+        unsafe { launch.launch(Self::rows_config(s.rows(), 128)) }?;
+        Ok(())
+    }
+
+    /// See `attention` in kernels/llama.cu. `mask` is `[rows, total]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        mask: &CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+        shape: AttentionShape,
+        total: usize,
+    ) -> Result<(), CudaError> {
+        let s = shape;
+        assert!(
+            s.head_dim.is_multiple_of(32) && s.head_dim <= 256,
+            "head_dim {}",
+            s.head_dim
+        );
+        assert!(s.heads.is_multiple_of(s.kv_heads) && total <= s.capacity);
+        assert!(
+            q.len() >= s.rows() * s.heads * s.head_dim
+                && out.len() >= s.rows() * s.heads * s.head_dim
+        );
+        assert!(mask.len() >= s.rows() * total);
+        assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let (width, heads, kv_heads, head_dim, capacity, total_i) = (
+            s.width as i32,
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.head_dim as i32,
+            s.capacity as i32,
+            total as i32,
+        );
+        let mut launch = self.stream.launch_builder(&self.kernels.attention);
+        launch
+            .arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(mask)
+            .arg(out)
+            .arg(&width)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&head_dim)
+            .arg(&capacity)
+            .arg(&total_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (s.heads as u32, s.rows() as u32, 1),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: (ATTENTION_THREADS / 32) * s.head_dim as u32 * 4,
+        };
+        // SAFETY: sizes asserted above; dynamic shared memory holds warps * head_dim floats.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]`.
+    pub fn silu_mul(
+        &self,
+        gate_up: &CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<(), CudaError> {
+        assert!(gate_up.len() >= rows * 2 * inter && out.len() >= rows * inter);
+        let (inter_i, rows_i) = (inter as i32, rows as i32);
+        let blocks = (rows * inter).div_ceil(256).min(65_535) as u32;
+        let mut launch = self.stream.launch_builder(&self.kernels.silu_mul);
+        launch.arg(gate_up).arg(out).arg(&inter_i).arg(&rows_i);
+        // SAFETY: grid-stride loop bounded by rows * inter; sizes asserted.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        Ok(())
+    }
+
+    /// `dst[k] = src[rows[k]]` for bf16 rows of `hidden` values.
+    pub fn gather_rows(
+        &self,
+        src: &CudaSlice<u16>,
+        rows: &CudaSlice<i32>,
+        dst: &mut CudaSlice<u16>,
+        count: usize,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
+        assert!(rows.len() >= count && dst.len() >= count * hidden);
+        let hidden_i = hidden as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.gather_rows);
+        launch.arg(src).arg(rows).arg(dst).arg(&hidden_i);
+        // SAFETY: row indices come from the step's own slots (< rows of `src`); sizes asserted.
+        unsafe { launch.launch(Self::rows_config(count, 256)) }?;
+        Ok(())
+    }
+
+    /// Greedy token per row of `[rows, vocab]` f32 logits.
+    pub fn argmax_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<Vec<u32>, CudaError> {
+        assert!(logits.len() >= rows * vocab);
+        let mut out = self.scratch::<u32>(rows)?;
+        let vocab_i = vocab as i32;
+        {
+            let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows);
+            launch.arg(logits).arg(&vocab_i).arg(&mut out);
+            // SAFETY: one block per row, each reads `vocab` values; sizes asserted.
+            unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
+        }
+        let mut host = self.download(&out)?;
+        host.truncate(rows);
+        Ok(host)
+    }
+}
+
+/// The attention geometry of one step.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub batch: usize,
+    pub width: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub capacity: usize,
+}
+
+impl AttentionShape {
+    pub fn rows(&self) -> usize {
+        self.batch * self.width
+    }
+}
+
+/// Hidden states of one step on the GPU, `[batch, width, hidden]` f32 (the residual stream or
+/// the final norm's output): what the capture hook stores for the fast path. Cloning copies the
+/// buffer on the device, which is exactly the copy a tap needs since the loop then overwrites
+/// the residual in place.
+#[derive(Debug, Clone)]
+pub struct DeviceRows {
+    pub data: CudaSlice<f32>,
+    pub batch: usize,
+    pub width: usize,
+    pub hidden: usize,
+}
+
+impl DeviceRows {
+    /// Reads the rows back, `[batch * width * hidden]` row-major.
+    pub fn to_host(&self) -> Result<Vec<f32>, CudaError> {
+        let mut values = self.data.stream().clone_dtoh(&self.data)?;
+        values.truncate(self.batch * self.width * self.hidden);
+        Ok(values)
+    }
+}

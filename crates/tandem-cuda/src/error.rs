@@ -1,0 +1,24 @@
+use cudarc::cublas::result::CublasError;
+use cudarc::driver::DriverError;
+use cudarc::nvrtc::CompileError;
+use tandem_model::ModelError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no usable CUDA device: {0} (the fast path needs an NVIDIA GPU and its driver)")]
+    NoDevice(DriverError),
+    #[error(
+        "{0} cannot be loaded: the fast path needs an NVIDIA GPU with its driver and the CUDA libraries on LD_LIBRARY_PATH"
+    )]
+    MissingLibrary(&'static str),
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] DriverError),
+    #[error("cuBLAS call failed: {0}")]
+    Blas(#[from] CublasError),
+    #[error("NVRTC could not compile kernels/llama.cu: {0}")]
+    Compile(#[from] CompileError),
+    #[error("the CUDA fast path does not support {what} (model {architecture}); use the burn path")]
+    Unsupported { what: String, architecture: String },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}

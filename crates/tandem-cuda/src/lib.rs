@@ -1,0 +1,22 @@
+//! The GPU fast path of the target model. The burn decoder is launch bound on the H200 (about
+//! 1.2 ms of host work per layer per step, BENCHMARKS.md); this crate runs the same Llama-family
+//! forward as `tandem_model::TargetModel::forward` with ~9 launches per layer: cuBLAS for the
+//! four matmuls (fused q|k|v and gate|up weights, bf16 operands, f32 results) and the NVRTC
+//! kernels of `kernels/llama.cu` for everything between them.
+//!
+//! It takes its taps through the same [`tandem_model::CaptureHook`] as the burn path, after the
+//! embedding, after every block and after the final norm, in every mode (prefill, decode, tree
+//! verification): `fast-check` and the tests prove the taps and logits equal the reference's.
+
+mod cache;
+pub mod check;
+mod device;
+mod error;
+mod model;
+pub mod reference;
+mod weights;
+
+pub use cache::CudaKvCache;
+pub use device::{AttentionShape, DeviceRows, Gpu};
+pub use error::CudaError;
+pub use model::{CudaStepOutput, CudaTarget, DeviceLogits};

@@ -1,0 +1,362 @@
+//! GPU tests of the fast path. They need an NVIDIA GPU, so CI (no GPU) lists them as ignored;
+//! on the device machine run the built test binary with `--ignored` (scripts/gpu/fast_path.sh).
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use tandem_cuda::check::{CheckPoint, Tolerance, check_point, load_pair};
+use tandem_cuda::{DeviceRows, Gpu, reference};
+use tandem_model::testing::{scratch_dir, write_random_model};
+use tandem_model::{HfConfig, LogitsFor, TapRequest};
+use tandem_wiring::TapId;
+
+fn gpu() -> Arc<Gpu> {
+    Gpu::new(0).expect("these tests need a CUDA GPU")
+}
+
+/// A small model the kernels accept (head_dim 32), in a fresh directory.
+fn tiny_model(architecture: &str, tied: bool, seed: u64) -> std::path::PathBuf {
+    let config: HfConfig = serde_json::from_value(serde_json::json!({
+        "architectures": [architecture],
+        "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "vocab_size": 300, "max_position_embeddings": 4096,
+        "tie_word_embeddings": tied
+    }))
+    .expect("config");
+    let dir = scratch_dir(&format!("cuda-{architecture}-{tied}"));
+    write_random_model(&dir, &config, seed).expect("model written");
+    dir
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_path_matches_the_burn_reference_in_every_mode() {
+    let gpu = gpu();
+    for (architecture, tied) in [("LlamaForCausalLM", true), ("Qwen2ForCausalLM", false)] {
+        let dir = tiny_model(architecture, tied, 7);
+        let (fast, reference) = load_pair(&dir, gpu.clone()).expect("both paths load");
+        for (batch, kv_len) in [
+            (1, 1),
+            (1, 2),
+            (1, 33),
+            (1, 300),
+            (3, 40),
+            (5, 17),
+            (16, 64),
+        ] {
+            let report = check_point(
+                &fast,
+                &reference,
+                CheckPoint { batch, kv_len },
+                Tolerance::default(),
+            )
+            .expect("point runs");
+            eprintln!("{architecture} {report:?}");
+            assert!(
+                report.passed,
+                "{architecture} batch {batch} kv {kv_len}: {report:?}"
+            );
+            assert_eq!(report.greedy_real_mismatches, 0);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn every_mode_passes_every_tap_point_through_the_hook() {
+    let dir = tiny_model("LlamaForCausalLM", true, 3);
+    let (fast, _) = load_pair(&dir, gpu()).expect("loads");
+    let layers = fast.spec.num_layers;
+    let mut expected = vec![TapId::Embed];
+    expected.extend((0..layers).map(TapId::Block));
+    expected.push(TapId::Final);
+    let request = TapRequest::new(vec![TapId::Block(1), TapId::Embed, TapId::Block(1)]);
+    let mut cache = fast.new_cache(2, 32).expect("cache");
+    let steps = [cache.prefill_step(&[&[5, 6, 7], &[9]]).expect("prefill")];
+    let out = fast
+        .forward(&steps[0], &mut cache, &request, LogitsFor::Last)
+        .expect("prefill runs");
+    assert_eq!(out.taps.visited, expected, "prefill");
+    assert_eq!(out.taps.taps, request.taps);
+    // Slots 0 and 2 asked for the same tap: equal copies.
+    assert_eq!(
+        out.taps.tensors[0].to_host().unwrap(),
+        out.taps.tensors[2].to_host().unwrap()
+    );
+    let step = cache.decode_step(&[1, 2]).expect("decode");
+    let out = fast
+        .forward(&step, &mut cache, &request, LogitsFor::Last)
+        .expect("decode runs");
+    assert_eq!(out.taps.visited, expected, "decode");
+    let step = cache
+        .tree_step(&[
+            (&[3, 4][..], &[None, Some(0)][..]),
+            (&[8, 9][..], &[None, None][..]),
+        ])
+        .expect("tree");
+    let out = fast
+        .forward(&step, &mut cache, &request, LogitsFor::All)
+        .expect("tree runs");
+    assert_eq!(out.taps.visited, expected, "tree");
+    let DeviceRows {
+        batch,
+        width,
+        hidden,
+        ..
+    } = out.taps.tensors[1];
+    assert_eq!((batch, width, hidden), (2, 2, 128));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn norm_silu_and_argmax_kernels_match_their_references() {
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (rows, hidden) = (5, 576);
+    let x: Vec<f32> = (0..rows * hidden)
+        .map(|_| rng.random_range(-30.0..30.0))
+        .collect();
+    let delta: Vec<f32> = (0..rows * hidden)
+        .map(|_| rng.random_range(-3.0..3.0))
+        .collect();
+    let w: Vec<f32> = (0..hidden)
+        .map(|_| reference::round_bf16(rng.random_range(0.5..1.5)))
+        .collect();
+    let w_bits: Vec<u16> = w
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    let mut x_d = gpu.upload(&x).unwrap();
+    let delta_d = gpu.upload(&delta).unwrap();
+    let w_d = gpu.upload(&w_bits).unwrap();
+    let mut out = gpu.zeros::<u16>(rows * hidden).unwrap();
+    let mut out_f32 = gpu.zeros::<f32>(rows * hidden).unwrap();
+    gpu.add_rms_norm(
+        &mut x_d,
+        Some(&delta_d),
+        &w_d,
+        &mut out,
+        Some(&mut out_f32),
+        rows,
+        hidden,
+        1e-5,
+    )
+    .unwrap();
+    let sum: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+    let expected = reference::rms_norm(&sum, &w, 1e-5);
+    let got = gpu.download(&out_f32).unwrap();
+    let worst = got
+        .iter()
+        .zip(&expected)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst < 1e-4, "rms norm off by {worst}");
+    assert_eq!(
+        gpu.download(&x_d).unwrap(),
+        sum,
+        "the residual add is written back exactly"
+    );
+    let bf16_out: Vec<f32> = gpu
+        .download(&out)
+        .unwrap()
+        .iter()
+        .map(|&b| half::bf16::from_bits(b).to_f32())
+        .collect();
+    assert!(
+        bf16_out
+            .iter()
+            .zip(&expected)
+            .all(|(a, b)| *a == reference::round_bf16(*b))
+    );
+
+    let inter = 300;
+    let gate_up: Vec<f32> = (0..rows * 2 * inter)
+        .map(|_| rng.random_range(-8.0..8.0))
+        .collect();
+    let mut act = gpu.zeros::<u16>(rows * inter).unwrap();
+    gpu.silu_mul(&gpu.upload(&gate_up).unwrap(), &mut act, rows, inter)
+        .unwrap();
+    let act: Vec<f32> = gpu
+        .download(&act)
+        .unwrap()
+        .iter()
+        .map(|&b| half::bf16::from_bits(b).to_f32())
+        .collect();
+    for r in 0..rows {
+        let g = &gate_up[r * 2 * inter..r * 2 * inter + inter];
+        let u = &gate_up[r * 2 * inter + inter..(r + 1) * 2 * inter];
+        for (a, e) in act[r * inter..(r + 1) * inter]
+            .iter()
+            .zip(reference::silu_mul(g, u))
+        {
+            assert!((a - e).abs() <= e.abs() * 8e-3 + 1e-6, "silu {a} vs {e}");
+        }
+    }
+
+    let vocab = 49_152;
+    let mut logits: Vec<f32> = (0..3 * vocab)
+        .map(|_| rng.random_range(-10.0..10.0))
+        .collect();
+    logits[vocab + 777] = 99.0;
+    logits[vocab + 40_000] = 99.0; // a tie: the first index wins, as in torch.argmax
+    let got = gpu
+        .argmax_rows(&gpu.upload(&logits).unwrap(), 3, vocab)
+        .unwrap();
+    let expected: Vec<u32> = logits
+        .chunks(vocab)
+        .map(|r| reference::argmax(r) as u32)
+        .collect();
+    assert_eq!(got, expected);
+    assert_eq!(got[1], 777);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn rope_cache_write_and_attention_kernels_match_their_references() {
+    use tandem_cuda::AttentionShape;
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let shape = AttentionShape {
+        batch: 2,
+        width: 3,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        capacity: 16,
+    };
+    let (rows, hd) = (shape.rows(), shape.head_dim);
+    let (q_dim, kv_dim) = (shape.heads * hd, shape.kv_heads * hd);
+    let col0 = 5;
+    let total = col0 + shape.width;
+    let qkv: Vec<f32> = (0..rows * (q_dim + 2 * kv_dim))
+        .map(|_| rng.random_range(-2.0..2.0))
+        .collect();
+    let positions: Vec<i32> = (0..rows as i32).map(|r| 40 + 7 * r).collect();
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|j| 10000f32.powf(-(2.0 * j as f32) / hd as f32))
+        .collect();
+    // Columns before col0 hold earlier tokens: random bf16 values.
+    let cache_len = shape.batch * kv_dim * shape.capacity;
+    let old: Vec<u16> = (0..cache_len)
+        .map(|_| half::bf16::from_f32(rng.random_range(-2.0..2.0)).to_bits())
+        .collect();
+    let mut k_cache = gpu.upload(&old).unwrap();
+    let mut v_cache = gpu
+        .upload(&old.iter().rev().copied().collect::<Vec<_>>())
+        .unwrap();
+    let mut q = gpu.zeros::<f32>(rows * q_dim).unwrap();
+    gpu.rope_qkv(
+        &gpu.upload(&qkv).unwrap(),
+        None,
+        &gpu.upload(&positions).unwrap(),
+        &gpu.upload(&inv_freq).unwrap(),
+        &mut q,
+        &mut k_cache,
+        &mut v_cache,
+        shape,
+        col0,
+    )
+    .unwrap();
+    let q_host = gpu.download(&q).unwrap();
+    let bf = |b: u16| half::bf16::from_bits(b).to_f32();
+    let keys: Vec<f32> = gpu
+        .download(&k_cache)
+        .unwrap()
+        .into_iter()
+        .map(bf)
+        .collect();
+    let values: Vec<f32> = gpu
+        .download(&v_cache)
+        .unwrap()
+        .into_iter()
+        .map(bf)
+        .collect();
+    let at =
+        |b: usize, h: usize, col: usize| ((b * shape.kv_heads + h) * shape.capacity + col) * hd;
+    for r in 0..rows {
+        let (b, i) = (r / shape.width, r % shape.width);
+        let row = &qkv[r * (q_dim + 2 * kv_dim)..(r + 1) * (q_dim + 2 * kv_dim)];
+        for h in 0..shape.heads {
+            let expected =
+                reference::rope(&row[h * hd..(h + 1) * hd], &inv_freq, positions[r] as usize);
+            let got = &q_host[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
+            assert!(
+                got.iter().zip(&expected).all(|(a, e)| (a - e).abs() < 1e-4),
+                "q row {r} head {h}"
+            );
+        }
+        for h in 0..shape.kv_heads {
+            let k = reference::rope(
+                &row[q_dim + h * hd..q_dim + (h + 1) * hd],
+                &inv_freq,
+                positions[r] as usize,
+            );
+            let v = &row[q_dim + kv_dim + h * hd..q_dim + kv_dim + (h + 1) * hd];
+            let col = at(b, h, col0 + i);
+            assert!(
+                keys[col..col + hd]
+                    .iter()
+                    .zip(&k)
+                    .all(|(a, e)| *a == reference::round_bf16(*e)),
+                "k {r} {h}"
+            );
+            assert!(
+                values[col..col + hd]
+                    .iter()
+                    .zip(v)
+                    .all(|(a, e)| *a == reference::round_bf16(*e)),
+                "v {r} {h}"
+            );
+        }
+    }
+    // A random visibility pattern with at least one visible column per row.
+    let mut mask = vec![f32::NEG_INFINITY; rows * total];
+    let mut visible = vec![vec![false; total]; rows];
+    for r in 0..rows {
+        for c in 0..total {
+            visible[r][c] = c == r % total || rng.random_bool(0.6);
+            if visible[r][c] {
+                mask[r * total + c] = 0.0;
+            }
+        }
+    }
+    let mut out = gpu.zeros::<u16>(rows * q_dim).unwrap();
+    gpu.attention(
+        &q,
+        &k_cache,
+        &v_cache,
+        &gpu.upload(&mask).unwrap(),
+        &mut out,
+        shape,
+        total,
+    )
+    .unwrap();
+    let out: Vec<f32> = gpu.download(&out).unwrap().into_iter().map(bf).collect();
+    let groups = shape.heads / shape.kv_heads;
+    for r in 0..rows {
+        let b = r / shape.width;
+        for h in 0..shape.heads {
+            let kvh = h / groups;
+            let ks: Vec<Vec<f32>> = (0..total)
+                .map(|c| keys[at(b, kvh, c)..at(b, kvh, c) + hd].to_vec())
+                .collect();
+            let vs: Vec<Vec<f32>> = (0..total)
+                .map(|c| values[at(b, kvh, c)..at(b, kvh, c) + hd].to_vec())
+                .collect();
+            let expected = reference::attention(
+                &q_host[r * q_dim + h * hd..r * q_dim + (h + 1) * hd],
+                &ks,
+                &vs,
+                &visible[r],
+            );
+            let got = &out[r * q_dim + h * hd..r * q_dim + (h + 1) * hd];
+            // The output is stored in bf16: one rounding (2^-8 relative) plus f32 summation order.
+            assert!(
+                got.iter()
+                    .zip(&expected)
+                    .all(|(a, e)| (a - e).abs() <= e.abs() * 8e-3 + 1e-3),
+                "attention row {r} head {h}: {got:?} vs {expected:?}"
+            );
+        }
+    }
+}

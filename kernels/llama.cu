@@ -1,0 +1,311 @@
+// CUDA kernels of the Llama-family fast path (crate `tandem-cuda`), compiled at run time by
+// NVRTC. Each kernel has a plain Rust reference in `crates/tandem-cuda/src/reference.rs`; the
+// GPU test (`tandem fast-check`, `cargo test -p tandem-cuda` on a GPU machine) compares them.
+//
+// Conventions:
+// - bf16 values travel as `unsigned short` bit patterns (no cuda_bf16.h: NVRTC then needs no
+//   include path), converted with round-to-nearest-even like torch's `.to(torch.bfloat16)`.
+// - The residual stream and every matmul output are f32 (cuBLAS writes f32 from bf16
+//   operands); only matmul inputs, weights and the KV cache are bf16.
+// - Rows are `batch * width` slots laid out sequence-major (row = b * width + i), as in
+//   `tandem_model::StepInput`.
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short v) {
+    return __uint_as_float(((unsigned int)v) << 16);
+}
+
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return 0x7fc0;  // NaN stays NaN
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < warps ? scratch[lane] : 0.0f;
+        w = warp_sum(w);
+        if (lane == 0) {
+            scratch[0] = w;
+        }
+    }
+    __syncthreads();
+    const float total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+// out[r, :] = embed[tokens[r], :] (the `embed` tap point). Grid: rows.
+extern "C" __global__ void embed_rows(const unsigned short* table, const unsigned int* tokens,
+                                      float* out, int hidden) {
+    const int r = blockIdx.x;
+    const unsigned short* src = table + (size_t)tokens[r] * hidden;
+    float* dst = out + (size_t)r * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+// HF LlamaRMSNorm: out = w * (x * rsqrt(mean(x^2) + eps)). If `delta` is not null the residual
+// is updated first (x += delta, written back), which fuses the block's residual add with the
+// next norm. `out_f32` (optional) keeps the normed rows in f32 (the `final` tap). Grid: rows.
+extern "C" __global__ void add_rms_norm(float* x, const float* delta, const unsigned short* w,
+                                        unsigned short* out, float* out_f32, int hidden,
+                                        float eps) {
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    float* xr = x + (size_t)r * hidden;
+    float squares = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float v = xr[i];
+        if (delta != nullptr) {
+            v += delta[(size_t)r * hidden + i];
+            xr[i] = v;
+        }
+        squares += v * v;
+    }
+    const float total = block_sum(squares, scratch);
+    const float inv = 1.0f / sqrtf(total / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = xr[i] * inv * bf16_to_f32(w[i]);
+        out[(size_t)r * hidden + i] = f32_to_bf16(v);
+        if (out_f32 != nullptr) {
+            out_f32[(size_t)r * hidden + i] = v;
+        }
+    }
+}
+
+// Splits the fused q|k|v projection of each row, adds the optional bias, applies HF's RoPE
+// (rotate_half layout: pairs (j, j + head_dim/2), angle = inv_freq[j] * position in f32),
+// writes q (f32, [rows, heads * head_dim]) and the new keys/values (bf16) into the layer's
+// cache `[batch, kv_heads, capacity, head_dim]` at column col0 + i. Grid: rows.
+extern "C" __global__ void rope_qkv(const float* qkv, const float* bias, const int* positions,
+                                    const float* inv_freq, float* q_out,
+                                    unsigned short* k_cache, unsigned short* v_cache, int width,
+                                    int heads, int kv_heads, int head_dim, int capacity,
+                                    int col0) {
+    const int r = blockIdx.x;
+    const int b = r / width;
+    const int col = col0 + r % width;
+    const int half = head_dim / 2;
+    const int q_dim = heads * head_dim;
+    const int kv_dim = kv_heads * head_dim;
+    const float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
+    const float pos = (float)positions[r];
+    for (int t = threadIdx.x; t < (heads + kv_heads) * half; t += blockDim.x) {
+        const bool is_q = t < heads * half;
+        const int u = is_q ? t : t - heads * half;
+        const int h = u / half;
+        const int j = u % half;
+        const int base = (is_q ? 0 : q_dim) + h * head_dim;
+        float x1 = row[base + j];
+        float x2 = row[base + j + half];
+        if (bias != nullptr) {
+            x1 += bias[base + j];
+            x2 += bias[base + j + half];
+        }
+        const float angle = inv_freq[j] * pos;
+        const float c = cosf(angle);
+        const float s = sinf(angle);
+        const float y1 = x1 * c - x2 * s;
+        const float y2 = x2 * c + x1 * s;
+        if (is_q) {
+            float* q = q_out + (size_t)r * q_dim + h * head_dim;
+            q[j] = y1;
+            q[j + half] = y2;
+        } else {
+            unsigned short* k =
+                k_cache + (((size_t)b * kv_heads + h) * capacity + col) * head_dim;
+            k[j] = f32_to_bf16(y1);
+            k[j + half] = f32_to_bf16(y2);
+        }
+    }
+    for (int t = threadIdx.x; t < kv_dim; t += blockDim.x) {
+        const int h = t / head_dim;
+        const int d = t % head_dim;
+        float v = row[q_dim + kv_dim + t];
+        if (bias != nullptr) {
+            v += bias[q_dim + kv_dim + t];
+        }
+        v_cache[(((size_t)b * kv_heads + h) * capacity + col) * head_dim + d] = f32_to_bf16(v);
+    }
+}
+
+// Grouped-query attention of one query row and head over the cache columns its mask allows
+// (mask `[rows, total]`: 0 visible, -inf hidden; built by `ColumnLayout::attention_mask`).
+// Each warp walks a strided subset of columns with an online softmax; lane l holds dims
+// l, l + 32, ... (head_dim a multiple of 32, at most 256); warps are merged at the end.
+// Grid: (heads, rows). Block: a multiple of 32 threads. Dynamic shared: warps * head_dim floats.
+extern "C" __global__ void attention(const float* q, const unsigned short* k_cache,
+                                     const unsigned short* v_cache, const float* mask,
+                                     unsigned short* out, int width, int heads, int kv_heads,
+                                     int head_dim, int capacity, int total, float scale) {
+    const int MAX_DIMS_PER_LANE = 8;
+    __shared__ float warp_max[32];
+    __shared__ float warp_sum_exp[32];
+    extern __shared__ float warp_acc[];
+    const int h = blockIdx.x;
+    const int r = blockIdx.y;
+    const int b = r / width;
+    const int kvh = h / (heads / kv_heads);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const int dims = head_dim >> 5;
+
+    const float* qr = q + ((size_t)r * heads + h) * head_dim;
+    float qv[MAX_DIMS_PER_LANE];
+    float acc[MAX_DIMS_PER_LANE];
+#pragma unroll
+    for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
+        qv[t] = t < dims ? qr[lane + 32 * t] * scale : 0.0f;
+        acc[t] = 0.0f;
+    }
+    const float* mask_row = mask + (size_t)r * total;
+    const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
+    float m = NEG_INF;
+    float l = 0.0f;
+    for (int j = warp; j < total; j += warps) {
+        const float bias = mask_row[j];
+        if (bias == NEG_INF) {
+            continue;  // the whole warp skips together: j is warp-uniform
+        }
+        const unsigned short* kj = k_cache + base + (size_t)j * head_dim;
+        float s = 0.0f;
+#pragma unroll
+        for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
+            if (t < dims) {
+                s += qv[t] * bf16_to_f32(kj[lane + 32 * t]);
+            }
+        }
+        s = warp_sum(s) + bias;
+        const float m_new = fmaxf(m, s);
+        const float correction = expf(m - m_new);
+        const float p = expf(s - m_new);
+        l = l * correction + p;
+        const unsigned short* vj = v_cache + base + (size_t)j * head_dim;
+#pragma unroll
+        for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
+            if (t < dims) {
+                acc[t] = acc[t] * correction + p * bf16_to_f32(vj[lane + 32 * t]);
+            }
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum_exp[warp] = l;
+    }
+#pragma unroll
+    for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
+        if (t < dims) {
+            warp_acc[warp * head_dim + lane + 32 * t] = acc[t];
+        }
+    }
+    __syncthreads();
+    float m_all = NEG_INF;
+    for (int w = 0; w < warps; ++w) {
+        m_all = fmaxf(m_all, warp_max[w]);
+    }
+    float l_all = 0.0f;
+    for (int w = 0; w < warps; ++w) {
+        if (warp_max[w] != NEG_INF) {
+            l_all += warp_sum_exp[w] * expf(warp_max[w] - m_all);
+        }
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            if (warp_max[w] != NEG_INF) {
+                o += warp_acc[w * head_dim + d] * expf(warp_max[w] - m_all);
+            }
+        }
+        out[((size_t)r * heads + h) * head_dim + d] = f32_to_bf16(o / l_all);
+    }
+}
+
+// SwiGLU on the fused gate|up projection: out = silu(gate) * up, `[rows, inter]` bf16.
+extern "C" __global__ void silu_mul(const float* gate_up, unsigned short* out, int inter,
+                                    int rows) {
+    const size_t n = (size_t)rows * inter;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = idx / inter;
+        const size_t i = idx % inter;
+        const float g = gate_up[r * 2 * inter + i];
+        const float u = gate_up[r * 2 * inter + inter + i];
+        out[idx] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// dst[k, :] = src[rows[k], :] for bf16 rows of `hidden` values. Grid: selected rows.
+extern "C" __global__ void gather_rows(const unsigned short* src, const int* rows,
+                                       unsigned short* dst, int hidden) {
+    const unsigned short* s = src + (size_t)rows[blockIdx.x] * hidden;
+    unsigned short* d = dst + (size_t)blockIdx.x * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        d[i] = s[i];
+    }
+}
+
+// Greedy token of each logits row (first index among equal maxima, like torch.argmax).
+// Grid: rows. Block: 1024.
+extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned int* out) {
+    __shared__ float best_value[32];
+    __shared__ int best_index[32];
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float best = NEG_INF;
+    int index = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = row[i];
+        if (v > best) {
+            best = v;
+            index = i;
+        }
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
+        if (ov > best || (ov == best && oi < index)) {
+            best = ov;
+            index = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        best_value[warp] = best;
+        best_index[warp] = index;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int warps = (blockDim.x + 31) >> 5;
+        for (int w = 1; w < warps; ++w) {
+            if (best_value[w] > best || (best_value[w] == best && best_index[w] < index)) {
+                best = best_value[w];
+                index = best_index[w];
+            }
+        }
+        out[blockIdx.x] = (unsigned int)(index == 0x7fffffff ? 0 : index);
+    }
+}

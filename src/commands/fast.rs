@@ -1,0 +1,217 @@
+//! `tandem fast-check` and `tandem fast-bench`: the CUDA fast path (crate `tandem-cuda`)
+//! against the CPU f32 reference over a sweep of batch sizes and KV lengths, and its decode
+//! speed measured like `bench-target`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use tandem_cuda::check::{CheckPoint, Tolerance, check_point, load_pair};
+use tandem_cuda::{CudaTarget, Gpu};
+use tandem_model::{LogitsFor, TapRequest, TargetTokenizer};
+use tandem_wiring::TapId;
+
+use super::DEFAULT_MODEL_DIR;
+
+#[derive(Args, Debug)]
+pub struct FastCheckArgs {
+    #[arg(long, default_value = DEFAULT_MODEL_DIR)]
+    pub model: PathBuf,
+    /// KV lengths swept at batch 1.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,31,32,33,144,160,511,1024,2048,4095,4096"
+    )]
+    pub kv_lens: Vec<usize>,
+    /// Batch sizes swept at KV length 48.
+    #[arg(long, value_delimiter = ',', default_value = "2,3,4,5,8,13,16")]
+    pub batches: Vec<usize>,
+    /// Extra points `BATCHxKV` (e.g. 16x4096: the largest of both).
+    #[arg(long, value_delimiter = ',', default_value = "16x4096,8x1000")]
+    pub points: Vec<String>,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run_check(args: FastCheckArgs) -> anyhow::Result<()> {
+    let gpu = Gpu::new(0)?;
+    let (fast, reference) = load_pair(&args.model, gpu.clone())?;
+    let mut points: Vec<CheckPoint> = args
+        .kv_lens
+        .iter()
+        .map(|&kv_len| CheckPoint { batch: 1, kv_len })
+        .collect();
+    points.extend(
+        args.batches
+            .iter()
+            .map(|&batch| CheckPoint { batch, kv_len: 48 }),
+    );
+    for p in &args.points {
+        let (b, k) = p
+            .split_once('x')
+            .ok_or_else(|| anyhow::anyhow!("--points entry {p:?} is not BATCHxKV"))?;
+        points.push(CheckPoint {
+            batch: b.parse()?,
+            kv_len: k.parse()?,
+        });
+    }
+    let tolerance = Tolerance::default();
+    eprintln!(
+        "fast path on {} vs CPU f32 reference; tolerance {tolerance:?}",
+        gpu.name()
+    );
+    let mut reports = Vec::new();
+    for point in points {
+        let t = Instant::now();
+        let report = check_point(&fast, &reference, point, tolerance)?;
+        eprintln!("{report:?} ({:.1} s)", t.elapsed().as_secs_f64());
+        reports.push(report);
+    }
+    println!(
+        "| batch | KV length | rows checked | logits rel err | worst tap (rel err) | greedy agree | real mismatches | pass |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &reports {
+        println!(
+            "| {} | {} | {} | {:.2e} | {} ({:.2e}) | {}/{} | {} | {} |",
+            r.point.batch,
+            r.point.kv_len,
+            r.rows_checked.len(),
+            r.logits_rel,
+            r.worst_tap,
+            r.taps_rel,
+            r.greedy_agree,
+            r.greedy_total,
+            r.greedy_real_mismatches,
+            if r.passed { "yes" } else { "NO" }
+        );
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&reports)?)?;
+    }
+    let failed = reports.iter().filter(|r| !r.passed).count();
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} of {} points outside tolerance",
+        reports.len()
+    );
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct FastBenchArgs {
+    #[arg(long, default_value = DEFAULT_MODEL_DIR)]
+    pub model: PathBuf,
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,8,16")]
+    pub batch: Vec<usize>,
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Also measure decode with the head's three taps requested (blocks 1, L/2-1, L-4).
+    #[arg(long)]
+    pub with_taps: bool,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct FastBenchRow {
+    batch: usize,
+    taps: usize,
+    ttft_ms_median: f64,
+    step_ms_median: f64,
+    tokens_per_second: f64,
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let gpu = Gpu::new(0)?;
+    let model = CudaTarget::load(&args.model, gpu.clone())?;
+    let tokenizer = TargetTokenizer::load(&args.model)?;
+    let seed = tokenizer.encode(
+        "The history of mathematics spans thousands of years, from counting and geometry in \
+         ancient civilisations to the abstract structures of today. ",
+        false,
+    )?;
+    let prompt: Vec<u32> = seed
+        .iter()
+        .copied()
+        .cycle()
+        .take(args.prompt_tokens)
+        .collect();
+    let layers = model.spec.num_layers;
+    let eagle_taps = TapRequest::new(vec![
+        TapId::Block(1),
+        TapId::Block(layers / 2 - 1),
+        TapId::Block(layers - 4),
+    ]);
+    let mut requests = vec![TapRequest::none()];
+    if args.with_taps {
+        requests.push(eagle_taps);
+    }
+    let mut first_token_s = None;
+    let mut rows = Vec::new();
+    for taps in &requests {
+        for &batch in &args.batch {
+            let (mut ttfts, mut steps) = (Vec::new(), Vec::new());
+            for rep in 0..=args.repeats {
+                let mut cache = model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1)?;
+                let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
+                let t0 = Instant::now();
+                let step = cache.prefill_step(&prompts)?;
+                let out = model.forward(&step, &mut cache, taps, LogitsFor::Last)?;
+                let mut next = out.logits.expect("logits").argmax()?;
+                let ttft = t0.elapsed().as_secs_f64();
+                first_token_s.get_or_insert(started.elapsed().as_secs_f64());
+                let mut step_times = Vec::with_capacity(args.new_tokens);
+                for _ in 0..args.new_tokens {
+                    let t = Instant::now();
+                    let step = cache.decode_step(&next)?;
+                    let out = model.forward(&step, &mut cache, taps, LogitsFor::Last)?;
+                    next = out.logits.expect("logits").argmax()?;
+                    step_times.push(t.elapsed().as_secs_f64());
+                }
+                if rep > 0 {
+                    ttfts.push(ttft);
+                    steps.push(median(&mut step_times));
+                }
+            }
+            let step = median(&mut steps);
+            let row = FastBenchRow {
+                batch,
+                taps: taps.taps.len(),
+                ttft_ms_median: median(&mut ttfts) * 1e3,
+                step_ms_median: step * 1e3,
+                tokens_per_second: batch as f64 / step,
+            };
+            eprintln!("{row:?}");
+            rows.push(row);
+        }
+    }
+    println!(
+        "cold start (process start to first token, fast path on {}): {:.2} s",
+        gpu.name(),
+        first_token_s.unwrap_or(0.0)
+    );
+    println!("| path | batch | taps | TTFT ms (median) | decode step ms (median) | tokens/s |");
+    println!("|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| tandem-cuda fast path | {} | {} | {:.2} | {:.3} | {:.1} |",
+            r.batch, r.taps, r.ttft_ms_median, r.step_ms_median, r.tokens_per_second
+        );
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
+    }
+    Ok(())
+}
