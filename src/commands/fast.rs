@@ -61,31 +61,37 @@ pub fn run_check(args: FastCheckArgs) -> anyhow::Result<()> {
         "fast path on {} vs CPU f32 reference; tolerance {tolerance:?}",
         gpu.name()
     );
+    // Rows are printed as points finish, so a run cut short keeps what it measured.
+    println!(
+        "| batch | KV length | rows checked | logits rel err | worst tap (rel err) | worst element: step, token, channel, fast vs ref (token's rel err) | greedy agree | real mismatches | pass |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut reports = Vec::new();
     for point in points {
         let t = Instant::now();
-        let report = check_point(&fast, &reference, point, tolerance)?;
-        eprintln!("{report:?} ({:.1} s)", t.elapsed().as_secs_f64());
-        reports.push(report);
-    }
-    println!(
-        "| batch | KV length | rows checked | logits rel err | worst tap (rel err) | greedy agree | real mismatches | pass |"
-    );
-    println!("|---|---|---|---|---|---|---|---|");
-    for r in &reports {
+        let r = check_point(&fast, &reference, point, tolerance)?;
+        eprintln!("{r:?} ({:.1} s)", t.elapsed().as_secs_f64());
+        let at = r.worst_at.as_ref().map_or(String::new(), |w| {
+            format!(
+                "{}, {}, {}, {:.3} vs {:.3} ({:.2e})",
+                w.step, w.token, w.channel, w.fast, w.reference, w.token_rel
+            )
+        });
         println!(
-            "| {} | {} | {} | {:.2e} | {} ({:.2e}) | {}/{} | {} | {} |",
+            "| {} | {} | {} | {:.2e} | {} ({:.2e}) | {} | {}/{} | {} | {} |",
             r.point.batch,
             r.point.kv_len,
             r.rows_checked.len(),
             r.logits_rel,
             r.worst_tap,
             r.taps_rel,
+            at,
             r.greedy_agree,
             r.greedy_total,
             r.greedy_real_mismatches,
             if r.passed { "yes" } else { "NO" }
         );
+        reports.push(r);
     }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&reports)?)?;

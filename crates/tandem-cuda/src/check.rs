@@ -54,6 +54,9 @@ pub struct PointReport {
     /// Worst tap and its relative error.
     pub worst_tap: String,
     pub taps_rel: f32,
+    /// Where the worst tap error sits: step (0 prefill, 1 decode, 2 tree), token slot, channel,
+    /// the two values, and that token's own relative error (max diff / max |ref| over its row).
+    pub worst_at: Option<WorstElement>,
     pub greedy_agree: usize,
     pub greedy_total: usize,
     /// Disagreements where the reference's top-2 gap exceeds the tie gap.
@@ -66,6 +69,37 @@ fn all_taps(layers: usize) -> TapRequest {
     taps.extend((0..layers).map(TapId::Block));
     taps.push(TapId::Final);
     TapRequest::new(taps)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct WorstElement {
+    pub step: usize,
+    pub token: usize,
+    pub channel: usize,
+    pub fast: f32,
+    pub reference: f32,
+    pub token_rel: f32,
+}
+
+/// The element of largest |fast - ref| of `[tokens, dim]` rows.
+fn worst_element(fast: &[f32], reference: &[f32], dim: usize, step: usize) -> WorstElement {
+    let (mut at, mut worst) = (0, -1f32);
+    for (i, (a, b)) in fast.iter().zip(reference).enumerate() {
+        if (a - b).abs() > worst {
+            worst = (a - b).abs();
+            at = i;
+        }
+    }
+    let token = at / dim;
+    let row = token * dim..(token + 1) * dim;
+    WorstElement {
+        step,
+        token,
+        channel: at % dim,
+        fast: fast[at],
+        reference: reference[at],
+        token_rel: rel_err(&fast[row.clone()], &reference[row]),
+    }
 }
 
 fn rel_err(fast: &[f32], reference: &[f32]) -> f32 {
@@ -248,6 +282,7 @@ pub fn check_point(
         .map(|t| t.to_string())
         .collect();
     let (mut logits_rel, mut taps_rel, mut worst_tap) = (0f32, 0f32, String::new());
+    let mut worst_at = None;
     let (mut agree, mut total, mut real_mismatch) = (0, 0, 0);
     for &b in &rows {
         let ref_out = run_reference(reference, &steps, b)?;
@@ -273,13 +308,15 @@ pub fn check_point(
                 }
             }
             for (t, (ft, rt)) in f.taps.iter().zip(&r.taps).enumerate() {
-                let e = rel_err(
+                let (fs, rs) = (
                     slots(ft, b, f.width, h, 0, real),
                     slots(rt, 0, r.width, h, 0, real),
                 );
+                let e = rel_err(fs, rs);
                 if e > taps_rel {
                     taps_rel = e;
                     worst_tap = names[t].clone();
+                    worst_at = Some(worst_element(fs, rs, h, s));
                 }
             }
         }
@@ -291,6 +328,7 @@ pub fn check_point(
         logits_rel,
         worst_tap,
         taps_rel,
+        worst_at,
         greedy_agree: agree,
         greedy_total: total,
         greedy_real_mismatches: real_mismatch,
