@@ -2,11 +2,14 @@
 //! [`CaptureHook::observe`] after the embedding, after every block and after the final norm,
 //! and nowhere else in the crate reads hidden states. Every execution path (prefill, chunked
 //! prefill, decode, tree verification) runs that loop, so a tap cannot be skipped by a path.
+//! The micro-batched path is lanes of the same loop: it calls [`CaptureHook::observe_part`]
+//! per lane, which reassembles the step's tap by row and slot range.
 
 use burn::prelude::*;
 use tandem_wiring::TapId;
 
 use crate::error::ModelError;
+use crate::micro_batch::MicroBatch;
 
 /// Which taps a forward step should keep, in slot order.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -43,8 +46,8 @@ impl TapRequest {
 pub struct CaptureHook<B: Backend> {
     request: TapRequest,
     captured: Vec<Option<Tensor<B, 3>>>,
-    /// Every tap point the loop passed through, in order: lets tests prove that no path skips
-    /// the hook.
+    /// Every tap point the loop passed through, in order (once per micro-batch): lets tests
+    /// prove that no path skips the hook.
     visited: Vec<TapId>,
 }
 
@@ -68,6 +71,34 @@ impl<B: Backend> CaptureHook<B> {
         }
     }
 
+    /// Called by the block loop for one micro-batch of a step of `[batch, width]` tokens: `part`
+    /// holds its rows and slots. Each requested slot is assembled by range into the step's
+    /// `[batch, width, hidden]` tensor, so the lanes together leave what the plain path leaves.
+    pub(crate) fn observe_part(
+        &mut self,
+        tap: TapId,
+        lane: &MicroBatch,
+        [batch, width]: [usize; 2],
+        part: &Tensor<B, 3>,
+    ) {
+        if lane.covers(batch, width) {
+            return self.observe(tap, part);
+        }
+        self.visited.push(tap);
+        let hidden = part.dims()[2];
+        for (slot, wanted) in self.request.taps.iter().enumerate() {
+            if *wanted == tap {
+                let whole = self.captured[slot]
+                    .take()
+                    .unwrap_or_else(|| Tensor::zeros([batch, width, hidden], &part.device()));
+                self.captured[slot] = Some(whole.slice_assign(
+                    [lane.rows.clone(), lane.slots.clone(), 0..hidden],
+                    part.clone(),
+                ));
+            }
+        }
+    }
+
     pub(crate) fn finish(self) -> CapturedTaps<B> {
         CapturedTaps {
             taps: self.request.taps,
@@ -86,7 +117,8 @@ impl<B: Backend> CaptureHook<B> {
 pub struct CapturedTaps<B: Backend> {
     pub taps: Vec<TapId>,
     pub tensors: Vec<Tensor<B, 3>>,
-    /// The tap points the block loop passed, in order (embed, block 0.., final).
+    /// The tap points the block loop passed, in order (embed, block 0.., final), each once per
+    /// micro-batch when the step ran micro-batched.
     pub visited: Vec<TapId>,
 }
 
