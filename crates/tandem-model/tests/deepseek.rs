@@ -189,14 +189,13 @@ fn assert_same(a: &[f32], b: &[f32], what: &str, real: &[bool], hidden_width: us
     }
 }
 
+/// Builds a step from the cache's layout (both paths' caches give the same step).
+type MakeStep = dyn Fn(&KvCache<B>) -> StepInput;
+
 /// Runs `steps` (built from the cache before each) plain and micro-batched from fresh caches of
 /// `batch` sequences and compares every tap and the logits; returns the micro-batched path's
 /// visited tap points of each step.
-fn compare_paths(
-    model: &mut TargetModel<B>,
-    batch: usize,
-    steps: &[&dyn Fn(&KvCache<B>) -> StepInput],
-) -> Vec<Vec<TapId>> {
+fn compare_paths(model: &mut TargetModel<B>, batch: usize, steps: &[&MakeStep]) -> Vec<Vec<TapId>> {
     let mut plain = model.new_cache(batch, 32);
     let mut micro = model.new_cache(batch, 32);
     let mut visited = Vec::new();
@@ -283,7 +282,7 @@ fn micro_batched_single_sequence_splits_its_tokens_and_equals_plain() {
     let layers = model.spec.num_layers;
     // Chunked prefill 7 + 4 tokens (slots [0, 4) + [4, 7), then [0, 2) + [2, 4)), then decode
     // (one token: nothing to split).
-    let first = |c: &KvCache<B>| c.prefill_step(&[&PROMPTS[0][..]]).unwrap();
+    let first = |c: &KvCache<B>| c.prefill_step(&[PROMPTS[0]]).unwrap();
     let second = |c: &KvCache<B>| c.prefill_step(&[&[13, 14, 15, 16][..]]).unwrap();
     let decode = |c: &KvCache<B>| c.decode_step(&[21]).unwrap();
     let visited = compare_paths(&mut model, 1, &[&first, &second, &decode]);
