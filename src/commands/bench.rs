@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::Args;
 use tandem_model::burn::prelude::*;
-use tandem_model::{LogitsFor, TapRequest, TargetModel, TargetTokenizer};
+use tandem_model::{LogitsFor, TapRequest, TargetTokenizer};
 
 use super::ModelArgs;
 use crate::with_backend;
@@ -64,7 +64,7 @@ fn greedy_ids<B: Backend>(logits: Tensor<B, 3>) -> Vec<u32> {
 fn run_on<B: Backend>(args: &BenchTargetArgs, device: &B::Device) -> anyhow::Result<()> {
     let started = Instant::now();
     let tokenizer = TargetTokenizer::load(&args.model.model)?;
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let model = args.model.load::<B>(device)?;
     let seed_text = "The history of mathematics spans thousands of years, from counting and \
                      geometry in ancient civilisations to the abstract structures of today. ";
     let seed = tokenizer.encode(seed_text, false)?;

@@ -5,9 +5,7 @@
 use clap::Args;
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::{
-    GenerateOptions, LogitsFor, SamplingParams, TapRequest, TargetModel, TargetTokenizer,
-};
+use tandem_model::{GenerateOptions, LogitsFor, SamplingParams, TapRequest, TargetTokenizer};
 use tandem_wiring::TapId;
 
 use super::ModelArgs;
@@ -41,7 +39,7 @@ fn run_reference<B: Backend>(
     device: &B::Device,
     prompt: &[u32],
 ) -> anyhow::Result<Reference> {
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let model = args.model.load::<B>(device)?;
     let mut cache = model.new_cache(1, prompt.len());
     let step = cache.prefill_step(&[prompt])?;
     let out = model.forward(

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use tandem_model::burn::prelude::Backend;
-use tandem_model::{ChatMessage, TargetModel, TargetTokenizer};
+use tandem_model::{ChatMessage, TargetTokenizer};
 use tandem_replay::{DiagnoseLabels, DiagnoseOptions, diagnose, generate_samples};
 
 use super::ModelArgs;
@@ -58,7 +58,7 @@ pub fn run(args: DiagnoseArgs) -> anyhow::Result<()> {
 
 fn run_on<B: Backend>(args: &DiagnoseArgs, device: &B::Device) -> anyhow::Result<()> {
     let tokenizer = TargetTokenizer::load(&args.model.model)?;
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let model = args.model.load::<B>(device)?;
     let head = tandem_eagle::load_pretrained(&args.head, model.embed_tokens.clone(), device)
         .with_context(|| format!("loading the head {}", args.head.display()))?;
     let prompts: Vec<Vec<u32>> = tandem_data::eval_prompts(&args.prompts, &args.data_root)

@@ -111,6 +111,7 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         device_label: args.model.device.to_string(),
         progress: !args.quiet,
         simulate_full_disk_after: None,
+        execution: args.model.execution,
     };
     with_backend!(args.model.device, |B, device| run_on::<B>(
         &options, &device

@@ -2,7 +2,7 @@ use std::time::Instant;
 
 use clap::Args;
 use tandem_model::burn::prelude::Backend;
-use tandem_model::{ChatMessage, GenerateOptions, SamplingParams, TargetModel, TargetTokenizer};
+use tandem_model::{ChatMessage, GenerateOptions, SamplingParams, TargetTokenizer};
 
 use super::ModelArgs;
 use crate::with_backend;
@@ -107,7 +107,7 @@ fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result
         return Ok(());
     }
     // Loaded only on the plain path: the speculative path loads target and head together.
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let model = args.model.load::<B>(device)?;
     eprintln!(
         "loaded {} ({} layers) on {} in {:.2}s",
         args.model.model.display(),

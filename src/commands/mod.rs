@@ -16,6 +16,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use tandem_model::backend::DeviceKind;
+use tandem_model::burn::prelude::Backend;
+use tandem_model::{Execution, ModelError, TargetModel};
 
 /// Where the default model lives after `scripts/fetch_smollm2.sh`.
 pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
@@ -29,6 +31,20 @@ pub struct ModelArgs {
     /// cpu (ndarray, f32) or cuda (burn-cuda, bf16; needs a build with --features cuda).
     #[arg(long, default_value = "cpu")]
     pub device: DeviceKind,
+    /// auto (micro-batched for batches of two or more sequences on MoE models), plain, or
+    /// micro-batched (two micro-batches interleaved layer by layer, the two-batch-overlap
+    /// pattern; taps go through the same hook either way).
+    #[arg(long, default_value = "auto")]
+    pub execution: Execution,
+}
+
+impl ModelArgs {
+    /// The target model of `--model`, run as `--execution` says.
+    pub fn load<B: Backend>(&self, device: &B::Device) -> Result<TargetModel<B>, ModelError> {
+        let mut model = TargetModel::<B>::load(&self.model, device)?;
+        model.execution = self.execution;
+        Ok(model)
+    }
 }
 
 /// Runs `$body` with `B` bound to the backend selected by `$device` and `device` to its device.

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use tandem_dump::DumpReader;
-use tandem_model::TargetModel;
 use tandem_model::burn::prelude::Backend;
 use tandem_replay::{HeadWiring, ReplayOptions, Tolerance, fingerprint_model, replay};
 
@@ -48,7 +47,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
 
 fn run_on<B: Backend>(args: &ReplayArgs, device: &B::Device) -> anyhow::Result<()> {
     let dump = DumpReader::open(&args.dump)?;
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let model = args.model.load::<B>(device)?;
     let target = fingerprint_model(&args.model.model)?;
     let head = args
         .head
@@ -144,7 +143,7 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
 
     let dump = DumpReader::open(&args.dump)?;
     let tokenizer = TargetTokenizer::load(&args.model.model)?;
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let model = args.model.load::<B>(device)?;
     let head = tandem_eagle::load_pretrained(&args.head, model.embed_tokens.clone(), device)
         .with_context(|| format!("loading the head {}", args.head.display()))?;
     let taps = head_taps(&head.config, model.spec.num_layers)?;

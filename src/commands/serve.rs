@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
-use tandem_model::{SamplingParams, TargetModel, TargetTokenizer};
+use tandem_model::{SamplingParams, TargetTokenizer};
 use tandem_serve::scheduler::DecoderFactory;
 use tandem_serve::{AppState, Decoder, PlainDecoder, Scheduler, SchedulerConfig, SpecDecoder};
 
@@ -104,7 +104,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
     with_backend!(args.model.device, |B, device| {
         if args.no_draft {
-            let target = TargetModel::<B>::load(&args.model.model, &device)?;
+            let target = args.model.load::<B>(&device)?;
             Ok(Box::new(PlainDecoder::new(target, args.context)) as Box<dyn Decoder>)
         } else {
             let loaded = super::spec::load::<B>(&args.model, &args.spec, &device)?;

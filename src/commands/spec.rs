@@ -66,7 +66,7 @@ pub fn load<B: Backend>(
     device: &B::Device,
 ) -> anyhow::Result<Loaded<B>> {
     let tokenizer = TargetTokenizer::load(&model.model)?;
-    let target = TargetModel::<B>::load(&model.model, device)?;
+    let target = model.load::<B>(device)?;
     let head = tandem_eagle::load_pretrained(&spec.draft, target.embed_tokens.clone(), device)
         .with_context(|| format!("loading the head {}", spec.draft.display()))?;
     let taps = head_taps(&head.config, target.spec.num_layers)?;

@@ -1,6 +1,6 @@
 use clap::Args;
 use tandem_model::burn::prelude::{Backend, Tensor};
-use tandem_model::{LogitsFor, TapRequest, TargetModel, TargetTokenizer};
+use tandem_model::{LogitsFor, TapRequest, TargetTokenizer};
 use tandem_wiring::TapId;
 
 use super::ModelArgs;
@@ -23,7 +23,7 @@ pub fn run(args: TapsArgs) -> anyhow::Result<()> {
 /// told apart from a residual one.
 fn run_on<B: Backend>(args: &TapsArgs, device: &B::Device) -> anyhow::Result<()> {
     let tokenizer = TargetTokenizer::load(&args.model.model)?;
-    let model = TargetModel::<B>::load(&args.model.model, device)?;
+    let model = args.model.load::<B>(device)?;
     let prompt = tokenizer.encode(&args.prompt, true)?;
     let mut taps = vec![TapId::Embed];
     taps.extend((0..model.spec.num_layers).map(TapId::Block));

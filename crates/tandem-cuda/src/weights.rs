@@ -44,6 +44,11 @@ impl DeviceWeights {
             what: what.to_string(),
             architecture: spec.architecture.clone(),
         };
+        if spec.mla.is_some() || spec.moe.is_some() {
+            return Err(unsupported(
+                "latent attention / mixture-of-experts layers (DeepSeek-V3)",
+            ));
+        }
         if spec.qk_norm {
             return Err(unsupported("per-head q/k RMSNorm (Qwen3)"));
         }

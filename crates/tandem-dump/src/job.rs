@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tandem_data::{Conversation, Split, open_dataset};
 use tandem_model::burn::prelude::*;
 use tandem_model::{
-    ChatMessage, LogitsFor, SamplingParams, TapRequest, TargetModel, TargetTokenizer,
+    ChatMessage, Execution, LogitsFor, SamplingParams, TapRequest, TargetModel, TargetTokenizer,
 };
 use tandem_wiring::{
     Job, Producer, TapId, TapPoint, TapSpec, TargetFingerprint, WiringManifest, sha256_hex,
@@ -62,6 +62,8 @@ pub struct DumpOptions {
     /// Tests only: shard files report a full disk after this many bytes.
     #[doc(hidden)]
     pub simulate_full_disk_after: Option<u64>,
+    /// Plain or micro-batched target steps (the taps are the same either way).
+    pub execution: Execution,
 }
 
 impl DumpOptions {
@@ -89,6 +91,7 @@ impl DumpOptions {
             device_label: "cpu".to_owned(),
             progress: false,
             simulate_full_disk_after: None,
+            execution: Execution::Auto,
         }
     }
 }
@@ -312,7 +315,8 @@ pub fn run_dump<B: Backend>(
         return Ok(summary);
     }
 
-    let model = TargetModel::<B>::load(&options.model_dir, device)?;
+    let mut model = TargetModel::<B>::load(&options.model_dir, device)?;
+    model.execution = options.execution;
     let mut request = identity.wiring.taps.clone();
     request.push(identity.last_hidden_tap);
     let request = TapRequest::new(request);

@@ -274,6 +274,7 @@ impl Eagle3Config {
             sliding_window: None,
             bos_token_id: None,
             eos_token_id: None,
+            deepseek: Default::default(),
         }
     }
 

@@ -10,8 +10,10 @@ use burn::tensor::TensorData;
 
 use crate::error::ModelError;
 
-/// Per-layer key and value tensors, `[batch, kv_heads, capacity, head_dim]` each, plus the host
-/// bookkeeping ([`ColumnLayout`]) that decides what each sequence may attend to.
+/// Per-layer key and value tensors, `[batch, kv_heads, capacity, key_width]` and
+/// `[batch, kv_heads, capacity, value_width]` (equal widths for the Llama family; multi-head
+/// latent attention has keys wider than values), plus the host bookkeeping ([`ColumnLayout`])
+/// that decides what each sequence may attend to.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
     pub(crate) keys: Vec<Tensor<B, 4>>,
@@ -311,18 +313,20 @@ impl ColumnLayout {
     }
 }
 
-/// Writes `new` (`[batch, heads, width, head_dim]`) into `cache` at column `start` and returns
-/// the updated tensor (also left in `cache`). The cache tensor is moved out before the write so
-/// it is uniquely owned and the backend can update it in place instead of copying it.
+/// Writes `new` (`[rows, heads, width, head_dim]`) into `cache` at row `row` and column
+/// `start` and returns the updated tensor (also left in `cache`). The cache tensor is moved out
+/// before the write so it is uniquely owned and the backend can update it in place instead of
+/// copying it.
 fn write_columns<B: Backend>(
     cache: &mut Tensor<B, 4>,
+    row: usize,
     start: usize,
     new: Tensor<B, 4>,
 ) -> Tensor<B, 4> {
     let [b, h, n, d] = new.dims();
     let placeholder = Tensor::<B, 4>::empty([0, 0, 0, 0], &new.device());
     let updated = std::mem::replace(cache, placeholder)
-        .slice_assign([0..b, 0..h, start..start + n, 0..d], new);
+        .slice_assign([row..row + b, 0..h, start..start + n, 0..d], new);
     *cache = updated.clone();
     updated
 }
@@ -372,10 +376,29 @@ impl<B: Backend> KvCache<B> {
         capacity: usize,
         device: &B::Device,
     ) -> Self {
-        let zeros = || Tensor::<B, 4>::zeros([batch, num_kv_heads, capacity, head_dim], device);
+        Self::with_widths(
+            num_layers,
+            batch,
+            num_kv_heads,
+            [head_dim, head_dim],
+            capacity,
+            device,
+        )
+    }
+
+    /// A cache whose keys are `key_width` and values `value_width` wide per head.
+    pub fn with_widths(
+        num_layers: usize,
+        batch: usize,
+        num_kv_heads: usize,
+        [key_width, value_width]: [usize; 2],
+        capacity: usize,
+        device: &B::Device,
+    ) -> Self {
+        let zeros = |width| Tensor::<B, 4>::zeros([batch, num_kv_heads, capacity, width], device);
         Self {
-            keys: (0..num_layers).map(|_| zeros()).collect(),
-            values: (0..num_layers).map(|_| zeros()).collect(),
+            keys: (0..num_layers).map(|_| zeros(key_width)).collect(),
+            values: (0..num_layers).map(|_| zeros(value_width)).collect(),
             layout: ColumnLayout::new(batch, capacity),
         }
     }
@@ -391,9 +414,22 @@ impl<B: Backend> KvCache<B> {
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        self.write_at(layer, 0, start, k, v)
+    }
+
+    /// [`KvCache::write`] for the sequences from cache row `row` on (`k`, `v` hold as many
+    /// rows as they write): how one micro-batch of a step addresses its own rows.
+    pub fn write_at(
+        &mut self,
+        layer: usize,
+        row: usize,
+        start: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         (
-            write_columns(&mut self.keys[layer], start, k),
-            write_columns(&mut self.values[layer], start, v),
+            write_columns(&mut self.keys[layer], row, start, k),
+            write_columns(&mut self.values[layer], row, start, v),
         )
     }
 

@@ -6,11 +6,15 @@
 //! The hook is generic over what a hidden state is, so the CUDA fast path (`tandem-cuda`, whose
 //! hidden states are raw device buffers, not burn tensors) takes its taps through this same
 //! type and the same slot logic; a test there proves its taps equal this crate's.
+//!
+//! The micro-batched path is lanes of the same loop: it calls [`CaptureHook::observe_part`]
+//! per lane, which reassembles the step's tap by row and slot range.
 
 use burn::prelude::*;
 use tandem_wiring::TapId;
 
 use crate::error::ModelError;
+use crate::micro_batch::MicroBatch;
 
 /// Which taps a forward step should keep, in slot order.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -48,8 +52,8 @@ impl TapRequest {
 pub struct CaptureHook<T> {
     request: TapRequest,
     captured: Vec<Option<T>>,
-    /// Every tap point the loop passed through, in order: lets tests prove that no path skips
-    /// the hook.
+    /// Every tap point the loop passed through, in order (once per micro-batch): lets tests
+    /// prove that no path skips the hook.
     visited: Vec<TapId>,
 }
 
@@ -87,12 +91,43 @@ impl<T: Clone> CaptureHook<T> {
     }
 }
 
+impl<B: Backend> CaptureHook<Tensor<B, 3>> {
+    /// Called by the block loop for one micro-batch of a step of `[batch, width]` tokens: `part`
+    /// holds its rows and slots. Each requested slot is assembled by range into the step's
+    /// `[batch, width, hidden]` tensor, so the lanes together leave what the plain path leaves.
+    pub(crate) fn observe_part(
+        &mut self,
+        tap: TapId,
+        lane: &MicroBatch,
+        [batch, width]: [usize; 2],
+        part: &Tensor<B, 3>,
+    ) {
+        if lane.covers(batch, width) {
+            return self.observe(tap, part);
+        }
+        self.visited.push(tap);
+        let hidden = part.dims()[2];
+        for (slot, wanted) in self.request.taps.iter().enumerate() {
+            if *wanted == tap {
+                let whole = self.captured[slot]
+                    .take()
+                    .unwrap_or_else(|| Tensor::zeros([batch, width, hidden], &part.device()));
+                self.captured[slot] = Some(whole.slice_assign(
+                    [lane.rows.clone(), lane.slots.clone(), 0..hidden],
+                    part.clone(),
+                ));
+            }
+        }
+    }
+}
+
 /// The taps of one step, in request order, each `[batch, width, hidden]`.
 #[derive(Debug, Clone)]
 pub struct Taps<T> {
     pub taps: Vec<TapId>,
     pub tensors: Vec<T>,
-    /// The tap points the block loop passed, in order (embed, block 0.., final).
+    /// The tap points the block loop passed, in order (embed, block 0.., final), each once per
+    /// micro-batch when the step ran micro-batched.
     pub visited: Vec<TapId>,
 }
 

@@ -29,7 +29,7 @@ pub enum ModelError {
     #[error("tensor {name} has dtype {dtype}; supported: F32, F16, BF16")]
     UnsupportedDtype { name: String, dtype: String },
     #[error(
-        "architecture {architecture} is not supported (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+        "architecture {architecture} is not supported (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV3ForCausalLM)"
     )]
     UnsupportedArchitecture { architecture: String },
     #[error("config.json field {field} {reason}")]

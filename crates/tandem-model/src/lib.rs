@@ -1,5 +1,6 @@
-//! Target models for Tandem: HF configs, safetensors weights, the Llama-family forward pass in
-//! burn with a KV cache, and the one capture hook every execution path goes through.
+//! Target models for Tandem: HF configs, safetensors weights, the Llama-family and DeepSeek-V3
+//! forward pass in burn with a KV cache, and the one capture hook every execution path (plain
+//! or micro-batched) goes through.
 
 pub mod backend;
 pub mod cache;
@@ -7,6 +8,7 @@ pub mod capture;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod micro_batch;
 pub mod model;
 pub mod sampling;
 pub mod testing;
@@ -16,9 +18,10 @@ pub mod weights;
 pub use burn;
 pub use cache::{ColumnLayout, KvCache, StepInput};
 pub use capture::{CaptureHook, CapturedTaps, TapRequest, Taps};
-pub use config::{Family, HfConfig, ModelSpec};
+pub use config::{Family, HfConfig, MlaSpec, ModelSpec, MoeSpec};
 pub use error::ModelError;
 pub use generate::{FinishReason, GenerateOptions, Generation, generate};
+pub use micro_batch::{Execution, MicroBatch};
 pub use model::{LogitsFor, StepOutput, TargetModel};
 pub use sampling::SamplingParams;
 pub use tokenizer::{ChatMessage, TargetTokenizer};

@@ -5,11 +5,18 @@
 
 mod common;
 
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
 use common::*;
+use tandem_dump::{DumpManifest, DumpReader, DumpRecord, DumpWriter, ShardLimits};
 use tandem_eagle::{Eagle3Config, EagleConfig};
 use tandem_model::burn::prelude::*;
 use tandem_model::testing::tiny_config;
-use tandem_replay::{Candidate, HeadWiring, Level, Status};
+use tandem_model::{Execution, LogitsFor, TapRequest, TargetModel};
+use tandem_replay::{
+    Candidate, HeadWiring, Level, ReplayOptions, ReplayReport, Status, fingerprint_model, replay,
+};
 use tandem_wiring::{Convention, RawIds, TapId};
 
 fn default_taps() -> Vec<TapId> {
@@ -379,4 +386,207 @@ fn h_head_manifest_vs_dump_taps() {
     let head = HeadWiring::from_config(&config, LAYERS, "head-c").unwrap();
     let report = run_replay(&dir, Some(&head));
     assert!(report.ok(), "{:?}", report.problems());
+}
+
+// (i) The micro-batched (two-batch-overlap) path on a DeepSeek-V3 target: the committed tiny HF
+// fixture (2 dense + 2 MoE layers). A dump captured by one path replays cleanly through the
+// other; a micro-batched capture that skips the hook for one micro-batch (the fault SGLang
+// shipped for DeepSeek, eagle3-facts 6.3, produced here in test code: the product has no such
+// option) is named by replay.
+
+/// Aux taps of the dumps (the 4-block target's EAGLE-3 defaults would repeat block 1).
+fn deepseek_taps() -> Vec<TapId> {
+    vec![TapId::Block(0), TapId::Block(1), TapId::Block(2)]
+}
+
+/// The fixture model plus SmolLM2's tokenizer files, for a real fingerprint.
+fn deepseek_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = temp_dir("deepseek-model");
+        let fixture = workspace_root().join("tests/fixtures/deepseek_v3/mla_qlora");
+        for file in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+        }
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(smollm2_dir().join(file), dir.join(file)).unwrap();
+        }
+        dir
+    })
+}
+
+fn deepseek(execution: Execution) -> TargetModel<B> {
+    let mut model = TargetModel::load(deepseek_dir(), &Default::default()).unwrap();
+    model.execution = execution;
+    model
+}
+
+/// Three samples of ids inside the fixture's 64-token vocabulary (lengths 20, 33, 12).
+fn samples() -> Vec<Vec<u32>> {
+    sample_ids()
+        .into_iter()
+        .map(|ids| ids.into_iter().map(|t| t % 64).collect())
+        .collect()
+}
+
+/// Per sample, `[n, slots * T]` aux values and `[n, T]` last-block values, captured as an
+/// engine running all samples as one ragged batch does (one prefill through the hook).
+/// `skip_second_micro_batch` zeroes what the second micro-batch's rows would have contributed,
+/// i.e. what a micro-batched path that calls the hook for its first micro-batch only records.
+fn batched_capture(
+    model: &TargetModel<B>,
+    skip_second_micro_batch: bool,
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let samples = samples();
+    let prompts: Vec<&[u32]> = samples.iter().map(Vec::as_slice).collect();
+    let mut cache = model.new_cache(prompts.len(), 64);
+    let step = cache.prefill_step(&prompts).unwrap();
+    let mut request = deepseek_taps();
+    request.push(TapId::Block(model.spec.num_layers - 1));
+    let out = model
+        .forward(
+            &step,
+            &mut cache,
+            &TapRequest::new(request.clone()),
+            LogitsFor::None,
+        )
+        .unwrap();
+    // The micro-batched path passes every tap point once per micro-batch.
+    let lanes = model.execution.micro_batches(&step, model.spec.is_moe());
+    assert_eq!(
+        out.taps.visited.len(),
+        lanes.len() * (model.spec.num_layers + 2)
+    );
+    let t = model.spec.hidden_size;
+    let values: Vec<Vec<f32>> = out
+        .taps
+        .tensors
+        .into_iter()
+        .map(|x| x.into_data().to_vec::<f32>().unwrap())
+        .collect();
+    let skipped_rows = if skip_second_micro_batch {
+        assert_eq!(lanes.len(), 2, "the fault needs a micro-batched step");
+        lanes[1].rows.clone()
+    } else {
+        0..0
+    };
+    samples
+        .iter()
+        .enumerate()
+        .map(|(b, ids)| {
+            let mut aux = Vec::new();
+            let mut last = Vec::new();
+            for i in 0..ids.len() {
+                let row = (b * step.width + i) * t..(b * step.width + i + 1) * t;
+                for v in &values[..deepseek_taps().len()] {
+                    if skipped_rows.contains(&b) {
+                        aux.extend(std::iter::repeat_n(0.0, t));
+                    } else {
+                        aux.extend_from_slice(&v[row.clone()]);
+                    }
+                }
+                last.extend_from_slice(&values[deepseek_taps().len()][row]);
+            }
+            (aux, last)
+        })
+        .collect()
+}
+
+/// Per sample, one prefill of its own (what `tandem dump` does).
+fn per_sample_capture(model: &TargetModel<B>) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let last = TapId::Block(model.spec.num_layers - 1);
+    samples()
+        .iter()
+        .map(|ids| {
+            let v = tap_values(model, ids, &deepseek_taps());
+            let t = model.spec.hidden_size;
+            let aux = (0..ids.len())
+                .flat_map(|i| v.iter().flat_map(move |s| s[i * t..(i + 1) * t].to_vec()))
+                .collect();
+            (aux, tap_values(model, ids, &[last]).remove(0))
+        })
+        .collect()
+}
+
+fn write_deepseek_dump(name: &str, values: Vec<(Vec<f32>, Vec<f32>)>) -> PathBuf {
+    let fingerprint = fingerprint_model(deepseek_dir()).unwrap();
+    let id: DumpManifest = identity(&fingerprint, &deepseek_taps(), None, 32);
+    let dir = temp_dir(name);
+    let mut writer = DumpWriter::open(&dir, &id, ShardLimits::default()).unwrap();
+    for (i, (ids, (aux, last))) in samples().into_iter().zip(values).enumerate() {
+        let record = DumpRecord {
+            sample_id: format!("s{i}"),
+            loss_mask: vec![1; ids.len()],
+            input_ids: ids,
+            aux_hidden: aux,
+            last_hidden: last,
+        };
+        writer.write(&record, false).unwrap();
+    }
+    writer.finish(true).unwrap();
+    dir
+}
+
+fn replay_with(dir: &Path, execution: Execution) -> ReplayReport {
+    let model = deepseek(execution);
+    let fingerprint = fingerprint_model(deepseek_dir()).unwrap();
+    let dump = DumpReader::open(dir).unwrap();
+    let options = ReplayOptions {
+        model_label: format!("deepseek {execution:?}"),
+        ..ReplayOptions::default()
+    };
+    let report = replay(&model, &fingerprint, &dump, None, &options).unwrap();
+    eprintln!("{}", report.to_table());
+    report
+}
+
+fn assert_clean(report: &ReplayReport) {
+    assert!(report.ok(), "{:?}", report.problems());
+    for s in &report.slots {
+        assert_eq!(s.status, Status::Match, "{}", s.verdict);
+        assert_eq!(s.observed, Some(Candidate::Tap(deepseek_taps()[s.slot])));
+    }
+    assert_eq!(report.tokens, 65);
+}
+
+#[test]
+fn i_a_micro_batched_dump_replays_cleanly_through_the_plain_path() {
+    // Auto micro-batches three sequences on this MoE model: rows [0, 2) and [2, 3).
+    let model = deepseek(Execution::Auto);
+    let dir = write_deepseek_dump("micro-dump", batched_capture(&model, false));
+    assert_clean(&replay_with(&dir, Execution::Plain));
+}
+
+#[test]
+fn i_a_plain_dump_replays_cleanly_through_the_micro_batched_path() {
+    let dir = write_deepseek_dump(
+        "plain-dump",
+        per_sample_capture(&deepseek(Execution::Plain)),
+    );
+    // Replay runs one sample at a time: forced micro-batching splits its tokens in two.
+    assert_clean(&replay_with(&dir, Execution::MicroBatched));
+}
+
+/// eagle3-facts 6.3: the two-batch-overlap path captured nothing for part of the batch.
+#[test]
+fn i_a_micro_batched_path_that_skips_the_hook_is_named() {
+    let model = deepseek(Execution::MicroBatched);
+    let dir = write_deepseek_dump("skipped-micro-batch", batched_capture(&model, true));
+    let report = replay_with(&dir, Execution::Plain);
+    assert!(!report.ok());
+    assert_eq!(report.mismatched_slots().len(), 3);
+    // Rows [2, 3) are the third sample: its 12 tokens of the 65 are zero in every slot.
+    for s in &report.slots {
+        assert_eq!(s.zero_tokens, 12, "{}", s.verdict);
+        assert!(
+            s.verdict
+                .contains("is zero for 12 of 65 tokens (replayed tokens 53..=64)")
+                && s.verdict
+                    .contains("captured for only part of the tokens (micro-batches not merged"),
+            "{}",
+            s.verdict
+        );
+    }
+    // As in SGLang, only the aux taps are lost; the last block still matches.
+    assert_eq!(report.last_hidden.as_ref().unwrap().status, Status::Match);
 }
