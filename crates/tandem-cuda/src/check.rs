@@ -223,6 +223,9 @@ fn run_fast(
     Ok(out)
 }
 
+/// Longest prefill step of the CPU reference.
+const REFERENCE_CHUNK: usize = 512;
+
 fn run_reference(
     model: &TargetModel<CpuBackend>,
     steps: &Steps,
@@ -233,6 +236,30 @@ fn run_reference(
     let mut cache = model.new_cache(1, prompt.len() + 8);
     let host = |t: Tensor<CpuBackend, 3>| t.into_data().to_vec::<f32>().expect("f32 tensor");
     let mut out = Vec::new();
+    // The reference prefills in chunks of REFERENCE_CHUNK tokens (equal to one prefill: the
+    // burn crate's capture_paths test) so a 4096-token prompt does not build a 4096 x 4096
+    // score matrix per head on the CPU; the fast path does the whole prompt in one step.
+    let mut logits = Vec::new();
+    let mut taps_by_chunk: Vec<Vec<Vec<f32>>> = Vec::new();
+    for chunk in prompt.chunks(REFERENCE_CHUNK) {
+        let step = cache.prefill_step(&[chunk])?;
+        let o = model.forward(&step, &mut cache, &taps, LogitsFor::Last)?;
+        logits = host(o.logits.expect("logits requested"));
+        taps_by_chunk.push(o.taps.tensors.into_iter().map(host).collect());
+    }
+    let prefill_taps = (0..taps.taps.len())
+        .map(|t| {
+            taps_by_chunk
+                .iter()
+                .flat_map(|c| c[t].iter().copied())
+                .collect()
+        })
+        .collect();
+    out.push(HostStep {
+        logits,
+        taps: prefill_taps,
+        width: prompt.len(),
+    });
     let mut run = |step: StepInput,
                    cache: &mut tandem_model::KvCache<CpuBackend>,
                    logits: LogitsFor|
@@ -245,8 +272,6 @@ fn run_reference(
         });
         Ok(())
     };
-    let step = cache.prefill_step(&[prompt])?;
-    run(step, &mut cache, LogitsFor::Last)?;
     let step = cache.decode_step(&steps.decode[b..=b])?;
     run(step, &mut cache, LogitsFor::Last)?;
     let step = cache.tree_step(&[(&steps.tree_tokens[b], &steps.tree_parents)])?;
