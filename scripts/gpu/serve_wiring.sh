@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
-# H200 (issues #7 and #8), after regen_train.sh on the same warm machine (or with the
-# committed head): replay, compare (chain) and diagnose with the correctly wired head,
-# the same with a deliberately mis-wired copy (SGLang-classic ids, i.e. layer + 1, in a
-# foreign-style config without Tandem's manifest), then a bounded serve load test,
-# speculative vs target-only. One table per part at the end of log.txt.
+# H200 (issues #6, #7 and #8), after regen_train.sh on the same warm machine (or with the
+# committed head): replay and diagnose with the correctly wired head and with a deliberately
+# mis-wired copy (SGLang-classic ids, i.e. layer + 1, in a foreign-style config without
+# Tandem's manifest); compare (offline vs online acceptance, chain and tree); a bounded serve
+# load test, speculative vs target-only; bench on MT-Bench next to HF transformers generate().
+# One table per part in log.txt; the compare and bench tables (scripts/gpu/summary.py) last.
 #
 #   call 1 (carry .device/a):  mkdir -p /tmp/tandem && cp .device/a/part-a /tmp/tandem/
 #   call 2 (carry .device/b):  bash scripts/gpu/serve_wiring.sh
-# Knobs: PARTS (which parts, in order; default "replay diagnose serve bench"), HEAD (default: the regenerated head if present, else the committed one), REQUESTS
-# (64), CONCURRENCY (8), MAX_TOKENS (128), PROMPTS (compare/diagnose prompts, 16).
+# Knobs: PARTS (which parts, in order; default "replay compare diagnose serve bench"; one
+# call has 10 minutes, so run the long parts on their own, e.g. PARTS=compare, PARTS=bench),
+# HEAD (replay/diagnose/serve/bench; default: the regenerated head if present, else the
+# committed one), REQUESTS (64), CONCURRENCY (8), MAX_TOKENS (128), PROMPTS (compare/diagnose
+# prompts, 16).
+# compare: COMPARE_HEAD (heads/smollm2-135m-eagle3, the committed head), COMPARE_DUMP
+# ($W/sharegpt-regen if it holds a dump, else DUMP), COMPARE_SAMPLES (dump samples, 16),
+# COMPARE_TREE ("3 4 8": steps, topk, draft tokens; the engine builds SGLang's tree for any
+# valid setting, 3/4/8 is the tree of BENCHMARKS' bench rows), COMPARE_MISWIRED (1: also the
+# head served on every tap one block early, chain). About 2 minutes per run (estimate).
+# bench: BENCH_PROMPTS (20; 80 = all of MT-Bench), BENCH_TOKENS (64), BENCH_TIMEOUT (540 s).
+# At session 3's speeds (target-only 15 tok/s, speculative 16) 80 prompts x 64 tokens is ~11
+# minutes, more than one call: BENCH_PROMPTS=80 BENCH_TOKENS=32 fits (~6 min + HF ~1.5 min).
 source scripts/gpu/common.sh
 mkdir -p "$W/data/mtbench" && cp .device/b/mtbench.jsonl "$W/data/mtbench/question.jsonl"
 LOG="$OUT/log.txt"
@@ -22,9 +34,9 @@ echo "head: $HEAD  dump: $DUMP" | tee -a "$LOG"
 
 # The mis-wired copy: the ids the head was trained on, written one higher (SGLang classic's
 # layer + 1) and read back as plain layer ids, with the manifest removed (a foreign head).
-BAD="$W/head-miswired"
-rm -rf "$BAD" && cp -r "$HEAD" "$BAD"
-python3 - "$BAD/config.json" <<'PY'
+miswire() {
+  rm -rf "$2" && cp -r "$1" "$2"
+  python3 - "$2/config.json" <<'PY'
 import json, sys
 p = sys.argv[1]
 c = json.load(open(p))
@@ -34,9 +46,34 @@ c.pop("tandem_wiring", None)
 json.dump(c, open(p, "w"), indent=2)
 print("mis-wired ids", ids, "->", c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
 PY
+}
+BAD="$W/head-miswired"
+miswire "$HEAD" "$BAD"
+# What a vLLM server feeds a head whose SGLang-classic ids it reads as its own (vLLM id k =
+# block k-1): every slot one block early. The SGLang heuristic cannot express those taps from
+# ids (the copy above is read back to the trained taps), so this copy says them in its manifest
+# and drops the ids (the loader refuses ids that disagree with the manifest).
+miswire_as_vllm() {
+  rm -rf "$2" && cp -r "$1" "$2"
+  python3 - "$2/config.json" <<'PY'
+import json, sys
+p = sys.argv[1]
+c = json.load(open(p))
+w = c["tandem_wiring"]
+taps = w["taps"]
+if not all(t.startswith("block:") for t in taps):
+    sys.exit(f"{p}: taps {taps} are not all blocks; no vLLM misreading to build")
+blocks = [int(t.split(":")[1]) for t in taps]
+w["taps"] = [f"block:{b - 1}" for b in blocks]
+w["raw_ids"] = {"convention": "vllm", "ids": blocks}
+c.get("eagle_config", {}).pop("eagle_aux_hidden_state_layer_ids", None)
+json.dump(c, open(p, "w"), indent=2)
+print("served as vLLM reads SGLang ids", blocks, ":", taps, "->", w["taps"])
+PY
+}
 
-run() { echo "== $*" | tee -a "$LOG"; timeout 300 "$@" 2>&1 | grep -v '^wiring: dtype' | tail -${TAIL:-25} | tee -a "$LOG"; }
-PARTS="${PARTS:-replay diagnose serve bench}"
+run() { echo "== $*" | tee -a "$LOG"; timeout "${TIMEOUT:-300}" "$@" 2>&1 | grep -v '^wiring: dtype' | tail -${TAIL:-25} | tee -a "$LOG"; }
+PARTS="${PARTS:-replay compare diagnose serve bench}"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 part_replay() {
@@ -44,14 +81,37 @@ if [[ -f "$DUMP/manifest.json" ]]; then
   run "$T" replay --dump "$DUMP" --model "$M" --head "$HEAD" --device cuda --max-samples 8 \
     --json "$OUT/replay.json"
   TAIL=12 run "$T" replay --dump "$DUMP" --model "$M" --head "$BAD" --device cuda --max-samples 4
-  # compare drafts chains only (tree settings are not implemented in compare yet).
-  run "$T" compare --dump "$DUMP" --head "$HEAD" --model "$M" --device cuda --data-root "$W/data" \
-    --max-prompts "$PROMPTS" --max-samples 32 --steps 3 --json "$OUT/compare_chain.json"
-  run "$T" compare --dump "$DUMP" --head "$BAD" --model "$M" --device cuda --data-root "$W/data" \
-    --max-prompts "$PROMPTS" --max-samples 32 --steps 3 --json "$OUT/compare_miswired.json"
 else
-  echo "no dump at $DUMP: replay/compare skipped" | tee -a "$LOG"
+  echo "no dump at $DUMP: replay skipped" | tee -a "$LOG"
 fi
+}
+
+# Issue #7: offline (the engine's own drafting fed the dump's recorded taps, at serving's
+# round positions, walked with the target's greedy tokens) vs online (the speculative engine
+# on MT-Bench first turns), chain 3/1/4 and the tree, with the committed head.
+part_compare() {
+  local head="${COMPARE_HEAD:-heads/smollm2-135m-eagle3}" dump="${COMPARE_DUMP:-}"
+  if [[ -z "$dump" ]]; then
+    if [[ -f "$W/sharegpt-regen/manifest.json" ]]; then dump="$W/sharegpt-regen"; else dump="$DUMP"; fi
+  fi
+  if [[ ! -f "$dump/manifest.json" ]]; then
+    echo "no dump at $dump: compare skipped" | tee -a "$LOG"
+    return
+  fi
+  local tree=(${COMPARE_TREE:-3 4 8})
+  local common=(--dump "$dump" --model "$M" --device cuda --data-root "$W/data" --prompts mtbench
+    --max-prompts "$PROMPTS" --max-samples "${COMPARE_SAMPLES:-16}" --offline-batch 16
+    --max-new-tokens 64)
+  echo "compare: head $head, dump $dump, tree ${tree[*]}" | tee -a "$LOG"
+  TAIL=14 run "$T" compare "${common[@]}" --head "$head" --steps 3 --topk 1 --num-draft-tokens 4 \
+    --json "$OUT/compare_chain.json" --html "$OUT/compare_chain.html"
+  TAIL=14 run "$T" compare "${common[@]}" --head "$head" --steps "${tree[0]}" --topk "${tree[1]}" \
+    --num-draft-tokens "${tree[2]}" --json "$OUT/compare_tree.json" --html "$OUT/compare_tree.html"
+  if [[ "${COMPARE_MISWIRED:-1}" == 1 ]]; then
+    miswire_as_vllm "$head" "$W/compare-head-miswired"
+    TAIL=14 run "$T" compare "${common[@]}" --head "$W/compare-head-miswired" --steps 3 --topk 1 \
+      --num-draft-tokens 4 --json "$OUT/compare_miswired_chain.json"
+  fi
 }
 
 part_diagnose() {
@@ -82,11 +142,18 @@ serve_load speculative --draft "$HEAD" --steps 3 --topk 1
 serve_load target-only --no-draft
 }
 
-# Issue #6: greedy equality on the GPU, every mismatch traced to the target's logit gap.
+# Issue #6: tandem target-only and speculative (greedy equality, every mismatch traced to the
+# target's logit gap) on MT-Bench first turns, then HF transformers generate() on the same
+# prompts, same token budget, same GPU, in the same run.
 part_bench() {
-  echo "== bench with mismatch tracing: ${BENCH_PROMPTS:-20} MT-Bench prompts, 64 tokens" | tee -a "$LOG"
-  TAIL=40 run "$T" bench --model "$M" --draft "$HEAD" --device cuda --prompts mtbench --data-root "$W/data" \
-    --max-prompts "${BENCH_PROMPTS:-20}" --max-new-tokens 64 --steps 3 --topk 1 --json "$OUT/bench_trace.json"
+  local prompts="${BENCH_PROMPTS:-20}" tokens="${BENCH_TOKENS:-64}"
+  echo "== bench with mismatch tracing: $prompts MT-Bench prompts, $tokens tokens" | tee -a "$LOG"
+  TIMEOUT="${BENCH_TIMEOUT:-540}" TAIL=40 run "$T" bench --model "$M" --draft "$HEAD" --device cuda \
+    --prompts mtbench --data-root "$W/data" --max-prompts "$prompts" --max-new-tokens "$tokens" \
+    --steps 3 --topk 1 --json "$OUT/bench_trace.json"
+  TIMEOUT=300 TAIL=4 run python3 scripts/reference/hf_mtbench_bench.py "$M" "$W/data/mtbench/question.jsonl" \
+    --max-prompts "$prompts" --max-new-tokens "$tokens" --device cuda --json "$OUT/hf_mtbench.json"
 }
 
 for part in $PARTS; do "part_$part"; done
+python3 scripts/gpu/summary.py "$OUT" | tee -a "$LOG"

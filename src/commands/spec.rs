@@ -39,13 +39,20 @@ pub struct SpecArgs {
     pub allow_wiring_mismatch: bool,
 }
 
+/// `--num-draft-tokens` when not given: the whole chain (steps + 1) for topk 1, SGLang's
+/// default of 8 for a tree.
+pub fn default_num_draft_tokens(steps: usize, topk: usize) -> usize {
+    if topk == 1 { steps + 1 } else { 8 }
+}
+
 impl SpecArgs {
     pub fn config(&self, sampling: SamplingParams, seed: u64) -> SpecConfig {
-        let default_tokens = if self.topk == 1 { self.steps + 1 } else { 8 };
         SpecConfig {
             num_steps: self.steps,
             topk: self.topk,
-            num_draft_tokens: self.num_draft_tokens.unwrap_or(default_tokens),
+            num_draft_tokens: self
+                .num_draft_tokens
+                .unwrap_or(default_num_draft_tokens(self.steps, self.topk)),
             sampling,
             seed,
         }

@@ -115,9 +115,11 @@ pub struct BatchOutput {
     pub timings: Timings,
 }
 
-/// Per-sequence drafting state between rounds: the extend output at the last committed slot.
-struct Root<B: Backend> {
-    token: u32,
+/// Per-sequence drafting state between rounds: the draft extend output at the last committed
+/// slot, from which the next round's tree is drafted ([`SpecEngine::draft_trees`]).
+pub struct DraftRoot<B: Backend> {
+    /// The last verified token (the root of the next tree).
+    pub token: u32,
     /// `[1, H]` pre-norm draft output at the last committed position.
     hidden: Tensor<B, 2>,
     /// `[draft_vocab]` draft logits there (predicting the token after `token`).
@@ -179,7 +181,7 @@ pub struct Progress {
 
 struct Sequence<B: Backend> {
     request: Request,
-    root: Root<B>,
+    root: DraftRoot<B>,
     output: SpecOutput,
     rng: rand::rngs::StdRng,
     done: bool,
@@ -230,7 +232,7 @@ impl<B: Backend> RunningBatch<B> {
 impl<B: Backend> SpecEngine<'_, B> {
     /// Extra draft-cache columns a round may use beyond the target's: the scratch of the draft
     /// steps (rolled back every round).
-    fn draft_scratch(&self) -> usize {
+    pub fn draft_scratch(&self) -> usize {
         let cfg = &self.config;
         2 * cfg.num_draft_tokens + cfg.num_steps * cfg.topk * (cfg.num_steps + 1) + 8
     }
@@ -333,7 +335,7 @@ impl<B: Backend> SpecEngine<'_, B> {
             .map(|(r, &f)| r.prompt[1..].iter().copied().chain([f]).collect())
             .collect();
         let aux = out.taps.concatenated().expect("the engine requests taps");
-        let roots = self.extend(&mut dcache, &chunks, aux, &first)?;
+        let roots = self.draft_extend(&mut dcache, &chunks, aux, &first)?;
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
 
         match &mut batch.caches {
@@ -446,7 +448,7 @@ impl<B: Backend> SpecEngine<'_, B> {
         // Draft.
         let t0 = Instant::now();
         let draft_columns = dcache.used();
-        let roots: Vec<&Root<B>> = batch.sequences.iter().map(|s| &s.root).collect();
+        let roots: Vec<&DraftRoot<B>> = batch.sequences.iter().map(|s| &s.root).collect();
         let trees = self.draft_trees(&roots, dcache)?;
         dcache.rollback(draft_columns);
         batch.timings.draft_s += t0.elapsed().as_secs_f64();
@@ -534,7 +536,7 @@ impl<B: Backend> SpecEngine<'_, B> {
         }
         let aux = out.taps.concatenated().expect("the engine requests taps");
         let aux = gather_rows(aux, &aux_rows);
-        let roots = self.extend(dcache, &chunks, aux, &last_tokens)?;
+        let roots = self.draft_extend(dcache, &chunks, aux, &last_tokens)?;
         for (seq, root) in batch.sequences.iter_mut().zip(roots) {
             seq.root = root;
         }
@@ -605,14 +607,16 @@ impl<B: Backend> SpecEngine<'_, B> {
     }
 
     /// Draft extend over per-sequence chunks (`chunks[b][j]` pairs with `aux[b, j]`), returning
-    /// each sequence's new root (its last chunk slot).
-    fn extend(
+    /// each sequence's new root (its last chunk slot). `aux` may be wider than the longest
+    /// chunk (the extra slots are ignored). Public so offline evaluation (`tandem compare`)
+    /// drafts from recorded taps through the same code as serving.
+    pub fn draft_extend(
         &self,
         dcache: &mut DraftCache<B>,
         chunks: &[Vec<u32>],
         aux: Tensor<B, 3>,
         last_tokens: &[u32],
-    ) -> Result<Vec<Root<B>>, InferError> {
+    ) -> Result<Vec<DraftRoot<B>>, InferError> {
         let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
         let step = dcache.prefill_step(&refs)?;
         let [_, aux_width, aux_dim] = aux.dims();
@@ -628,7 +632,7 @@ impl<B: Backend> SpecEngine<'_, B> {
             .map(|(b, chunk)| {
                 let last = chunk.len() - 1;
                 let v = out.logits.dims()[2];
-                Root {
+                DraftRoot {
                     token: last_tokens[b],
                     hidden: rows(out.hidden.clone(), b, last),
                     logits: rows(out.logits.clone(), b, last).reshape([v]),
@@ -639,9 +643,9 @@ impl<B: Backend> SpecEngine<'_, B> {
 
     /// Builds each sequence's draft tree from its root (chain for topk 1, SGLang's beam tree
     /// otherwise). Draft-step keys are written to `dcache`; the caller rolls them back.
-    fn draft_trees(
+    pub fn draft_trees(
         &self,
-        roots: &[&Root<B>],
+        roots: &[&DraftRoot<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
         if self.config.topk == 1 {
@@ -653,7 +657,7 @@ impl<B: Backend> SpecEngine<'_, B> {
 
     fn draft_chains(
         &self,
-        roots: &[&Root<B>],
+        roots: &[&DraftRoot<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
         let batch = roots.len();
@@ -695,7 +699,7 @@ impl<B: Backend> SpecEngine<'_, B> {
     /// beam attends to exactly its own ancestors.
     fn draft_beams(
         &self,
-        roots: &[&Root<B>],
+        roots: &[&DraftRoot<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
         let k = self.config.topk;

@@ -11,8 +11,8 @@ pub mod verify;
 pub mod wiring;
 
 pub use engine::{
-    BatchOutput, Finish, InferError, Progress, Request, RunningBatch, SpecConfig, SpecEngine,
-    SpecOutput, Timings,
+    BatchOutput, DraftRoot, Finish, InferError, Progress, Request, RunningBatch, SpecConfig,
+    SpecEngine, SpecOutput, Timings,
 };
 pub use plain::{PlainBatch, PlainEngine};
 pub use stats::AcceptanceStats;

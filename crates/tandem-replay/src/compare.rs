@@ -1,9 +1,20 @@
-//! `tandem compare`: offline acceptance (the head teacher-forced on a dump through the training
-//! unroll) next to online acceptance (the speculative engine on prompts), per draft position.
-//! A large gap between the two is itself the symptom of a wiring fault (facts 6.9: offline
-//! accuracy 0.8-0.9 with an online accept length of ~1.5).
+//! `tandem compare`: offline acceptance (the head on a dump's recorded taps) next to online
+//! acceptance (the speculative engine on prompts), per draft position, for the serving tree
+//! settings (steps, topk, num_draft_tokens; topk 1 is a chain). A large gap between the two is
+//! itself the symptom of a wiring fault (facts 6.9: offline accuracy 0.8-0.9 with an online
+//! accept length of ~1.5).
 //!
-//! Offline, for a sample of `n` tokens and TTT step `i` at index `t` (step `i` at `t` predicts
+//! Offline comes in two views:
+//!
+//! - drafted ([`drafted_acceptance`]), the one compared with online: the engine's own draft
+//!   extend and tree drafting ([`SpecEngine::draft_extend`], [`SpecEngine::draft_trees`]) fed
+//!   the recorded aux states up to slot `t` instead of live taps, each tree walked by the
+//!   engine's [`verify_greedy`] with the target's greedy tokens ([`node_targets`]), at the
+//!   positions serving's rounds would start from ([`next_draft_slot`]). On the target's own
+//!   greedy text of the online prompts this reproduces the online rounds exactly;
+//! - teacher-forced ([`offline_acceptance`]), the trainer's view (below).
+//!
+//! Teacher-forced, for a sample of `n` tokens and TTT step `i` at index `t` (step `i` at `t` predicts
 //! token `t + 2 + i`, see `Eagle3Draft::forward_ttt`):
 //!
 //! - the target's argmax at `t + 1 + i` comes from the dumped `last_hidden` through the
@@ -22,8 +33,8 @@ use std::fmt::Write as _;
 use burn::prelude::*;
 use serde::Serialize;
 use tandem_dump::DumpReader;
-use tandem_eagle::Eagle3Draft;
-use tandem_infer::{AcceptanceStats, SpecConfig, SpecEngine};
+use tandem_eagle::{DraftCache, Eagle3Draft};
+use tandem_infer::{AcceptanceStats, DraftRoot, DraftTree, SpecConfig, SpecEngine, verify_greedy};
 use tandem_model::{TapRequest, TargetModel};
 
 use crate::error::ReplayError;
@@ -182,7 +193,278 @@ pub(crate) fn ints<B: Backend>(t: Tensor<B, 3, Int>) -> Vec<u32> {
         .collect()
 }
 
-/// Online acceptance of the speculative engine (chain drafting, greedy) over prompts.
+/// Which positions of a dumped sample the engine's drafting is evaluated at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OfflinePositions {
+    /// The rounds serving would run over the sample's assistant turns: the first root is the
+    /// turn's first token, each next root follows the accepted drafts and the bonus token. The
+    /// accept length is then a mean over rounds, as the engine's is. (A mean over every
+    /// position weighs easy stretches more than rounds do, since serving crosses an easy
+    /// stretch in few rounds, and overstates the online accept length.)
+    Rounds,
+    /// Every position of the chain view of [`OfflineAcceptance`] (loss mask on, every step
+    /// defined). With topk 1 on the target's own greedy text this reproduces the
+    /// teacher-forced chain counts exactly.
+    Every,
+}
+
+impl std::str::FromStr for OfflinePositions {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "rounds" => Ok(OfflinePositions::Rounds),
+            "every" => Ok(OfflinePositions::Every),
+            other => Err(format!(
+                "unknown offline positions {other:?} (rounds, every)"
+            )),
+        }
+    }
+}
+
+/// The next slot at which a tree is drafted, for a sample with `loss_mask` (its length is the
+/// sample's). Slot `t` pairs the recorded aux state at `t` with token `t + 1`, the root of
+/// the tree (the last verified token); the tree's depth-`d` nodes propose token `t + 1 + d`.
+/// `after`: the previous round's slot and the drafts it accepted (`None` for the first).
+/// A slot qualifies when the walk of a `steps`-deep tree is defined (`t + steps < n`) and:
+///
+/// - `Rounds`: the root and the first proposed token are both assistant tokens
+///   (`loss_mask[t + 1] == loss_mask[t + 2] == 1`); the search starts where serving's next
+///   round would (`t + accepted + 1`), so at a turn's end it moves on to the next turn's first
+///   token, which serving's prefill would produce;
+/// - `Every`: `loss_mask[t] == 1` (the chain view's positions), from `t + 1`.
+pub fn next_draft_slot(
+    loss_mask: &[u8],
+    steps: usize,
+    positions: OfflinePositions,
+    after: Option<(usize, usize)>,
+) -> Option<usize> {
+    let n = loss_mask.len();
+    let on = |i: usize| loss_mask.get(i).is_some_and(|&m| m != 0);
+    let (start, qualifies): (usize, &dyn Fn(usize) -> bool) = match positions {
+        OfflinePositions::Rounds => (after.map_or(0, |(t, accepted)| t + accepted + 1), &|t| {
+            on(t + 1) && on(t + 2)
+        }),
+        OfflinePositions::Every => (after.map_or(0, |(t, _)| t + 1), &|t| on(t)),
+    };
+    (start..n).find(|&t| t + steps < n && qualifies(t))
+}
+
+/// The target's greedy token after each node of a tree drafted at slot `t`: the node at depth
+/// `d` extends the verified prefix `0..=t+1` by `d` tokens, so the target's choice there is
+/// `argmax[t + 1 + d]`. That is exact while the accepted path equals the dumped tokens, which
+/// holds on the target's own greedy text. Past the sample's end there is no target token
+/// (`u32::MAX`, no draft token equals it); [`next_draft_slot`] only picks slots where every
+/// node that can be accepted has one.
+pub fn node_targets(tree: &DraftTree, argmax: &[u32], t: usize) -> Vec<u32> {
+    tree.depth
+        .iter()
+        .map(|d| argmax.get(t + 1 + d).copied().unwrap_or(u32::MAX))
+        .collect()
+}
+
+/// Offline acceptance of the engine's own drafting fed recorded taps.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DraftedAcceptance {
+    /// Where trees were drafted.
+    pub positions: OfflinePositions,
+    /// Samples that had at least one qualifying slot.
+    pub samples: usize,
+    /// Rounds, accepted drafts and per-position counts, as the engine records them.
+    pub stats: AcceptanceStats,
+    /// Assistant tokens (after the first of a turn) compared with the target's argmax.
+    pub greedy_checked: usize,
+    /// Of those, tokens equal to the target's argmax: all of them when the dump is the
+    /// target's own greedy text, which makes the offline walk exact.
+    pub greedy_equal: usize,
+}
+
+impl DraftedAcceptance {
+    /// Share of the dump's assistant tokens that are the target's greedy choice.
+    pub fn greedy_share(&self) -> f64 {
+        if self.greedy_checked == 0 {
+            return 0.0;
+        }
+        self.greedy_equal as f64 / self.greedy_checked as f64
+    }
+}
+
+/// One dumped sample being walked.
+struct Walk {
+    ids: Vec<u32>,
+    loss_mask: Vec<u8>,
+    argmax: Vec<u32>,
+    /// `[n, aux_width]` recorded aux states.
+    aux: Vec<f32>,
+    /// Slots `0..extended` are in the draft cache.
+    extended: usize,
+    /// The slot of the next tree.
+    slot: usize,
+}
+
+/// Drafts trees with `engine`'s own code ([`SpecEngine::draft_extend`],
+/// [`SpecEngine::draft_trees`], its `config`: steps, topk, num_draft_tokens) from the head fed
+/// the dump's recorded aux states instead of live taps, on the first `max_samples` samples,
+/// and walks each tree with the target's greedy tokens ([`node_targets`], the argmax of the
+/// target's logits recomputed from the dumped last hidden state) through the engine's
+/// [`verify_greedy`]. `batch` samples are drafted together, as the engine batches requests.
+pub fn drafted_acceptance<B: Backend>(
+    engine: &SpecEngine<'_, B>,
+    dump: &DumpReader,
+    max_samples: Option<usize>,
+    positions: OfflinePositions,
+    batch: usize,
+) -> Result<DraftedAcceptance, ReplayError> {
+    engine.config.validate()?;
+    let steps = engine.config.num_steps;
+    let count = dump.len().min(max_samples.unwrap_or(usize::MAX));
+    if count == 0 {
+        return Err(ReplayError::EmptyDump {
+            dir: dump.dir().to_owned(),
+        });
+    }
+    let manifest = dump.manifest();
+    let (t_width, aux_width) = (manifest.hidden_size, manifest.aux_width());
+    let device = engine.target.device().clone();
+    let mut out = DraftedAcceptance {
+        positions,
+        samples: 0,
+        stats: AcceptanceStats::new(steps),
+        greedy_checked: 0,
+        greedy_equal: 0,
+    };
+    let indices: Vec<usize> = (0..count).collect();
+    for group in indices.chunks(batch.max(1)) {
+        let mut walks = Vec::with_capacity(group.len());
+        for &index in group {
+            let record = dump.read(index)?;
+            let n = record.len();
+            if record.aux_hidden.len() != n * aux_width || record.last_hidden.len() != n * t_width {
+                return Err(ReplayError::BadSample {
+                    index,
+                    sample_id: record.sample_id.clone(),
+                    reason: format!(
+                        "{n} tokens but {} aux values ({aux_width} per token expected) and {} \
+                         last-hidden values ({t_width} per token)",
+                        record.aux_hidden.len(),
+                        record.last_hidden.len()
+                    ),
+                });
+            }
+            let Some(slot) = next_draft_slot(&record.loss_mask, steps, positions, None) else {
+                continue;
+            };
+            let last = Tensor::<B, 3>::from_data(
+                TensorData::new(record.last_hidden, [1, n, t_width]),
+                &device,
+            );
+            let argmax = ints(engine.target.logits_from_last_block(last).argmax(2));
+            for u in 1..n {
+                if record.loss_mask[u] != 0 && record.loss_mask[u - 1] != 0 {
+                    out.greedy_checked += 1;
+                    out.greedy_equal += usize::from(record.input_ids[u] == argmax[u - 1]);
+                }
+            }
+            walks.push(Walk {
+                ids: record.input_ids,
+                loss_mask: record.loss_mask,
+                argmax,
+                aux: record.aux_hidden,
+                extended: 0,
+                slot,
+            });
+        }
+        out.samples += walks.len();
+        if !walks.is_empty() {
+            walk_group(engine, &mut walks, positions, aux_width, &mut out.stats)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Runs the rounds of a group of samples to the end of each.
+fn walk_group<B: Backend>(
+    engine: &SpecEngine<'_, B>,
+    walks: &mut Vec<Walk>,
+    positions: OfflinePositions,
+    aux_width: usize,
+    stats: &mut AcceptanceStats,
+) -> Result<(), ReplayError> {
+    let steps = engine.config.num_steps;
+    let longest = walks.iter().map(|w| w.ids.len()).max().unwrap_or(0);
+    let scratch = engine.draft_scratch();
+    // Room for the longest sample plus one extend of any width; compaction reclaims the
+    // padding of ragged extends when it runs out.
+    let mut dcache = engine
+        .draft
+        .new_cache(walks.len(), 2 * longest + scratch + 1);
+    let mut roots = extend_walks(engine, &mut dcache, walks, aux_width, scratch)?;
+    loop {
+        let before = dcache.used();
+        let refs: Vec<&DraftRoot<B>> = roots.iter().collect();
+        let trees = engine.draft_trees(&refs, &mut dcache)?;
+        dcache.rollback(before);
+        let mut finished = Vec::new();
+        for (row, (walk, tree)) in walks.iter_mut().zip(&trees).enumerate() {
+            let acceptance = verify_greedy(tree, &node_targets(tree, &walk.argmax, walk.slot));
+            let depth = tree.depth.iter().copied().max().unwrap_or(0);
+            stats.record(acceptance.accepted.len(), depth);
+            match next_draft_slot(
+                &walk.loss_mask,
+                steps,
+                positions,
+                Some((walk.slot, acceptance.accepted.len())),
+            ) {
+                Some(slot) => walk.slot = slot,
+                None => finished.push(row),
+            }
+        }
+        if finished.len() == walks.len() {
+            return Ok(());
+        }
+        for &row in finished.iter().rev() {
+            dcache.remove(row);
+            walks.remove(row);
+        }
+        roots = extend_walks(engine, &mut dcache, walks, aux_width, scratch)?;
+    }
+}
+
+/// Draft extend of every walk over its slots `extended..=slot` (recorded aux state at `s`
+/// paired with token `s + 1`, as the engine pairs live taps); returns the new roots.
+fn extend_walks<B: Backend>(
+    engine: &SpecEngine<'_, B>,
+    dcache: &mut DraftCache<B>,
+    walks: &mut [Walk],
+    aux_width: usize,
+    scratch: usize,
+) -> Result<Vec<DraftRoot<B>>, ReplayError> {
+    let chunks: Vec<Vec<u32>> = walks
+        .iter()
+        .map(|w| w.ids[w.extended + 1..=w.slot + 1].to_vec())
+        .collect();
+    let width = chunks.iter().map(Vec::len).max().unwrap_or(1);
+    if dcache.used() + width + scratch > dcache.capacity() {
+        dcache.compact();
+    }
+    let mut aux = vec![0f32; walks.len() * width * aux_width];
+    for (row, walk) in walks.iter().enumerate() {
+        let values = &walk.aux[walk.extended * aux_width..(walk.slot + 1) * aux_width];
+        aux[row * width * aux_width..][..values.len()].copy_from_slice(values);
+    }
+    let aux = Tensor::<B, 3>::from_data(
+        TensorData::new(aux, [walks.len(), width, aux_width]),
+        &engine.target.device().clone(),
+    );
+    let last_tokens: Vec<u32> = walks.iter().map(|w| w.ids[w.slot + 1]).collect();
+    let roots = engine.draft_extend(dcache, &chunks, aux, &last_tokens)?;
+    for walk in walks.iter_mut() {
+        walk.extended = walk.slot + 1;
+    }
+    Ok(roots)
+}
+
+/// Online acceptance of the speculative engine (greedy) over prompts.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OnlineAcceptance {
     /// Prompts run.
@@ -193,14 +475,14 @@ pub struct OnlineAcceptance {
     pub stats: AcceptanceStats,
 }
 
-/// Runs `prompts` one at a time through [`SpecEngine`] with a greedy chain of `steps` drafts,
-/// the serving taps `taps`.
+/// Runs `prompts` one at a time through [`SpecEngine`] with `config` (steps, topk,
+/// num_draft_tokens; greedy) and the serving taps `taps`.
 pub fn online_acceptance<B: Backend>(
     model: &TargetModel<B>,
     draft: &Eagle3Draft<B>,
     taps: TapRequest,
     prompts: &[Vec<u32>],
-    steps: usize,
+    config: SpecConfig,
     max_new_tokens: usize,
     stop_ids: &[u32],
 ) -> Result<OnlineAcceptance, ReplayError> {
@@ -208,9 +490,9 @@ pub fn online_acceptance<B: Backend>(
         target: model,
         draft,
         taps,
-        config: SpecConfig::chain(steps),
+        config,
     };
-    let mut stats = AcceptanceStats::new(steps);
+    let mut stats = AcceptanceStats::new(config.num_steps);
     let mut tokens = 0;
     for prompt in prompts {
         let out = engine.generate(std::slice::from_ref(prompt), max_new_tokens, stop_ids)?;
@@ -226,92 +508,177 @@ pub fn online_acceptance<B: Backend>(
     })
 }
 
-/// Offline next to online acceptance, and whether the gap is suspicious.
+/// What is compared: the dump, the head, the prompts, and the serving tree settings.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CompareReport {
+pub struct CompareSetup {
     /// The dump.
     pub dump: String,
     /// The head.
     pub head: String,
     /// The prompt set.
     pub prompts: String,
-    /// Draft steps compared.
+    /// Draft depth (SGLang `--speculative-num-steps`).
     pub steps: usize,
-    /// Offline counts.
+    /// Branching (`--speculative-eagle-topk`); 1 = chain.
+    pub topk: usize,
+    /// Tree size verified, root included (`--speculative-num-draft-tokens`).
+    pub num_draft_tokens: usize,
+}
+
+impl CompareSetup {
+    /// `chain of 3 drafts` or `tree steps 3, topk 4, 8 draft tokens`.
+    pub fn describe(&self) -> String {
+        if self.topk == 1 {
+            format!(
+                "chain of {} drafts",
+                self.steps.min(self.num_draft_tokens - 1)
+            )
+        } else {
+            format!(
+                "tree steps {}, topk {}, {} draft tokens",
+                self.steps, self.topk, self.num_draft_tokens
+            )
+        }
+    }
+}
+
+/// When a gap is flagged.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GapThresholds {
+    /// A draft position whose offline acceptance exceeds the online one by more is flagged.
+    pub per_position: f64,
+    /// An offline accept length exceeding the online one by more than this share of it is
+    /// flagged.
+    pub relative_accept_length: f64,
+}
+
+impl Default for GapThresholds {
+    fn default() -> Self {
+        GapThresholds {
+            per_position: 0.2,
+            relative_accept_length: 0.15,
+        }
+    }
+}
+
+/// Offline next to online acceptance, and whether the gap is suspicious.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompareReport {
+    /// What was compared.
+    pub setup: CompareSetup,
+    /// Teacher-forced (TTT) counts, the trainer's view.
     pub offline: OfflineAcceptance,
-    /// `acc_i` per step (offline).
+    /// `acc_i` per step (teacher-forced).
     pub offline_acc: Vec<f64>,
-    /// Offline conditional acceptance per draft position.
+    /// Teacher-forced chain: conditional acceptance per draft position.
     pub offline_per_position: Vec<f64>,
-    /// Offline implied accept length.
+    /// Teacher-forced chain: implied accept length.
     pub offline_accept_length: f64,
+    /// The engine's drafting with the serving settings on the recorded taps.
+    pub drafted: DraftedAcceptance,
+    /// Its conditional acceptance per draft position.
+    pub drafted_per_position: Vec<f64>,
+    /// Its accept length.
+    pub drafted_accept_length: f64,
     /// Online statistics.
     pub online: OnlineAcceptance,
     /// Online conditional acceptance per draft position.
     pub online_per_position: Vec<f64>,
     /// Online accept length.
     pub online_accept_length: f64,
-    /// `offline_per_position - online_per_position`.
+    /// `drafted_per_position - online_per_position`.
     pub gap: Vec<f64>,
-    /// A position whose gap exceeds this is flagged.
-    pub threshold: f64,
-    /// Whether any position is flagged.
+    /// `(drafted - online) / drafted` accept length.
+    pub relative_gap: f64,
+    /// The flagging thresholds.
+    pub thresholds: GapThresholds,
+    /// Whether the gap is flagged.
     pub flagged: bool,
-    /// One sentence per flagged position, or a sentence saying the two agree.
+    /// One sentence per flagged finding, or a sentence saying the two agree; notes follow.
     pub verdict: Vec<String>,
 }
 
 impl CompareReport {
-    /// Puts offline and online side by side and flags positions whose offline acceptance
-    /// exceeds the online one by more than `threshold`.
+    /// Puts offline and online side by side and flags positions whose offline (drafted)
+    /// acceptance exceeds the online one by more than `thresholds.per_position`, and an
+    /// offline accept length above the online one by more than
+    /// `thresholds.relative_accept_length` of it.
     pub fn new(
-        labels: [String; 3],
-        steps: usize,
+        setup: CompareSetup,
         offline: OfflineAcceptance,
+        drafted: DraftedAcceptance,
         online: OnlineAcceptance,
-        threshold: f64,
+        thresholds: GapThresholds,
     ) -> Self {
-        let [dump, head, prompts] = labels;
-        let offline_per_position = offline.per_position();
+        let steps = setup.steps;
+        let mut drafted_per_position = drafted.stats.per_position();
+        drafted_per_position.resize(steps, 0.0);
         let mut online_per_position = online.stats.per_position();
         online_per_position.resize(steps, 0.0);
-        let gap: Vec<f64> = offline_per_position
+        let gap: Vec<f64> = drafted_per_position
             .iter()
             .zip(&online_per_position)
             .map(|(a, b)| a - b)
             .collect();
+        let drafted_accept_length = drafted.stats.accept_length();
+        let online_accept_length = online.stats.accept_length();
+        let relative_gap = relative_gap(drafted_accept_length, online_accept_length);
+        let pointer = format!(
+            "the head is served something other than it was trained on (taps, template or \
+             tokenizer); run `tandem replay --dump {} --head {}` and `tandem diagnose --head {}`",
+            setup.dump, setup.head, setup.head
+        );
         let mut verdict = Vec::new();
         for (i, g) in gap.iter().enumerate() {
-            if *g > threshold {
+            if *g > thresholds.per_position {
                 verdict.push(format!(
                     "draft position {i}: offline acceptance {:.3} but online {:.3} (gap {g:.3} > \
-                     {threshold}): the head is served something other than it was trained on \
-                     (taps, template or tokenizer); run `tandem replay --dump {dump} --head \
-                     {head}`",
-                    offline_per_position[i], online_per_position[i]
+                     {}): {pointer}",
+                    drafted_per_position[i], online_per_position[i], thresholds.per_position
                 ));
             }
+        }
+        if relative_gap > thresholds.relative_accept_length {
+            verdict.push(format!(
+                "accept length: offline {drafted_accept_length:.3} but online \
+                 {online_accept_length:.3} ({:.1}% lower, more than {:.1}%): {pointer}",
+                100.0 * relative_gap,
+                100.0 * thresholds.relative_accept_length
+            ));
         }
         let flagged = !verdict.is_empty();
         if !flagged {
             verdict.push(format!(
-                "offline and online acceptance agree within {threshold} at every position"
+                "offline and online acceptance agree: every position within {}, accept length \
+                 within {:.1}% ({:+.1}%)",
+                thresholds.per_position,
+                100.0 * thresholds.relative_accept_length,
+                -100.0 * relative_gap
+            ));
+        }
+        if drafted.greedy_checked > 0 && drafted.greedy_share() < 0.99 {
+            verdict.push(format!(
+                "note: {:.1}% of the dump's assistant tokens are not the target's greedy choice \
+                 (not regenerated by this target, or sampled): past such a token the offline \
+                 walk follows the target's argmax on the dumped prefix, an approximation",
+                100.0 * (1.0 - drafted.greedy_share())
             ));
         }
         CompareReport {
-            dump,
-            head,
-            prompts,
-            steps,
+            setup,
             offline_acc: offline.acc(),
-            offline_per_position,
+            offline_per_position: offline.per_position(),
             offline_accept_length: offline.implied_accept_length(),
             offline,
-            online_accept_length: online.stats.accept_length(),
+            drafted_per_position,
+            drafted_accept_length,
+            drafted,
+            online_accept_length,
             online_per_position,
             online,
             gap,
-            threshold,
+            relative_gap,
+            thresholds,
             flagged,
             verdict,
         }
@@ -319,87 +686,119 @@ impl CompareReport {
 
     /// Terminal table.
     pub fn to_table(&self) -> String {
+        let s = &self.setup;
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "compare {} on {} ({} samples) vs {} ({} prompts, {} tokens), chain of {} drafts",
-            self.head,
-            self.dump,
-            self.offline.samples,
-            self.prompts,
+            "compare {} ({}) on {} ({} samples, {} offline rounds at {}) vs {} ({} prompts, {} \
+             tokens, {} online rounds)",
+            s.head,
+            s.describe(),
+            s.dump,
+            self.drafted.samples,
+            self.drafted.stats.rounds,
+            positions_label(self.drafted.positions),
+            s.prompts,
             self.online.prompts,
             self.online.tokens,
-            self.steps
+            self.online.stats.rounds
         );
-        let _ = writeln!(out, "pos  offline acc_i  offline chain  online  gap");
-        for i in 0..self.steps {
+        let _ = writeln!(out, "pos  TTT acc_i  TTT chain  offline  online  gap");
+        for i in 0..s.steps {
             let _ = writeln!(
                 out,
-                "{i:<3}  {:<13.3}  {:<13.3}  {:<6.3}  {:+.3}",
-                self.offline_acc[i],
-                self.offline_per_position[i],
+                "{i:<3}  {:<9}  {:<9}  {:<7.3}  {:<6.3}  {:+.3}",
+                fmt_opt(self.offline_acc.get(i)),
+                fmt_opt(self.offline_per_position.get(i)),
+                self.drafted_per_position[i],
                 self.online_per_position[i],
                 self.gap[i]
             );
         }
         let _ = writeln!(
             out,
-            "accept length: offline (implied) {:.3}, online {:.3}",
-            self.offline_accept_length, self.online_accept_length
+            "accept length: offline {:.3}, online {:.3} (relative gap {:+.1}%); TTT chain implied {:.3}",
+            self.drafted_accept_length,
+            self.online_accept_length,
+            100.0 * self.relative_gap,
+            self.offline_accept_length
         );
         for v in &self.verdict {
-            let _ = writeln!(out, "{}: {v}", if self.flagged { "FLAG" } else { "ok" });
+            let label = if v.starts_with("note:") {
+                "note"
+            } else if self.flagged {
+                "FLAG"
+            } else {
+                "ok"
+            };
+            let _ = writeln!(out, "{label}: {}", v.trim_start_matches("note: "));
         }
         out
     }
 
     /// Self-contained HTML with an inline SVG plot of acceptance per position.
     pub fn to_html(&self) -> String {
+        let s = &self.setup;
         let mut b = String::new();
         let _ = write!(
             b,
             "<h1>Tandem compare <span class=\"badge {}\">{}</span></h1><p>Head <code>{}</code>, \
-             dump <code>{}</code> ({} samples, offline: teacher-forced TTT), prompts <code>{}</code> \
-             ({} prompts, {} tokens, online: chain of {} drafts, greedy).</p>",
+             {}. Offline: the engine's drafting fed the recorded taps of dump <code>{}</code> \
+             ({} samples, {} rounds at {}), walked with the target's greedy tokens. Online: the \
+             speculative engine on prompts <code>{}</code> ({} prompts, {} tokens, {} rounds, \
+             greedy).</p>",
             if self.flagged { "bad" } else { "ok" },
             if self.flagged {
                 "gap flagged"
             } else {
                 "consistent"
             },
-            escape(&self.head),
-            escape(&self.dump),
-            self.offline.samples,
-            escape(&self.prompts),
+            escape(&s.head),
+            escape(&s.describe()),
+            escape(&s.dump),
+            self.drafted.samples,
+            self.drafted.stats.rounds,
+            positions_label(self.drafted.positions),
+            escape(&s.prompts),
             self.online.prompts,
             self.online.tokens,
-            self.steps
+            self.online.stats.rounds
         );
         b.push_str(&self.svg());
         b.push_str(
-            "<table><tr><th>position</th><th>offline acc_i</th><th>offline chain</th>\
-             <th>online</th><th>gap</th></tr>",
+            "<table><tr><th>position</th><th>TTT acc_i</th><th>TTT chain</th>\
+             <th>offline</th><th>online</th><th>gap</th></tr>",
         );
-        for i in 0..self.steps {
-            let class = if self.gap[i] > self.threshold {
+        for i in 0..s.steps {
+            let class = if self.gap[i] > self.thresholds.per_position {
                 "bad"
             } else {
                 "ok"
             };
             let _ = write!(
                 b,
-                "<tr><td>{i}</td><td>{:.3}</td><td>{:.3}</td><td>{:.3}</td>\
+                "<tr><td>{i}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.3}</td>\
                  <td class={class}>{:+.3}</td></tr>",
-                self.offline_acc[i],
-                self.offline_per_position[i],
+                fmt_opt(self.offline_acc.get(i)),
+                fmt_opt(self.offline_per_position.get(i)),
+                self.drafted_per_position[i],
                 self.online_per_position[i],
                 self.gap[i]
             );
         }
+        let class = if self.relative_gap > self.thresholds.relative_accept_length {
+            "bad"
+        } else {
+            "ok"
+        };
         let _ = write!(
             b,
-            "</table><p>Accept length: offline (implied) {:.3}, online {:.3}.</p><ul>",
-            self.offline_accept_length, self.online_accept_length
+            "</table><p>Accept length: offline {:.3}, online {:.3}, relative gap \
+             <span class={class}>{:+.1}%</span>; teacher-forced chain (implied) {:.3}.</p><ul>",
+            self.drafted_accept_length,
+            self.online_accept_length,
+            100.0 * self.relative_gap,
+            self.offline_accept_length
         );
         for v in &self.verdict {
             let _ = write!(b, "<li>{}</li>", escape(v));
@@ -410,7 +809,7 @@ impl CompareReport {
 
     fn svg(&self) -> String {
         let (w, h, pad) = (520.0, 260.0, 40.0);
-        let n = self.steps.max(1);
+        let n = self.setup.steps.max(1);
         let x = |i: usize| {
             if n == 1 {
                 pad + (w - 2.0 * pad) / 2.0
@@ -435,7 +834,7 @@ impl CompareReport {
                 y0 = y(v)
             );
         }
-        for i in 0..self.steps {
+        for i in 0..self.setup.steps {
             let _ = write!(
                 s,
                 "<text x=\"{}\" y=\"{}\" font-size=\"11\" text-anchor=\"middle\">{i}</text>",
@@ -443,14 +842,28 @@ impl CompareReport {
                 h - pad + 16.0
             );
         }
-        for (values, colour, label, dy) in [
+        let ttt: Vec<f64> = self
+            .offline_per_position
+            .iter()
+            .copied()
+            .take(self.setup.steps)
+            .collect();
+        for (values, colour, label, dy, dash) in [
             (
-                &self.offline_per_position,
-                "#1565c0",
-                "offline (chain)",
+                &ttt,
+                "#9e9e9e",
+                "TTT chain",
                 0.0,
+                " stroke-dasharray=\"4 3\"",
             ),
-            (&self.online_per_position, "#c62828", "online", 14.0),
+            (
+                &self.drafted_per_position,
+                "#1565c0",
+                "offline (drafted)",
+                14.0,
+                "",
+            ),
+            (&self.online_per_position, "#c62828", "online", 28.0, ""),
         ] {
             let points: Vec<String> = values
                 .iter()
@@ -459,7 +872,8 @@ impl CompareReport {
                 .collect();
             let _ = write!(
                 s,
-                "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>",
+                "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\"{dash} \
+                 points=\"{}\"/>",
                 points.join(" ")
             );
             for (i, v) in values.iter().enumerate() {
@@ -473,8 +887,8 @@ impl CompareReport {
             let _ = write!(
                 s,
                 "<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"{colour}\">{label}</text>",
-                w - pad - 110.0,
-                pad - 18.0 + dy
+                w - pad - 120.0,
+                pad - 22.0 + dy
             );
         }
         let _ = write!(
@@ -485,6 +899,26 @@ impl CompareReport {
         );
         s
     }
+}
+
+/// `(offline - online) / offline`, 0 when there is no offline accept length.
+pub fn relative_gap(offline: f64, online: f64) -> f64 {
+    if offline <= 0.0 {
+        0.0
+    } else {
+        (offline - online) / offline
+    }
+}
+
+fn positions_label(positions: OfflinePositions) -> &'static str {
+    match positions {
+        OfflinePositions::Rounds => "serving's round positions",
+        OfflinePositions::Every => "every position",
+    }
+}
+
+fn fmt_opt(v: Option<&f64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.3}"))
 }
 
 #[cfg(test)]
@@ -516,26 +950,156 @@ mod tests {
         assert_eq!(o.per_position(), vec![2.0 / 3.0, 0.5]);
     }
 
+    /// A prompt of 3 tokens (mask 0) and an assistant turn of 7 (mask 1), n = 10, 3 steps.
+    /// Rounds: the first root is the turn's first token 3, so slot 2; accepting 2 drafts moves
+    /// the root to token 3 + 3 = 6 (slot 5); accepting none there moves it one token (slot 6,
+    /// where 6 + 3 < 10 still holds); slot 7 fails it, so the sample ends.
+    #[test]
+    fn rounds_start_at_the_turn_and_follow_the_accepted_drafts() {
+        let mask = [0, 0, 0, 1, 1, 1, 1, 1, 1, 1];
+        let r = OfflinePositions::Rounds;
+        assert_eq!(next_draft_slot(&mask, 3, r, None), Some(2));
+        assert_eq!(next_draft_slot(&mask, 3, r, Some((2, 2))), Some(5));
+        assert_eq!(next_draft_slot(&mask, 3, r, Some((5, 0))), Some(6));
+        assert_eq!(next_draft_slot(&mask, 3, r, Some((6, 0))), None);
+        // Every: slots with mask on and t + 3 < 10: 3..=6.
+        let e = OfflinePositions::Every;
+        let mut slots = vec![next_draft_slot(&mask, 3, e, None).unwrap()];
+        while let Some(t) = next_draft_slot(&mask, 3, e, Some((*slots.last().unwrap(), 2))) {
+            slots.push(t);
+        }
+        assert_eq!(slots, vec![3, 4, 5, 6]);
+    }
+
+    /// Two turns: [user 0..2][assistant 2..5][user 5..7][assistant 7..12]. A round accepting
+    /// past the first turn's end continues at the second turn's first token (slot 6), which
+    /// serving's prefill of the next turn would produce; a one-token turn has no round.
+    #[test]
+    fn rounds_move_on_to_the_next_turn() {
+        let mask = [0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0];
+        let r = OfflinePositions::Rounds;
+        assert_eq!(next_draft_slot(&mask, 2, r, None), Some(1));
+        assert_eq!(next_draft_slot(&mask, 2, r, Some((1, 1))), Some(6));
+        assert_eq!(next_draft_slot(&mask, 2, r, Some((6, 3))), None);
+        assert_eq!(next_draft_slot(&[0, 1, 0, 0, 0], 1, r, None), None);
+    }
+
+    /// The walk of a hand-made tree drafted at slot 4: root (token 9) -> {a = 5, b = 6},
+    /// a -> {c = 7}. The target's argmax after the prefix 0..=5 is argmax[5] = 6, so b is
+    /// accepted and a, c are not; after b (depth 1) the target wants argmax[6] = 1, which b
+    /// has no child for: one draft accepted.
+    #[test]
+    fn the_offline_walk_reads_the_target_argmax_by_depth() {
+        let tree = DraftTree::from_parents(vec![9, 5, 6, 7], vec![None, Some(0), Some(0), Some(1)]);
+        let argmax = [0, 0, 0, 0, 0, 6, 1, 2];
+        let targets = node_targets(&tree, &argmax, 4);
+        assert_eq!(targets, vec![6, 1, 1, 2]);
+        let acc = verify_greedy(&tree, &targets);
+        assert_eq!(acc.accepted, vec![2]);
+        // Past the sample's end there is no target token.
+        assert_eq!(
+            node_targets(&tree, &argmax, 6),
+            vec![2, u32::MAX, u32::MAX, u32::MAX]
+        );
+        assert!(
+            verify_greedy(&tree, &node_targets(&tree, &argmax, 7))
+                .accepted
+                .is_empty()
+        );
+    }
+
+    fn online(accepted: &[usize], depth: usize) -> OnlineAcceptance {
+        let mut stats = AcceptanceStats::new(depth);
+        for &a in accepted {
+            stats.record(a, depth);
+        }
+        OnlineAcceptance {
+            prompts: 1,
+            tokens: accepted.iter().map(|a| a + 1).sum(),
+            stats,
+        }
+    }
+
+    fn drafted(accepted: &[usize], depth: usize) -> DraftedAcceptance {
+        DraftedAcceptance {
+            positions: OfflinePositions::Rounds,
+            samples: 1,
+            stats: online(accepted, depth).stats,
+            greedy_checked: 10,
+            greedy_equal: 10,
+        }
+    }
+
+    fn setup(steps: usize, topk: usize, num_draft_tokens: usize) -> CompareSetup {
+        CompareSetup {
+            dump: "d".into(),
+            head: "h".into(),
+            prompts: "p".into(),
+            steps,
+            topk,
+            num_draft_tokens,
+        }
+    }
+
     #[test]
     fn a_large_gap_is_flagged() {
-        let mut o = OfflineAcceptance::new(2);
-        let draft = vec![vec![11, 12, 13, 14, 0], vec![12, 13, 14, 0, 0]];
-        o.add_sample(&draft, &[10, 11, 12, 13, 14], &[1; 5]);
-        let mut stats = AcceptanceStats::new(2);
-        for _ in 0..10 {
-            stats.record(0, 2);
-        }
-        let online = OnlineAcceptance {
-            prompts: 1,
-            tokens: 10,
-            stats,
-        };
-        let labels = ["d".to_owned(), "h".to_owned(), "p".to_owned()];
-        let r = CompareReport::new(labels, 2, o, online, 0.2);
+        let r = CompareReport::new(
+            setup(2, 1, 3),
+            OfflineAcceptance::new(2),
+            drafted(&[2; 10], 2),
+            online(&[0; 10], 2),
+            GapThresholds::default(),
+        );
         assert!(r.flagged);
         assert!(
-            r.verdict[0].starts_with("draft position 0: offline acceptance 1.000 but online 0.000")
+            r.verdict[0].starts_with("draft position 0: offline acceptance 1.000 but online 0.000"),
+            "{:?}",
+            r.verdict
+        );
+        // 3 vs 1 tokens per round: two thirds lower.
+        assert!((r.relative_gap - 2.0 / 3.0).abs() < 1e-12);
+        assert!(
+            r.verdict.iter().any(
+                |v| v.starts_with("accept length: offline 3.000 but online 1.000 (66.7% lower")
+            )
         );
         assert!(r.to_html().contains("<svg"));
+    }
+
+    /// Losses spread over the positions (none above the per-position threshold) are caught
+    /// by the relative accept-length threshold: offline every round accepts 3 (tau 4); online
+    /// 9 rounds of 3 and one of 2 is 2.5% lower and passes, 6 of 3, 1 of 2, 1 of 1 and 2 of 0
+    /// (tau 3.1, per-position gaps 0.2, 0.125, 0.143) is 22.5% lower and is flagged.
+    #[test]
+    fn the_relative_accept_length_gap_is_flagged_above_its_threshold() {
+        let offline = drafted(&[3; 10], 4);
+        let close = online(&[3, 3, 3, 3, 3, 3, 3, 3, 3, 2], 4);
+        let r = CompareReport::new(
+            setup(4, 4, 8),
+            OfflineAcceptance::new(4),
+            offline.clone(),
+            close,
+            GapThresholds::default(),
+        );
+        assert!((r.relative_gap - 0.025).abs() < 1e-12);
+        assert!(!r.flagged, "{:?}", r.verdict);
+        assert!(
+            r.to_table()
+                .contains("tree steps 4, topk 4, 8 draft tokens")
+        );
+        let far = online(&[3, 3, 3, 3, 3, 3, 2, 1, 0, 0], 4);
+        let r = CompareReport::new(
+            setup(4, 4, 8),
+            OfflineAcceptance::new(4),
+            offline,
+            far,
+            GapThresholds::default(),
+        );
+        assert!((r.relative_gap - 0.225).abs() < 1e-12);
+        assert!(r.flagged);
+        assert_eq!(r.verdict.len(), 1, "{:?}", r.verdict);
+        assert!(
+            r.verdict[0].starts_with("accept length: offline 4.000 but online 3.100 (22.5% lower")
+        );
     }
 }

@@ -42,8 +42,9 @@ pub mod score;
 
 pub use candidate::{Candidate, CandidateValues, all_candidates, all_taps, capture_candidates};
 pub use compare::{
-    CompareReport, OfflineAcceptance, OnlineAcceptance, offline_acceptance, online_acceptance,
-    teacher_forced_proposals,
+    CompareReport, CompareSetup, DraftedAcceptance, GapThresholds, OfflineAcceptance,
+    OfflinePositions, OnlineAcceptance, drafted_acceptance, next_draft_slot, node_targets,
+    offline_acceptance, online_acceptance, relative_gap, teacher_forced_proposals,
 };
 pub use diagnose::{
     DeclaredReading, DiagnoseLabels, DiagnoseOptions, DiagnoseReport, DiagnoseSample,

@@ -8,14 +8,9 @@ mod common;
 
 use std::sync::OnceLock;
 
-use burn::backend::Autodiff;
-use burn::module::AutodiffModule;
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
-use burn::prelude::*;
-use burn::tensor::activation::log_softmax;
 use common::*;
 use rand::{Rng, SeedableRng};
-use tandem_eagle::{Eagle3Config, Eagle3Draft, EagleConfig, VocabMap};
+use tandem_eagle::{Eagle3Config, Eagle3Draft, EagleConfig};
 use tandem_model::TargetModel;
 use tandem_model::testing::tiny_config;
 use tandem_replay::candidate::capture_candidates;
@@ -25,11 +20,8 @@ use tandem_replay::{
 };
 use tandem_wiring::{Convention, TapId};
 
-type AB = Autodiff<B>;
-
 /// TTT steps trained and measured.
 const STEPS: usize = 2;
-const VOCAB: usize = 96;
 
 fn wiring(taps: &[TapId]) -> Vec<Candidate> {
     taps.iter().copied().map(Candidate::Tap).collect()
@@ -56,89 +48,9 @@ fn samples() -> &'static [DiagnoseSample] {
     })
 }
 
-/// Trains a head on `samples()` fed the taps of `trained`: cross-entropy against the
-/// target's argmax for each TTT step (weights 0.8^i), every position of every sample.
+/// Trains a head on `samples()` fed the taps of `trained` ([`common::train_head`]).
 fn train_head(model: &TargetModel<B>, trained: &[Candidate], seed: u64) -> Eagle3Draft<B> {
-    let device = Default::default();
-    let samples = samples();
-    let width = samples.iter().map(|s| s.input_ids.len()).max().unwrap();
-    let batch = samples.len();
-    let slots = trained.len();
-    let mut aux = vec![0f32; batch * width * slots * HIDDEN];
-    let mut ids = vec![0u32; batch * width];
-    let mut lengths = Vec::new();
-    let mut targets = vec![vec![0f32; batch * width * VOCAB]; STEPS];
-    let mut counts = [0usize; STEPS];
-    for (b, s) in samples.iter().enumerate() {
-        let n = s.input_ids.len();
-        lengths.push(n);
-        ids[b * width..b * width + n].copy_from_slice(&s.input_ids);
-        let values = capture_candidates(model, &s.input_ids).unwrap();
-        let row = assemble_aux(&values, trained).unwrap();
-        let w = slots * HIDDEN;
-        aux[b * width * w..(b * width + n) * w].copy_from_slice(&row);
-        let last = values
-            .get(Candidate::Tap(TapId::Block(LAYERS - 1)))
-            .unwrap()
-            .to_vec();
-        let argmax: Vec<i64> = model
-            .logits_from_last_block(Tensor::from_data(
-                TensorData::new(last, [1, n, HIDDEN]),
-                &device,
-            ))
-            .argmax(2)
-            .into_data()
-            .convert::<i64>()
-            .to_vec()
-            .unwrap();
-        for (i, target) in targets.iter_mut().enumerate() {
-            for t in 0..n {
-                if t + 1 + i < n {
-                    target[(b * width + t) * VOCAB + argmax[t + 1 + i] as usize] = 1.0;
-                    counts[i] += 1;
-                }
-            }
-        }
-    }
-    let aux = Tensor::<AB, 3>::from_data(
-        TensorData::new(aux, [batch, width, slots * HIDDEN]),
-        &device,
-    );
-    let targets: Vec<Tensor<AB, 3>> = targets
-        .into_iter()
-        .map(|t| Tensor::from_data(TensorData::new(t, [batch, width, VOCAB]), &device))
-        .collect();
-    let config = Eagle3Config::for_target(&tiny_config("LlamaForCausalLM", LAYERS), VOCAB, 3);
-    let embed = Tensor::<AB, 2>::from_inner(model.embed_tokens.clone());
-    let mut draft = Eagle3Draft::<AB>::init(
-        config.resolve().unwrap(),
-        VocabMap::identity(VOCAB),
-        embed,
-        seed,
-        &device,
-    )
-    .unwrap();
-    let mut optim = AdamConfig::new().init::<AB, Eagle3Draft<AB>>();
-    for _ in 0..300 {
-        let outputs = draft
-            .forward_ttt(aux.clone(), &ids, &lengths, STEPS)
-            .unwrap();
-        let mut loss: Option<Tensor<AB, 1>> = None;
-        for (i, out) in outputs.into_iter().enumerate() {
-            let ce = (log_softmax(out.logits, 2) * targets[i].clone())
-                .sum()
-                .neg()
-                .div_scalar(counts[i] as f64)
-                .mul_scalar(0.8f64.powi(i as i32));
-            loss = Some(match loss {
-                Some(l) => l + ce,
-                None => ce,
-            });
-        }
-        let grads = GradientsParams::from_grads(loss.unwrap().backward(), &draft);
-        draft = optim.step(3e-3, draft, grads);
-    }
-    draft.valid()
+    common::train_head(model, samples(), trained, STEPS, 300, seed)
 }
 
 fn head_config(ids: Option<Vec<i64>>) -> Eagle3Config {

@@ -7,23 +7,35 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::tensor::activation::log_softmax;
 use rand::{Rng, SeedableRng};
 use tandem_dump::{
     DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, FORMAT_NAME, FORMAT_VERSION,
     ShardLimits, StorageDtype,
 };
+use tandem_eagle::{Eagle3Config, Eagle3Draft, VocabMap};
 use tandem_model::backend::CpuBackend;
 use tandem_model::testing::{tiny_config, write_random_model};
 use tandem_model::{LogitsFor, TapRequest, TargetModel};
+use tandem_replay::candidate::capture_candidates;
+use tandem_replay::diagnose::assemble_aux;
+use tandem_replay::{Candidate, DiagnoseSample};
 use tandem_replay::{HeadWiring, ReplayOptions, ReplayReport, fingerprint_model, replay};
 use tandem_wiring::{Job, Producer, RawIds, TapId, TapPoint, TargetFingerprint, WiringManifest};
 
 pub type B = CpuBackend;
+type AB = Autodiff<B>;
 
 /// Blocks of the tiny target; its default aux taps are blocks [1, 3, 4], its last block 7.
 pub const LAYERS: usize = 8;
 /// Hidden size of the tiny target.
 pub const HIDDEN: usize = 32;
+/// Vocabulary of the tiny target (the test heads' draft vocabulary is all of it).
+pub const VOCAB: usize = 96;
 
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -227,4 +239,139 @@ pub fn all_text(report: &ReplayReport) -> String {
     let mut parts: Vec<String> = report.slots.iter().map(|s| s.verdict.clone()).collect();
     parts.extend(report.findings.iter().map(|f| f.message.clone()));
     parts.join("\n")
+}
+
+/// Trains a head on `samples` fed the taps of `trained` (`iterations` Adam steps, burn autodiff):
+/// cross-entropy against the target's argmax for each of `steps` TTT steps (weights 0.8^i),
+/// every position of every sample.
+pub fn train_head(
+    model: &TargetModel<B>,
+    samples: &[DiagnoseSample],
+    trained: &[Candidate],
+    steps: usize,
+    iterations: usize,
+    seed: u64,
+) -> Eagle3Draft<B> {
+    let device = Default::default();
+    let width = samples.iter().map(|s| s.input_ids.len()).max().unwrap();
+    let batch = samples.len();
+    let slots = trained.len();
+    let mut aux = vec![0f32; batch * width * slots * HIDDEN];
+    let mut ids = vec![0u32; batch * width];
+    let mut lengths = Vec::new();
+    let mut targets = vec![vec![0f32; batch * width * VOCAB]; steps];
+    let mut counts = vec![0usize; steps];
+    for (b, s) in samples.iter().enumerate() {
+        let n = s.input_ids.len();
+        lengths.push(n);
+        ids[b * width..b * width + n].copy_from_slice(&s.input_ids);
+        let values = capture_candidates(model, &s.input_ids).unwrap();
+        let row = assemble_aux(&values, trained).unwrap();
+        let w = slots * HIDDEN;
+        aux[b * width * w..(b * width + n) * w].copy_from_slice(&row);
+        let last = values
+            .get(Candidate::Tap(TapId::Block(LAYERS - 1)))
+            .unwrap()
+            .to_vec();
+        let argmax: Vec<i64> = model
+            .logits_from_last_block(Tensor::from_data(
+                TensorData::new(last, [1, n, HIDDEN]),
+                &device,
+            ))
+            .argmax(2)
+            .into_data()
+            .convert::<i64>()
+            .to_vec()
+            .unwrap();
+        for (i, target) in targets.iter_mut().enumerate() {
+            for t in 0..n {
+                if t + 1 + i < n {
+                    target[(b * width + t) * VOCAB + argmax[t + 1 + i] as usize] = 1.0;
+                    counts[i] += 1;
+                }
+            }
+        }
+    }
+    let aux = Tensor::<AB, 3>::from_data(
+        TensorData::new(aux, [batch, width, slots * HIDDEN]),
+        &device,
+    );
+    let targets: Vec<Tensor<AB, 3>> = targets
+        .into_iter()
+        .map(|t| Tensor::from_data(TensorData::new(t, [batch, width, VOCAB]), &device))
+        .collect();
+    let config = Eagle3Config::for_target(&tiny_config("LlamaForCausalLM", LAYERS), VOCAB, 3);
+    let embed = Tensor::<AB, 2>::from_inner(model.embed_tokens.clone());
+    let mut draft = Eagle3Draft::<AB>::init(
+        config.resolve().unwrap(),
+        VocabMap::identity(VOCAB),
+        embed,
+        seed,
+        &device,
+    )
+    .unwrap();
+    let mut optim = AdamConfig::new().init::<AB, Eagle3Draft<AB>>();
+    for _ in 0..iterations {
+        let outputs = draft
+            .forward_ttt(aux.clone(), &ids, &lengths, steps)
+            .unwrap();
+        let mut loss: Option<Tensor<AB, 1>> = None;
+        for (i, out) in outputs.into_iter().enumerate() {
+            let ce = (log_softmax(out.logits, 2) * targets[i].clone())
+                .sum()
+                .neg()
+                .div_scalar(counts[i] as f64)
+                .mul_scalar(0.8f64.powi(i as i32));
+            loss = Some(match loss {
+                Some(l) => l + ce,
+                None => ce,
+            });
+        }
+        let grads = GradientsParams::from_grads(loss.unwrap().backward(), &draft);
+        draft = optim.step(3e-3, draft, grads);
+    }
+    draft.valid()
+}
+
+/// A dump of `samples` (ids and loss mask as given) whose slots hold the true values of
+/// `taps`, written as `tandem dump --regenerate` would when the samples are the target's own
+/// greedy continuations (`generated` says how many tokens it was asked for).
+pub fn samples_dump(
+    name: &str,
+    model: &TargetModel<B>,
+    samples: &[DiagnoseSample],
+    taps: &[TapId],
+    generated: usize,
+) -> PathBuf {
+    let mut id = identity(&tiny_fingerprint(), taps, None, HIDDEN);
+    id.settings.max_len = samples.iter().map(|s| s.input_ids.len()).max().unwrap_or(0);
+    id.settings.regenerate = Some(tandem_dump::GenerationSettings {
+        max_new_tokens: generated,
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 0,
+    });
+    let dir = temp_dir(name);
+    let mut writer = DumpWriter::open(&dir, &id, ShardLimits::default()).unwrap();
+    for (i, s) in samples.iter().enumerate() {
+        let n = s.input_ids.len();
+        let values = tap_values(model, &s.input_ids, taps);
+        let mut aux = Vec::with_capacity(n * HIDDEN * taps.len());
+        for t in 0..n {
+            for v in &values {
+                aux.extend_from_slice(&v[t * HIDDEN..(t + 1) * HIDDEN]);
+            }
+        }
+        let record = DumpRecord {
+            sample_id: format!("regen{i}"),
+            input_ids: s.input_ids.clone(),
+            loss_mask: s.loss_mask.clone(),
+            aux_hidden: aux,
+            last_hidden: tap_values(model, &s.input_ids, &[TapId::Block(LAYERS - 1)]).remove(0),
+        };
+        writer.write(&record, false).unwrap();
+    }
+    writer.finish(true).unwrap();
+    dir
 }
