@@ -43,8 +43,9 @@ pub mod score;
 pub use candidate::{Candidate, CandidateValues, all_candidates, all_taps, capture_candidates};
 pub use compare::{
     CompareReport, CompareSetup, DraftedAcceptance, GapThresholds, OfflineAcceptance,
-    OfflinePositions, OnlineAcceptance, drafted_acceptance, next_draft_slot, node_targets,
-    offline_acceptance, online_acceptance, relative_gap, teacher_forced_proposals,
+    OfflinePositions, OnlineAcceptance, drafted_acceptance, first_turn, next_draft_slot,
+    node_targets, offline_acceptance, online_acceptance, online_acceptance_on_dump, relative_gap,
+    teacher_forced_proposals,
 };
 pub use diagnose::{
     DeclaredReading, DiagnoseLabels, DiagnoseOptions, DiagnoseReport, DiagnoseSample,
