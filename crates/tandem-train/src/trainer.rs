@@ -805,10 +805,25 @@ fn fresh_model<B: AutodiffBackend>(
         });
     }
     let vocab: VocabMap = build_vocab_map(counts, draft_vocab, vocab_size)?;
-    let config = Eagle3Config::for_target(&head.config, draft_vocab, wiring.taps.len());
+    let config = head_config(head, draft_vocab, wiring.taps.len());
     let spec = config.resolve()?;
     let model = Eagle3Draft::init(spec, vocab, embed, options.seed, device)?;
     Ok((model, config))
+}
+
+/// The config of a new head for the target: [`Eagle3Config::for_target`], except on a target
+/// with multi-head latent attention (DeepSeek-V3, Kimi-K2), whose `head_dim` (HF sets it to
+/// `qk_rope_head_dim`) and `rope_scaling` (yarn) describe only the rope part of its attention.
+/// The head's one layer is a Llama layer with RoPE over whole heads, so it takes
+/// `hidden_size / num_attention_heads` and unscaled RoPE, as SpecForge's DeepSeek-V3 head config
+/// does (a Llama layer has no yarn: copied, it made the head config invalid).
+fn head_config<B: Backend>(head: &TargetHead<B>, draft_vocab: usize, taps: usize) -> Eagle3Config {
+    let mut config = Eagle3Config::for_target(&head.config, draft_vocab, taps);
+    if head.spec.mla.is_some() {
+        config.head_dim = None;
+        config.rope_scaling = None;
+    }
+    config
 }
 
 /// The config the head is exported with: SGLang-convention aux ids in `eagle_config`, the
