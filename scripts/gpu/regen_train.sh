@@ -51,7 +51,7 @@ HEAD="$W/head-regen"
 LOGS="$W/regen-logs"
 mkdir -p "$LOGS"
 LOG="$OUT/log.txt"
-[[ -f "$DATA" ]] || xz -dc .device/b/sharegpt-3k.jsonl.xz > "$DATA"
+[[ -f "$DATA" ]] || xz -dc "$BIN/sharegpt-3k.jsonl.xz" > "$DATA"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 
 if [[ "$PHASE" != train ]]; then

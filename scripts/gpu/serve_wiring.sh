@@ -22,7 +22,7 @@
 # At session 3's speeds (target-only 15 tok/s, speculative 16) 80 prompts x 64 tokens is ~11
 # minutes, more than one call: BENCH_PROMPTS=80 BENCH_TOKENS=32 fits (~6 min + HF ~1.5 min).
 source scripts/gpu/common.sh
-mkdir -p "$W/data/mtbench" && cp .device/b/mtbench.jsonl "$W/data/mtbench/question.jsonl"
+mkdir -p "$W/data/mtbench" && cp "$BIN/mtbench.jsonl" "$W/data/mtbench/question.jsonl"
 LOG="$OUT/log.txt"
 if [[ -z "${HEAD:-}" ]]; then
   if [[ -f "$W/head-regen/model.safetensors" ]]; then HEAD="$W/head-regen"; else HEAD="heads/smollm2-135m-eagle3"; fi
@@ -91,17 +91,23 @@ fi
 # on MT-Bench first turns), chain 3/1/4 and the tree, with the committed head.
 part_compare() {
   local head="${COMPARE_HEAD:-heads/smollm2-135m-eagle3}" dump="${COMPARE_DUMP:-}"
+  local samples="${COMPARE_SAMPLES:-16}"
   if [[ -z "$dump" ]]; then
-    if [[ -f "$W/sharegpt-regen/manifest.json" ]]; then dump="$W/sharegpt-regen"; else dump="$DUMP"; fi
+    if [[ -f "$W/sharegpt-regen/manifest.json" ]]; then dump="$W/sharegpt-regen"; else dump="$W/compare-regen"; fi
   fi
   if [[ ! -f "$dump/manifest.json" ]]; then
-    echo "no dump at $dump: compare skipped" | tee -a "$LOG"
-    return
+    # No regenerated dump on this machine: regenerate just the samples compare reads.
+    local data="$W/sharegpt-3k.jsonl"
+    [[ -f "$data" ]] || xz -dc "$BIN/sharegpt-3k.jsonl.xz" > "$data"
+    TAIL=4 run "$T" dump --model "$M" --dataset "$data" --out "$dump" --regenerate \
+      --max-new-tokens 128 --batch-size "$samples" --max-len 512 --max-samples "$samples" \
+      --device cuda --quiet
   fi
   local tree=(${COMPARE_TREE:-3 4 8})
-  local common=(--dump "$dump" --model "$M" --device cuda --data-root "$W/data" --prompts mtbench
-    --max-prompts "$PROMPTS" --max-samples "${COMPARE_SAMPLES:-16}" --offline-batch 16
-    --max-new-tokens 64)
+  # Online on the dump's own first exchanges (--prompts dump): with greedy decoding the engine
+  # re-generates the text offline measures, so the two accept lengths are comparable.
+  local common=(--dump "$dump" --model "$M" --device cuda --prompts dump
+    --max-prompts "$samples" --max-samples "$samples" --offline-batch "$samples")
   echo "compare: head $head, dump $dump, tree ${tree[*]}" | tee -a "$LOG"
   TAIL=14 run "$T" compare "${common[@]}" --head "$head" --steps 3 --topk 1 --num-draft-tokens 4 \
     --json "$OUT/compare_chain.json" --html "$OUT/compare_chain.html"
