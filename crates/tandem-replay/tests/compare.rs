@@ -345,3 +345,29 @@ fn compare_runs_offline_and_online_on_a_random_head() {
     assert!(report.drafted_accept_length >= 1.0 && report.online_accept_length >= 1.0);
     assert!(report.verdict.iter().any(|v| v.starts_with("note: ")));
 }
+
+/// `compare --prompts dump`: online on the dump's own first exchanges, each with its recorded
+/// reply's length, is online on the prompts the dump was generated from with that budget.
+#[test]
+fn online_on_the_dumps_own_exchanges_is_online_on_its_prompts() {
+    let model = target();
+    let draft = trained_head();
+    let dump = DumpReader::open(regen_dump()).unwrap();
+    let config = SpecConfig::chain(STEPS);
+    let taps = TapRequest::new(trained_taps());
+    let on_dump = tandem_replay::online_acceptance_on_dump(
+        &model,
+        draft,
+        taps.clone(),
+        &dump,
+        usize::MAX,
+        config,
+        &[],
+    )
+    .unwrap();
+    let on_prompts =
+        online_acceptance(&model, draft, taps, &prompts(), config, NEW_TOKENS + 1, &[]).unwrap();
+    assert_eq!(on_dump.prompts, prompts().len());
+    assert_eq!(on_dump.tokens, prompts().len() * (NEW_TOKENS + 1));
+    assert_eq!(on_dump, on_prompts);
+}
