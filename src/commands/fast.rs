@@ -173,7 +173,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 let mut cache = model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1)?;
                 let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
                 let t0 = Instant::now();
-                let step = cache.prefill_step(&prompts)?;
+                let step = cache.layout().prefill_step(&prompts)?;
                 let out = model.forward(&step, &mut cache, taps, LogitsFor::Last)?;
                 let mut next = out.logits.expect("logits").argmax()?;
                 let ttft = t0.elapsed().as_secs_f64();
@@ -181,7 +181,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 let mut step_times = Vec::with_capacity(args.new_tokens);
                 for _ in 0..args.new_tokens {
                     let t = Instant::now();
-                    let step = cache.decode_step(&next)?;
+                    let step = cache.layout().decode_step(&next)?;
                     let out = model.forward(&step, &mut cache, taps, LogitsFor::Last)?;
                     next = out.logits.expect("logits").argmax()?;
                     step_times.push(t.elapsed().as_secs_f64());

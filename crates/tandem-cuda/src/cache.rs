@@ -47,37 +47,14 @@ impl CudaKvCache {
         })
     }
 
+    /// The column bookkeeping, shared with the burn cache: step builders (`prefill_step`,
+    /// `decode_step`, `tree_step`), lengths, and the attention mask.
     pub fn layout(&self) -> &ColumnLayout {
         &self.layout
     }
-    pub fn batch(&self) -> usize {
-        self.layout.batch()
-    }
-    pub fn capacity(&self) -> usize {
-        self.layout.capacity()
-    }
-    pub fn used(&self) -> usize {
-        self.layout.used()
-    }
-    pub fn seq_len(&self, b: usize) -> usize {
-        self.layout.seq_len(b)
-    }
-    pub fn prefill_step(&self, prompts: &[&[u32]]) -> Result<StepInput, ModelError> {
-        self.layout.prefill_step(prompts)
-    }
-    pub fn decode_step(&self, tokens: &[u32]) -> Result<StepInput, ModelError> {
-        self.layout.decode_step(tokens)
-    }
-    pub fn tree_step(&self, trees: &[(&[u32], &[Option<usize>])]) -> Result<StepInput, ModelError> {
-        self.layout.tree_step(trees)
-    }
-    /// See [`ColumnLayout::keep_only`]: committing a tree path moves no data.
-    pub fn keep_only(&mut self, b: usize, step_width: usize, accepted: &[usize]) {
-        self.layout.keep_only(b, step_width, accepted)
-    }
-    /// See [`ColumnLayout::rollback`].
-    pub fn rollback(&mut self, columns: usize) {
-        self.layout.rollback(columns)
+    /// For commits after a tree step (`keep_only`: no data moves) and rollbacks.
+    pub fn layout_mut(&mut self) -> &mut ColumnLayout {
+        &mut self.layout
     }
     pub(crate) fn check(&self, step: &StepInput) -> Result<(), ModelError> {
         self.layout.check_step(step)

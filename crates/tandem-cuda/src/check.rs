@@ -192,8 +192,8 @@ fn run_fast(
     let mut cache = model.new_cache(batch, capacity)?;
     let mut out = Vec::new();
     let prompts: Vec<&[u32]> = steps.prompts.iter().map(|p| p.as_slice()).collect();
-    let prefill = cache.prefill_step(&prompts)?;
-    let decode = |cache: &crate::CudaKvCache| cache.decode_step(&steps.decode);
+    let prefill = cache.layout().prefill_step(&prompts)?;
+    let decode = |cache: &crate::CudaKvCache| cache.layout().decode_step(&steps.decode);
     let run = |step: &StepInput,
                cache: &mut crate::CudaKvCache,
                logits: LogitsFor|
@@ -218,7 +218,7 @@ fn run_fast(
         .iter()
         .map(|t| (t.as_slice(), steps.tree_parents.as_slice()))
         .collect();
-    let step = cache.tree_step(&trees)?;
+    let step = cache.layout().tree_step(&trees)?;
     out.push(run(&step, &mut cache, LogitsFor::All)?);
     Ok(out)
 }
@@ -242,7 +242,7 @@ fn run_reference(
     let mut logits = Vec::new();
     let mut taps_by_chunk: Vec<Vec<Vec<f32>>> = Vec::new();
     for chunk in prompt.chunks(REFERENCE_CHUNK) {
-        let step = cache.prefill_step(&[chunk])?;
+        let step = cache.layout().prefill_step(&[chunk])?;
         let o = model.forward(&step, &mut cache, &taps, LogitsFor::Last)?;
         logits = host(o.logits.expect("logits requested"));
         taps_by_chunk.push(o.taps.tensors.into_iter().map(host).collect());
@@ -272,9 +272,11 @@ fn run_reference(
         });
         Ok(())
     };
-    let step = cache.decode_step(&steps.decode[b..=b])?;
+    let step = cache.layout().decode_step(&steps.decode[b..=b])?;
     run(step, &mut cache, LogitsFor::Last)?;
-    let step = cache.tree_step(&[(&steps.tree_tokens[b], &steps.tree_parents)])?;
+    let step = cache
+        .layout()
+        .tree_step(&[(&steps.tree_tokens[b], &steps.tree_parents)])?;
     run(step, &mut cache, LogitsFor::All)?;
     Ok(out)
 }

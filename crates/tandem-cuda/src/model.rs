@@ -121,7 +121,7 @@ impl CudaTarget {
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
-        let col0 = cache.used();
+        let col0 = cache.layout().used();
         let total = col0 + step.width;
         let shape = AttentionShape {
             batch: step.batch,
@@ -129,7 +129,7 @@ impl CudaTarget {
             heads: spec.num_heads,
             kv_heads: spec.num_kv_heads,
             head_dim: spec.head_dim,
-            capacity: cache.capacity(),
+            capacity: cache.layout().capacity(),
         };
 
         // Per-step inputs: tokens, positions, and the `[rows, total]` mask built by the same

@@ -73,7 +73,10 @@ fn every_mode_passes_every_tap_point_through_the_hook() {
     expected.push(TapId::Final);
     let request = TapRequest::new(vec![TapId::Block(1), TapId::Embed, TapId::Block(1)]);
     let mut cache = fast.new_cache(2, 32).expect("cache");
-    let steps = [cache.prefill_step(&[&[5, 6, 7], &[9]]).expect("prefill")];
+    let steps = [cache
+        .layout()
+        .prefill_step(&[&[5, 6, 7], &[9]])
+        .expect("prefill")];
     let out = fast
         .forward(&steps[0], &mut cache, &request, LogitsFor::Last)
         .expect("prefill runs");
@@ -84,12 +87,13 @@ fn every_mode_passes_every_tap_point_through_the_hook() {
         out.taps.tensors[0].to_host().unwrap(),
         out.taps.tensors[2].to_host().unwrap()
     );
-    let step = cache.decode_step(&[1, 2]).expect("decode");
+    let step = cache.layout().decode_step(&[1, 2]).expect("decode");
     let out = fast
         .forward(&step, &mut cache, &request, LogitsFor::Last)
         .expect("decode runs");
     assert_eq!(out.taps.visited, expected, "decode");
     let step = cache
+        .layout()
         .tree_step(&[
             (&[3, 4][..], &[None, Some(0)][..]),
             (&[8, 9][..], &[None, None][..]),
