@@ -26,8 +26,36 @@ pub enum ModelError {
         expected: Vec<usize>,
         actual: Vec<usize>,
     },
-    #[error("tensor {name} has dtype {dtype}; supported: F32, F16, BF16")]
+    #[error(
+        "tensor {name} has dtype {dtype}; supported: F32, F16, BF16, and F8_E4M3 / F8_E5M2 with a `_scale_inv` block scale"
+    )]
     UnsupportedDtype { name: String, dtype: String },
+    #[error(
+        "tensor {name} is {dtype} but its block scale {name}_scale_inv is missing from the weights in {dir}; FP8 weights are read only with their per-block inverse scale"
+    )]
+    Fp8MissingScale {
+        name: String,
+        dtype: String,
+        dir: PathBuf,
+    },
+    #[error(
+        "FP8 tensor {name} of shape {shape:?} in blocks of {block:?} needs its scale {name}_scale_inv of shape {expected:?}, found {actual:?} (block size: quantization_config.weight_block_size in config.json)"
+    )]
+    Fp8ScaleShape {
+        name: String,
+        shape: [usize; 2],
+        block: [usize; 2],
+        expected: [usize; 2],
+        actual: Vec<usize>,
+    },
+    #[error(
+        "FP8 tensor {name} ({dtype}) has shape {shape:?}; only 2-D block-scaled FP8 weights are supported"
+    )]
+    Fp8Layout {
+        name: String,
+        dtype: String,
+        shape: Vec<usize>,
+    },
     #[error(
         "architecture {architecture} is not supported (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV3ForCausalLM)"
     )]
