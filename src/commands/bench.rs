@@ -47,7 +47,38 @@ pub fn run(args: BenchTargetArgs) -> anyhow::Result<()> {
     with_backend!(args.model.device, |B, device| run_on::<B>(&args, &device))
 }
 
-fn median(values: &mut [f64]) -> f64 {
+/// Medians of a decode benchmark (seconds): `repeats` timed runs after one warm-up, each a
+/// fresh cache (not timed), a prefill returning the first greedy tokens (its time is the TTFT),
+/// then `new_tokens` decode steps, each returning the next greedy tokens (a token id read back
+/// per step, as a real decoder must). Returns (TTFT, decode step).
+pub fn time_decode<C>(
+    repeats: usize,
+    new_tokens: usize,
+    mut new_cache: impl FnMut() -> anyhow::Result<C>,
+    mut prefill: impl FnMut(&mut C) -> anyhow::Result<Vec<u32>>,
+    mut decode: impl FnMut(&mut C, &[u32]) -> anyhow::Result<Vec<u32>>,
+) -> anyhow::Result<(f64, f64)> {
+    let (mut ttfts, mut steps) = (Vec::new(), Vec::new());
+    for rep in 0..=repeats {
+        let mut cache = new_cache()?;
+        let t0 = Instant::now();
+        let mut next = prefill(&mut cache)?;
+        let ttft = t0.elapsed().as_secs_f64();
+        let mut step_times = Vec::with_capacity(new_tokens);
+        for _ in 0..new_tokens {
+            let t = Instant::now();
+            next = decode(&mut cache, &next)?;
+            step_times.push(t.elapsed().as_secs_f64());
+        }
+        if rep > 0 {
+            ttfts.push(ttft);
+            steps.push(median(&mut step_times));
+        }
+    }
+    Ok((median(&mut ttfts), median(&mut steps)))
+}
+
+pub fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
 }
@@ -77,37 +108,29 @@ fn run_on<B: Backend>(args: &BenchTargetArgs, device: &B::Device) -> anyhow::Res
     let mut rows = Vec::new();
     let mut first_token_s = None;
     for &batch in &args.batch {
-        let mut ttfts = Vec::new();
-        let mut steps = Vec::new();
-        for rep in 0..=args.repeats {
-            let mut cache = model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1);
-            let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
-            let t0 = Instant::now();
-            let step = cache.prefill_step(&prompts)?;
-            let out = model.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
-            let mut next = greedy_ids(out.logits.expect("logits"));
-            let ttft = t0.elapsed().as_secs_f64();
-            first_token_s.get_or_insert(started.elapsed().as_secs_f64());
-            let mut step_times = Vec::new();
-            for _ in 0..args.new_tokens {
-                let t = Instant::now();
-                let step = cache.decode_step(&next)?;
-                let out = model.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
-                next = greedy_ids(out.logits.expect("logits"));
-                step_times.push(t.elapsed().as_secs_f64());
-            }
-            if rep > 0 {
-                ttfts.push(ttft);
-                steps.push(median(&mut step_times));
-            }
-        }
-        let step = median(&mut steps);
+        let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
+        let (ttft, step) = time_decode(
+            args.repeats,
+            args.new_tokens,
+            || Ok(model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1)),
+            |cache| {
+                let step = cache.prefill_step(&prompts)?;
+                let out = model.forward(&step, cache, &TapRequest::none(), LogitsFor::Last)?;
+                first_token_s.get_or_insert(started.elapsed().as_secs_f64());
+                Ok(greedy_ids(out.logits.expect("logits")))
+            },
+            |cache, next| {
+                let step = cache.decode_step(next)?;
+                let out = model.forward(&step, cache, &TapRequest::none(), LogitsFor::Last)?;
+                Ok(greedy_ids(out.logits.expect("logits")))
+            },
+        )?;
         let row = BenchRow {
             device: args.model.device.to_string(),
             batch,
             prompt_tokens: args.prompt_tokens,
             new_tokens: args.new_tokens,
-            ttft_ms_median: median(&mut ttfts) * 1e3,
+            ttft_ms_median: ttft * 1e3,
             step_ms_median: step * 1e3,
             tokens_per_second: batch as f64 / step,
         };

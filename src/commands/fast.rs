@@ -12,6 +12,7 @@ use tandem_model::{LogitsFor, TapRequest, TargetTokenizer};
 use tandem_wiring::TapId;
 
 use super::DEFAULT_MODEL_DIR;
+use super::bench::time_decode;
 
 #[derive(Args, Debug)]
 pub struct FastCheckArgs {
@@ -133,11 +134,6 @@ struct FastBenchRow {
     tokens_per_second: f64,
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let gpu = Gpu::new(0)?;
@@ -168,34 +164,28 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for taps in &requests {
         for &batch in &args.batch {
-            let (mut ttfts, mut steps) = (Vec::new(), Vec::new());
-            for rep in 0..=args.repeats {
-                let mut cache = model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1)?;
-                let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
-                let t0 = Instant::now();
-                let step = cache.layout().prefill_step(&prompts)?;
-                let out = model.forward(&step, &mut cache, taps, LogitsFor::Last)?;
-                let mut next = out.logits.expect("logits").argmax()?;
-                let ttft = t0.elapsed().as_secs_f64();
-                first_token_s.get_or_insert(started.elapsed().as_secs_f64());
-                let mut step_times = Vec::with_capacity(args.new_tokens);
-                for _ in 0..args.new_tokens {
-                    let t = Instant::now();
-                    let step = cache.layout().decode_step(&next)?;
-                    let out = model.forward(&step, &mut cache, taps, LogitsFor::Last)?;
-                    next = out.logits.expect("logits").argmax()?;
-                    step_times.push(t.elapsed().as_secs_f64());
-                }
-                if rep > 0 {
-                    ttfts.push(ttft);
-                    steps.push(median(&mut step_times));
-                }
-            }
-            let step = median(&mut steps);
+            let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
+            let (ttft, step) = time_decode(
+                args.repeats,
+                args.new_tokens,
+                || Ok(model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1)?),
+                |cache| {
+                    let step = cache.layout().prefill_step(&prompts)?;
+                    let out = model.forward(&step, cache, taps, LogitsFor::Last)?;
+                    let next = out.logits.expect("logits").argmax()?;
+                    first_token_s.get_or_insert(started.elapsed().as_secs_f64());
+                    Ok(next)
+                },
+                |cache, next| {
+                    let step = cache.layout().decode_step(next)?;
+                    let out = model.forward(&step, cache, taps, LogitsFor::Last)?;
+                    Ok(out.logits.expect("logits").argmax()?)
+                },
+            )?;
             let row = FastBenchRow {
                 batch,
                 taps: taps.taps.len(),
-                ttft_ms_median: median(&mut ttfts) * 1e3,
+                ttft_ms_median: ttft * 1e3,
                 step_ms_median: step * 1e3,
                 tokens_per_second: batch as f64 / step,
             };
