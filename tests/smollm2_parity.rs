@@ -22,13 +22,6 @@ fn to_vec(t: Tensor<CpuBackend, 3>) -> Vec<f32> {
     t.into_data().to_vec::<f32>().unwrap()
 }
 
-fn all_taps(num_layers: usize) -> Vec<TapId> {
-    let mut taps = vec![TapId::Embed];
-    taps.extend((0..num_layers).map(TapId::Block));
-    taps.push(TapId::Final);
-    taps
-}
-
 fn ids_u32(g: &Golden) -> Vec<u32> {
     g.ints.iter().map(|&i| i as u32).collect()
 }
@@ -48,12 +41,7 @@ fn logits_and_taps_match_transformers() {
         let mut cache = model.new_cache(1, n);
         let step = cache.prefill_step(&[&ids]).unwrap();
         let out = model
-            .forward(
-                &step,
-                &mut cache,
-                &TapRequest::new(all_taps(layers)),
-                LogitsFor::All,
-            )
+            .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::All)
             .unwrap();
         let logits = to_vec(out.logits.unwrap());
         // Last position, full vocabulary.
@@ -135,12 +123,7 @@ fn every_position_of_every_tap_matches_for_case0() {
     let mut cache = model.new_cache(1, ids.len());
     let step = cache.prefill_step(&[&ids]).unwrap();
     let out = model
-        .forward(
-            &step,
-            &mut cache,
-            &TapRequest::new(all_taps(layers)),
-            LogitsFor::None,
-        )
+        .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::None)
         .unwrap();
     let per_tap = ids.len() * model.spec.hidden_size;
     let hs = &golden["case0.hidden_states"].floats;

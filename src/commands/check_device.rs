@@ -5,8 +5,8 @@
 use clap::Args;
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
+use tandem_model::testing::rel_err;
 use tandem_model::{GenerateOptions, LogitsFor, SamplingParams, TapRequest, TargetTokenizer};
-use tandem_wiring::TapId;
 
 use super::ModelArgs;
 use crate::with_backend;
@@ -27,13 +27,6 @@ struct Reference {
     continuation: Vec<u32>,
 }
 
-fn all_taps(layers: usize) -> TapRequest {
-    let mut taps = vec![TapId::Embed];
-    taps.extend((0..layers).map(TapId::Block));
-    taps.push(TapId::Final);
-    TapRequest::new(taps)
-}
-
 fn run_reference<B: Backend>(
     args: &CheckDeviceArgs,
     device: &B::Device,
@@ -45,7 +38,7 @@ fn run_reference<B: Backend>(
     let out = model.forward(
         &step,
         &mut cache,
-        &all_taps(model.spec.num_layers),
+        &TapRequest::all(model.spec.num_layers),
         LogitsFor::Last,
     )?;
     let to_f32 = |t: Tensor<B, 3>| {
@@ -68,11 +61,6 @@ fn run_reference<B: Backend>(
         taps,
         continuation,
     })
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
 pub fn run(args: CheckDeviceArgs) -> anyhow::Result<()> {
@@ -102,7 +90,7 @@ pub fn run(args: CheckDeviceArgs) -> anyhow::Result<()> {
         "| last-position logits | {:.2e} |",
         rel_err(&dev.logits, &cpu.logits)
     );
-    let names: Vec<String> = all_taps(cpu.taps.len() - 2)
+    let names: Vec<String> = TapRequest::all(cpu.taps.len() - 2)
         .taps
         .iter()
         .map(|t| t.to_string())

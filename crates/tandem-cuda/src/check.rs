@@ -8,8 +8,8 @@ use std::path::Path;
 use serde::Serialize;
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
+use tandem_model::testing::rel_err;
 use tandem_model::{LogitsFor, StepInput, TapRequest, TargetModel};
-use tandem_wiring::TapId;
 
 use crate::error::CudaError;
 use crate::model::CudaTarget;
@@ -64,13 +64,6 @@ pub struct PointReport {
     pub passed: bool,
 }
 
-fn all_taps(layers: usize) -> TapRequest {
-    let mut taps = vec![TapId::Embed];
-    taps.extend((0..layers).map(TapId::Block));
-    taps.push(TapId::Final);
-    TapRequest::new(taps)
-}
-
 #[derive(Debug, Clone, Serialize)]
 pub struct WorstElement {
     pub step: usize,
@@ -100,17 +93,6 @@ fn worst_element(fast: &[f32], reference: &[f32], dim: usize, step: usize) -> Wo
         reference: reference[at],
         token_rel: rel_err(&fast[row.clone()], &reference[row]),
     }
-}
-
-fn rel_err(fast: &[f32], reference: &[f32]) -> f32 {
-    let scale = reference
-        .iter()
-        .fold(0f32, |m, v| m.max(v.abs()))
-        .max(1e-12);
-    fast.iter()
-        .zip(reference)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-        / scale
 }
 
 fn top2_gap(row: &[f32]) -> f32 {
@@ -187,7 +169,7 @@ fn run_fast(
     steps: &Steps,
     capacity: usize,
 ) -> Result<Vec<HostStep>, CudaError> {
-    let taps = all_taps(model.spec.num_layers);
+    let taps = TapRequest::all(model.spec.num_layers);
     let batch = steps.prompts.len();
     let mut cache = model.new_cache(batch, capacity)?;
     let mut out = Vec::new();
@@ -231,7 +213,7 @@ fn run_reference(
     steps: &Steps,
     b: usize,
 ) -> Result<Vec<HostStep>, CudaError> {
-    let taps = all_taps(model.spec.num_layers);
+    let taps = TapRequest::all(model.spec.num_layers);
     let prompt = &steps.prompts[b];
     let mut cache = model.new_cache(1, prompt.len() + 8);
     let host = |t: Tensor<CpuBackend, 3>| t.into_data().to_vec::<f32>().expect("f32 tensor");
@@ -303,7 +285,7 @@ pub fn check_point(
     } else {
         vec![0, point.batch - 1]
     };
-    let names: Vec<String> = all_taps(spec.num_layers)
+    let names: Vec<String> = TapRequest::all(spec.num_layers)
         .taps
         .iter()
         .map(|t| t.to_string())

@@ -231,26 +231,10 @@ pub fn read_checkpoint(path: &Path, spec: &DraftSpec) -> Result<Checkpoint, Eagl
 }
 
 fn floats(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, EagleError> {
-    Ok(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(EagleError::UnsupportedDtype {
-                name: name.to_owned(),
-                dtype: format!("{other:?}"),
-                expected: "F32, F16 or BF16",
-            });
-        }
+    tandem_model::weights::decode_floats(dtype, bytes).ok_or_else(|| EagleError::UnsupportedDtype {
+        name: name.to_owned(),
+        dtype: format!("{dtype:?}"),
+        expected: "F32, F16 or BF16",
     })
 }
 

@@ -29,6 +29,15 @@ impl TapRequest {
     pub fn new(taps: Vec<TapId>) -> Self {
         Self { taps }
     }
+    /// Every tap point of a model of `num_layers` blocks, in loop order: `embed`, `block 0..`,
+    /// `final` (what parity checks compare).
+    pub fn all(num_layers: usize) -> Self {
+        let mut taps = Vec::with_capacity(num_layers + 2);
+        taps.push(TapId::Embed);
+        taps.extend((0..num_layers).map(TapId::Block));
+        taps.push(TapId::Final);
+        Self { taps }
+    }
     /// Refuses taps that do not exist in a model of `num_layers` blocks.
     pub fn validate(&self, num_layers: usize) -> Result<(), ModelError> {
         for tap in &self.taps {

@@ -21,6 +21,25 @@ pub fn tiny_config(architecture: &str, layers: usize) -> HfConfig {
     .expect("tiny config is valid")
 }
 
+/// Relative error of `actual` against `reference`: max |actual - reference| / max |reference|
+/// (the metric every parity check and test here states its tolerance in).
+pub fn rel_err(actual: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(
+        actual.len(),
+        reference.len(),
+        "compared tensors differ in length"
+    );
+    let scale = reference
+        .iter()
+        .fold(0f32, |m, v| m.max(v.abs()))
+        .max(1e-12);
+    actual
+        .iter()
+        .zip(reference)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
+}
+
 /// A fresh, empty scratch directory under the system temp dir, unique per call even within one
 /// test process (tests run in parallel threads of one process, so the pid alone is not enough).
 pub fn scratch_dir(name: &str) -> PathBuf {

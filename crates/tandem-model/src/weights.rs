@@ -265,8 +265,16 @@ impl WeightFiles {
 
 /// The values of an F32, F16 or BF16 tensor as f32.
 fn float_values(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, ModelError> {
-    let bytes = view.data();
-    Ok(match view.dtype() {
+    decode_floats(view.dtype(), view.data()).ok_or_else(|| ModelError::UnsupportedDtype {
+        name: name.to_string(),
+        dtype: format!("{:?}", view.dtype()),
+    })
+}
+
+/// Little-endian F32, F16 or BF16 safetensors bytes as f32 (`None` for any other dtype).
+/// Shared with the head's checkpoint reader (tandem-eagle).
+pub fn decode_floats(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
         Dtype::F32 => bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -279,12 +287,7 @@ fn float_values(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, ModelErro
             .chunks_exact(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
-        other => {
-            return Err(ModelError::UnsupportedDtype {
-                name: name.to_string(),
-                dtype: format!("{other:?}"),
-            });
-        }
+        _ => return None,
     })
 }
 

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use safetensors::SafeTensors;
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::{scratch_dir, tiny_config, write_random_model};
+use tandem_model::testing::{rel_err, scratch_dir, tiny_config, write_random_model};
 use tandem_model::{Execution, KvCache, LogitsFor, StepInput, StepOutput, TapRequest, TargetModel};
 use tandem_wiring::TapId;
 
@@ -34,13 +34,6 @@ fn fixture(name: &str) -> PathBuf {
 
 fn load(name: &str) -> TargetModel<B> {
     TargetModel::load(&fixture(name), &Default::default()).unwrap()
-}
-
-fn all_taps(layers: usize) -> TapRequest {
-    let mut t = vec![TapId::Embed];
-    t.extend((0..layers).map(TapId::Block));
-    t.push(TapId::Final);
-    TapRequest::new(t)
 }
 
 fn host(t: Tensor<B, 3>) -> Vec<f32> {
@@ -78,18 +71,6 @@ impl Golden {
     }
 }
 
-/// max |a - b| / max |b|.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max);
-    let scale = b.iter().map(|y| y.abs()).fold(0.0, f32::max);
-    diff / scale
-}
-
 fn check_parity(name: &str) {
     let model = load(name);
     let golden = Golden::open(name);
@@ -102,7 +83,7 @@ fn check_parity(name: &str) {
         let mut cache = model.new_cache(1, n);
         let step = cache.prefill_step(&[&ids]).unwrap();
         let out = model
-            .forward(&step, &mut cache, &all_taps(layers), LogitsFor::All)
+            .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::All)
             .unwrap();
         let (_, logits) = golden.f32s(&format!("case{case}.logits"));
         let e = rel_err(&host(out.logits.unwrap()), &logits);
@@ -168,7 +149,7 @@ fn run(
         .forward(
             step,
             cache,
-            &all_taps(model.spec.num_layers),
+            &TapRequest::all(model.spec.num_layers),
             LogitsFor::All,
         )
         .unwrap();
@@ -228,7 +209,7 @@ fn compare_paths(model: &mut TargetModel<B>, batch: usize, steps: &[&MakeStep]) 
 
 /// Every tap point twice in a row (one per micro-batch), layer by layer.
 fn interleaved(layers: usize) -> Vec<TapId> {
-    all_taps(layers)
+    TapRequest::all(layers)
         .taps
         .into_iter()
         .flat_map(|t| [t, t])
@@ -265,15 +246,15 @@ fn micro_batched_deepseek_equals_plain_over_ragged_prefill_decode_and_tree() {
     let mut cache = model.new_cache(3, 16);
     let step = cache.prefill_step(&PROMPTS).unwrap();
     let out = model
-        .forward(&step, &mut cache, &all_taps(layers), LogitsFor::None)
+        .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::None)
         .unwrap();
     assert_eq!(out.taps.visited, interleaved(layers));
     let mut cache = model.new_cache(1, 16);
     let step = cache.prefill_step(&[PROMPTS[0]]).unwrap();
     let out = model
-        .forward(&step, &mut cache, &all_taps(layers), LogitsFor::None)
+        .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::None)
         .unwrap();
-    assert_eq!(out.taps.visited, all_taps(layers).taps);
+    assert_eq!(out.taps.visited, TapRequest::all(layers).taps);
 }
 
 #[test]
@@ -288,7 +269,7 @@ fn micro_batched_single_sequence_splits_its_tokens_and_equals_plain() {
     let visited = compare_paths(&mut model, 1, &[&first, &second, &decode]);
     assert_eq!(visited[0], interleaved(layers));
     assert_eq!(visited[1], interleaved(layers));
-    assert_eq!(visited[2], all_taps(layers).taps);
+    assert_eq!(visited[2], TapRequest::all(layers).taps);
 }
 
 /// The lanes slice a grouped-query mask (4 query heads on 2 KV heads) and address cache rows of

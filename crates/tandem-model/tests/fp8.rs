@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use tandem_model::backend::CpuBackend;
-use tandem_model::testing::scratch_dir;
+use tandem_model::testing::{rel_err, scratch_dir};
 use tandem_model::weights::{WeightFiles, f8_e4m3_to_f32, f8_e5m2_to_f32};
 use tandem_model::{LogitsFor, ModelError, TapRequest, TargetModel};
 use tandem_wiring::TapId;
@@ -345,17 +345,6 @@ fn run(dir: &Path, ids: &[u32]) -> Vec<Vec<f32>> {
         .collect();
     all.push(out.logits.unwrap().into_data().to_vec::<f32>().unwrap());
     all
-}
-
-/// max |a - b| / max |b|.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max);
-    diff / b.iter().map(|y| y.abs()).fold(0.0, f32::max)
 }
 
 /// FP8 vs the f32 original, max |diff| / max |reference| per tensor. E4M3 keeps 3 mantissa bits

@@ -78,11 +78,7 @@ impl Serialize for Candidate {
 /// Every tap point of a model with `num_layers` blocks, in forward order: `embed`,
 /// `block 0..L-1`, `final`.
 pub fn all_taps(num_layers: usize) -> Vec<TapId> {
-    let mut taps = Vec::with_capacity(num_layers + 2);
-    taps.push(TapId::Embed);
-    taps.extend((0..num_layers).map(TapId::Block));
-    taps.push(TapId::Final);
-    taps
+    tandem_model::TapRequest::all(num_layers).taps
 }
 
 /// The candidate list of a model: the tap points, then the normed input of every layer.
