@@ -309,3 +309,27 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned 
         out[blockIdx.x] = (unsigned int)(index == 0x7fffffff ? 0 : index);
     }
 }
+
+// Moves f32 rows between buffers: dst[dst_rows[k], :] = src[src_rows[k], :]. The draft head's
+// tree drafting assembles each step's hidden inputs (roots and evaluated beams) with it.
+// Grid: count.
+extern "C" __global__ void copy_rows(const float* src, const int* src_rows, float* dst,
+                                     const int* dst_rows, int hidden) {
+    const float* s = src + (size_t)src_rows[blockIdx.x] * hidden;
+    float* d = dst + (size_t)dst_rows[blockIdx.x] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        d[i] = s[i];
+    }
+}
+
+// Gathers f32 rows into a bf16 matrix at a column offset: dst[k * dst_stride + offset + i] =
+// bf16(src[rows[k] * hidden + i]). Concatenates the target's taps (one call per slot) into
+// the `fc` input of the draft head, taking only the rows of accepted tokens. Grid: count.
+extern "C" __global__ void rows_to_bf16(const float* src, const int* rows, unsigned short* dst,
+                                        int hidden, int dst_stride, int offset) {
+    const float* s = src + (size_t)rows[blockIdx.x] * hidden;
+    unsigned short* d = dst + (size_t)blockIdx.x * dst_stride + offset;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        d[i] = f32_to_bf16(s[i]);
+    }
+}

@@ -9,6 +9,7 @@ pub mod load_test;
 pub mod replay;
 pub mod serve;
 pub mod spec;
+pub mod spec_fast;
 pub mod taps;
 pub mod train;
 

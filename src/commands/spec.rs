@@ -76,14 +76,40 @@ pub fn load<B: Backend>(
     let target = model.load::<B>(device)?;
     let head = tandem_eagle::load_pretrained(&spec.draft, target.embed_tokens.clone(), device)
         .with_context(|| format!("loading the head {}", spec.draft.display()))?;
-    let taps = head_taps(&head.config, target.spec.num_layers)?;
     let dtype = if model.device.to_string() == "cuda" {
         "bf16"
     } else {
         "f32"
     };
-    let serving = serving_manifest(&model.model, taps.clone(), dtype, &model.device.to_string())?;
-    let mismatches = check_head(&head.config, &serving)?;
+    let taps = checked_taps(
+        &model.model,
+        spec,
+        &head.config,
+        target.spec.num_layers,
+        dtype,
+        &model.device.to_string(),
+    )?;
+    Ok(Loaded {
+        tokenizer,
+        target,
+        head,
+        taps,
+    })
+}
+
+/// The taps serving feeds the head, after checking the head's manifest against them (and the
+/// target's fingerprints): a mismatch stops here unless `--allow-wiring-mismatch`.
+pub fn checked_taps(
+    model_dir: &Path,
+    spec: &SpecArgs,
+    config: &tandem_eagle::Eagle3Config,
+    num_layers: usize,
+    dtype: &str,
+    device: &str,
+) -> anyhow::Result<TapRequest> {
+    let taps = head_taps(config, num_layers)?;
+    let serving = serving_manifest(model_dir, taps.clone(), dtype, device)?;
+    let mismatches = check_head(config, &serving)?;
     let fatal: Vec<_> = mismatches.iter().filter(|m| m.is_fatal()).collect();
     for m in &mismatches {
         eprintln!("wiring: {m}");
@@ -96,12 +122,7 @@ pub fn load<B: Backend>(
             fatal.len()
         );
     }
-    Ok(Loaded {
-        tokenizer,
-        target,
-        head,
-        taps: TapRequest::new(taps),
-    })
+    Ok(TapRequest::new(taps))
 }
 
 pub fn print_acceptance(stats: &AcceptanceStats) {
@@ -195,6 +216,17 @@ pub struct BenchArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast.
+    #[arg(long, default_value = "auto")]
+    pub engine: EngineKind,
+}
+
+/// Which implementation of the target and head runs the speculative loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    Auto,
+    Burn,
+    Fast,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -220,10 +252,18 @@ pub struct BenchReport {
 }
 
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
-    with_backend!(args.model.device, |B, device| bench_on::<B>(&args, &device))
+    let cuda = args.model.device.to_string() == "cuda";
+    match args.engine {
+        EngineKind::Fast | EngineKind::Auto if cuda => super::spec_fast::bench(&args),
+        EngineKind::Fast => anyhow::bail!("--engine fast runs on the GPU: pass --device cuda"),
+        _ => with_backend!(args.model.device, |B, device| bench_on::<B>(&args, &device)),
+    }
 }
 
-fn chat_prompts(args: &BenchArgs, tokenizer: &TargetTokenizer) -> anyhow::Result<Vec<Vec<u32>>> {
+pub fn chat_prompts(
+    args: &BenchArgs,
+    tokenizer: &TargetTokenizer,
+) -> anyhow::Result<Vec<Vec<u32>>> {
     let prompts = tandem_data::eval_prompts(&args.prompts, &args.data_root)
         .with_context(|| format!("reading prompts {}", args.prompts))?;
     let limit = args.max_prompts.unwrap_or(prompts.len());
@@ -291,37 +331,13 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
             outputs.push(seq.tokens);
         }
     }
-    let mut identical = 0;
-    let mut first_mismatch = None;
-    let mut mismatches = Vec::new();
-    if sampling.is_greedy() {
-        for (i, (a, b)) in outputs.iter().zip(&baseline).enumerate() {
-            if a == b {
-                identical += 1;
-                continue;
-            }
-            let at = a.iter().zip(b).take_while(|(x, y)| x == y).count();
-            if first_mismatch.is_none() {
-                first_mismatch = Some(format!(
-                    "prompt {i}: first difference at generated token {at} (speculative {:?} vs target {:?})",
-                    a.get(at),
-                    b.get(at)
-                ));
-            }
-            if let (Some(&spec), Some(&plain)) = (a.get(at), b.get(at)) {
-                let mut context = prompts[i].clone();
-                context.extend_from_slice(&a[..at]);
-                mismatches.push(trace_mismatch(
-                    &loaded.target,
-                    i,
-                    at,
-                    &context,
-                    spec,
-                    plain,
-                )?);
-            }
-        }
-    }
+    let comparison = if sampling.is_greedy() {
+        compare_outputs(&outputs, &baseline, &prompts, |context| {
+            target_logits(&loaded.target, context)
+        })?
+    } else {
+        Comparison::default()
+    };
     let report = BenchReport {
         prompts: prompts.len(),
         config,
@@ -336,10 +352,10 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
             / (target_tokens as f64 / target_seconds.max(1e-9)),
         accept_length: stats.accept_length(),
         per_position: stats.per_position(),
-        identical_outputs: identical,
+        identical_outputs: comparison.identical,
         compared_outputs: baseline.len().min(outputs.len()),
-        first_mismatch,
-        mismatches,
+        first_mismatch: comparison.first_mismatch,
+        mismatches: comparison.mismatches,
         timings,
     };
     print_report(&report, &args.model.device.to_string());
@@ -349,14 +365,14 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
     Ok(())
 }
 
-fn write_json(path: &Path, report: &BenchReport) -> anyhow::Result<()> {
+pub fn write_json(path: &Path, report: &BenchReport) -> anyhow::Result<()> {
     let tmp = path.with_extension("json.partial");
     std::fs::write(&tmp, serde_json::to_string_pretty(report)?)?;
     std::fs::rename(&tmp, path)?;
     Ok(())
 }
 
-fn print_report(r: &BenchReport, device: &str) {
+pub fn print_report(r: &BenchReport, device: &str) {
     let c = &r.config;
     println!(
         "| device | steps/topk/tokens | batch | prompts | target tok/s | speculative tok/s | speedup | accept length | per-position acceptance | greedy identical |"
@@ -435,14 +451,50 @@ pub fn bf16_ulp(x: f32) -> f32 {
     2f32.powi(x.log2().floor() as i32 - 7)
 }
 
-fn trace_mismatch<B: Backend>(
-    target: &TargetModel<B>,
-    prompt: usize,
-    position: usize,
-    context: &[u32],
-    speculative_token: u32,
-    target_token: u32,
-) -> anyhow::Result<MismatchTrace> {
+/// How speculative greedy outputs compare with target-only greedy outputs.
+#[derive(Debug, Default)]
+pub struct Comparison {
+    pub identical: usize,
+    pub first_mismatch: Option<String>,
+    pub mismatches: Vec<MismatchTrace>,
+}
+
+/// Compares outputs prompt by prompt and traces each divergence to the target's logits after
+/// the shared prefix (`logits_after(context)`: the target's last-position logits).
+pub fn compare_outputs(
+    outputs: &[Vec<u32>],
+    baseline: &[Vec<u32>],
+    prompts: &[Vec<u32>],
+    mut logits_after: impl FnMut(&[u32]) -> anyhow::Result<Vec<f32>>,
+) -> anyhow::Result<Comparison> {
+    let mut comparison = Comparison::default();
+    for (i, (a, b)) in outputs.iter().zip(baseline).enumerate() {
+        if a == b {
+            comparison.identical += 1;
+            continue;
+        }
+        let at = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        if comparison.first_mismatch.is_none() {
+            comparison.first_mismatch = Some(format!(
+                "prompt {i}: first difference at generated token {at} (speculative {:?} vs target {:?})",
+                a.get(at),
+                b.get(at)
+            ));
+        }
+        if let (Some(&spec), Some(&plain)) = (a.get(at), b.get(at)) {
+            let mut context = prompts[i].clone();
+            context.extend_from_slice(&a[..at]);
+            let logits = logits_after(&context)?;
+            comparison
+                .mismatches
+                .push(trace_mismatch(i, at, &logits, spec, plain));
+        }
+    }
+    Ok(comparison)
+}
+
+/// The target's last-position logits after `context` (one prefill on the burn path).
+fn target_logits<B: Backend>(target: &TargetModel<B>, context: &[u32]) -> anyhow::Result<Vec<f32>> {
     let mut cache = target.new_cache(1, context.len() + 1);
     let step = cache.prefill_step(&[context])?;
     let out = target.forward(
@@ -451,20 +503,29 @@ fn trace_mismatch<B: Backend>(
         &TapRequest::none(),
         tandem_model::LogitsFor::Last,
     )?;
-    let logits: Vec<f32> = out
-        .logits
+    out.logits
         .expect("asked for logits")
         .into_data()
         .convert::<f32>()
         .to_vec()
-        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))
+}
+
+/// The near-tie verdict for one divergence, from the target's logits at that position.
+pub fn trace_mismatch(
+    prompt: usize,
+    position: usize,
+    logits: &[f32],
+    speculative_token: u32,
+    target_token: u32,
+) -> MismatchTrace {
     let (ls, lt) = (
         logits[speculative_token as usize],
         logits[target_token as usize],
     );
     let gap = (ls - lt).abs();
     let ulp = bf16_ulp(ls.abs().max(lt.abs()));
-    Ok(MismatchTrace {
+    MismatchTrace {
         prompt,
         position,
         speculative_token,
@@ -478,7 +539,7 @@ fn trace_mismatch<B: Backend>(
         } else {
             "NOT a tie: investigate"
         },
-    })
+    }
 }
 
 #[cfg(test)]

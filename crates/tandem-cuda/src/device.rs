@@ -32,6 +32,8 @@ struct Kernels {
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
+    copy_rows: CudaFunction,
+    rows_to_bf16: CudaFunction,
 }
 
 /// One GPU: its context, the stream every launch goes to, cuBLAS bound to that stream, and the
@@ -97,6 +99,8 @@ impl Gpu {
             silu_mul: module.load_function("silu_mul")?,
             gather_rows: module.load_function("gather_rows")?,
             argmax_rows: module.load_function("argmax_rows")?,
+            copy_rows: module.load_function("copy_rows")?,
+            rows_to_bf16: module.load_function("rows_to_bf16")?,
         };
         Ok(Arc::new(Self {
             ctx,
@@ -151,9 +155,37 @@ impl Gpu {
         inp: usize,
         out: usize,
     ) -> Result<(), CudaError> {
+        self.gemm(x, w, y, rows, inp, out, false)
+    }
+
+    /// `y += x . w^T`: [`Gpu::linear`] accumulating into `y` (cuBLAS beta = 1), so a projection
+    /// of concatenated inputs runs as one matmul per part without building the concatenation.
+    pub fn linear_add(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), CudaError> {
+        self.gemm(x, w, y, rows, inp, out, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
         assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
         let alpha = 1.0f32;
-        let beta = 0.0f32;
+        let beta = if accumulate { 1.0f32 } else { 0.0f32 };
         let (xp, _x) = x.device_ptr(&self.stream);
         let (wp, _w) = w.device_ptr(&self.stream);
         let (yp, _y) = y.device_ptr_mut(&self.stream);
@@ -395,6 +427,64 @@ impl Gpu {
         let hidden_i = hidden as i32;
         let mut launch = self.stream.launch_builder(&self.kernels.gather_rows);
         launch.arg(src).arg(rows).arg(dst).arg(&hidden_i);
+        // SAFETY: row indices come from the step's own slots (< rows of `src`); sizes asserted.
+        unsafe { launch.launch(Self::rows_config(count, 256)) }?;
+        Ok(())
+    }
+
+    /// `dst[dst_rows[k]] = src[src_rows[k]]` for f32 rows of `hidden` values.
+    pub fn copy_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        src_rows: &CudaSlice<i32>,
+        dst: &mut CudaSlice<f32>,
+        dst_rows: &CudaSlice<i32>,
+        count: usize,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
+        assert!(src_rows.len() >= count && dst_rows.len() >= count);
+        if count == 0 {
+            return Ok(());
+        }
+        let hidden_i = hidden as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.copy_rows);
+        launch
+            .arg(src)
+            .arg(src_rows)
+            .arg(dst)
+            .arg(dst_rows)
+            .arg(&hidden_i);
+        // SAFETY: callers pass row indices below the row counts of `src` and `dst` (the draft
+        // driver builds them from its own node table); index array sizes asserted.
+        unsafe { launch.launch(Self::rows_config(count, 256)) }?;
+        Ok(())
+    }
+
+    /// `dst[k, offset..offset + hidden] = bf16(src[rows[k]])`, `dst` rows `stride` wide.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rows_to_bf16(
+        &self,
+        src: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        dst: &mut CudaSlice<u16>,
+        count: usize,
+        hidden: usize,
+        stride: usize,
+        offset: usize,
+    ) -> Result<(), CudaError> {
+        assert!(rows.len() >= count && offset + hidden <= stride && dst.len() >= count * stride);
+        if count == 0 {
+            return Ok(());
+        }
+        let (hidden_i, stride_i, offset_i) = (hidden as i32, stride as i32, offset as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.rows_to_bf16);
+        launch
+            .arg(src)
+            .arg(rows)
+            .arg(dst)
+            .arg(&hidden_i)
+            .arg(&stride_i)
+            .arg(&offset_i);
         // SAFETY: row indices come from the step's own slots (< rows of `src`); sizes asserted.
         unsafe { launch.launch(Self::rows_config(count, 256)) }?;
         Ok(())

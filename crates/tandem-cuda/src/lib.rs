@@ -11,12 +11,15 @@
 mod cache;
 pub mod check;
 mod device;
+mod draft;
 mod error;
 mod model;
 pub mod reference;
 mod weights;
 
 pub use cache::CudaKvCache;
+pub use cudarc::driver::CudaSlice;
 pub use device::{AttentionShape, DeviceRows, Gpu};
+pub use draft::{CudaDraft, DraftStepOutput};
 pub use error::CudaError;
 pub use model::{CudaStepOutput, CudaTarget, DeviceLogits};

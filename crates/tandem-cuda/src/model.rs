@@ -44,6 +44,15 @@ pub struct DeviceLogits {
 }
 
 impl DeviceLogits {
+    /// Wraps `[rows, vocab]` f32 logits already on `gpu`.
+    pub fn new(data: CudaSlice<f32>, rows: usize, vocab: usize, gpu: Arc<Gpu>) -> Self {
+        Self {
+            data,
+            rows,
+            vocab,
+            gpu,
+        }
+    }
     pub fn to_host(&self) -> Result<Vec<f32>, CudaError> {
         let mut values = self.gpu.download(&self.data)?;
         values.truncate(self.rows * self.vocab);
@@ -82,6 +91,11 @@ impl CudaTarget {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// The token embedding `[vocab, hidden]` (bf16), which the draft head shares.
+    pub fn embedding(&self) -> &CudaSlice<u16> {
+        &self.weights.embed
     }
 
     /// An empty cache for `batch` sequences of up to `capacity` columns.

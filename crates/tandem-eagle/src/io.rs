@@ -345,14 +345,26 @@ pub struct LoadedHead<B: Backend> {
     pub report: LoadReport,
 }
 
-/// Loads a head directory (`config.json` + `model.safetensors`, SGLang/vLLM/SpecForge/EAGLE or
-/// Tandem layout) on top of the target embedding `embed_tokens: [vocab, H]`. A checkpoint
-/// without `d2t`/`t2d` must have `draft_vocab_size == vocab_size` and gets the identity map.
-pub fn load_pretrained<B: Backend>(
-    dir: &Path,
-    embed_tokens: Tensor<B, 2>,
-    device: &B::Device,
-) -> Result<LoadedHead<B>, EagleError> {
+/// A head directory read into host memory, before it is built on a device: what both the burn
+/// head ([`load_pretrained`]) and the CUDA fast path's head are made from.
+#[derive(Debug, Clone)]
+pub struct HostHead {
+    /// Its config.json.
+    pub config: Eagle3Config,
+    /// The config resolved.
+    pub spec: DraftSpec,
+    /// `d2t` / `t2d` (the identity when the checkpoint has none and the vocabularies agree).
+    pub vocab: VocabMap,
+    /// Every parameter in HF layout, f32.
+    pub weights: HostWeights,
+    /// Renamed / ignored / unknown keys.
+    pub report: LoadReport,
+}
+
+/// Reads a head directory (`config.json` + `model.safetensors`, SGLang/vLLM/SpecForge/EAGLE or
+/// Tandem layout) into host memory. A checkpoint without `d2t`/`t2d` must have
+/// `draft_vocab_size == vocab_size` and gets the identity map.
+pub fn load_host(dir: &Path) -> Result<HostHead, EagleError> {
     let config = Eagle3Config::load(&dir.join(CONFIG_FILE))?;
     let spec = config.resolve()?;
     let checkpoint = read_checkpoint(&dir.join(WEIGHTS_FILE), &spec)?;
@@ -371,11 +383,28 @@ pub fn load_pretrained<B: Backend>(
             });
         }
     };
-    let draft = Eagle3Draft::from_host(spec, vocab, &checkpoint.weights, embed_tokens, device)?;
+    Ok(HostHead {
+        config,
+        spec,
+        vocab,
+        weights: checkpoint.weights,
+        report: checkpoint.report,
+    })
+}
+
+/// Loads a head directory ([`load_host`]) on top of the target embedding `embed_tokens:
+/// [vocab, H]`.
+pub fn load_pretrained<B: Backend>(
+    dir: &Path,
+    embed_tokens: Tensor<B, 2>,
+    device: &B::Device,
+) -> Result<LoadedHead<B>, EagleError> {
+    let host = load_host(dir)?;
+    let draft = Eagle3Draft::from_host(host.spec, host.vocab, &host.weights, embed_tokens, device)?;
     Ok(LoadedHead {
         draft,
-        config,
-        report: checkpoint.report,
+        config: host.config,
+        report: host.report,
     })
 }
 

@@ -27,8 +27,8 @@ pub use burn;
 pub use config::{ARCHITECTURE, DraftSpec, Eagle3Config, EagleConfig, WIRING_KEY};
 pub use error::EagleError;
 pub use io::{
-    Checkpoint, LoadReport, LoadedHead, WeightDtype, checkpoint_layout, load_pretrained,
-    read_checkpoint, save_pretrained, save_safetensors,
+    Checkpoint, HostHead, LoadReport, LoadedHead, WeightDtype, checkpoint_layout, load_host,
+    load_pretrained, read_checkpoint, save_pretrained, save_safetensors,
 };
 pub use model::{
     AttentionContext, DecoderLayer, DraftCache, DraftOutput, Eagle3Draft, HostWeights, Rope,

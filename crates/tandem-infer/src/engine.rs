@@ -46,6 +46,8 @@ pub enum InferError {
     Draft(#[from] tandem_eagle::EagleError),
     #[error(transparent)]
     Tree(#[from] crate::tree::TreeError),
+    #[error(transparent)]
+    Cuda(#[from] tandem_cuda::CudaError),
 }
 
 impl SpecConfig {
@@ -233,8 +235,7 @@ impl<B: Backend> SpecEngine<'_, B> {
     /// Extra draft-cache columns a round may use beyond the target's: the scratch of the draft
     /// steps (rolled back every round).
     pub fn draft_scratch(&self) -> usize {
-        let cfg = &self.config;
-        2 * cfg.num_draft_tokens + cfg.num_steps * cfg.topk * (cfg.num_steps + 1) + 8
+        draft_scratch(&self.config)
     }
 
     /// An empty running batch whose sequences may each reach `capacity` tokens.
@@ -834,6 +835,12 @@ impl<B: Backend> SpecEngine<'_, B> {
             .map(|(r, builder)| Ok(builder.build(r.token, self.config.num_draft_tokens)?))
             .collect()
     }
+}
+
+/// Head-cache columns a round may use beyond the target's: the scratch of the draft steps,
+/// rolled back every round.
+pub(crate) fn draft_scratch(cfg: &SpecConfig) -> usize {
+    2 * cfg.num_draft_tokens + cfg.num_steps * cfg.topk * (cfg.num_steps + 1) + 8
 }
 
 /// Appends committed tokens, stopping at a stop token or the length limit.

@@ -4,6 +4,7 @@
 //! that decides correctness is unit-tested on tiny hand-made cases.
 
 pub mod engine;
+pub mod fast;
 pub mod plain;
 pub mod stats;
 pub mod tree;
@@ -14,6 +15,7 @@ pub use engine::{
     BatchOutput, DraftRoot, Finish, InferError, Progress, Request, RunningBatch, SpecConfig,
     SpecEngine, SpecOutput, Timings,
 };
+pub use fast::{FastSpecEngine, fast_target_generate};
 pub use plain::{PlainBatch, PlainEngine};
 pub use stats::AcceptanceStats;
 pub use tree::{DraftStep, DraftTree, TreeBuilder, TreeError};

@@ -1,0 +1,290 @@
+//! GPU tests of the speculative loop on the CUDA fast path. CI has no GPU, so they are ignored
+//! there; on the device machine run the built test binary with `--ignored`
+//! (scripts/gpu/spec_fast.sh).
+//!
+//! - The fast head ([`CudaDraft`]) against the burn head (CPU, f32) on a tiny random target
+//!   and head: draft extend over ragged prompts, a chain step and a tree step, each fed the
+//!   taps its own target path captured. Tolerance: bf16 (relative error 3e-2).
+//! - [`FastSpecEngine`] greedy output equals fast target-only greedy output, chain and tree,
+//!   batch 3 with ragged prompts.
+
+use std::sync::Arc;
+
+use tandem_cuda::{CudaDraft, CudaTarget, DeviceRows, Gpu};
+use tandem_eagle::{Eagle3Config, Eagle3Draft, VocabMap};
+use tandem_infer::{FastSpecEngine, SpecConfig, fast_target_generate};
+use tandem_model::backend::CpuBackend;
+use tandem_model::burn::prelude::*;
+use tandem_model::sampling::SamplingParams;
+use tandem_model::testing::{rel_err, scratch_dir, tiny_config, write_random_model};
+use tandem_model::{HfConfig, LogitsFor, TapRequest, TargetModel};
+use tandem_wiring::default_aux_taps;
+
+type B = CpuBackend;
+
+/// bf16 fast path vs f32 reference.
+const TOLERANCE: f32 = 3e-2;
+
+struct Fixture {
+    cpu_target: TargetModel<B>,
+    cpu_draft: Eagle3Draft<B>,
+    target: CudaTarget,
+    draft: CudaDraft,
+    taps: TapRequest,
+}
+
+/// A tiny target the kernels accept (head_dim 32) and a random head for it.
+fn fixture(name: &str) -> Fixture {
+    let mut config: HfConfig = tiny_config("LlamaForCausalLM", 4);
+    config.hidden_size = 128;
+    config.intermediate_size = 192;
+    config.vocab_size = 300;
+    let dir = scratch_dir(&format!("gpu-fast-{name}"));
+    write_random_model(&dir, &config, 11).expect("model written");
+    let gpu: Arc<Gpu> = Gpu::new(0).expect("these tests need a CUDA GPU");
+    let target = CudaTarget::load(&dir, gpu).expect("fast target");
+    let cpu_target = TargetModel::<B>::load(&dir, &Default::default()).expect("cpu target");
+    let taps = default_aux_taps(config.num_hidden_layers).unwrap();
+    let head_config = Eagle3Config::for_target(&config, config.vocab_size, taps.len());
+    let spec = head_config.resolve().unwrap();
+    let cpu_draft = Eagle3Draft::init(
+        spec.clone(),
+        VocabMap::identity(config.vocab_size),
+        cpu_target.embed_tokens.clone(),
+        5,
+        &Default::default(),
+    )
+    .unwrap();
+    let draft = CudaDraft::new(
+        &target,
+        spec,
+        VocabMap::identity(config.vocab_size),
+        &cpu_draft.to_host(),
+    )
+    .expect("fast head");
+    Fixture {
+        cpu_target,
+        cpu_draft,
+        target,
+        draft,
+        taps: TapRequest::new(taps),
+    }
+}
+
+fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+/// Real rows only (padding slots are not compared: both paths leave them unspecified).
+fn real_rows(values: &[f32], real: &[bool], width: usize) -> Vec<f32> {
+    values
+        .chunks(width)
+        .zip(real)
+        .filter(|(_, r)| **r)
+        .flat_map(|(row, _)| row.iter().copied())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_head_matches_the_burn_head_in_extend_chain_and_tree_steps() {
+    let f = fixture("parity");
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46],
+        vec![2, 71, 82, 81, 28],
+    ];
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let h = f.draft.spec.hidden_size;
+    let v = f.draft.spec.draft_vocab_size;
+
+    // Target prefill with taps on both paths.
+    let mut cpu_cache = f.cpu_target.new_cache(2, 64);
+    let step = cpu_cache.prefill_step(&refs).unwrap();
+    let cpu_out = f
+        .cpu_target
+        .forward(&step, &mut cpu_cache, &f.taps, LogitsFor::Last)
+        .unwrap();
+    let mut cache = f.target.new_cache(2, 64).unwrap();
+    let fast_out = f
+        .target
+        .forward(&step, &mut cache, &f.taps, LogitsFor::Last)
+        .unwrap();
+
+    // Extend over prompt[1..] + one token, fed by each path's own taps.
+    let chunks: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| p[1..].iter().copied().chain([7]).collect())
+        .collect();
+    let crefs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+    let mut cpu_dcache = f.cpu_draft.new_cache(2, 64);
+    let dstep = cpu_dcache.prefill_step(&crefs).unwrap();
+    let cpu_ext = f
+        .cpu_draft
+        .extend(
+            &dstep,
+            cpu_out.taps.concatenated().unwrap(),
+            &mut cpu_dcache,
+        )
+        .unwrap();
+    let mut dcache = f.draft.new_cache(2, 64).unwrap();
+    let rows: Vec<i32> = (0..(dstep.batch * dstep.width) as i32).collect();
+    let aux = f.draft.fc_input(&fast_out.taps, &rows).unwrap();
+    let fast_ext = f.draft.extend(&dstep, &aux, &mut dcache).unwrap();
+    let compare = |what: &str, fast: &DeviceRows, cpu: Tensor<B, 3>, real: &[bool], w: usize| {
+        let fast = real_rows(&fast.to_host().unwrap(), real, w);
+        let cpu = real_rows(&host(cpu), real, w);
+        let err = rel_err(&fast, &cpu);
+        eprintln!("{what}: rel err {err:.2e}");
+        assert!(err < TOLERANCE, "{what}: rel err {err}");
+    };
+    compare(
+        "extend hidden",
+        &fast_ext.hidden,
+        cpu_ext.hidden.clone(),
+        &dstep.real,
+        h,
+    );
+    let logits_err = rel_err(
+        &real_rows(&fast_ext.logits.to_host().unwrap(), &dstep.real, v),
+        &real_rows(&host(cpu_ext.logits), &dstep.real, v),
+    );
+    eprintln!("extend logits: rel err {logits_err:.2e}");
+    assert!(logits_err < TOLERANCE);
+
+    // A chain step from the last real slot of each sequence.
+    let last: Vec<usize> = chunks
+        .iter()
+        .enumerate()
+        .map(|(b, c)| b * dstep.width + c.len() - 1)
+        .collect();
+    let cpu_hidden_rows: Vec<f32> = host(cpu_ext.hidden.clone());
+    let pick = |values: &[f32]| -> Vec<f32> {
+        last.iter()
+            .flat_map(|&r| values[r * h..(r + 1) * h].iter().copied())
+            .collect()
+    };
+    let cpu_in = Tensor::<B, 3>::from_data(
+        TensorData::new(pick(&cpu_hidden_rows), [2, 1, h]),
+        &Default::default(),
+    );
+    let fast_in = f
+        .draft
+        .gpu()
+        .upload(&pick(&fast_ext.hidden.to_host().unwrap()))
+        .unwrap();
+    let tokens = [17u32, 250];
+    let cstep = cpu_dcache.decode_step(&tokens).unwrap();
+    let cpu_chain = f
+        .cpu_draft
+        .forward_step(&cstep, cpu_in.clone(), &mut cpu_dcache)
+        .unwrap();
+    let fast_chain = f
+        .draft
+        .forward_step(&cstep, fast_in.clone(), &mut dcache)
+        .unwrap();
+    compare(
+        "chain hidden",
+        &fast_chain.hidden,
+        cpu_chain.hidden,
+        &cstep.real,
+        h,
+    );
+    let err = rel_err(
+        &fast_chain.logits.to_host().unwrap(),
+        &host(cpu_chain.logits),
+    );
+    eprintln!("chain logits: rel err {err:.2e}");
+    assert!(err < TOLERANCE);
+
+    // A tree step (rolled back first, as the drafter does): root children 0 and 1, node 2
+    // under node 0; every node's hidden input is the sequence's root output.
+    cpu_dcache.rollback(cpu_dcache.used() - 1);
+    let used = dcache.layout().used();
+    dcache.layout_mut().rollback(used - 1);
+    let tree: (&[u32], &[Option<usize>]) = (&[5, 6, 7], &[None, None, Some(0)]);
+    let tstep = cpu_dcache.tree_step(&[tree, tree]).unwrap();
+    let repeat =
+        |values: Vec<f32>| -> Vec<f32> { values.chunks(h).flat_map(|row| row.repeat(3)).collect() };
+    let cpu_tree = f
+        .cpu_draft
+        .forward_step(
+            &tstep,
+            Tensor::from_data(
+                TensorData::new(repeat(host(cpu_in)), [2, 3, h]),
+                &Default::default(),
+            ),
+            &mut cpu_dcache,
+        )
+        .unwrap();
+    let fast_tree_in = f
+        .draft
+        .gpu()
+        .upload(&repeat(f.draft.gpu().download(&fast_in).unwrap()))
+        .unwrap();
+    let fast_tree = f
+        .draft
+        .forward_step(&tstep, fast_tree_in, &mut dcache)
+        .unwrap();
+    compare(
+        "tree hidden",
+        &fast_tree.hidden,
+        cpu_tree.hidden,
+        &tstep.real,
+        h,
+    );
+    let err = rel_err(&fast_tree.logits.to_host().unwrap(), &host(cpu_tree.logits));
+    eprintln!("tree logits: rel err {err:.2e}");
+    assert!(err < TOLERANCE);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_speculative_greedy_equals_fast_target_greedy() {
+    let f = fixture("greedy");
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![3, 14, 15, 92, 65],
+        vec![2, 71, 82],
+        vec![9, 4, 33, 61, 2, 2, 8, 90, 17],
+    ];
+    let expected =
+        fast_target_generate(&f.target, &prompts, 24, &[], SamplingParams::greedy(), 0).unwrap();
+    for config in [
+        SpecConfig::chain(3),
+        SpecConfig {
+            num_steps: 3,
+            topk: 4,
+            num_draft_tokens: 8,
+            sampling: SamplingParams::greedy(),
+            seed: 0,
+        },
+    ] {
+        let engine = FastSpecEngine {
+            target: &f.target,
+            draft: &f.draft,
+            taps: f.taps.clone(),
+            config,
+        };
+        let out = engine.generate(&prompts, 24, &[]).unwrap();
+        for (b, want) in expected.iter().enumerate() {
+            assert_eq!(
+                out.sequences[b].tokens, want.tokens,
+                "sequence {b}, {config:?}"
+            );
+            let stats = &out.sequences[b].stats;
+            assert!(stats.rounds > 0);
+            let tau = stats.accept_length();
+            assert!(
+                (1.0..=config.num_steps as f64 + 1.0).contains(&tau),
+                "tau {tau}"
+            );
+        }
+        // The same engine on the CPU (burn, f32) agrees on the first tokens too: the fast
+        // path computes the same function, not just a self-consistent one.
+        let cpu = tandem_infer::engine::target_greedy(&f.cpu_target, &prompts[0], 4, &[]).unwrap();
+        assert_eq!(
+            out.sequences[0].tokens[..4],
+            cpu[..],
+            "first tokens vs the CPU reference"
+        );
+    }
+}
