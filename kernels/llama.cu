@@ -333,3 +333,86 @@ extern "C" __global__ void rows_to_bf16(const float* src, const int* rows, unsig
         d[i] = f32_to_bf16(s[i]);
     }
 }
+
+// The k most likely entries of each row of draft logits with their softmax probabilities
+// (descending; ties: lower index first), what tree drafting keeps of every draft step:
+// probs[r, j] = exp(logits[r, ids[r, j]] - max) / sum(exp(logits[r, :] - max)). k <= 32.
+// One pass for the max, one for the sum, then k argmax passes that skip the entries already
+// chosen. Grid: rows. Block: 1024.
+extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k, float* probs,
+                                        unsigned int* ids) {
+    __shared__ float scratch[32];
+    __shared__ float best_value[32];
+    __shared__ int best_index[32];
+    __shared__ int chosen[32];
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        m = fmaxf(m, row[i]);
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    }
+    if (lane == 0) {
+        best_value[warp] = m;
+    }
+    __syncthreads();
+    m = NEG_INF;
+    for (int w = 0; w < warps; ++w) {
+        m = fmaxf(m, best_value[w]);
+    }
+    __syncthreads();
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        s += expf(row[i] - m);
+    }
+    const float total = block_sum(s, scratch);
+
+    for (int j = 0; j < k; ++j) {
+        float best = NEG_INF;
+        int index = 0x7fffffff;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float v = row[i];
+            bool taken = false;
+            for (int c = 0; c < j; ++c) {
+                taken |= chosen[c] == i;
+            }
+            if (!taken && (v > best || (v == best && i < index))) {
+                best = v;
+                index = i;
+            }
+        }
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, offset);
+            const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
+            if (ov > best || (ov == best && oi < index)) {
+                best = ov;
+                index = oi;
+            }
+        }
+        if (lane == 0) {
+            best_value[warp] = best;
+            best_index[warp] = index;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < warps; ++w) {
+                if (best_value[w] > best || (best_value[w] == best && best_index[w] < index)) {
+                    best = best_value[w];
+                    index = best_index[w];
+                }
+            }
+            if (index == 0x7fffffff) {
+                index = 0;
+            }
+            chosen[j] = index;
+            probs[(size_t)blockIdx.x * k + j] = expf(row[index] - m) / total;
+            ids[(size_t)blockIdx.x * k + j] = (unsigned int)index;
+        }
+        __syncthreads();
+    }
+}

@@ -72,6 +72,25 @@ print("served as vLLM reads SGLang ids", blocks, ":", taps, "->", w["taps"])
 PY
 }
 
+# The fault suite's "permuted slots" as a serving configuration: the head served on its own
+# three taps in reverse slot order (a config that lists the ids in another order than the one
+# the head was trained with). The manifest says the reversed taps, so serving does not stop.
+miswire_permuted() {
+  rm -rf "$2" && cp -r "$1" "$2"
+  python3 - "$2/config.json" <<'PY'
+import json, sys
+p = sys.argv[1]
+c = json.load(open(p))
+w = c["tandem_wiring"]
+taps = w["taps"]
+w["taps"] = taps[::-1]
+w.pop("raw_ids", None)
+c.get("eagle_config", {}).pop("eagle_aux_hidden_state_layer_ids", None)
+json.dump(c, open(p, "w"), indent=2)
+print("served with slots reversed:", taps, "->", w["taps"])
+PY
+}
+
 run() { echo "== $*" | tee -a "$LOG"; timeout "${TIMEOUT:-300}" "$@" 2>&1 | grep -v '^wiring: dtype' | tail -${TAIL:-25} | tee -a "$LOG"; }
 PARTS="${PARTS:-replay compare diagnose serve bench}"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -118,6 +137,32 @@ part_compare() {
     TAIL=14 run "$T" compare "${common[@]}" --head "$W/compare-head-miswired" --steps 3 --topk 1 \
       --num-draft-tokens 4 --json "$OUT/compare_miswired_chain.json"
   fi
+}
+
+# Issue #7, mis-wired serving: compare (offline on the dump's recorded taps vs online through
+# the mis-wired serving configuration) and diagnose on the two mis-wired copies. Needs the
+# dump part_compare made (or regenerates it).
+part_collapse() {
+  local head="${COMPARE_HEAD:-heads/smollm2-135m-eagle3}" dump="${COMPARE_DUMP:-$W/compare-regen}"
+  local samples="${COMPARE_SAMPLES:-16}"
+  if [[ ! -f "$dump/manifest.json" ]]; then
+    local data="$W/sharegpt-3k.jsonl"
+    [[ -f "$data" ]] || xz -dc "$BIN/sharegpt-3k.jsonl.xz" > "$data"
+    TAIL=4 run "$T" dump --model "$M" --dataset "$data" --out "$dump" --regenerate \
+      --max-new-tokens 128 --batch-size "$samples" --max-len 512 --max-samples "$samples" \
+      --device cuda --quiet
+  fi
+  local common=(--dump "$dump" --model "$M" --device cuda --prompts dump
+    --max-prompts "$samples" --max-samples "$samples" --offline-batch "$samples")
+  miswire_permuted "$head" "$W/compare-head-permuted"
+  TAIL=14 run "$T" compare "${common[@]}" --head "$W/compare-head-permuted" --steps 3 --topk 1 \
+    --num-draft-tokens 4 --json "$OUT/compare_permuted_chain.json" --html "$OUT/compare_permuted_chain.html"
+  for bad in permuted miswired; do
+    [[ -d "$W/compare-head-$bad" ]] || miswire_as_vllm "$head" "$W/compare-head-$bad"
+    TAIL=30 run "$T" diagnose --head "$W/compare-head-$bad" --model "$M" --device cuda \
+      --data-root "$W/data" --samples "${DIAG_SAMPLES:-8}" --max-new-tokens 64 \
+      --json "$OUT/diagnose_$bad.json" --html "$OUT/diagnose_$bad.html"
+  done
 }
 
 part_diagnose() {

@@ -10,10 +10,11 @@
 # this call carries .device/f: part-b, mtbench.jsonl, tandem.xz (a `--features cuda` release
 # build; the fast path itself needs no feature) and tandem-infer-tests.xz / tandem-cuda-tests.xz
 # (`cargo test -p tandem-infer -p tandem-cuda --release --no-run`).
-# Knobs: PARTS ("tests bench hf"), PROMPTS (80 = all of MT-Bench), TOKENS (128), BATCHES ("1 8"),
+# Knobs: PARTS ("tests pool bench hf"; pool = fast-bench with CUDA's default memory-pool
+# release threshold and with the one Gpu::new sets), PROMPTS (80 = all of MT-Bench), TOKENS (128), BATCHES ("1 8"),
 # CONFIGS ("3/1/4 3/4/8": steps/topk/draft tokens), HF_PROMPTS (20), HEAD (committed head).
 source scripts/gpu/common.sh
-PARTS="${PARTS:-tests bench hf}"
+PARTS="${PARTS:-tests pool bench hf}"
 PROMPTS="${PROMPTS:-80}"
 TOKENS="${TOKENS:-128}"
 BATCHES="${BATCHES:-1 8}"
@@ -35,6 +36,17 @@ if [[ " $PARTS " == *" tests "* ]]; then
     echo "== GPU tests: $t --ignored" | tee -a "$LOG"
     xz -dc "$BIN/$t.xz" > "$W/$t" && chmod +x "$W/$t"
     timeout 240 "$W/$t" --ignored --test-threads 1 2>&1 | grep -E "^test |test result|panicked|rel err" | tail -30 | tee -a "$LOG"
+  done
+fi
+if [[ " $PARTS " == *" pool "* ]]; then
+  # The CUDA memory pool's release threshold: CUDA's default (0, freed memory goes back to the
+  # driver at every synchronisation) vs what Gpu::new sets (keep it), same binary, same run.
+  for threshold in 0 18446744073709551615; do
+    echo "== fast-bench, pool release threshold $threshold" | tee -a "$LOG"
+    timeout 200 "$T" fast-bench --model "$M" --batch 1,8,16 --new-tokens 64 --with-taps \
+      --pool-release-threshold "$threshold" --json "$OUT/fast_bench_pool_$threshold.json" \
+      2> "$W/fast_bench.err" | sed "s/^| tandem-cuda fast path |/| fast path, pool threshold $threshold |/" | tee -a "$LOG"
+    echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"
   done
 fi
 if [[ " $PARTS " == *" bench "* ]]; then

@@ -121,6 +121,10 @@ pub struct FastBenchArgs {
     /// Also measure decode with the head's three taps requested (blocks 1, L/2-1, L-4).
     #[arg(long)]
     pub with_taps: bool,
+    /// Bytes of freed memory the CUDA memory pool keeps across synchronisations (default: all;
+    /// 0 is CUDA's default, which re-maps every step's scratch buffers).
+    #[arg(long)]
+    pub pool_release_threshold: Option<u64>,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -137,6 +141,9 @@ struct FastBenchRow {
 pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let gpu = Gpu::new(0)?;
+    if let Some(bytes) = args.pool_release_threshold {
+        gpu.set_pool_release_threshold(bytes)?;
+    }
     let model = CudaTarget::load(&args.model, gpu.clone())?;
     let tokenizer = TargetTokenizer::load(&args.model)?;
     let seed = tokenizer.encode(

@@ -11,6 +11,7 @@ use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
+use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -34,6 +35,7 @@ struct Kernels {
     argmax_rows: CudaFunction,
     copy_rows: CudaFunction,
     rows_to_bf16: CudaFunction,
+    topk_softmax: CudaFunction,
 }
 
 /// One GPU: its context, the stream every launch goes to, cuBLAS bound to that stream, and the
@@ -101,13 +103,41 @@ impl Gpu {
             argmax_rows: module.load_function("argmax_rows")?,
             copy_rows: module.load_function("copy_rows")?,
             rows_to_bf16: module.load_function("rows_to_bf16")?,
+            topk_softmax: module.load_function("topk_softmax")?,
         };
-        Ok(Arc::new(Self {
+        let gpu = Self {
             ctx,
             stream,
             blas,
             kernels,
-        }))
+        };
+        gpu.set_pool_release_threshold(u64::MAX)?;
+        Ok(Arc::new(gpu))
+    }
+
+    fn pool_of(ctx: &Arc<CudaContext>) -> Result<CUmemoryPool, CudaError> {
+        // SAFETY: the device handle comes from a live context.
+        Ok(unsafe { cudarc::driver::result::device::get_mem_pool(ctx.cu_device()) }?)
+    }
+
+    /// How much freed memory the device's stream-ordered pool may keep across
+    /// synchronisations. Every scratch buffer of a step is allocated from that pool, and every
+    /// step ends with a token read-back that synchronises; with CUDA's default threshold (0)
+    /// the pool hands all freed memory back to the driver there, so the next step maps its
+    /// buffers afresh. `Gpu::new` keeps everything (`u64::MAX`); `fast-bench
+    /// --pool-release-threshold 0` measures the default.
+    pub fn set_pool_release_threshold(&self, bytes: u64) -> Result<(), CudaError> {
+        let pool = Self::pool_of(&self.ctx)?;
+        let mut value = bytes;
+        // SAFETY: the pool belongs to this context's device; the attribute takes a u64.
+        unsafe {
+            cudarc::driver::result::mem_pool::set_attribute(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value) as *mut u64 as *mut std::ffi::c_void,
+            )
+        }?;
+        Ok(())
     }
 
     pub fn name(&self) -> String {
@@ -509,6 +539,41 @@ impl Gpu {
         let mut host = self.download(&out)?;
         host.truncate(rows);
         Ok(host)
+    }
+}
+
+impl Gpu {
+    /// The `k` most likely entries of each row of `[rows, vocab]` f32 logits with their
+    /// softmax probabilities, computed on the GPU (one small read-back): `(probs, ids)`, each
+    /// `[rows * k]`, descending per row, ties to the lower index. `k` is at most 32.
+    pub fn topk_softmax_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        k: usize,
+    ) -> Result<(Vec<f32>, Vec<u32>), CudaError> {
+        assert!(logits.len() >= rows * vocab && (1..=32).contains(&k) && k <= vocab);
+        let mut probs = self.scratch::<f32>(rows * k)?;
+        let mut ids = self.scratch::<u32>(rows * k)?;
+        let (vocab_i, k_i) = (vocab as i32, k as i32);
+        {
+            let mut launch = self.stream.launch_builder(&self.kernels.topk_softmax);
+            launch
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&k_i)
+                .arg(&mut probs)
+                .arg(&mut ids);
+            // SAFETY: one block per row reads `vocab` values and writes `k` of each output;
+            // sizes asserted.
+            unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
+        }
+        let mut probs = self.download(&probs)?;
+        let mut ids = self.download(&ids)?;
+        probs.truncate(rows * k);
+        ids.truncate(rows * k);
+        Ok((probs, ids))
     }
 }
 

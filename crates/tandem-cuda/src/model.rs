@@ -62,6 +62,12 @@ impl DeviceLogits {
     pub fn argmax(&self) -> Result<Vec<u32>, CudaError> {
         self.gpu.argmax_rows(&self.data, self.rows, self.vocab)
     }
+    /// The `k` most likely entries of each row and their softmax probabilities, computed on
+    /// the GPU: `(probs, ids)`, each `[rows * k]`, descending per row.
+    pub fn topk(&self, k: usize) -> Result<(Vec<f32>, Vec<u32>), CudaError> {
+        self.gpu
+            .topk_softmax_rows(&self.data, self.rows, self.vocab, k)
+    }
 }
 
 /// What a fast-path step returns: logits as chosen by [`LogitsFor`] (`Last`: one row per

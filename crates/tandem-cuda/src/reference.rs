@@ -68,6 +68,21 @@ pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// The `k` largest entries of `row` with their softmax probabilities (f64 sums), descending,
+/// ties to the lower index: `(probs, ids)`.
+pub fn topk_softmax(row: &[f32], k: usize) -> (Vec<f32>, Vec<usize>) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    let probs = order
+        .iter()
+        .map(|&i| (f64::from(row[i] - max).exp() / sum) as f32)
+        .collect();
+    (probs, order)
+}
+
 /// First index of the maximum (torch.argmax).
 pub fn argmax(row: &[f32]) -> usize {
     let mut best = 0;
@@ -109,6 +124,17 @@ mod tests {
         let values = vec![vec![1.0, 0.0], vec![3.0, 2.0], vec![50.0, 50.0]];
         let out = attention(&q, &keys, &values, &[true, true, false]);
         assert_eq!(out, vec![2.0, 1.0]);
+    }
+
+    #[test]
+    fn topk_softmax_by_hand() {
+        // logits [0, ln 3, ln 2, ln 3]: probabilities [1, 3, 2, 3] / 9; ties keep the lower
+        // index first.
+        let (p, i) = topk_softmax(&[0.0, 3f32.ln(), 2f32.ln(), 3f32.ln()], 3);
+        assert_eq!(i, vec![1, 3, 2]);
+        for (got, want) in p.iter().zip([3.0 / 9.0, 3.0 / 9.0, 2.0 / 9.0]) {
+            assert!((got - want).abs() < 1e-6, "{p:?}");
+        }
     }
 
     #[test]

@@ -364,3 +364,36 @@ fn rope_cache_write_and_attention_kernels_match_their_references() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn topk_softmax_kernel_matches_its_reference() {
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (rows, vocab) = (7, 8192);
+    let mut logits: Vec<f32> = (0..rows * vocab)
+        .map(|_| rng.random_range(-12.0..12.0))
+        .collect();
+    // Exact ties at the top of row 0 and a peaked row 1: ties must go to the lower index.
+    logits[100] = 40.0;
+    logits[7] = 40.0;
+    logits[vocab + 5000] = 60.0;
+    let device = gpu.upload(&logits).unwrap();
+    for k in [1, 4, 8] {
+        let (probs, ids) = gpu.topk_softmax_rows(&device, rows, vocab, k).unwrap();
+        for r in 0..rows {
+            let (want_p, want_i) = reference::topk_softmax(&logits[r * vocab..(r + 1) * vocab], k);
+            let got_i: Vec<usize> = ids[r * k..(r + 1) * k]
+                .iter()
+                .map(|&i| i as usize)
+                .collect();
+            assert_eq!(got_i, want_i, "row {r}, k {k}");
+            for (g, w) in probs[r * k..(r + 1) * k].iter().zip(&want_p) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.max(1e-3),
+                    "row {r}, k {k}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}

@@ -28,25 +28,6 @@ use crate::stats::AcceptanceStats;
 use crate::tree::{DraftTree, TreeBuilder};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
 
-/// Softmax of `logits` and its `k` most likely entries, most likely first (ties: lower index
-/// first): `(probabilities, indices)`. What the tree drafter keeps of each draft step.
-pub fn top_k_probs(logits: &[f32], k: usize) -> (Vec<f32>, Vec<usize>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    let k = k.min(logits.len());
-    order.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
-        logits[b].total_cmp(&logits[a]).then(a.cmp(&b))
-    });
-    order.truncate(k);
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    let probs = order
-        .iter()
-        .map(|&i| (f64::from((logits[i] - max).exp()) / sum) as f32)
-        .collect();
-    (probs, order)
-}
-
 /// The draft state of a batch between rounds: per row, the head's output at the last
 /// committed slot (`hidden: [batch, H]`, `logits: [batch, draft_vocab]`) and the last token.
 struct Roots {
@@ -372,7 +353,8 @@ impl FastSpecEngine<'_> {
     /// Tree drafting with topk > 1, as the burn engine does it: each draft step re-runs the
     /// beams with their ancestor paths in one tree step (rolled back), so every beam attends to
     /// exactly its own ancestors. Evaluated nodes keep their hidden output in a node store on
-    /// the GPU; only the beams' logits rows come back to the host for the top-k.
+    /// the GPU; the top-k of each row is computed on the GPU (`topk_softmax` in kernels/llama.cu)
+    /// and only `k` probabilities and ids per row come back to the host.
     fn draft_beams(
         &self,
         roots: &Roots,
@@ -382,7 +364,6 @@ impl FastSpecEngine<'_> {
         let k = self.config.topk;
         let batch = roots.tokens.len();
         let h = self.draft.spec.hidden_size;
-        let dv = self.draft.spec.draft_vocab_size;
         let base_columns = dcache.layout().used();
         struct Node {
             token: u32,
@@ -408,10 +389,13 @@ impl FastSpecEngine<'_> {
         let mut nodes: Vec<Vec<Node>> = (0..batch).map(|_| Vec::new()).collect();
         let mut builders: Vec<TreeBuilder> = (0..batch).map(|_| TreeBuilder::new(k)).collect();
         let mut beams: Vec<Vec<usize>> = vec![Vec::new(); batch];
-        let root_logits = roots.logits.to_host()?;
+        let (probs, ids) = roots.logits.topk(k)?;
         for b in 0..batch {
-            let (p, ids) = top_k_probs(&root_logits[b * dv..(b + 1) * dv], k);
-            let t: Vec<u32> = ids.iter().map(|&d| self.draft.vocab.to_target(d)).collect();
+            let p = probs[b * k..(b + 1) * k].to_vec();
+            let t: Vec<u32> = ids[b * k..(b + 1) * k]
+                .iter()
+                .map(|&d| self.draft.vocab.to_target(d as usize))
+                .collect();
             for beam in builders[b].push(&[p], &[t]) {
                 nodes[b].push(Node {
                     token: beam.token,
@@ -504,18 +488,20 @@ impl FastSpecEngine<'_> {
                 beam_rows.len(),
                 h,
             )?;
-            let beam_logits = self.select_logits(&out.logits, &beam_rows)?.to_host()?;
+            // Top-k of every row of the step on the GPU; the beams' rows are read here.
+            let (probs, ids) = out.logits.topk(k)?;
             let mut at = 0;
             for b in 0..batch {
                 let mut beam_probs = Vec::with_capacity(k);
                 let mut beam_tokens = Vec::with_capacity(k);
                 for &beam in &beams[b] {
                     nodes[b][beam].stored = Some(stored + at);
-                    let (p, ids) = top_k_probs(&beam_logits[at * dv..(at + 1) * dv], k);
-                    beam_probs.push(p);
+                    let r = beam_rows[at];
+                    beam_probs.push(probs[r * k..(r + 1) * k].to_vec());
                     beam_tokens.push(
-                        ids.iter()
-                            .map(|&d| self.draft.vocab.to_target(d))
+                        ids[r * k..(r + 1) * k]
+                            .iter()
+                            .map(|&d| self.draft.vocab.to_target(d as usize))
                             .collect::<Vec<u32>>(),
                     );
                     at += 1;
@@ -660,23 +646,4 @@ pub fn fast_target_generate(
         step = cache.layout().decode_step(&next)?;
     }
     Ok(rows.into_iter().map(|r| r.output).collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::top_k_probs;
-
-    #[test]
-    fn top_k_is_the_softmax_head_in_order() {
-        // Hand-worked: logits [0, ln 3, ln 2, ln 3]: probabilities [1, 3, 2, 3] / 9.
-        let logits = [0.0, 3f32.ln(), 2f32.ln(), 3f32.ln()];
-        let (p, i) = top_k_probs(&logits, 3);
-        assert_eq!(i, vec![1, 3, 2], "ties keep the lower index first");
-        for (got, want) in p.iter().zip([3.0 / 9.0, 3.0 / 9.0, 2.0 / 9.0]) {
-            assert!((got - want).abs() < 1e-6, "{p:?}");
-        }
-        let (p, i) = top_k_probs(&logits, 10);
-        assert_eq!(i.len(), 4);
-        assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-    }
 }
