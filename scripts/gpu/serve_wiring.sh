@@ -157,6 +157,8 @@ part_collapse() {
   miswire_permuted "$head" "$W/compare-head-permuted"
   TAIL=14 run "$T" compare "${common[@]}" --head "$W/compare-head-permuted" --steps 3 --topk 1 \
     --num-draft-tokens 4 --json "$OUT/compare_permuted_chain.json" --html "$OUT/compare_permuted_chain.html"
+  TAIL=16 run "$T" replay --dump "$dump" --model "$M" --head "$W/compare-head-permuted" --device cuda \
+    --max-samples 4 --json "$OUT/replay_permuted.json"
   for bad in permuted miswired; do
     [[ -d "$W/compare-head-$bad" ]] || miswire_as_vllm "$head" "$W/compare-head-$bad"
     TAIL=30 run "$T" diagnose --head "$W/compare-head-$bad" --model "$M" --device cuda \
