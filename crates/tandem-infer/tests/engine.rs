@@ -8,7 +8,7 @@ use tandem_infer::engine::target_greedy;
 use tandem_infer::{SpecConfig, SpecEngine};
 use tandem_model::backend::CpuBackend;
 use tandem_model::sampling::{SamplingParams, distribution};
-use tandem_model::testing::{tiny_config, write_random_model};
+use tandem_model::testing::{chi_square_999, tiny_config, write_random_model};
 use tandem_model::{LogitsFor, TapRequest, TargetModel};
 use tandem_wiring::default_aux_taps;
 
@@ -178,15 +178,27 @@ fn partially_accepted_drafts_commit_correctly() {
 
 /// Chi-square: the second generated token (the first one produced by tree verification) must
 /// follow the target's marginal distribution sum_t1 p(t1) p(t2 | t1), computed exactly here.
+/// Several temperatures, and top-p / top-k truncation.
 #[test]
 fn sampling_keeps_the_target_distribution() {
     let (target, draft, taps) = setup("sampling");
+    for (temperature, top_p, top_k) in [(2.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.9, 20)] {
+        let sampling = SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+        };
+        check_sampling(&target, &draft, &taps, sampling);
+    }
+}
+
+fn check_sampling(
+    target: &TargetModel<B>,
+    draft: &Eagle3Draft<B>,
+    taps: &TapRequest,
+    sampling: SamplingParams,
+) {
     let prompt = vec![5u32, 6, 7];
-    let sampling = SamplingParams {
-        temperature: 2.0,
-        top_p: 1.0,
-        top_k: 0,
-    };
     let vocab = target.spec.vocab_size;
     let probs_after = |tokens: &[u32]| -> Vec<f32> {
         let mut cache = target.new_cache(1, tokens.len());
@@ -209,7 +221,7 @@ fn sampling_keeps_the_target_distribution() {
             marginal[t2] += p as f64 * q as f64;
         }
     }
-    let draws = 3000;
+    let draws = 2000;
     let mut counts = vec![0usize; vocab];
     let config = SpecConfig {
         num_steps: 2,
@@ -220,8 +232,8 @@ fn sampling_keeps_the_target_distribution() {
     };
     for seed in 0..draws {
         let engine = SpecEngine {
-            target: &target,
-            draft: &draft,
+            target,
+            draft,
             taps: taps.clone(),
             config: SpecConfig {
                 seed: seed as u64,
@@ -233,29 +245,11 @@ fn sampling_keeps_the_target_distribution() {
             .unwrap();
         counts[out.sequences[0].tokens[1] as usize] += 1;
     }
-    // Pool cells with expected count < 5 into one.
-    let (mut chi2, mut dof, mut pooled_e, mut pooled_c) = (0f64, 0usize, 0f64, 0f64);
-    for (e, c) in marginal.iter().map(|m| m * draws as f64).zip(&counts) {
-        if e < 5.0 {
-            pooled_e += e;
-            pooled_c += *c as f64;
-        } else {
-            chi2 += (*c as f64 - e).powi(2) / e;
-            dof += 1;
-        }
-    }
-    if pooled_e > 0.0 {
-        chi2 += (pooled_c - pooled_e).powi(2) / pooled_e;
-        dof += 1;
-    }
-    dof -= 1;
-    // 99.9% quantile of chi-square via the Wilson-Hilferty approximation.
-    let k = dof as f64;
-    let z = 3.09;
-    let limit = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    let (chi2, limit) = chi_square_999(&marginal, &counts);
+    eprintln!("{sampling:?}: chi2 {chi2:.1} (limit {limit:.1})");
     assert!(
         chi2 < limit,
-        "chi2 {chi2:.1} over {dof} dof (limit {limit:.1})"
+        "{sampling:?}: chi2 {chi2:.1} (limit {limit:.1})"
     );
 }
 

@@ -288,3 +288,66 @@ fn fast_speculative_greedy_equals_fast_target_greedy() {
         );
     }
 }
+
+/// Lossless sampling on the fast path: the second generated token must follow the target's
+/// marginal `sum_t1 p(t1) p(t2 | t1)` (computed from fast-path prefills), chi-square at 99.9%,
+/// for several temperatures and with top-p / top-k truncation; the tree (topk 2) drafts.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_sampling_keeps_the_target_distribution() {
+    let f = fixture("sampling");
+    let prompt = vec![5u32, 6, 7];
+    let vocab = f.target.spec.vocab_size;
+    for (temperature, top_p, top_k) in [(2.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.9, 20)] {
+        let sampling = SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+        };
+        let probs_after = |tokens: &[u32]| -> Vec<f32> {
+            let mut cache = f.target.new_cache(1, tokens.len()).unwrap();
+            let step = cache.layout().prefill_step(&[tokens]).unwrap();
+            let out = f
+                .target
+                .forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)
+                .unwrap();
+            tandem_model::sampling::distribution(&out.logits.unwrap().to_host().unwrap(), &sampling)
+        };
+        let mut marginal = vec![0f64; vocab];
+        for (t1, &p) in probs_after(&prompt).iter().enumerate() {
+            if p < 1e-6 {
+                continue;
+            }
+            let mut ctx = prompt.clone();
+            ctx.push(t1 as u32);
+            for (t2, q) in probs_after(&ctx).into_iter().enumerate() {
+                marginal[t2] += p as f64 * q as f64;
+            }
+        }
+        let mut counts = vec![0usize; vocab];
+        for seed in 0..2000u64 {
+            let engine = FastSpecEngine {
+                target: &f.target,
+                draft: &f.draft,
+                taps: f.taps.clone(),
+                config: SpecConfig {
+                    num_steps: 2,
+                    topk: 2,
+                    num_draft_tokens: 4,
+                    sampling,
+                    seed,
+                },
+            };
+            let out = engine
+                .generate(std::slice::from_ref(&prompt), 2, &[])
+                .unwrap();
+            counts[out.sequences[0].tokens[1] as usize] += 1;
+        }
+        let (chi2, limit) = tandem_model::testing::chi_square_999(&marginal, &counts);
+        eprintln!("{sampling:?}: chi2 {chi2:.1} (limit {limit:.1})");
+        assert!(
+            chi2 < limit,
+            "{sampling:?}: chi2 {chi2:.1} (limit {limit:.1})"
+        );
+    }
+}

@@ -42,6 +42,32 @@ pub fn rel_err(actual: &[f32], reference: &[f32]) -> f32 {
 
 /// A fresh, empty scratch directory under the system temp dir, unique per call even within one
 /// test process (tests run in parallel threads of one process, so the pid alone is not enough).
+/// Pearson's chi-square of observed `counts` against `expected` probabilities (cells expected
+/// below 5 draws pooled into one), and its 99.9% quantile for the resulting degrees of freedom
+/// (Wilson-Hilferty approximation): `(statistic, limit)`. A sampler that follows `expected`
+/// stays below the limit 999 times in 1000.
+pub fn chi_square_999(expected: &[f64], counts: &[usize]) -> (f64, f64) {
+    let draws: usize = counts.iter().sum();
+    let (mut chi2, mut dof, mut pooled_e, mut pooled_c) = (0f64, 0usize, 0f64, 0f64);
+    for (e, c) in expected.iter().map(|m| m * draws as f64).zip(counts) {
+        if e < 5.0 {
+            pooled_e += e;
+            pooled_c += *c as f64;
+        } else {
+            chi2 += (*c as f64 - e).powi(2) / e;
+            dof += 1;
+        }
+    }
+    if pooled_e > 0.0 {
+        chi2 += (pooled_c - pooled_e).powi(2) / pooled_e;
+        dof += 1;
+    }
+    let k = dof.saturating_sub(1).max(1) as f64;
+    let z = 3.09;
+    let limit = k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    (chi2, limit)
+}
+
 pub fn scratch_dir(name: &str) -> PathBuf {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
