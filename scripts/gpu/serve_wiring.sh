@@ -115,10 +115,16 @@ part_compare() {
     if [[ -f "$W/sharegpt-regen/manifest.json" ]]; then dump="$W/sharegpt-regen"; else dump="$W/compare-regen"; fi
   fi
   if [[ ! -f "$dump/manifest.json" ]]; then
-    # No regenerated dump on this machine: regenerate just the samples compare reads.
-    local data="$W/sharegpt-3k.jsonl"
-    [[ -f "$data" ]] || xz -dc "$BIN/sharegpt-3k.jsonl.xz" > "$data"
-    TAIL=4 run "$T" dump --model "$M" --dataset "$data" --out "$dump" --regenerate \
+    # No regenerated dump on this machine: regenerate just the samples compare reads, from
+    # ShareGPT, or from MT-Bench with COMPARE_DATASET=mtbench (the target answers each turn).
+    local data=(--dataset "$W/sharegpt-3k.jsonl")
+    if [[ "${COMPARE_DATASET:-sharegpt}" == mtbench ]]; then
+      # An evaluation set: dumped only to measure on (compare), never to train on.
+      data=(--dataset mtbench --data-root "$W/data" --allow-eval)
+    else
+      [[ -f "$W/sharegpt-3k.jsonl" ]] || xz -dc "$BIN/sharegpt-3k.jsonl.xz" > "$W/sharegpt-3k.jsonl"
+    fi
+    TAIL=4 run "$T" dump --model "$M" "${data[@]}" --out "$dump" --regenerate \
       --max-new-tokens 128 --batch-size "$samples" --max-len 512 --max-samples "$samples" \
       --device cuda --quiet
   fi
