@@ -631,6 +631,9 @@ pub struct DiagnoseReport {
     pub serving: Vec<TapId>,
     /// Whether serving costs no significant acceptance against the best wiring.
     pub consistent: bool,
+    /// When serving is mis-wired but the sweep does not single out one wiring: the wiring
+    /// within the noise of the best that the priors point at ([`likely_trained`]).
+    pub likely_trained: Option<LikelyTrained>,
     /// Each declared reading, measured.
     pub readings: Vec<ReadingVerdict>,
     /// Sentences: the diagnosis, the fault, the fix.
@@ -640,6 +643,96 @@ pub struct DiagnoseReport {
     pub reference: Wiring,
     /// Every wiring swept, ranked.
     pub scores: Vec<WiringScore>,
+}
+
+/// A wiring the sweep cannot tell from the best, named by priors ([`likely_trained`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LikelyTrained {
+    /// The taps, slot order.
+    pub taps: Vec<TapId>,
+    /// Why it is the likely one, as phrases.
+    pub reasons: Vec<&'static str>,
+    /// How many wirings (the best included) are within the noise of the best.
+    pub tied: usize,
+}
+
+/// `fix: ...`: the ids that make each engine serve `trained`, or why none can.
+fn fix_sentence(trained: &[TapId], num_layers: usize) -> String {
+    let fixes: Vec<String> = [
+        Convention::SglangHeuristic,
+        Convention::Vllm,
+        Convention::SpecForge,
+    ]
+    .iter()
+    .filter_map(|c| {
+        c.from_canonical(trained, num_layers)
+            .ok()
+            .map(|ids| format!("{c} {ids:?}"))
+    })
+    .collect();
+    if fixes.is_empty() {
+        format!(
+            "no engine convention can express {}; only a Tandem manifest can",
+            format_taps(trained)
+        )
+    } else {
+        format!(
+            "fix: write eagle_aux_hidden_state_layer_ids for the engine that serves it: {}",
+            fixes.join(", ")
+        )
+    }
+}
+
+/// When serving is mis-wired but several wirings score within the noise of the best (a head
+/// that cannot tell neighbouring blocks apart), the one among them that the head's own
+/// declaration and the engines' conventions point at: the served taps in another slot order
+/// (the right taps, permuted), a reading of its declared ids under another convention, or the
+/// default aux set every engine agrees on (blocks 1, L/2-1, L-4). The candidate with the most
+/// such reasons wins, then the better rank; `None` when no tied wiring has a reason.
+pub fn likely_trained(
+    scores: &[WiringScore],
+    readings: &[ReadingVerdict],
+    num_layers: usize,
+    min_margin: f64,
+) -> Option<LikelyTrained> {
+    let serving = readings.iter().find(|r| r.reading.serving)?;
+    let default = tandem_wiring::default_aux_taps(num_layers).ok();
+    let sorted = |taps: &[TapId]| {
+        let mut t = taps.to_vec();
+        t.sort();
+        t
+    };
+    let tied: Vec<(&WiringScore, Vec<TapId>)> = scores
+        .iter()
+        .filter(|s| s.rank == 1 || !significant(s.loss, s.loss_se, min_margin))
+        .filter_map(|s| taps_of(&s.wiring).map(|t| (s, t)))
+        .collect();
+    let count = tied.len();
+    tied.into_iter()
+        .filter(|(_, taps)| *taps != serving.reading.taps)
+        .map(|(s, taps)| {
+            let mut reasons = Vec::new();
+            if sorted(&taps) == sorted(&serving.reading.taps) {
+                reasons.push("the served taps in another slot order");
+            }
+            if readings
+                .iter()
+                .any(|r| !r.reading.serving && r.reading.taps == taps)
+            {
+                reasons.push("a reading of the head's declared ids under another convention");
+            }
+            if default.as_deref() == Some(taps.as_slice()) {
+                reasons.push("the engines' default aux set");
+            }
+            (s.rank, taps, reasons)
+        })
+        .filter(|(_, _, reasons)| !reasons.is_empty())
+        .min_by_key(|(rank, _, reasons)| (std::cmp::Reverse(reasons.len()), *rank))
+        .map(|(_, taps, reasons)| LikelyTrained {
+            taps,
+            reasons,
+            tied: count,
+        })
 }
 
 impl DiagnoseReport {
@@ -705,6 +798,9 @@ impl DiagnoseReport {
             .expect("the serving reading comes first");
         let serving = serving_reading.reading.taps.clone();
         let consistent = !serving_reading.loses;
+        let likely = (!conclusive && !consistent)
+            .then(|| likely_trained(&scores, &readings, num_layers, min_margin))
+            .flatten();
         let measured = |r: &ReadingVerdict| match (r.accept_length, r.loss, r.loss_se) {
             (Some(a), Some(l), Some(se)) => {
                 format!("accept length {a:.3}, {l:.3} lost (se {se:.3})")
@@ -801,36 +897,26 @@ impl DiagnoseReport {
                             format_taps(&trained)
                         ));
                     }
-                    let fixes: Vec<String> = [
-                        Convention::SglangHeuristic,
-                        Convention::Vllm,
-                        Convention::SpecForge,
-                    ]
-                    .iter()
-                    .filter_map(|c| {
-                        c.from_canonical(&trained, num_layers)
-                            .ok()
-                            .map(|ids| format!("{c} {ids:?}"))
-                    })
-                    .collect();
-                    verdict.push(if fixes.is_empty() {
-                        format!(
-                            "no engine convention can express {}; only a Tandem manifest can",
-                            format_taps(&trained)
-                        )
-                    } else {
-                        format!(
-                            "fix: write eagle_aux_hidden_state_layer_ids for the engine that \
-                             serves it: {}",
-                            fixes.join(", ")
-                        )
-                    });
+                    verdict.push(fix_sentence(&trained, num_layers));
                 }
-                Some(_) => verdict.push(
-                    "the trained wiring is not singled out (see above); measure more samples \
-                     before rewriting the ids"
-                        .to_owned(),
-                ),
+                Some(_) => match &likely {
+                    Some(likely) => {
+                        verdict.push(format!(
+                            "the sweep cannot tell the best from {} other wiring(s) within the \
+                             noise; of those, {} is {}: most likely the trained wiring (a prior, \
+                             not a measurement: its neighbours score the same)",
+                            likely.tied - 1,
+                            format_taps(&likely.taps),
+                            likely.reasons.join(" and ")
+                        ));
+                        verdict.push(fix_sentence(&likely.taps, num_layers));
+                    }
+                    None => verdict.push(
+                        "the trained wiring is not singled out (see above); measure more \
+                         samples before rewriting the ids"
+                            .to_owned(),
+                    ),
+                },
                 None => verdict.push(format!(
                     "the head fits normed values best ({}): it was trained on a capture that \
                      read a normed tensor instead of the residual stream, which no engine feeds \
@@ -874,6 +960,7 @@ impl DiagnoseReport {
             conclusive,
             serving,
             consistent,
+            likely_trained: likely,
             readings,
             verdict,
             reference,
@@ -1587,5 +1674,70 @@ mod tests {
             report.verdict[1]
         );
         assert!(report.to_table(5).contains("consistent within the noise"));
+    }
+
+    /// The H200 case of BENCHMARKS.md (issue #7): the committed head served with its slots
+    /// reversed loses clearly, but the head cannot tell neighbouring blocks apart, so the best
+    /// measured wiring is a one-block shift of the trained one, tied with it. The diagnosis must
+    /// still name the trained wiring: the tied wiring that is the served taps in another order
+    /// and the engines' default aux set.
+    #[test]
+    fn an_inconclusive_sweep_names_the_permutation_of_the_served_taps() {
+        let served = vec![TapId::Block(26), TapId::Block(14), TapId::Block(1)];
+        let readings = vec![DeclaredReading {
+            source: "the head's Tandem wiring manifest".into(),
+            conventions: vec![],
+            ids: None,
+            taps: served.clone(),
+            serving: true,
+        }];
+        let ranked = rank(vec![
+            (entry(blocks(&[26, 14, 1])), tally(40, 400)),
+            (entry(blocks(&[0, 13, 25])), tally(101, 400)),
+            (entry(blocks(&[2, 15, 27])), tally(100, 400)),
+            (entry(blocks(&[1, 14, 26])), tally(100, 400)),
+            (entry(blocks(&[5, 9, 20])), tally(50, 400)),
+        ]);
+        let report = DiagnoseReport::new(&options(), 8, 30, readings, None, ranked, Some(1.1));
+        assert!(!report.consistent && !report.conclusive);
+        let likely = report.likely_trained.as_ref().expect("a likely wiring");
+        assert_eq!(
+            likely.taps,
+            [TapId::Block(1), TapId::Block(14), TapId::Block(26)]
+        );
+        assert_eq!(likely.tied, 3, "best and its two ties; [5, 9, 20] loses");
+        assert_eq!(
+            likely.reasons,
+            [
+                "the served taps in another slot order",
+                "the engines' default aux set"
+            ]
+        );
+        let text = report.verdict.join("\n");
+        assert!(
+            text.contains("MIS-WIRED")
+                && text.contains(
+                    "[block 1, block 14, block 26] is the served taps in another slot order"
+                )
+                && text.contains("most likely the trained wiring")
+                && text.contains("fix: write eagle_aux_hidden_state_layer_ids"),
+            "{text}"
+        );
+        // Without any prior among the ties, nothing is named.
+        let readings = vec![DeclaredReading {
+            source: "m".into(),
+            conventions: vec![],
+            ids: None,
+            taps: vec![TapId::Block(5), TapId::Block(9), TapId::Block(20)],
+            serving: true,
+        }];
+        let ranked = rank(vec![
+            (entry(blocks(&[5, 9, 20])), tally(40, 400)),
+            (entry(blocks(&[0, 13, 25])), tally(101, 400)),
+            (entry(blocks(&[2, 15, 27])), tally(100, 400)),
+        ]);
+        let report = DiagnoseReport::new(&options(), 8, 30, readings, None, ranked, None);
+        assert!(report.likely_trained.is_none());
+        assert!(report.verdict.join(" ").contains("not singled out"));
     }
 }
