@@ -123,9 +123,10 @@ impl Gpu {
     /// How much freed memory the device's stream-ordered pool may keep across
     /// synchronisations. Every scratch buffer of a step is allocated from that pool, and every
     /// step ends with a token read-back that synchronises; with CUDA's default threshold (0)
-    /// the pool hands all freed memory back to the driver there, so the next step maps its
-    /// buffers afresh. `Gpu::new` keeps everything (`u64::MAX`); `fast-bench
-    /// --pool-release-threshold 0` measures the default.
+    /// the pool may hand freed memory back to the driver there. `Gpu::new` keeps everything
+    /// (`u64::MAX`) so that steps never wait on re-mapping; `fast-bench
+    /// --pool-release-threshold 0` measures the default. On the H200 the two were within noise
+    /// (BENCHMARKS.md, issue #6): the step is launch-bound, not allocation-bound.
     pub fn set_pool_release_threshold(&self, bytes: u64) -> Result<(), CudaError> {
         let pool = Self::pool_of(&self.ctx)?;
         let mut value = bytes;
