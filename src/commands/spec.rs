@@ -321,10 +321,7 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
         let start = Instant::now();
         let out = engine.generate(chunk, args.max_new_tokens, &stop)?;
         spec_seconds += start.elapsed().as_secs_f64();
-        timings.prefill_s += out.timings.prefill_s;
-        timings.draft_s += out.timings.draft_s;
-        timings.verify_s += out.timings.verify_s;
-        timings.extend_s += out.timings.extend_s;
+        timings += out.timings;
         for seq in out.sequences {
             spec_tokens += seq.tokens.len();
             stats.merge(&seq.stats);

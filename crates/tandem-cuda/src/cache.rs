@@ -6,8 +6,20 @@
 use cudarc::driver::CudaSlice;
 use tandem_model::{ColumnLayout, ModelError, StepInput};
 
-use crate::device::Gpu;
+use crate::device::{AttentionShape, Gpu};
 use crate::error::CudaError;
+
+/// One step's inputs on the GPU ([`CudaKvCache::step_inputs`]).
+pub(crate) struct StepInputs {
+    pub tokens: CudaSlice<u32>,
+    pub positions: CudaSlice<i32>,
+    pub mask: CudaSlice<f32>,
+    /// The first cache column the step writes.
+    pub col0: usize,
+    /// Columns the step attends over (`col0 + width`).
+    pub total: usize,
+    pub shape: AttentionShape,
+}
 
 pub struct CudaKvCache {
     pub(crate) keys: Vec<CudaSlice<u16>>,
@@ -58,6 +70,38 @@ impl CudaKvCache {
     }
     pub(crate) fn check(&self, step: &StepInput) -> Result<(), ModelError> {
         self.layout.check_step(step)
+    }
+
+    /// Checks `step` against this cache and the vocabulary, then uploads what its kernels read:
+    /// token ids, RoPE positions and the `[rows, total]` attention mask (built by the same
+    /// ColumnLayout code as the burn path's; one group: GQA is resolved in the kernel).
+    pub(crate) fn step_inputs(
+        &self,
+        gpu: &Gpu,
+        step: &StepInput,
+        vocab_size: usize,
+        [heads, kv_heads, head_dim]: [usize; 3],
+    ) -> Result<StepInputs, CudaError> {
+        self.check(step)?;
+        if let Some(&id) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(ModelError::TokenOutOfRange { id, vocab_size }.into());
+        }
+        let positions: Vec<i32> = step.positions.iter().map(|&p| p as i32).collect();
+        Ok(StepInputs {
+            tokens: gpu.upload(&step.tokens)?,
+            positions: gpu.upload(&positions)?,
+            mask: gpu.upload(&self.layout.attention_mask(step, 1))?,
+            col0: self.layout.used(),
+            total: self.layout.used() + step.width,
+            shape: AttentionShape {
+                batch: step.batch,
+                width: step.width,
+                heads,
+                kv_heads,
+                head_dim,
+                capacity: self.layout.capacity(),
+            },
+        })
     }
     pub(crate) fn advance(&mut self, step: &StepInput) {
         self.layout.advance(step)

@@ -15,7 +15,7 @@ use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
 use crate::cache::CudaKvCache;
-use crate::device::{AttentionShape, DeviceRows, Gpu};
+use crate::device::{DeviceRows, Gpu};
 use crate::error::CudaError;
 use crate::model::{CudaTarget, DeviceLogits};
 use crate::weights::to_bf16_bits;
@@ -243,7 +243,13 @@ impl CudaDraft {
     ) -> Result<DraftStepOutput, CudaError> {
         let spec = &self.spec;
         let gpu = &*self.gpu;
-        cache.check(step)?;
+        let inputs = cache.step_inputs(
+            gpu,
+            step,
+            spec.vocab_size,
+            [spec.num_heads, spec.num_kv_heads, spec.head_dim],
+        )?;
+        let (shape, col0, total) = (inputs.shape, inputs.col0, inputs.total);
         let rows = step.batch * step.width;
         let (h, inter) = (spec.hidden_size, spec.intermediate_size);
         if hidden.len() < rows * h {
@@ -255,33 +261,12 @@ impl CudaDraft {
             }
             .into());
         }
-        if let Some(&id) = step.tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab_size: spec.vocab_size,
-            }
-            .into());
-        }
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
-        let col0 = cache.layout().used();
-        let total = col0 + step.width;
-        let shape = AttentionShape {
-            batch: step.batch,
-            width: step.width,
-            heads: spec.num_heads,
-            kv_heads: spec.num_kv_heads,
-            head_dim: spec.head_dim,
-            capacity: cache.layout().capacity(),
-        };
-        let tokens = gpu.upload(&step.tokens)?;
-        let positions: Vec<i32> = step.positions.iter().map(|&p| p as i32).collect();
-        let positions = gpu.upload(&positions)?;
-        let mask = gpu.upload(&cache.layout().attention_mask(step, 1))?;
 
         let mut embeds = gpu.scratch::<f32>(rows * h)?;
-        gpu.embed_rows(&self.embed, &tokens, &mut embeds, rows, h)?;
+        gpu.embed_rows(&self.embed, &inputs.tokens, &mut embeds, rows, h)?;
         let mut normed_embeds = gpu.scratch::<u16>(rows * h)?;
         gpu.add_rms_norm(
             &mut embeds,
@@ -311,7 +296,7 @@ impl CudaDraft {
         gpu.rope_qkv(
             &qkv,
             None,
-            &positions,
+            &inputs.positions,
             &self.inv_freq,
             &mut q,
             &mut cache.keys[0],
@@ -324,7 +309,7 @@ impl CudaDraft {
             &q,
             &cache.keys[0],
             &cache.values[0],
-            &mask,
+            &inputs.mask,
             &mut attn,
             shape,
             total,

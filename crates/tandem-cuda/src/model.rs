@@ -6,13 +6,11 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use tandem_model::weights::WeightFiles;
-use tandem_model::{
-    CaptureHook, HfConfig, LogitsFor, ModelError, ModelSpec, StepInput, TapRequest, Taps,
-};
+use tandem_model::{CaptureHook, HfConfig, LogitsFor, ModelSpec, StepInput, TapRequest, Taps};
 use tandem_wiring::TapId;
 
 use crate::cache::CudaKvCache;
-use crate::device::{AttentionShape, DeviceRows, Gpu};
+use crate::device::{DeviceRows, Gpu};
 use crate::error::CudaError;
 use crate::weights::DeviceWeights;
 
@@ -127,37 +125,19 @@ impl CudaTarget {
     ) -> Result<CudaStepOutput, CudaError> {
         let spec = &self.spec;
         taps.validate(spec.num_layers)?;
-        cache.check(step)?;
-        if let Some(&id) = step.tokens.iter().find(|&&t| t as usize >= spec.vocab_size) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab_size: spec.vocab_size,
-            }
-            .into());
-        }
         let gpu = &*self.gpu;
+        let inputs = cache.step_inputs(
+            gpu,
+            step,
+            spec.vocab_size,
+            [spec.num_heads, spec.num_kv_heads, spec.head_dim],
+        )?;
+        let (shape, col0, total) = (inputs.shape, inputs.col0, inputs.total);
         let (h, inter) = (spec.hidden_size, spec.intermediate_size);
         let rows = step.batch * step.width;
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
-        let col0 = cache.layout().used();
-        let total = col0 + step.width;
-        let shape = AttentionShape {
-            batch: step.batch,
-            width: step.width,
-            heads: spec.num_heads,
-            kv_heads: spec.num_kv_heads,
-            head_dim: spec.head_dim,
-            capacity: cache.layout().capacity(),
-        };
-
-        // Per-step inputs: tokens, positions, and the `[rows, total]` mask built by the same
-        // ColumnLayout code as the burn path's (one group: GQA is resolved in the kernel).
-        let tokens = gpu.upload(&step.tokens)?;
-        let positions: Vec<i32> = step.positions.iter().map(|&p| p as i32).collect();
-        let positions = gpu.upload(&positions)?;
-        let mask = gpu.upload(&cache.layout().attention_mask(step, 1))?;
 
         let mut normed = gpu.scratch::<u16>(rows * h)?;
         let mut qkv = gpu.scratch::<f32>(rows * qkv_dim)?;
@@ -175,7 +155,13 @@ impl CudaTarget {
             width: step.width,
             hidden: h,
         };
-        gpu.embed_rows(&self.weights.embed, &tokens, &mut hidden.data, rows, h)?;
+        gpu.embed_rows(
+            &self.weights.embed,
+            &inputs.tokens,
+            &mut hidden.data,
+            rows,
+            h,
+        )?;
         hook.observe(TapId::Embed, &hidden);
         let layers = &self.weights.layers;
         gpu.add_rms_norm(
@@ -193,7 +179,7 @@ impl CudaTarget {
             gpu.rope_qkv(
                 &qkv,
                 layer.qkv_bias.as_ref(),
-                &positions,
+                &inputs.positions,
                 &self.inv_freq,
                 &mut q,
                 &mut cache.keys[k],
@@ -205,7 +191,7 @@ impl CudaTarget {
                 &q,
                 &cache.keys[k],
                 &cache.values[k],
-                &mask,
+                &inputs.mask,
                 &mut attn,
                 shape,
                 total,

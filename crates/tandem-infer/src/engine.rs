@@ -18,7 +18,7 @@ use tandem_model::sampling::{SamplingParams, distribution, sample_from};
 use tandem_model::{KvCache, LogitsFor, TapRequest, TargetModel};
 
 use crate::stats::AcceptanceStats;
-use crate::tree::{DraftTree, TreeBuilder};
+use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
 
 /// SGLang's speculative knobs plus sampling.
@@ -102,6 +102,15 @@ pub struct Timings {
     pub draft_s: f64,
     pub verify_s: f64,
     pub extend_s: f64,
+}
+
+impl std::ops::AddAssign for Timings {
+    fn add_assign(&mut self, other: Self) {
+        self.prefill_s += other.prefill_s;
+        self.draft_s += other.draft_s;
+        self.verify_s += other.verify_s;
+        self.extend_s += other.extend_s;
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -694,10 +703,9 @@ impl<B: Backend> SpecEngine<'_, B> {
             .collect())
     }
 
-    /// Tree drafting with topk > 1. Each draft step evaluates the current beams; since the
-    /// cache's column validity is per sequence, not per query, the beams' ancestor paths are
-    /// re-run in one tree step (a few dozen rows through one layer) and rolled back, so every
-    /// beam attends to exactly its own ancestors.
+    /// Tree drafting with topk > 1 ([`BeamSearch`]): each draft step re-runs the beams with
+    /// their ancestor paths in one tree step of the head (a few dozen rows through one layer)
+    /// and rolls it back, so every beam attends to exactly its own ancestors.
     fn draft_beams(
         &self,
         roots: &[&DraftRoot<B>],
@@ -708,131 +716,62 @@ impl<B: Backend> SpecEngine<'_, B> {
         let h = self.draft.spec.hidden_size;
         let device = roots[0].hidden.device();
         let base_columns = dcache.used();
-        struct Node<B: Backend> {
-            token: u32,
-            parent: Option<usize>,
-            /// Output of this node once evaluated, `[1, H]`.
-            output: Option<Tensor<B, 2>>,
-        }
-        let mut nodes: Vec<Vec<Node<B>>> = (0..batch).map(|_| Vec::new()).collect();
-        let mut builders: Vec<TreeBuilder> = (0..batch).map(|_| TreeBuilder::new(k)).collect();
-        let mut beams: Vec<Vec<usize>> = vec![Vec::new(); batch];
+        let mut searches: Vec<BeamSearch> = (0..batch).map(|_| BeamSearch::new(k)).collect();
+        // Output `[1, H]` of each evaluated node, by node index.
+        let mut outputs: Vec<Vec<Option<Tensor<B, 2>>>> = vec![Vec::new(); batch];
+        let to_target = |ids: &[i64]| -> Vec<u32> {
+            ids.iter()
+                .map(|&d| self.draft.vocab.to_target(d as usize))
+                .collect()
+        };
         // Step 0 from the roots' logits.
         let root_logits: Tensor<B, 2> =
             Tensor::stack(roots.iter().map(|r| r.logits.clone()).collect(), 0);
         let (probs, ids) = softmax(root_logits, 1).topk_with_indices(k, 1);
         let (probs, ids) = (floats(probs), ints(ids));
-        for b in 0..batch {
-            let p = probs[b * k..(b + 1) * k].to_vec();
-            let t: Vec<u32> = ids[b * k..(b + 1) * k]
-                .iter()
-                .map(|&d| self.draft.vocab.to_target(d as usize))
-                .collect();
-            for beam in builders[b].push(&[p], &[t]) {
-                nodes[b].push(Node {
-                    token: beam.token,
-                    parent: None,
-                    output: None,
-                });
-                beams[b].push(nodes[b].len() - 1);
-            }
-        }
+        push_roots(&mut searches, k, &probs, &to_target(&ids));
         for _ in 1..self.config.num_steps {
-            // The beams and their ancestors, parents first.
-            let mut paths: Vec<Vec<usize>> = Vec::with_capacity(batch);
-            for b in 0..batch {
-                let mut set = std::collections::BTreeSet::new();
-                for &beam in &beams[b] {
-                    let mut cur = Some(beam);
-                    while let Some(c) = cur {
-                        set.insert(c);
-                        cur = nodes[b][c].parent;
-                    }
-                }
-                paths.push(set.into_iter().collect());
-            }
-            let width = paths.iter().map(Vec::len).max().unwrap_or(0);
-            let mut tokens_owned = Vec::with_capacity(batch);
-            let mut parents_owned = Vec::with_capacity(batch);
+            let next = BeamStep::new(&searches);
+            let width = next.width;
             let mut hidden_rows = Vec::with_capacity(batch * width);
-            for b in 0..batch {
-                let local: Vec<Option<usize>> = paths[b]
-                    .iter()
-                    .map(|&n| {
-                        nodes[b][n].parent.map(|p| {
-                            paths[b]
-                                .iter()
-                                .position(|&x| x == p)
-                                .expect("ancestor in path")
-                        })
-                    })
-                    .collect();
-                tokens_owned.push(
-                    paths[b]
-                        .iter()
-                        .map(|&n| nodes[b][n].token)
-                        .collect::<Vec<_>>(),
-                );
-                parents_owned.push(local);
+            for (b, frontier) in next.frontiers.iter().enumerate() {
                 for i in 0..width {
-                    let row = match paths[b].get(i) {
-                        Some(&n) => match nodes[b][n].parent {
+                    // A node's hidden input is its parent's output (the root's for depth 0).
+                    hidden_rows.push(match frontier.get(i) {
+                        Some(&n) => match searches[b].parent(n) {
                             None => roots[b].hidden.clone(),
-                            Some(p) => nodes[b][p]
-                                .output
-                                .clone()
-                                .expect("parents are evaluated first"),
+                            Some(p) => outputs[b][p].clone().expect("parents are evaluated first"),
                         },
                         None => Tensor::zeros([1, h], &device),
-                    };
-                    hidden_rows.push(row);
+                    });
                 }
             }
-            let trees: Vec<(&[u32], &[Option<usize>])> = tokens_owned
-                .iter()
-                .zip(&parents_owned)
-                .map(|(t, p)| (t.as_slice(), p.as_slice()))
-                .collect();
-            let step = dcache.tree_step(&trees)?;
+            let step = dcache.tree_step(&next.trees())?;
             let hidden = Tensor::cat(hidden_rows, 0).reshape([batch, step.width, h]);
             let out = self.draft.forward_step(&step, hidden, dcache)?;
             dcache.rollback(base_columns);
             let (probs, ids) = softmax(out.logits, 2).topk_with_indices(k, 2);
             let (probs, ids) = (floats(probs), ints(ids));
-            for b in 0..batch {
+            for (b, search) in searches.iter_mut().enumerate() {
                 let mut beam_probs = Vec::with_capacity(k);
                 let mut beam_tokens = Vec::with_capacity(k);
-                for &beam in &beams[b] {
-                    let slot = paths[b]
-                        .iter()
-                        .position(|&x| x == beam)
-                        .expect("beam in path");
-                    nodes[b][beam].output = Some(rows(out.hidden.clone(), b, slot));
+                for &beam in search.beams() {
+                    let slot = next.slot(b, beam);
+                    if outputs[b].len() <= beam {
+                        outputs[b].resize(beam + 1, None);
+                    }
+                    outputs[b][beam] = Some(rows(out.hidden.clone(), b, slot));
                     let at = (b * step.width + slot) * k;
                     beam_probs.push(probs[at..at + k].to_vec());
-                    beam_tokens.push(
-                        ids[at..at + k]
-                            .iter()
-                            .map(|&d| self.draft.vocab.to_target(d as usize))
-                            .collect::<Vec<u32>>(),
-                    );
+                    beam_tokens.push(to_target(&ids[at..at + k]));
                 }
-                let chosen = builders[b].push(&beam_probs, &beam_tokens);
-                let previous = std::mem::take(&mut beams[b]);
-                for beam in chosen {
-                    nodes[b].push(Node {
-                        token: beam.token,
-                        parent: Some(previous[beam.from_beam]),
-                        output: None,
-                    });
-                    beams[b].push(nodes[b].len() - 1);
-                }
+                search.push(&beam_probs, &beam_tokens);
             }
         }
         roots
             .iter()
-            .zip(&builders)
-            .map(|(r, builder)| Ok(builder.build(r.token, self.config.num_draft_tokens)?))
+            .zip(&searches)
+            .map(|(r, search)| Ok(search.build(r.token, self.config.num_draft_tokens)?))
             .collect()
     }
 }

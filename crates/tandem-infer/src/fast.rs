@@ -25,7 +25,7 @@ use crate::engine::{
     draft_scratch,
 };
 use crate::stats::AcceptanceStats;
-use crate::tree::{DraftTree, TreeBuilder};
+use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
 
 /// The draft state of a batch between rounds: per row, the head's output at the last
@@ -350,11 +350,11 @@ impl FastSpecEngine<'_> {
             .collect())
     }
 
-    /// Tree drafting with topk > 1, as the burn engine does it: each draft step re-runs the
-    /// beams with their ancestor paths in one tree step (rolled back), so every beam attends to
-    /// exactly its own ancestors. Evaluated nodes keep their hidden output in a node store on
-    /// the GPU; the top-k of each row is computed on the GPU (`topk_softmax` in kernels/llama.cu)
-    /// and only `k` probabilities and ids per row come back to the host.
+    /// Tree drafting with topk > 1 ([`BeamSearch`], as the burn engine drafts): each draft step
+    /// re-runs the beams with their ancestors in one tree step of the head (rolled back).
+    /// Evaluated nodes keep their hidden output in a node store on the GPU; the top-k of each
+    /// row is computed on the GPU (`topk_softmax` in kernels/llama.cu) and only `k`
+    /// probabilities and ids per row come back to the host.
     fn draft_beams(
         &self,
         roots: &Roots,
@@ -365,12 +365,11 @@ impl FastSpecEngine<'_> {
         let batch = roots.tokens.len();
         let h = self.draft.spec.hidden_size;
         let base_columns = dcache.layout().used();
-        struct Node {
-            token: u32,
-            parent: Option<usize>,
-            /// Row of this node's output in the node store, once evaluated.
-            stored: Option<usize>,
-        }
+        let to_target = |ids: &[u32]| -> Vec<u32> {
+            ids.iter()
+                .map(|&d| self.draft.vocab.to_target(d as usize))
+                .collect()
+        };
         // The store: rows 0..batch are the roots' hidden states, then evaluated beams.
         let store_rows = batch * (1 + k * self.config.num_steps);
         let mut store = gpu.scratch::<f32>(store_rows * h)?;
@@ -385,75 +384,28 @@ impl FastSpecEngine<'_> {
             h,
         )?;
         let mut stored = batch;
+        // Store row of each evaluated node, by node index.
+        let mut store_row: Vec<Vec<Option<usize>>> = vec![Vec::new(); batch];
 
-        let mut nodes: Vec<Vec<Node>> = (0..batch).map(|_| Vec::new()).collect();
-        let mut builders: Vec<TreeBuilder> = (0..batch).map(|_| TreeBuilder::new(k)).collect();
-        let mut beams: Vec<Vec<usize>> = vec![Vec::new(); batch];
+        let mut searches: Vec<BeamSearch> = (0..batch).map(|_| BeamSearch::new(k)).collect();
         let (probs, ids) = roots.logits.topk(k)?;
-        for b in 0..batch {
-            let p = probs[b * k..(b + 1) * k].to_vec();
-            let t: Vec<u32> = ids[b * k..(b + 1) * k]
-                .iter()
-                .map(|&d| self.draft.vocab.to_target(d as usize))
-                .collect();
-            for beam in builders[b].push(&[p], &[t]) {
-                nodes[b].push(Node {
-                    token: beam.token,
-                    parent: None,
-                    stored: None,
-                });
-                beams[b].push(nodes[b].len() - 1);
-            }
-        }
+        push_roots(&mut searches, k, &probs, &to_target(&ids));
         for _ in 1..self.config.num_steps {
-            // The beams and their ancestors, parents first.
-            let paths: Vec<Vec<usize>> = (0..batch)
-                .map(|b| {
-                    let mut set = std::collections::BTreeSet::new();
-                    for &beam in &beams[b] {
-                        let mut cur = Some(beam);
-                        while let Some(c) = cur {
-                            set.insert(c);
-                            cur = nodes[b][c].parent;
-                        }
-                    }
-                    set.into_iter().collect()
-                })
-                .collect();
-            let width = paths.iter().map(Vec::len).max().unwrap_or(0);
-            let mut tokens_owned = Vec::with_capacity(batch);
-            let mut parents_owned = Vec::with_capacity(batch);
+            let next = BeamStep::new(&searches);
+            let width = next.width;
+            // A node's hidden input is its parent's output (the root's for depth 0); padding
+            // slots read the root (masked).
             let mut hidden_src = Vec::with_capacity(batch * width);
-            for b in 0..batch {
-                let position = |n: usize| paths[b].iter().position(|&x| x == n);
-                parents_owned.push(
-                    paths[b]
-                        .iter()
-                        .map(|&n| nodes[b][n].parent.map(|p| position(p).expect("ancestor")))
-                        .collect::<Vec<_>>(),
-                );
-                tokens_owned.push(
-                    paths[b]
-                        .iter()
-                        .map(|&n| nodes[b][n].token)
-                        .collect::<Vec<_>>(),
-                );
+            for (b, frontier) in next.frontiers.iter().enumerate() {
                 for i in 0..width {
-                    // A node's hidden input is its parent's output (the root's for depth 0);
-                    // padding slots read the root (masked).
-                    let row = match paths[b].get(i).and_then(|&n| nodes[b][n].parent) {
-                        Some(p) => nodes[b][p].stored.expect("parents are evaluated first"),
+                    let row = match frontier.get(i).and_then(|&n| searches[b].parent(n)) {
+                        Some(p) => store_row[b][p].expect("parents are evaluated first"),
                         None => b,
                     };
                     hidden_src.push(row as i32);
                 }
             }
-            let trees: Vec<(&[u32], &[Option<usize>])> = tokens_owned
-                .iter()
-                .zip(&parents_owned)
-                .map(|(t, p)| (t.as_slice(), p.as_slice()))
-                .collect();
-            let step: StepInput = dcache.layout().tree_step(&trees)?;
+            let step: StepInput = dcache.layout().tree_step(&next.trees())?;
             let rows = step.batch * step.width;
             let mut hidden = gpu.scratch::<f32>(rows * h)?;
             let dst: Vec<i32> = (0..rows as i32).collect();
@@ -468,11 +420,15 @@ impl FastSpecEngine<'_> {
             let out = self.draft.forward_step(&step, hidden, dcache)?;
             dcache.layout_mut().rollback(base_columns);
 
-            // The beams' rows: outputs into the store, logits to the host for the top-k.
+            // The beams' rows: their outputs into the store, their top-k to the tree.
             let mut beam_rows = Vec::new();
-            for b in 0..batch {
-                for &beam in &beams[b] {
-                    let slot = paths[b].iter().position(|&x| x == beam).expect("beam");
+            for (b, search) in searches.iter().enumerate() {
+                for &beam in search.beams() {
+                    let slot = next.slot(b, beam);
+                    if store_row[b].len() <= beam {
+                        store_row[b].resize(beam + 1, None);
+                    }
+                    store_row[b][beam] = Some(stored + beam_rows.len());
                     beam_rows.push(b * step.width + slot);
                 }
             }
@@ -488,42 +444,29 @@ impl FastSpecEngine<'_> {
                 beam_rows.len(),
                 h,
             )?;
-            // Top-k of every row of the step on the GPU; the beams' rows are read here.
+            stored += beam_rows.len();
             let (probs, ids) = out.logits.topk(k)?;
             let mut at = 0;
-            for b in 0..batch {
-                let mut beam_probs = Vec::with_capacity(k);
-                let mut beam_tokens = Vec::with_capacity(k);
-                for &beam in &beams[b] {
-                    nodes[b][beam].stored = Some(stored + at);
-                    let r = beam_rows[at];
-                    beam_probs.push(probs[r * k..(r + 1) * k].to_vec());
-                    beam_tokens.push(
-                        ids[r * k..(r + 1) * k]
-                            .iter()
-                            .map(|&d| self.draft.vocab.to_target(d as usize))
-                            .collect::<Vec<u32>>(),
-                    );
-                    at += 1;
-                }
-                let chosen = builders[b].push(&beam_probs, &beam_tokens);
-                let previous = std::mem::take(&mut beams[b]);
-                for beam in chosen {
-                    nodes[b].push(Node {
-                        token: beam.token,
-                        parent: Some(previous[beam.from_beam]),
-                        stored: None,
-                    });
-                    beams[b].push(nodes[b].len() - 1);
-                }
+            for search in searches.iter_mut() {
+                let n = search.beams().len();
+                let rows = &beam_rows[at..at + n];
+                let beam_probs: Vec<Vec<f32>> = rows
+                    .iter()
+                    .map(|&r| probs[r * k..(r + 1) * k].to_vec())
+                    .collect();
+                let beam_tokens: Vec<Vec<u32>> = rows
+                    .iter()
+                    .map(|&r| to_target(&ids[r * k..(r + 1) * k]))
+                    .collect();
+                search.push(&beam_probs, &beam_tokens);
+                at += n;
             }
-            stored += beam_rows.len();
         }
         roots
             .tokens
             .iter()
-            .zip(&builders)
-            .map(|(&r, builder)| Ok(builder.build(r, self.config.num_draft_tokens)?))
+            .zip(&searches)
+            .map(|(&r, search)| Ok(search.build(r, self.config.num_draft_tokens)?))
             .collect()
     }
 }

@@ -18,5 +18,5 @@ pub use engine::{
 pub use fast::{FastSpecEngine, fast_target_generate};
 pub use plain::{PlainBatch, PlainEngine};
 pub use stats::AcceptanceStats;
-pub use tree::{DraftStep, DraftTree, TreeBuilder, TreeError};
+pub use tree::{BeamSearch, BeamStep, DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};

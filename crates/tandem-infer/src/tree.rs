@@ -235,6 +235,143 @@ impl TreeBuilder {
     }
 }
 
+/// One sequence's tree drafting on the host, shared by the burn and the fast engines: the
+/// [`TreeBuilder`] plus the node table that says which drafted node extends which. Each draft
+/// step re-runs the current beams with their ancestors in one tree step of the head
+/// ([`BeamSearch::frontier`], [`BeamSearch::tree_input`]), so every beam attends to exactly its
+/// own ancestors (the head cache's column validity is per sequence, not per query); the engine
+/// keeps each evaluated node's hidden output by node index.
+#[derive(Debug, Clone)]
+pub struct BeamSearch {
+    builder: TreeBuilder,
+    /// `(token, parent node)`; `None` = a child of the root.
+    nodes: Vec<(u32, Option<usize>)>,
+    /// The nodes to expand next, best first.
+    beams: Vec<usize>,
+}
+
+impl BeamSearch {
+    pub fn new(topk: usize) -> Self {
+        Self {
+            builder: TreeBuilder::new(topk),
+            nodes: Vec::new(),
+            beams: Vec::new(),
+        }
+    }
+
+    /// Records one draft step: the top-k (`probs[j]`, `tokens[j]`, target ids) of each current
+    /// beam `j`, or of the root for the first step.
+    pub fn push(&mut self, probs: &[Vec<f32>], tokens: &[Vec<u32>]) {
+        let chosen = self.builder.push(probs, tokens);
+        let previous = std::mem::take(&mut self.beams);
+        for beam in chosen {
+            self.nodes
+                .push((beam.token, previous.get(beam.from_beam).copied()));
+            self.beams.push(self.nodes.len() - 1);
+        }
+    }
+
+    /// The current beams (node indices), in the order [`BeamSearch::push`] expects their top-k.
+    pub fn beams(&self) -> &[usize] {
+        &self.beams
+    }
+
+    /// The parent node of `node` (`None`: the root).
+    pub fn parent(&self, node: usize) -> Option<usize> {
+        self.nodes[node].1
+    }
+
+    /// The nodes the next draft step runs: the beams and all their ancestors, parents first.
+    pub fn frontier(&self) -> Vec<usize> {
+        let mut set = std::collections::BTreeSet::new();
+        for &beam in &self.beams {
+            let mut cur = Some(beam);
+            while let Some(c) = cur {
+                set.insert(c);
+                cur = self.nodes[c].1;
+            }
+        }
+        set.into_iter().collect()
+    }
+
+    /// The tree-step input of `frontier`: its tokens, and each node's parent as a slot of
+    /// `frontier` (`None`: a child of the committed prefix).
+    pub fn tree_input(&self, frontier: &[usize]) -> (Vec<u32>, Vec<Option<usize>>) {
+        let slot = |n: usize| frontier.iter().position(|&x| x == n);
+        frontier
+            .iter()
+            .map(|&n| {
+                let (token, parent) = self.nodes[n];
+                (
+                    token,
+                    parent.map(|p| slot(p).expect("ancestors are in the frontier")),
+                )
+            })
+            .unzip()
+    }
+
+    /// The tree to verify: `root` plus the `num_draft_tokens - 1` best candidates.
+    pub fn build(&self, root: u32, num_draft_tokens: usize) -> Result<DraftTree, TreeError> {
+        self.builder.build(root, num_draft_tokens)
+    }
+}
+
+/// Step 0 of every sequence's [`BeamSearch`] from its root's top-k: flat `[batch * k]`
+/// probabilities and target token ids, row `b` for sequence `b`.
+pub fn push_roots(searches: &mut [BeamSearch], k: usize, probs: &[f32], tokens: &[u32]) {
+    for (b, search) in searches.iter_mut().enumerate() {
+        search.push(
+            &[probs[b * k..(b + 1) * k].to_vec()],
+            &[tokens[b * k..(b + 1) * k].to_vec()],
+        );
+    }
+}
+
+/// The next draft step of a batch of [`BeamSearch`]es: each sequence's frontier and its
+/// tree-step input, padded to the widest frontier.
+#[derive(Debug, Clone)]
+pub struct BeamStep {
+    /// Per sequence, the nodes this step runs, in slot order.
+    pub frontiers: Vec<Vec<usize>>,
+    /// The widest frontier (the step's width).
+    pub width: usize,
+    /// Per sequence, the tokens and local parents of its frontier.
+    pub inputs: Vec<(Vec<u32>, Vec<Option<usize>>)>,
+}
+
+impl BeamStep {
+    pub fn new(searches: &[BeamSearch]) -> Self {
+        let frontiers: Vec<Vec<usize>> = searches.iter().map(BeamSearch::frontier).collect();
+        let width = frontiers.iter().map(Vec::len).max().unwrap_or(0);
+        let inputs = searches
+            .iter()
+            .zip(&frontiers)
+            .map(|(s, f)| s.tree_input(f))
+            .collect();
+        Self {
+            frontiers,
+            width,
+            inputs,
+        }
+    }
+
+    /// The trees for `ColumnLayout::tree_step`.
+    pub fn trees(&self) -> Vec<(&[u32], &[Option<usize>])> {
+        self.inputs
+            .iter()
+            .map(|(t, p)| (t.as_slice(), p.as_slice()))
+            .collect()
+    }
+
+    /// The slot of `node` in sequence `b`'s frontier.
+    pub fn slot(&self, b: usize, node: usize) -> usize {
+        self.frontiers[b]
+            .iter()
+            .position(|&x| x == node)
+            .expect("the node is in the frontier")
+    }
+}
+
 /// Indices of the `k` largest values, largest first; ties keep the lower index first (as
 /// torch.topk on CUDA does for distinct values; ties are unspecified there).
 fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
@@ -306,4 +443,39 @@ pub fn build_tree(
         }
     }
     Ok(DraftTree::from_parents(tokens, parents))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hand-worked beam step, topk 2: the root's top-2 are 10 (0.6) and 11 (0.4); then beam 10
+    /// proposes 20/21 (0.5 each) and beam 11 proposes 30 (0.9) / 31 (0.1). Cumulative scores
+    /// 0.30 0.30 0.36 0.04 keep 30 (from 11) and 20 (from 10; the tie with 21 goes to the
+    /// lower index). The next step re-runs all four nodes, parents first.
+    #[test]
+    fn beam_search_frontier_and_tree_input_by_hand() {
+        let mut search = BeamSearch::new(2);
+        search.push(&[vec![0.6, 0.4]], &[vec![10, 11]]);
+        assert_eq!(search.beams(), [0, 1]);
+        assert_eq!(search.frontier(), [0, 1]);
+        assert_eq!(search.tree_input(&[0, 1]), (vec![10, 11], vec![None, None]));
+        search.push(
+            &[vec![0.5, 0.5], vec![0.9, 0.1]],
+            &[vec![20, 21], vec![30, 31]],
+        );
+        assert_eq!(search.beams(), [2, 3]);
+        assert_eq!(search.parent(2), Some(1));
+        assert_eq!(search.parent(3), Some(0));
+        let frontier = search.frontier();
+        assert_eq!(frontier, [0, 1, 2, 3]);
+        assert_eq!(
+            search.tree_input(&frontier),
+            (vec![10, 11, 30, 20], vec![None, None, Some(1), Some(0)])
+        );
+        // The tree keeps the 3 best candidates: 10 (0.6), 11 (0.4), 30 (0.36).
+        let tree = search.build(7, 4).unwrap();
+        assert_eq!(tree.tokens, [7, 10, 11, 30]);
+        assert_eq!(tree.parents, [None, Some(0), Some(0), Some(2)]);
+    }
 }
