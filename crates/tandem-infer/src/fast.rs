@@ -160,7 +160,18 @@ impl FastSpecEngine<'_> {
         self.draft.gpu().synchronize()?;
         timings.extend_s += t0.elapsed().as_secs_f64();
 
-        while rows.iter().any(|r| !r.done) {
+        let context = spec.max_position_embeddings;
+        loop {
+            // A sequence whose next round could pass the model's context ends here, cleanly.
+            for (b, row) in rows.iter_mut().enumerate() {
+                if !row.done && cache.layout().seq_len(b) + width > context {
+                    row.output.finish = Finish::ContextFull;
+                    row.done = true;
+                }
+            }
+            if rows.iter().all(|r| r.done) {
+                break;
+            }
             // Draft (the head's scratch columns are rolled back afterwards).
             let t0 = Instant::now();
             let draft_columns = dcache.layout().used();

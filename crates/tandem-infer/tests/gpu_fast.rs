@@ -351,3 +351,41 @@ fn fast_sampling_keeps_the_target_distribution() {
         );
     }
 }
+
+/// A sequence that reaches the model's context (256 positions here) ends with
+/// `Finish::ContextFull`, and what it produced until then is still target greedy output.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_engine_ends_a_sequence_at_the_context_limit() {
+    let f = fixture("context");
+    let context = f.target.spec.max_position_embeddings;
+    let long: Vec<u32> = (0..context as u32 - 20).map(|i| 1 + i % 250).collect();
+    let prompts = vec![long, vec![3, 14, 15]];
+    let engine = FastSpecEngine {
+        target: &f.target,
+        draft: &f.draft,
+        taps: f.taps.clone(),
+        config: SpecConfig::chain(3),
+    };
+    let out = engine.generate(&prompts, 64, &[]).unwrap();
+    let full = &out.sequences[0];
+    assert_eq!(full.finish, tandem_infer::Finish::ContextFull);
+    assert!(
+        !full.tokens.is_empty() && full.tokens.len() < 64,
+        "{}",
+        full.tokens.len()
+    );
+    assert!(prompts[0].len() + full.tokens.len() <= context);
+    let expected = fast_target_generate(
+        &f.target,
+        &prompts[..1],
+        full.tokens.len(),
+        &[],
+        SamplingParams::greedy(),
+        0,
+    )
+    .unwrap();
+    assert_eq!(full.tokens, expected[0].tokens);
+    assert_eq!(out.sequences[1].finish, tandem_infer::Finish::Length);
+    assert_eq!(out.sequences[1].tokens.len(), 64);
+}
