@@ -53,12 +53,21 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    // Speculative decoding on --device cuda runs on the CUDA fast path, which every build has.
+    if args.draft.is_some() && args.model.device.to_string() == "cuda" {
+        let tokenizer = TargetTokenizer::load(&args.model.model)?;
+        let (spec, request) = speculative_request(&args, &tokenizer)?;
+        let tokens = super::spec_fast::generate(&args.model, &spec, &request)?;
+        return print_output(&args, &tokenizer, &tokens);
+    }
     with_backend!(args.model.device, |B, device| run_on::<B>(&args, &device))
 }
 
-fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result<()> {
-    let load_start = Instant::now();
-    let tokenizer = TargetTokenizer::load(&args.model.model)?;
+/// The prompt (chat template applied with --chat) and the sampling settings.
+fn encode_prompt(
+    args: &GenerateArgs,
+    tokenizer: &TargetTokenizer,
+) -> anyhow::Result<(Vec<u32>, SamplingParams, Vec<u32>)> {
     let prompt = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
@@ -79,33 +88,57 @@ fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result
     } else {
         Vec::new()
     };
-    if let Some(draft) = &args.draft {
-        let spec = super::spec::SpecArgs {
-            draft: draft.clone(),
-            steps: args.steps,
-            topk: args.topk,
-            num_draft_tokens: args.num_draft_tokens,
-            allow_wiring_mismatch: args.allow_wiring_mismatch,
-        };
-        let request = super::spec::SpecRequest {
-            prompt: prompt.clone(),
-            sampling,
-            seed: args.seed,
-            max_tokens: args.max_tokens,
-            stop_ids: stop_ids.clone(),
-        };
-        let tokens = super::spec::generate::<B>(&args.model, &spec, &request, device)?;
-        let text = tokenizer.decode(&tokens, false)?;
-        if args.chat {
-            println!("{text}");
-        } else {
-            println!("{}{}", args.prompt, text);
-        }
-        if args.ids {
-            println!("ids: {tokens:?}");
-        }
-        return Ok(());
+    Ok((prompt, sampling, stop_ids))
+}
+
+fn speculative_request(
+    args: &GenerateArgs,
+    tokenizer: &TargetTokenizer,
+) -> anyhow::Result<(super::spec::SpecArgs, super::spec::SpecRequest)> {
+    let (prompt, sampling, stop_ids) = encode_prompt(args, tokenizer)?;
+    let spec = super::spec::SpecArgs {
+        draft: args.draft.clone().expect("called with --draft"),
+        steps: args.steps,
+        topk: args.topk,
+        num_draft_tokens: args.num_draft_tokens,
+        allow_wiring_mismatch: args.allow_wiring_mismatch,
+    };
+    let request = super::spec::SpecRequest {
+        prompt,
+        sampling,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop_ids,
+    };
+    Ok((spec, request))
+}
+
+fn print_output(
+    args: &GenerateArgs,
+    tokenizer: &TargetTokenizer,
+    tokens: &[u32],
+) -> anyhow::Result<()> {
+    let text = tokenizer.decode(tokens, false)?;
+    if args.chat {
+        println!("{text}");
+    } else {
+        println!("{}{}", args.prompt, text);
     }
+    if args.ids {
+        println!("ids: {tokens:?}");
+    }
+    Ok(())
+}
+
+fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result<()> {
+    let load_start = Instant::now();
+    let tokenizer = TargetTokenizer::load(&args.model.model)?;
+    if args.draft.is_some() {
+        let (spec, request) = speculative_request(args, &tokenizer)?;
+        let tokens = super::spec::generate::<B>(&args.model, &spec, &request, device)?;
+        return print_output(args, &tokenizer, &tokens);
+    }
+    let (prompt, sampling, stop_ids) = encode_prompt(args, &tokenizer)?;
     // Loaded only on the plain path: the speculative path loads target and head together.
     let model = args.model.load::<B>(device)?;
     eprintln!(
@@ -117,28 +150,12 @@ fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result
     );
     let options = GenerateOptions {
         max_new_tokens: args.max_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            top_k: args.top_k,
-        },
-        stop_ids: if args.chat {
-            tokenizer.eos_ids.clone()
-        } else {
-            Vec::new()
-        },
+        sampling,
+        stop_ids,
         seed: args.seed,
     };
     let generation = tandem_model::generate(&model, &prompt, &options)?;
-    let text = tokenizer.decode(&generation.tokens, false)?;
-    if args.chat {
-        println!("{text}");
-    } else {
-        println!("{}{}", args.prompt, text);
-    }
-    if args.ids {
-        println!("ids: {:?}", generation.tokens);
-    }
+    print_output(args, &tokenizer, &generation.tokens)?;
     eprintln!(
         "prompt {} tokens, generated {} ({:?}); time to first token {:.1} ms; decode {:.1} tok/s",
         prompt.len(),

@@ -9,28 +9,85 @@ use tandem_cuda::{CudaDraft, CudaTarget, Gpu};
 use tandem_infer::{AcceptanceStats, FastSpecEngine, Timings, fast_target_generate};
 use tandem_model::{LogitsFor, SamplingParams, TapRequest, TargetTokenizer};
 
+use super::ModelArgs;
 use super::spec::{
-    BenchArgs, BenchReport, Comparison, chat_prompts, checked_taps, compare_outputs, print_report,
-    write_json,
+    BenchArgs, BenchReport, Comparison, SpecArgs, SpecRequest, chat_prompts, checked_taps,
+    compare_outputs, print_acceptance, print_report, write_json,
 };
 
-pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
-    let started = Instant::now();
+/// The fast path's target and head, loaded and wiring-checked.
+struct FastLoaded {
+    gpu: std::sync::Arc<Gpu>,
+    target: CudaTarget,
+    draft: CudaDraft,
+    taps: TapRequest,
+}
+
+fn load(model: &ModelArgs, spec: &SpecArgs) -> anyhow::Result<FastLoaded> {
     let gpu = Gpu::new(0)?;
-    let target = CudaTarget::load(&args.model.model, gpu.clone())
-        .with_context(|| format!("loading {} on the fast path", args.model.model.display()))?;
-    let tokenizer = TargetTokenizer::load(&args.model.model)?;
-    let head = tandem_eagle::load_host(&args.spec.draft)
-        .with_context(|| format!("loading the head {}", args.spec.draft.display()))?;
+    let target = CudaTarget::load(&model.model, gpu.clone())
+        .with_context(|| format!("loading {} on the fast path", model.model.display()))?;
+    let head = tandem_eagle::load_host(&spec.draft)
+        .with_context(|| format!("loading the head {}", spec.draft.display()))?;
     let taps = checked_taps(
-        &args.model.model,
-        &args.spec,
+        &model.model,
+        spec,
         &head.config,
         target.spec.num_layers,
         "bf16",
         "cuda",
     )?;
     let draft = CudaDraft::new(&target, head.spec, head.vocab, &head.weights)?;
+    Ok(FastLoaded {
+        gpu,
+        target,
+        draft,
+        taps,
+    })
+}
+
+/// `tandem generate --draft --device cuda`: one prompt through the fast path's speculative loop.
+pub fn generate(
+    model: &ModelArgs,
+    spec: &SpecArgs,
+    request: &SpecRequest,
+) -> anyhow::Result<Vec<u32>> {
+    let loaded = load(model, spec)?;
+    let engine = FastSpecEngine {
+        target: &loaded.target,
+        draft: &loaded.draft,
+        taps: loaded.taps,
+        config: spec.config(request.sampling, request.seed),
+    };
+    let start = Instant::now();
+    let out = engine.generate(
+        std::slice::from_ref(&request.prompt),
+        request.max_tokens,
+        &request.stop_ids,
+    )?;
+    let seconds = start.elapsed().as_secs_f64();
+    let seq = &out.sequences[0];
+    eprintln!(
+        "speculative (fast path on {}): {} tokens in {:.2}s ({:.1} tok/s), finish {:?}",
+        loaded.gpu.name(),
+        seq.tokens.len(),
+        seconds,
+        seq.tokens.len() as f64 / seconds,
+        seq.finish
+    );
+    print_acceptance(&seq.stats);
+    Ok(seq.tokens.clone())
+}
+
+pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let FastLoaded {
+        gpu,
+        target,
+        draft,
+        taps,
+    } = load(&args.model, &args.spec)?;
+    let tokenizer = TargetTokenizer::load(&args.model.model)?;
     let prompts = chat_prompts(args, &tokenizer)?;
     let sampling = SamplingParams {
         temperature: args.temperature,
