@@ -169,17 +169,26 @@ pub fn generate<B: Backend>(
         request.max_tokens,
         &request.stop_ids,
     )?;
-    let seconds = start.elapsed().as_secs_f64();
+    Ok(report_generation(
+        "speculative",
+        &out,
+        start.elapsed().as_secs_f64(),
+    ))
+}
+
+/// Prints the speed and acceptance of a one-prompt speculative generation that took `seconds`
+/// and returns its tokens.
+pub fn report_generation(label: &str, out: &tandem_infer::BatchOutput, seconds: f64) -> Vec<u32> {
     let seq = &out.sequences[0];
     eprintln!(
-        "speculative: {} tokens in {:.2}s ({:.1} tok/s), finish {:?}",
+        "{label}: {} tokens in {:.2}s ({:.1} tok/s), finish {:?}",
         seq.tokens.len(),
         seconds,
         seq.tokens.len() as f64 / seconds,
         seq.finish
     );
     print_acceptance(&seq.stats);
-    Ok(seq.tokens.clone())
+    seq.tokens.clone()
 }
 
 #[derive(Args, Debug)]
@@ -219,6 +228,16 @@ pub struct BenchArgs {
     /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast.
     #[arg(long, default_value = "auto")]
     pub engine: EngineKind,
+}
+
+impl BenchArgs {
+    pub fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+        }
+    }
 }
 
 /// Which implementation of the target and head runs the speculative loop.
@@ -280,11 +299,7 @@ pub fn chat_prompts(
 fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<()> {
     let loaded = load::<B>(&args.model, &args.spec, device)?;
     let prompts = chat_prompts(args, &loaded.tokenizer)?;
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-    };
+    let sampling = args.sampling();
     let config = args.spec.config(sampling, args.seed);
     let stop = loaded.tokenizer.eos_ids.clone();
     let engine = SpecEngine {
@@ -296,30 +311,63 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
     // Warm-up (first kernels compile on GPU).
     engine.generate(&[prompts[0].clone()], 8, &stop)?;
 
-    let mut baseline: Vec<Vec<u32>> = Vec::new();
+    let label = args.model.device.to_string();
+    measure_bench(
+        args,
+        &prompts,
+        config,
+        &label,
+        |chunk, _| {
+            chunk
+                .iter()
+                .map(|p| {
+                    let options = tandem_model::GenerateOptions {
+                        max_new_tokens: args.max_new_tokens,
+                        sampling,
+                        stop_ids: stop.clone(),
+                        seed: args.seed,
+                    };
+                    Ok(tandem_model::generate(&loaded.target, p, &options)?.tokens)
+                })
+                .collect()
+        },
+        |chunk, _| Ok(engine.generate(chunk, args.max_new_tokens, &stop)?),
+        |context| target_logits(&loaded.target, context),
+    )
+}
+
+/// The measurement both engines share: target-only decoding of every batch of `prompts`
+/// (`baseline(chunk, first prompt index)`), then speculative decoding of the same batches
+/// (`speculative`), each timed; greedy outputs compared and every difference traced with
+/// `logits_after`; the table printed and the JSON written.
+pub fn measure_bench(
+    args: &BenchArgs,
+    prompts: &[Vec<u32>],
+    config: SpecConfig,
+    label: &str,
+    mut baseline: impl FnMut(&[Vec<u32>], usize) -> anyhow::Result<Vec<Vec<u32>>>,
+    mut speculative: impl FnMut(&[Vec<u32>], usize) -> anyhow::Result<tandem_infer::BatchOutput>,
+    logits_after: impl FnMut(&[u32]) -> anyhow::Result<Vec<f32>>,
+) -> anyhow::Result<()> {
+    let batch = args.batch.max(1);
+    let mut reference: Vec<Vec<u32>> = Vec::new();
     let (mut target_tokens, mut target_seconds) = (0usize, 0f64);
     if !args.no_baseline {
-        for p in &prompts {
-            let options = tandem_model::GenerateOptions {
-                max_new_tokens: args.max_new_tokens,
-                sampling,
-                stop_ids: stop.clone(),
-                seed: args.seed,
-            };
+        for (c, chunk) in prompts.chunks(batch).enumerate() {
             let start = Instant::now();
-            let generation = tandem_model::generate(&loaded.target, p, &options)?;
+            let out = baseline(chunk, c * batch)?;
             target_seconds += start.elapsed().as_secs_f64();
-            target_tokens += generation.tokens.len();
-            baseline.push(generation.tokens);
+            target_tokens += out.iter().map(Vec::len).sum::<usize>();
+            reference.extend(out);
         }
     }
     let mut stats = AcceptanceStats::new(config.num_steps);
     let mut timings = tandem_infer::Timings::default();
     let (mut spec_tokens, mut spec_seconds) = (0usize, 0f64);
     let mut outputs = Vec::new();
-    for chunk in prompts.chunks(args.batch.max(1)) {
+    for (c, chunk) in prompts.chunks(batch).enumerate() {
         let start = Instant::now();
-        let out = engine.generate(chunk, args.max_new_tokens, &stop)?;
+        let out = speculative(chunk, c * batch)?;
         spec_seconds += start.elapsed().as_secs_f64();
         timings += out.timings;
         for seq in out.sequences {
@@ -328,48 +376,46 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
             outputs.push(seq.tokens);
         }
     }
-    let comparison = if sampling.is_greedy() {
-        compare_outputs(&outputs, &baseline, &prompts, |context| {
-            target_logits(&loaded.target, context)
-        })?
+    let comparison = if config.sampling.is_greedy() {
+        compare_outputs(&outputs, &reference, prompts, logits_after)?
     } else {
         Comparison::default()
     };
+    let per_second = |tokens: usize, seconds: f64| tokens as f64 / seconds.max(1e-9);
     let report = BenchReport {
         prompts: prompts.len(),
         config,
         batch: args.batch,
         target_tokens,
         target_seconds,
-        target_tokens_per_second: target_tokens as f64 / target_seconds.max(1e-9),
+        target_tokens_per_second: per_second(target_tokens, target_seconds),
         spec_tokens,
         spec_seconds,
-        spec_tokens_per_second: spec_tokens as f64 / spec_seconds.max(1e-9),
-        speedup: (spec_tokens as f64 / spec_seconds.max(1e-9))
-            / (target_tokens as f64 / target_seconds.max(1e-9)),
+        spec_tokens_per_second: per_second(spec_tokens, spec_seconds),
+        speedup: per_second(spec_tokens, spec_seconds) / per_second(target_tokens, target_seconds),
         accept_length: stats.accept_length(),
         per_position: stats.per_position(),
         identical_outputs: comparison.identical,
-        compared_outputs: baseline.len().min(outputs.len()),
+        compared_outputs: reference.len().min(outputs.len()),
         first_mismatch: comparison.first_mismatch,
         mismatches: comparison.mismatches,
         timings,
     };
-    print_report(&report, &args.model.device.to_string());
+    print_report(&report, label);
     if let Some(path) = &args.json {
         write_json(path, &report)?;
     }
     Ok(())
 }
 
-pub fn write_json(path: &Path, report: &BenchReport) -> anyhow::Result<()> {
+fn write_json(path: &Path, report: &BenchReport) -> anyhow::Result<()> {
     let tmp = path.with_extension("json.partial");
     std::fs::write(&tmp, serde_json::to_string_pretty(report)?)?;
     std::fs::rename(&tmp, path)?;
     Ok(())
 }
 
-pub fn print_report(r: &BenchReport, device: &str) {
+fn print_report(r: &BenchReport, device: &str) {
     let c = &r.config;
     println!(
         "| device | steps/topk/tokens | batch | prompts | target tok/s | speculative tok/s | speedup | accept length | per-position acceptance | greedy identical |"

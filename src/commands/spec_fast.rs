@@ -6,13 +6,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use tandem_cuda::{CudaDraft, CudaTarget, Gpu};
-use tandem_infer::{AcceptanceStats, FastSpecEngine, Timings, fast_target_generate};
-use tandem_model::{LogitsFor, SamplingParams, TapRequest, TargetTokenizer};
+use tandem_infer::{FastSpecEngine, fast_target_generate};
+use tandem_model::{LogitsFor, TapRequest, TargetTokenizer};
 
 use super::ModelArgs;
 use super::spec::{
-    BenchArgs, BenchReport, Comparison, SpecArgs, SpecRequest, chat_prompts, checked_taps,
-    compare_outputs, print_acceptance, print_report, write_json,
+    BenchArgs, SpecArgs, SpecRequest, chat_prompts, checked_taps, measure_bench, report_generation,
 };
 
 /// The fast path's target and head, loaded and wiring-checked.
@@ -65,18 +64,12 @@ pub fn generate(
         request.max_tokens,
         &request.stop_ids,
     )?;
-    let seconds = start.elapsed().as_secs_f64();
-    let seq = &out.sequences[0];
-    eprintln!(
-        "speculative (fast path on {}): {} tokens in {:.2}s ({:.1} tok/s), finish {:?}",
-        loaded.gpu.name(),
-        seq.tokens.len(),
-        seconds,
-        seq.tokens.len() as f64 / seconds,
-        seq.finish
-    );
-    print_acceptance(&seq.stats);
-    Ok(seq.tokens.clone())
+    let label = format!("speculative (fast path on {})", loaded.gpu.name());
+    Ok(report_generation(
+        &label,
+        &out,
+        start.elapsed().as_secs_f64(),
+    ))
 }
 
 pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
@@ -89,11 +82,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     } = load(&args.model, &args.spec)?;
     let tokenizer = TargetTokenizer::load(&args.model.model)?;
     let prompts = chat_prompts(args, &tokenizer)?;
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-    };
+    let sampling = args.sampling();
     let config = args.spec.config(sampling, args.seed);
     let stop = tokenizer.eos_ids.clone();
     let engine = FastSpecEngine {
@@ -113,83 +102,39 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         args.batch
     );
 
-    let batch = args.batch.max(1);
-    let mut baseline: Vec<Vec<u32>> = Vec::new();
-    let (mut target_tokens, mut target_seconds) = (0usize, 0f64);
-    if !args.no_baseline {
-        for (c, chunk) in prompts.chunks(batch).enumerate() {
-            let start = Instant::now();
+    let seed_of = |first: usize| args.seed.wrapping_add(first as u64);
+    measure_bench(
+        args,
+        &prompts,
+        config,
+        "cuda fast path",
+        |chunk, first| {
             let out = fast_target_generate(
                 &target,
                 chunk,
                 args.max_new_tokens,
                 &stop,
                 sampling,
-                args.seed.wrapping_add((c * batch) as u64),
+                seed_of(first),
             )?;
-            target_seconds += start.elapsed().as_secs_f64();
-            for seq in out {
-                target_tokens += seq.tokens.len();
-                baseline.push(seq.tokens);
-            }
-        }
-    }
-    let mut stats = AcceptanceStats::new(config.num_steps);
-    let mut timings = Timings::default();
-    let (mut spec_tokens, mut spec_seconds) = (0usize, 0f64);
-    let mut outputs = Vec::new();
-    for (c, chunk) in prompts.chunks(batch).enumerate() {
-        let engine = FastSpecEngine {
-            config: tandem_infer::SpecConfig {
-                seed: args.seed.wrapping_add((c * batch) as u64),
-                ..config
-            },
-            taps: engine.taps.clone(),
-            ..engine
-        };
-        let start = Instant::now();
-        let out = engine.generate(chunk, args.max_new_tokens, &stop)?;
-        spec_seconds += start.elapsed().as_secs_f64();
-        timings += out.timings;
-        for seq in out.sequences {
-            spec_tokens += seq.tokens.len();
-            stats.merge(&seq.stats);
-            outputs.push(seq.tokens);
-        }
-    }
-    let comparison = if sampling.is_greedy() && !baseline.is_empty() {
-        compare_outputs(&outputs, &baseline, &prompts, |context| {
+            Ok(out.into_iter().map(|seq| seq.tokens).collect())
+        },
+        |chunk, first| {
+            let engine = FastSpecEngine {
+                config: tandem_infer::SpecConfig {
+                    seed: seed_of(first),
+                    ..config
+                },
+                taps: engine.taps.clone(),
+                ..engine
+            };
+            Ok(engine.generate(chunk, args.max_new_tokens, &stop)?)
+        },
+        |context| {
             let mut cache = target.new_cache(1, context.len() + 1)?;
             let step = cache.layout().prefill_step(&[context])?;
             let out = target.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
             Ok(out.logits.expect("asked for logits").to_host()?)
-        })?
-    } else {
-        Comparison::default()
-    };
-    let per_second = |tokens: usize, seconds: f64| tokens as f64 / seconds.max(1e-9);
-    let report = BenchReport {
-        prompts: prompts.len(),
-        config,
-        batch,
-        target_tokens,
-        target_seconds,
-        target_tokens_per_second: per_second(target_tokens, target_seconds),
-        spec_tokens,
-        spec_seconds,
-        spec_tokens_per_second: per_second(spec_tokens, spec_seconds),
-        speedup: per_second(spec_tokens, spec_seconds) / per_second(target_tokens, target_seconds),
-        accept_length: stats.accept_length(),
-        per_position: stats.per_position(),
-        identical_outputs: comparison.identical,
-        compared_outputs: baseline.len().min(outputs.len()),
-        first_mismatch: comparison.first_mismatch,
-        mismatches: comparison.mismatches,
-        timings,
-    };
-    print_report(&report, "cuda fast path");
-    if let Some(path) = &args.json {
-        write_json(path, &report)?;
-    }
-    Ok(())
+        },
+    )
 }
