@@ -52,6 +52,44 @@ struct Row {
     done: bool,
 }
 
+impl Row {
+    /// One row per prompt; row `i` samples from its own stream seeded `seed + i` and records
+    /// acceptance over `draft_steps` positions.
+    fn batch(
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+        sampling: SamplingParams,
+        seed: u64,
+        draft_steps: usize,
+    ) -> Vec<Self> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                let seed = seed.wrapping_add(i as u64);
+                Row {
+                    request: Request {
+                        id: i as u64,
+                        prompt: prompt.clone(),
+                        max_new_tokens,
+                        stop_ids: stop_ids.to_vec(),
+                        sampling,
+                        seed,
+                    },
+                    output: SpecOutput {
+                        tokens: Vec::new(),
+                        finish: Finish::Length,
+                        stats: AcceptanceStats::new(draft_steps),
+                    },
+                    rng: rand::rngs::StdRng::seed_from_u64(seed),
+                    done: false,
+                }
+            })
+            .collect()
+    }
+}
+
 impl FastSpecEngine<'_> {
     /// Generates up to `max_new_tokens` for each prompt together (one static batch). Greedy
     /// output equals target-only greedy output up to bf16 near-ties; sampled output follows
@@ -105,27 +143,14 @@ impl FastSpecEngine<'_> {
         }
         let batch = prompts.len();
         let mut timings = Timings::default();
-        let mut rows: Vec<Row> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, prompt)| Row {
-                request: Request {
-                    id: i as u64,
-                    prompt: prompt.clone(),
-                    max_new_tokens,
-                    stop_ids: stop_ids.to_vec(),
-                    sampling: cfg.sampling,
-                    seed: cfg.seed.wrapping_add(i as u64),
-                },
-                output: SpecOutput {
-                    tokens: Vec::new(),
-                    finish: Finish::Length,
-                    stats: AcceptanceStats::new(cfg.num_steps),
-                },
-                rng: rand::rngs::StdRng::seed_from_u64(cfg.seed.wrapping_add(i as u64)),
-                done: false,
-            })
-            .collect();
+        let mut rows = Row::batch(
+            prompts,
+            max_new_tokens,
+            stop_ids,
+            cfg.sampling,
+            cfg.seed,
+            cfg.num_steps,
+        );
 
         // Target prefill with taps, first token.
         let t0 = Instant::now();
@@ -564,27 +589,7 @@ pub fn fast_target_generate(
     sampling.validate()?;
     let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut cache = target.new_cache(prompts.len(), max_prompt + max_new_tokens + 1)?;
-    let mut rows: Vec<Row> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Row {
-            request: Request {
-                id: i as u64,
-                prompt: p.clone(),
-                max_new_tokens,
-                stop_ids: stop_ids.to_vec(),
-                sampling,
-                seed: seed.wrapping_add(i as u64),
-            },
-            output: SpecOutput {
-                tokens: Vec::new(),
-                finish: Finish::Length,
-                stats: AcceptanceStats::new(0),
-            },
-            rng: rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(i as u64)),
-            done: false,
-        })
-        .collect();
+    let mut rows = Row::batch(prompts, max_new_tokens, stop_ids, sampling, seed, 0);
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let mut step = cache.layout().prefill_step(&refs)?;
     let none = TapRequest::none();
