@@ -8,7 +8,9 @@ use tandem_infer::engine::target_greedy;
 use tandem_infer::{SpecConfig, SpecEngine};
 use tandem_model::backend::CpuBackend;
 use tandem_model::sampling::{SamplingParams, distribution};
-use tandem_model::testing::{chi_square_999, tiny_config, write_random_model};
+use tandem_model::testing::{
+    chi_square_999, second_token_marginal, tiny_config, write_random_model,
+};
 use tandem_model::{LogitsFor, TapRequest, TargetModel};
 use tandem_wiring::default_aux_taps;
 
@@ -209,18 +211,7 @@ fn check_sampling(
         let logits = out.logits.unwrap().into_data().to_vec::<f32>().unwrap();
         distribution(&logits, &sampling)
     };
-    let p1 = probs_after(&prompt);
-    let mut marginal = vec![0f64; vocab];
-    for (t1, &p) in p1.iter().enumerate() {
-        if p < 1e-6 {
-            continue;
-        }
-        let mut ctx = prompt.clone();
-        ctx.push(t1 as u32);
-        for (t2, q) in probs_after(&ctx).into_iter().enumerate() {
-            marginal[t2] += p as f64 * q as f64;
-        }
-    }
+    let marginal = second_token_marginal(&prompt, probs_after);
     let draws = 2000;
     let mut counts = vec![0usize; vocab];
     let config = SpecConfig {

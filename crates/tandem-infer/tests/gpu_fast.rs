@@ -313,17 +313,7 @@ fn fast_sampling_keeps_the_target_distribution() {
                 .unwrap();
             tandem_model::sampling::distribution(&out.logits.unwrap().to_host().unwrap(), &sampling)
         };
-        let mut marginal = vec![0f64; vocab];
-        for (t1, &p) in probs_after(&prompt).iter().enumerate() {
-            if p < 1e-6 {
-                continue;
-            }
-            let mut ctx = prompt.clone();
-            ctx.push(t1 as u32);
-            for (t2, q) in probs_after(&ctx).into_iter().enumerate() {
-                marginal[t2] += p as f64 * q as f64;
-            }
-        }
+        let marginal = tandem_model::testing::second_token_marginal(&prompt, probs_after);
         let mut counts = vec![0usize; vocab];
         for seed in 0..2000u64 {
             let engine = FastSpecEngine {

@@ -68,6 +68,28 @@ pub fn chi_square_999(expected: &[f64], counts: &[usize]) -> (f64, f64) {
     (chi2, limit)
 }
 
+/// The exact distribution of the second token sampled after `prompt`:
+/// `sum_t1 p(t1 | prompt) p(t2 | prompt, t1)`, from `probs_after(context)` (the sampling
+/// distribution over the vocabulary after `context`); first tokens below 1e-6 are skipped.
+pub fn second_token_marginal(
+    prompt: &[u32],
+    mut probs_after: impl FnMut(&[u32]) -> Vec<f32>,
+) -> Vec<f64> {
+    let first = probs_after(prompt);
+    let mut marginal = vec![0f64; first.len()];
+    for (t1, &p) in first.iter().enumerate() {
+        if p < 1e-6 {
+            continue;
+        }
+        let mut context = prompt.to_vec();
+        context.push(t1 as u32);
+        for (t2, q) in probs_after(&context).into_iter().enumerate() {
+            marginal[t2] += f64::from(p) * f64::from(q);
+        }
+    }
+    marginal
+}
+
 pub fn scratch_dir(name: &str) -> PathBuf {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
