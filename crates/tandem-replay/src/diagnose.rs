@@ -928,9 +928,15 @@ impl DiagnoseReport {
         for r in readings.iter().filter(|r| !r.reading.serving) {
             verdict.push(if r.agrees {
                 format!(
-                    "{}: {}, the trained wiring",
+                    "{}: {}, {}",
                     r.reading.source,
-                    format_taps(&r.reading.taps)
+                    format_taps(&r.reading.taps),
+                    // Rank 1 of an inconclusive sweep is only the best of a tie.
+                    if conclusive {
+                        "the trained wiring"
+                    } else {
+                        "the best measured, tied with others within the noise"
+                    }
                 )
             } else {
                 format!(
@@ -1684,13 +1690,23 @@ mod tests {
     #[test]
     fn an_inconclusive_sweep_names_the_permutation_of_the_served_taps() {
         let served = vec![TapId::Block(26), TapId::Block(14), TapId::Block(1)];
-        let readings = vec![DeclaredReading {
-            source: "the head's Tandem wiring manifest".into(),
-            conventions: vec![],
-            ids: None,
-            taps: served.clone(),
-            serving: true,
-        }];
+        let readings = vec![
+            DeclaredReading {
+                source: "the head's Tandem wiring manifest".into(),
+                conventions: vec![],
+                ids: None,
+                taps: served.clone(),
+                serving: true,
+            },
+            // Another reading that lands on the sweep's rank 1, which is only the best of a tie.
+            DeclaredReading {
+                source: "another reading".into(),
+                conventions: vec![],
+                ids: None,
+                taps: vec![TapId::Block(0), TapId::Block(13), TapId::Block(25)],
+                serving: false,
+            },
+        ];
         let ranked = rank(vec![
             (entry(blocks(&[26, 14, 1])), tally(40, 400)),
             (entry(blocks(&[0, 13, 25])), tally(101, 400)),
@@ -1721,6 +1737,13 @@ mod tests {
                 )
                 && text.contains("most likely the trained wiring")
                 && text.contains("fix: write eagle_aux_hidden_state_layer_ids"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "another reading: [block 0, block 13, block 25], the best measured, tied with \
+                 others within the noise"
+            ),
             "{text}"
         );
         // Without any prior among the ties, nothing is named.
