@@ -322,6 +322,18 @@ extern "C" __global__ void copy_rows(const float* src, const int* src_rows, floa
     }
 }
 
+// The same for bf16 (u16) rows: dst[dst_rows[k]] = src[src_rows[k]], `width` values each. Moves
+// KV-cache columns (one row = one head's key or value at one column) when sequences join or
+// leave a running batch and when the cache is compacted. Grid: count.
+extern "C" __global__ void copy_rows_u16(const unsigned short* src, const int* src_rows,
+                                         unsigned short* dst, const int* dst_rows, int width) {
+    const unsigned short* s = src + (size_t)src_rows[blockIdx.x] * width;
+    unsigned short* d = dst + (size_t)dst_rows[blockIdx.x] * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        d[i] = s[i];
+    }
+}
+
 // Gathers f32 rows into a bf16 matrix at a column offset: dst[k * dst_stride + offset + i] =
 // bf16(src[rows[k] * hidden + i]). Concatenates the target's taps (one call per slot) into
 // the `fc` input of the draft head, taking only the rows of accepted tokens. Grid: count.

@@ -11,8 +11,9 @@
 # Knobs: PARTS (which parts, in order; default "replay compare diagnose serve bench"; one
 # call has 10 minutes, so run the long parts on their own, e.g. PARTS=compare, PARTS=bench),
 # HEAD (replay/diagnose/serve/bench; default: the regenerated head if present, else the
-# committed one), REQUESTS (64), CONCURRENCY (8), MAX_TOKENS (128), PROMPTS (compare/diagnose
-# prompts, 16).
+# committed one), REQUESTS (64), CONCURRENCY (8), CONCURRENCIES (serve: one load test per
+# value, default CONCURRENCY), SERVE_ENGINE (auto: the CUDA fast path; burn), MAX_TOKENS (128),
+# PROMPTS (compare/diagnose prompts, 16).
 # compare: COMPARE_HEAD (heads/smollm2-135m-eagle3, the committed head), COMPARE_DUMP
 # ($W/sharegpt-regen if it holds a dump, else DUMP), COMPARE_SAMPLES (dump samples, 16),
 # COMPARE_TREE ("3 4 8": steps, topk, draft tokens; the engine builds SGLang's tree for any
@@ -181,24 +182,30 @@ run "$T" diagnose --head "$BAD" --model "$M" --device cuda --data-root "$W/data"
 }
 
 serve_load() {
-  local label=$1; shift
-  "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$CONCURRENCY" --context 2048 "$@" \
-    > "$W/serve_$label.txt" 2>&1 &
+  local label=$1 concurrency=$2; shift 2
+  "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
+    --engine "${SERVE_ENGINE:-auto}" "$@" > "$W/serve_$label.txt" 2>&1 &
   local pid=$!
   for _ in $(seq 1 120); do grep -q "listening on" "$W/serve_$label.txt" && break; sleep 1; done
+  grep "listening on" "$W/serve_$label.txt" | tee -a "$LOG"
   # Warm-up (JIT and autotune) outside the measurement.
-  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$CONCURRENCY" \
-    --concurrency "$CONCURRENCY" --max-tokens 16 --label warmup > /dev/null 2>&1
+  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
+    --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
   "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$REQUESTS" \
-    --concurrency "$CONCURRENCY" --max-tokens "$MAX_TOKENS" --label "$label" \
+    --concurrency "$concurrency" --max-tokens "$MAX_TOKENS" --label "$label" \
     --json "$OUT/load_$label.json" 2>&1 | tail -3 | tee -a "$LOG"
   kill -TERM $pid; wait $pid
   tail -2 "$W/serve_$label.txt" | tee -a "$LOG"
 }
+# The load test per concurrency (CONCURRENCIES, default "$CONCURRENCY"; the server's max batch
+# is the concurrency), speculative then target-only on the same engine (SERVE_ENGINE: auto =
+# the CUDA fast path, or burn).
 part_serve() {
-echo "== serve load test: $REQUESTS requests, concurrency $CONCURRENCY, max_tokens $MAX_TOKENS" | tee -a "$LOG"
-serve_load speculative --draft "$HEAD" --steps 3 --topk 1
-serve_load target-only --no-draft
+for c in ${CONCURRENCIES:-$CONCURRENCY}; do
+  echo "== serve load test: $REQUESTS requests, concurrency $c, max_tokens $MAX_TOKENS, engine ${SERVE_ENGINE:-auto}" | tee -a "$LOG"
+  serve_load "speculative_c$c" "$c" --draft "$HEAD" --steps 3 --topk 1
+  serve_load "target-only_c$c" "$c" --no-draft
+done
 }
 
 # Issue #6: tandem target-only and speculative (greedy equality, every mismatch traced to the

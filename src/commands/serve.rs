@@ -10,7 +10,7 @@ use tandem_serve::scheduler::DecoderFactory;
 use tandem_serve::{AppState, Decoder, PlainDecoder, Scheduler, SchedulerConfig, SpecDecoder};
 
 use super::ModelArgs;
-use super::spec::SpecArgs;
+use super::spec::{EngineKind, SpecArgs};
 use crate::with_backend;
 
 #[derive(Args, Debug, Clone)]
@@ -42,6 +42,9 @@ pub struct ServeArgs {
     /// The model name clients pass (default: the model directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast.
+    #[arg(long, default_value = "auto")]
+    pub engine: EngineKind,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -80,9 +83,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let addr = listener.local_addr()?;
         println!(
             "tandem serve: listening on http://{addr} (model `{model_id}` from {}, head {head}, \
-             device {}, context {}, max batch {})",
+             device {}{}, context {}, max batch {})",
             args.model.model.display(),
             args.model.device,
+            if args.model.device.to_string() == "cuda" && args.engine != EngineKind::Burn {
+                ", CUDA fast path"
+            } else {
+                ""
+            },
             scheduler.limits.context,
             args.max_batch
         );
@@ -102,6 +110,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
+    let cuda = args.model.device.to_string() == "cuda";
+    match args.engine {
+        EngineKind::Fast | EngineKind::Auto if cuda => {
+            let decoder = super::spec_fast::serve_decoder(
+                &args.model,
+                &args.spec,
+                args.no_draft,
+                args.context,
+            )?;
+            return Ok(Box::new(decoder));
+        }
+        EngineKind::Fast => anyhow::bail!("--engine fast runs on the GPU: pass --device cuda"),
+        _ => {}
+    }
     with_backend!(args.model.device, |B, device| {
         if args.no_draft {
             let target = args.model.load::<B>(&device)?;

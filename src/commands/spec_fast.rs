@@ -23,9 +23,7 @@ struct FastLoaded {
 }
 
 fn load(model: &ModelArgs, spec: &SpecArgs) -> anyhow::Result<FastLoaded> {
-    let gpu = Gpu::new(0)?;
-    let target = CudaTarget::load(&model.model, gpu.clone())
-        .with_context(|| format!("loading {} on the fast path", model.model.display()))?;
+    let (gpu, target) = load_target(model)?;
     let head = tandem_eagle::load_host(&spec.draft)
         .with_context(|| format!("loading the head {}", spec.draft.display()))?;
     let taps = checked_taps(
@@ -45,6 +43,49 @@ fn load(model: &ModelArgs, spec: &SpecArgs) -> anyhow::Result<FastLoaded> {
     })
 }
 
+/// The fast path's target on GPU 0.
+fn load_target(model: &ModelArgs) -> anyhow::Result<(std::sync::Arc<Gpu>, CudaTarget)> {
+    let gpu = Gpu::new(0)?;
+    let target = CudaTarget::load(&model.model, gpu.clone())
+        .with_context(|| format!("loading {} on the fast path", model.model.display()))?;
+    Ok((gpu, target))
+}
+
+/// `tandem serve --device cuda`: the fast path's decoder, speculative or (`no_draft`) the
+/// target alone, with continuous batching.
+pub fn serve_decoder(
+    model: &ModelArgs,
+    spec: &SpecArgs,
+    no_draft: bool,
+    context: usize,
+) -> anyhow::Result<tandem_serve::FastDecoder> {
+    // Sampling and seed are per request; the engine's own are unused by the server.
+    let config = spec.config(tandem_model::SamplingParams::greedy(), 0);
+    if no_draft {
+        let (_, target) = load_target(model)?;
+        return Ok(tandem_serve::FastDecoder::new(
+            target,
+            None,
+            TapRequest::none(),
+            config,
+            context,
+        )?);
+    }
+    let FastLoaded {
+        target,
+        draft,
+        taps,
+        ..
+    } = load(model, spec)?;
+    Ok(tandem_serve::FastDecoder::new(
+        target,
+        Some(draft),
+        taps,
+        config,
+        context,
+    )?)
+}
+
 /// `tandem generate --draft --device cuda`: one prompt through the fast path's speculative loop.
 pub fn generate(
     model: &ModelArgs,
@@ -54,7 +95,7 @@ pub fn generate(
     let loaded = load(model, spec)?;
     let engine = FastSpecEngine {
         target: &loaded.target,
-        draft: &loaded.draft,
+        draft: Some(&loaded.draft),
         taps: loaded.taps,
         config: spec.config(request.sampling, request.seed),
     };
@@ -87,7 +128,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let stop = tokenizer.eos_ids.clone();
     let engine = FastSpecEngine {
         target: &target,
-        draft: &draft,
+        draft: Some(&draft),
         taps,
         config,
     };

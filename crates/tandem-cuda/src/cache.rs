@@ -24,6 +24,8 @@ pub(crate) struct StepInputs {
 pub struct CudaKvCache {
     pub(crate) keys: Vec<CudaSlice<u16>>,
     pub(crate) values: Vec<CudaSlice<u16>>,
+    kv_heads: usize,
+    head_dim: usize,
     layout: ColumnLayout,
 }
 
@@ -55,8 +57,125 @@ impl CudaKvCache {
         Ok(Self {
             keys,
             values,
+            kv_heads,
+            head_dim,
             layout: ColumnLayout::new(batch, capacity),
         })
+    }
+
+    pub fn batch(&self) -> usize {
+        self.layout.batch()
+    }
+
+    /// Moves the sequences of `other` (same model and capacity, e.g. newcomers prefilled on
+    /// their own) into this batch, after its current rows: what a running batch does when
+    /// requests join. Every layer gets new buffers; each sequence keeps its columns.
+    pub fn append(&mut self, gpu: &Gpu, other: CudaKvCache) -> Result<(), CudaError> {
+        if other.keys.len() != self.keys.len()
+            || (other.kv_heads, other.head_dim) != (self.kv_heads, self.head_dim)
+        {
+            return Err(ModelError::InvalidStep {
+                reason: "cannot join caches of different models".into(),
+            }
+            .into());
+        }
+        let (mine, theirs) = (self.batch(), other.batch());
+        let own = ColumnMoves::whole_rows(mine, self.layout.used(), 0);
+        let joined = ColumnMoves::whole_rows(theirs, other.layout.used(), mine);
+        self.layout.append(other.layout.clone())?;
+        let batch = mine + theirs;
+        let sources = [(&self.keys, &own), (&other.keys, &joined)];
+        let keys = self.moved(gpu, batch, &sources)?;
+        let sources = [(&self.values, &own), (&other.values, &joined)];
+        let values = self.moved(gpu, batch, &sources)?;
+        self.keys = keys;
+        self.values = values;
+        Ok(())
+    }
+
+    /// Keeps the sequences `keep` (ascending), in that order, and drops the others (finished
+    /// or cancelled): one copy however many leave. Keeping none is refused: drop the cache.
+    pub fn retain(&mut self, gpu: &Gpu, keep: &[usize]) -> Result<(), CudaError> {
+        assert!(
+            !keep.is_empty(),
+            "drop the cache instead of keeping no sequence"
+        );
+        assert!(keep.windows(2).all(|w| w[0] < w[1]) && keep[keep.len() - 1] < self.batch());
+        let moves = ColumnMoves::kept_rows(keep, self.layout.used());
+        let keys = self.moved(gpu, keep.len(), &[(&self.keys, &moves)])?;
+        let values = self.moved(gpu, keep.len(), &[(&self.values, &moves)])?;
+        self.keys = keys;
+        self.values = values;
+        for b in (0..self.batch()).rev() {
+            if keep.binary_search(&b).is_err() {
+                self.layout.remove(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves every sequence's columns to the front ([`ColumnLayout::compaction_plan`]), so
+    /// `used` becomes the longest sequence: reclaims the columns of rejected drafts, padding
+    /// and departed sequences. Positions are baked into the cached keys, so attention is exact.
+    pub fn compact(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        let moves = ColumnMoves::compaction(&self.layout.compaction_plan());
+        let batch = self.batch();
+        let keys = self.moved(gpu, batch, &[(&self.keys, &moves)])?;
+        let values = self.moved(gpu, batch, &[(&self.values, &moves)])?;
+        self.keys = keys;
+        self.values = values;
+        self.layout.compact();
+        Ok(())
+    }
+
+    /// New per-layer buffers for `batch` sequences holding the `moves` of each source.
+    fn moved(
+        &self,
+        gpu: &Gpu,
+        batch: usize,
+        sources: &[(&Vec<CudaSlice<u16>>, &ColumnMoves)],
+    ) -> Result<Vec<CudaSlice<u16>>, CudaError> {
+        let capacity = self.layout.capacity();
+        let n = batch * self.kv_heads * capacity * self.head_dim;
+        let indices = sources
+            .iter()
+            .map(|(_, moves)| {
+                let (src, dst) = moves.head_rows(self.kv_heads, capacity);
+                Ok((src.len(), gpu.upload(&src)?, gpu.upload(&dst)?))
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let mut out = Vec::with_capacity(self.keys.len());
+        for layer in 0..self.keys.len() {
+            let mut buffer = gpu.zeros::<u16>(n)?;
+            for ((buffers, _), (count, src, dst)) in sources.iter().zip(&indices) {
+                gpu.copy_rows_u16(
+                    &buffers[layer],
+                    src,
+                    &mut buffer,
+                    dst,
+                    *count,
+                    self.head_dim,
+                )?;
+            }
+            out.push(buffer);
+        }
+        Ok(out)
+    }
+
+    /// Every layer's keys and values on the host, `[batch, kv_heads, capacity, head_dim]` bf16
+    /// bits each (for tests and debugging).
+    pub fn to_host(&self, gpu: &Gpu) -> Result<HostKv, CudaError> {
+        let keys = self
+            .keys
+            .iter()
+            .map(|k| gpu.download(k))
+            .collect::<Result<_, _>>()?;
+        let values = self
+            .values
+            .iter()
+            .map(|v| gpu.download(v))
+            .collect::<Result<_, _>>()?;
+        Ok((keys, values))
     }
 
     /// The column bookkeeping, shared with the burn cache: step builders (`prefill_step`,
@@ -105,5 +224,92 @@ impl CudaKvCache {
     }
     pub(crate) fn advance(&mut self, step: &StepInput) {
         self.layout.advance(step)
+    }
+}
+
+/// Per-layer keys and values on the host ([`CudaKvCache::to_host`]).
+pub type HostKv = (Vec<Vec<u16>>, Vec<Vec<u16>>);
+
+/// Cache columns to move: `(source sequence, source column, destination sequence, destination
+/// column)`, each for every KV head. Pure bookkeeping, so the index math is unit-tested on the
+/// CPU; the GPU copy is one `copy_rows_u16` launch per layer and source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColumnMoves(pub Vec<(usize, usize, usize, usize)>);
+
+impl ColumnMoves {
+    /// Columns `0..used` of sequences `0..batch`, to sequences `offset..offset + batch`.
+    pub fn whole_rows(batch: usize, used: usize, offset: usize) -> Self {
+        Self(
+            (0..batch)
+                .flat_map(|b| (0..used).map(move |c| (b, c, b + offset, c)))
+                .collect(),
+        )
+    }
+
+    /// Columns `0..used` of sequences `keep[i]`, to sequence `i`.
+    pub fn kept_rows(keep: &[usize], used: usize) -> Self {
+        Self(
+            keep.iter()
+                .enumerate()
+                .flat_map(|(to, &b)| (0..used).map(move |c| (b, c, to, c)))
+                .collect(),
+        )
+    }
+
+    /// `plan[b]`: the columns sequence `b` owns, in order; they move to `0..plan[b].len()`.
+    pub fn compaction(plan: &[Vec<usize>]) -> Self {
+        Self(
+            plan.iter()
+                .enumerate()
+                .flat_map(|(b, cols)| cols.iter().enumerate().map(move |(to, &c)| (b, c, b, to)))
+                .collect(),
+        )
+    }
+
+    /// Flat row indices (`(sequence * kv_heads + head) * capacity + column`) of every move and
+    /// head: `(source rows, destination rows)` for `copy_rows_u16`.
+    pub fn head_rows(&self, kv_heads: usize, capacity: usize) -> (Vec<i32>, Vec<i32>) {
+        let row = |b: usize, h: usize, c: usize| ((b * kv_heads + h) * capacity + c) as i32;
+        let mut src = Vec::with_capacity(self.0.len() * kv_heads);
+        let mut dst = Vec::with_capacity(self.0.len() * kv_heads);
+        for &(sb, sc, db, dc) in &self.0 {
+            for h in 0..kv_heads {
+                src.push(row(sb, h, sc));
+                dst.push(row(db, h, dc));
+            }
+        }
+        (src, dst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hand-worked: 3 sequences of 2 used columns; 2 KV heads, capacity 4.
+    #[test]
+    fn column_moves_address_every_head_of_every_moved_column() {
+        let joined = ColumnMoves::whole_rows(1, 2, 3);
+        assert_eq!(joined.0, [(0, 0, 3, 0), (0, 1, 3, 1)]);
+        let (src, dst) = joined.head_rows(2, 4);
+        // Source sequence 0: heads at rows 0..4 (head 0) and 4..8 (head 1).
+        assert_eq!(src, [0, 4, 1, 5]);
+        // Destination sequence 3 starts at row (3 * 2) * 4 = 24.
+        assert_eq!(dst, [24, 28, 25, 29]);
+
+        let removed = ColumnMoves::kept_rows(&[0, 2], 2);
+        assert_eq!(
+            removed.0,
+            [(0, 0, 0, 0), (0, 1, 0, 1), (2, 0, 1, 0), (2, 1, 1, 1)]
+        );
+
+        let compacted = ColumnMoves::compaction(&[vec![0, 2, 3], vec![1]]);
+        assert_eq!(
+            compacted.0,
+            [(0, 0, 0, 0), (0, 2, 0, 1), (0, 3, 0, 2), (1, 1, 1, 0)]
+        );
+        let (src, dst) = compacted.head_rows(1, 4);
+        assert_eq!(src, [0, 2, 3, 5]);
+        assert_eq!(dst, [0, 1, 2, 4]);
     }
 }

@@ -34,6 +34,7 @@ struct Kernels {
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
     copy_rows: CudaFunction,
+    copy_rows_u16: CudaFunction,
     rows_to_bf16: CudaFunction,
     topk_softmax: CudaFunction,
 }
@@ -102,6 +103,7 @@ impl Gpu {
             gather_rows: module.load_function("gather_rows")?,
             argmax_rows: module.load_function("argmax_rows")?,
             copy_rows: module.load_function("copy_rows")?,
+            copy_rows_u16: module.load_function("copy_rows_u16")?,
             rows_to_bf16: module.load_function("rows_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
         };
@@ -488,6 +490,34 @@ impl Gpu {
         // SAFETY: callers pass row indices below the row counts of `src` and `dst` (the draft
         // driver builds them from its own node table); index array sizes asserted.
         unsafe { launch.launch(Self::rows_config(count, 256)) }?;
+        Ok(())
+    }
+
+    /// `dst[dst_rows[k]] = src[src_rows[k]]` for bf16 rows of `width` values (KV-cache moves).
+    pub fn copy_rows_u16(
+        &self,
+        src: &CudaSlice<u16>,
+        src_rows: &CudaSlice<i32>,
+        dst: &mut CudaSlice<u16>,
+        dst_rows: &CudaSlice<i32>,
+        count: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        assert!(src_rows.len() >= count && dst_rows.len() >= count);
+        if count == 0 {
+            return Ok(());
+        }
+        let width_i = width as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.copy_rows_u16);
+        launch
+            .arg(src)
+            .arg(src_rows)
+            .arg(dst)
+            .arg(dst_rows)
+            .arg(&width_i);
+        // SAFETY: the cache moves build the row indices from both caches' shapes
+        // (`cache::row_moves`, unit-tested); index array sizes asserted.
+        unsafe { launch.launch(Self::rows_config(count, 64)) }?;
         Ok(())
     }
 

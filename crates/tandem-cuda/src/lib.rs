@@ -17,7 +17,7 @@ mod model;
 pub mod reference;
 mod weights;
 
-pub use cache::CudaKvCache;
+pub use cache::{ColumnMoves, CudaKvCache, HostKv};
 pub use cudarc::driver::CudaSlice;
 pub use device::{AttentionShape, DeviceRows, Gpu};
 pub use draft::{CudaDraft, DraftStepOutput};

@@ -397,3 +397,95 @@ fn topk_softmax_kernel_matches_its_reference() {
         }
     }
 }
+
+/// The KV-cache moves of a running batch (append, retain, compact) against the same moves done
+/// on the host copies: every head of every owned column lands where the layout says, and the
+/// bookkeeping follows.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn kv_cache_moves_put_every_column_where_the_layout_says() {
+    let gpu = gpu();
+    let dir = tiny_model("LlamaForCausalLM", true, 5);
+    let (fast, _) = load_pair(&dir, gpu.clone()).expect("loads");
+    let (heads, dim) = (fast.spec.num_kv_heads, fast.spec.head_dim);
+    let capacity = 24;
+    let none = TapRequest::none();
+    let prefill = |prompts: &[&[u32]]| {
+        let mut cache = fast.new_cache(prompts.len(), capacity).expect("cache");
+        let step = cache.layout().prefill_step(prompts).expect("prefill");
+        fast.forward(&step, &mut cache, &none, LogitsFor::Last)
+            .expect("forward");
+        cache
+    };
+    // Host view: value of (layer, sequence, head, column) as a head_dim slice.
+    let at = |host: &[Vec<u16>], layer: usize, b: usize, h: usize, c: usize| {
+        let row = (b * heads + h) * capacity + c;
+        host[layer][row * dim..(row + 1) * dim].to_vec()
+    };
+    let mut a = prefill(&[&[5, 6, 7], &[9]]);
+    let b = prefill(&[&[1, 2, 3, 4, 8]]);
+    let (ak, av) = a.to_host(&gpu).expect("host");
+    let (bk, bv) = b.to_host(&gpu).expect("host");
+    a.append(&gpu, b).expect("append");
+    assert_eq!(a.batch(), 3);
+    assert_eq!(a.layout().used(), 5);
+    assert_eq!(
+        (0..3).map(|s| a.layout().seq_len(s)).collect::<Vec<_>>(),
+        [3, 1, 5]
+    );
+    let (k, v) = a.to_host(&gpu).expect("host");
+    for layer in 0..fast.spec.num_layers {
+        for h in 0..heads {
+            for c in 0..3 {
+                assert_eq!(at(&k, layer, 0, h, c), at(&ak, layer, 0, h, c));
+                assert_eq!(at(&v, layer, 0, h, c), at(&av, layer, 0, h, c));
+            }
+            for c in 0..5 {
+                assert_eq!(at(&k, layer, 2, h, c), at(&bk, layer, 0, h, c));
+                assert_eq!(at(&v, layer, 2, h, c), at(&bv, layer, 0, h, c));
+            }
+            // Columns nobody wrote stay zero.
+            assert!(at(&k, layer, 1, h, 3).iter().all(|&x| x == 0));
+        }
+    }
+    // Sequence 1 leaves.
+    a.retain(&gpu, &[0, 2]).expect("retain");
+    let (k2, _) = a.to_host(&gpu).expect("host");
+    assert_eq!(a.batch(), 2);
+    assert_eq!(a.layout().seq_len(1), 5);
+    for layer in 0..fast.spec.num_layers {
+        for h in 0..heads {
+            for c in 0..5 {
+                assert_eq!(at(&k2, layer, 1, h, c), at(&k, layer, 2, h, c));
+            }
+        }
+    }
+    // A tree step of 3 nodes, of which each sequence keeps a different path, then compaction.
+    let step = a
+        .layout()
+        .tree_step(&[
+            (&[10, 11, 12], &[None, Some(0), Some(0)]),
+            (&[13, 14, 15], &[None, Some(0), Some(1)]),
+        ])
+        .expect("tree");
+    fast.forward(&step, &mut a, &none, LogitsFor::All)
+        .expect("forward");
+    a.layout_mut().keep_only(0, 3, &[0, 2]);
+    a.layout_mut().keep_only(1, 3, &[0, 1, 2]);
+    let plan = a.layout().compaction_plan();
+    assert_eq!(plan, [vec![0, 1, 2, 5, 7], vec![0, 1, 2, 3, 4, 5, 6, 7]]);
+    let (k3, v3) = a.to_host(&gpu).expect("host");
+    a.compact(&gpu).expect("compact");
+    assert_eq!(a.layout().used(), 8);
+    let (k4, v4) = a.to_host(&gpu).expect("host");
+    for layer in 0..fast.spec.num_layers {
+        for h in 0..heads {
+            for (s, cols) in plan.iter().enumerate() {
+                for (to, &from) in cols.iter().enumerate() {
+                    assert_eq!(at(&k4, layer, s, h, to), at(&k3, layer, s, h, from));
+                    assert_eq!(at(&v4, layer, s, h, to), at(&v3, layer, s, h, from));
+                }
+            }
+        }
+    }
+}

@@ -1,37 +1,38 @@
 //! The speculative loop on the CUDA fast path (crate `tandem-cuda`): the target
 //! ([`CudaTarget`]) verifies, the EAGLE-3 head ([`CudaDraft`]) drafts, and everything that
 //! decides correctness is the host code [`crate::engine::SpecEngine`] uses too: the SGLang tree
-//! ([`TreeBuilder`]), greedy and rejection-sampling verification ([`verify_greedy`],
-//! [`verify_sampling`]), acceptance statistics and the commit rule. The caches are the fast
-//! path's, with the shared `ColumnLayout` bookkeeping: the accepted path is kept by marking
-//! columns (no recomputation), rejected branches and draft scratch are dropped.
+//! ([`TreeBuilder`](crate::TreeBuilder)), greedy and rejection-sampling verification
+//! ([`verify_greedy`], [`verify_sampling`]), acceptance statistics and the commit rule. The
+//! caches are the fast path's, with the shared `ColumnLayout` bookkeeping: the accepted path is
+//! kept by marking columns (no recomputation), rejected branches and draft scratch are dropped.
 //!
 //! The head reads the target's hidden states only from the capture hook's taps of each target
 //! step (prefill and tree verification), like the burn engine and the dump job.
 //!
-//! A batch is static: sequences that finish keep their row (their further output is
-//! discarded) until every sequence of the batch is done. Continuous batching (requests joining
-//! and leaving between rounds) is the burn engine's [`crate::RunningBatch`].
+//! Batching is continuous, as in the burn engine's [`crate::RunningBatch`]: requests join
+//! ([`FastSpecEngine::admit`], prefilled on their own and appended) and leave (finished or
+//! cancelled) between rounds, and the caches are compacted when they run out of columns.
+//! Without a head the same loop is target-only decoding (every round verifies its root alone:
+//! a decode step), which `tandem serve --no-draft` runs as the baseline.
 
 use std::time::Instant;
 
 use rand::SeedableRng;
-use tandem_cuda::{CudaDraft, CudaKvCache, CudaSlice, CudaTarget, DeviceLogits, DeviceRows};
+use tandem_cuda::{CudaDraft, CudaKvCache, CudaSlice, CudaTarget, DeviceLogits, DeviceRows, Gpu};
 use tandem_model::sampling::{SamplingParams, distribution, sample_from};
 use tandem_model::{LogitsFor, StepInput, TapRequest};
 
 use crate::engine::{
-    BatchOutput, Finish, InferError, Request, SpecConfig, SpecOutput, Timings, commit_tokens,
-    draft_scratch,
+    BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecOutput, Timings,
+    commit_tokens, draft_scratch,
 };
 use crate::stats::AcceptanceStats;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
 
-/// The draft state of a batch between rounds: per row, the head's output at the last
-/// committed slot (`hidden: [batch, H]`, `logits: [batch, draft_vocab]`) and the last token.
+/// The head's state of each row between rounds: its output at the row's last committed slot
+/// (`hidden: [rows, H]`, `logits: [rows, draft_vocab]`).
 struct Roots {
-    tokens: Vec<u32>,
     hidden: DeviceRows,
     logits: DeviceLogits,
 }
@@ -39,8 +40,10 @@ struct Roots {
 /// The speculative engine over the fast path's target and head (same GPU).
 pub struct FastSpecEngine<'a> {
     pub target: &'a CudaTarget,
-    pub draft: &'a CudaDraft,
-    /// The serving taps, in slot order (checked against the head's manifest by the caller).
+    /// The EAGLE-3 head; `None` decodes with the target alone.
+    pub draft: Option<&'a CudaDraft>,
+    /// The serving taps, in slot order (checked against the head's manifest by the caller;
+    /// [`TapRequest::none`] without a head).
     pub taps: TapRequest,
     pub config: SpecConfig,
 }
@@ -50,51 +53,473 @@ struct Row {
     output: SpecOutput,
     rng: rand::rngs::StdRng,
     done: bool,
+    /// The last committed token: the root of the next round's tree.
+    last: u32,
 }
 
 impl Row {
-    /// One row per prompt; row `i` samples from its own stream seeded `seed + i` and records
-    /// acceptance over `draft_steps` positions.
-    fn batch(
+    fn new(request: Request, draft_steps: usize) -> Self {
+        Row {
+            rng: rand::rngs::StdRng::seed_from_u64(request.seed),
+            request,
+            output: SpecOutput {
+                tokens: Vec::new(),
+                finish: Finish::Length,
+                stats: AcceptanceStats::new(draft_steps),
+            },
+            done: false,
+            last: 0,
+        }
+    }
+
+    /// One request per prompt, ids `0..`; request `i` samples from its own stream seeded
+    /// `seed + i`.
+    fn requests(
         prompts: &[Vec<u32>],
         max_new_tokens: usize,
         stop_ids: &[u32],
         sampling: SamplingParams,
         seed: u64,
-        draft_steps: usize,
-    ) -> Vec<Self> {
+    ) -> Vec<Request> {
         prompts
             .iter()
             .enumerate()
-            .map(|(i, prompt)| {
-                let seed = seed.wrapping_add(i as u64);
-                Row {
-                    request: Request {
-                        id: i as u64,
-                        prompt: prompt.clone(),
-                        max_new_tokens,
-                        stop_ids: stop_ids.to_vec(),
-                        sampling,
-                        seed,
-                    },
-                    output: SpecOutput {
-                        tokens: Vec::new(),
-                        finish: Finish::Length,
-                        stats: AcceptanceStats::new(draft_steps),
-                    },
-                    rng: rand::rngs::StdRng::seed_from_u64(seed),
-                    done: false,
-                }
+            .map(|(i, prompt)| Request {
+                id: i as u64,
+                prompt: prompt.clone(),
+                max_new_tokens,
+                stop_ids: stop_ids.to_vec(),
+                sampling,
+                seed: seed.wrapping_add(i as u64),
             })
             .collect()
     }
 }
 
+/// The target's cache, and the head's cache and roots, for the rows of a batch.
+struct FastCaches {
+    target: CudaKvCache,
+    head: Option<(CudaKvCache, Roots)>,
+}
+
+/// The sequences decoding together on the fast path (one row each in every cache).
+pub struct FastRunningBatch {
+    caches: Option<FastCaches>,
+    rows: Vec<Row>,
+    capacity: usize,
+    draft_capacity: usize,
+    /// Time spent so far, by phase.
+    pub timings: Timings,
+    /// Compactions run so far.
+    pub compactions: usize,
+}
+
+impl FastRunningBatch {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+    /// Ids of the running requests, in row order.
+    pub fn ids(&self) -> Vec<u64> {
+        self.rows.iter().map(|r| r.request.id).collect()
+    }
+    /// Token columns of the target cache.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
 impl FastSpecEngine<'_> {
-    /// Generates up to `max_new_tokens` for each prompt together (one static batch). Greedy
-    /// output equals target-only greedy output up to bf16 near-ties; sampled output follows
-    /// the target distribution exactly. Sequence `i` samples from its own stream seeded
-    /// `config.seed + i`.
+    fn gpu(&self) -> &Gpu {
+        self.target.gpu()
+    }
+
+    /// Tokens one round verifies per sequence (1 without a head).
+    fn round_width(&self) -> usize {
+        if self.draft.is_some() {
+            self.config.num_draft_tokens
+        } else {
+            1
+        }
+    }
+
+    fn draft_steps(&self) -> usize {
+        if self.draft.is_some() {
+            self.config.num_steps
+        } else {
+            0
+        }
+    }
+
+    /// An empty running batch whose sequences may each reach `capacity` tokens.
+    pub fn new_batch(&self, capacity: usize) -> FastRunningBatch {
+        FastRunningBatch {
+            caches: None,
+            rows: Vec::new(),
+            capacity,
+            draft_capacity: capacity + draft_scratch(&self.config),
+            timings: Timings::default(),
+            compactions: 0,
+        }
+    }
+
+    /// The longest prompt `batch` accepts: one round must still fit after it, in the cache and
+    /// in the model's positions.
+    pub fn max_prompt_len(&self, batch: &FastRunningBatch) -> usize {
+        batch
+            .capacity
+            .min(self.target.spec.max_position_embeddings)
+            .saturating_sub(self.round_width() + 1)
+    }
+
+    /// Checks a request against the engine and the batch before anything runs.
+    pub fn check_request(&self, batch: &FastRunningBatch, r: &Request) -> Result<(), InferError> {
+        r.sampling.validate()?;
+        if r.prompt.is_empty() {
+            return Err(InferError::Request {
+                reason: "the prompt is empty: it must have at least one token".into(),
+            });
+        }
+        let vocab = self.target.spec.vocab_size;
+        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(InferError::Request {
+                reason: format!("prompt token {t} is outside the vocabulary of {vocab}"),
+            });
+        }
+        if r.max_new_tokens == 0 {
+            return Err(InferError::Request {
+                reason: "max_new_tokens must be at least 1".into(),
+            });
+        }
+        let room = self.max_prompt_len(batch);
+        if r.prompt.len() > room {
+            return Err(InferError::Request {
+                reason: format!(
+                    "a prompt of {} tokens does not fit the context: at most {room} tokens \
+                     leave room for one round in {} columns ({} positions)",
+                    r.prompt.len(),
+                    batch.capacity,
+                    self.target.spec.max_position_embeddings
+                ),
+            });
+        }
+        if batch.rows.iter().any(|s| s.request.id == r.id) {
+            return Err(InferError::Request {
+                reason: format!("request id {} is already running", r.id),
+            });
+        }
+        Ok(())
+    }
+
+    /// Prefills `requests` on their own (target prefill with taps, first token, draft extend)
+    /// and moves them into the running batch. Requests are all checked first: one bad request
+    /// refuses the call and changes nothing.
+    pub fn admit(
+        &self,
+        batch: &mut FastRunningBatch,
+        requests: Vec<Request>,
+    ) -> Result<Vec<Progress>, InferError> {
+        self.config.validate()?;
+        for (i, r) in requests.iter().enumerate() {
+            self.check_request(batch, r)?;
+            if requests[..i].iter().any(|o| o.id == r.id) {
+                return Err(InferError::Request {
+                    reason: format!("request id {} is given twice", r.id),
+                });
+            }
+        }
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = requests.len();
+        let mut rows: Vec<Row> = requests
+            .into_iter()
+            .map(|r| Row::new(r, self.draft_steps()))
+            .collect();
+
+        // Target prefill (with taps when there is a head), first token.
+        let t0 = Instant::now();
+        let mut cache = self.target.new_cache(n, batch.capacity)?;
+        let refs: Vec<&[u32]> = rows.iter().map(|r| r.request.prompt.as_slice()).collect();
+        let step = cache.layout().prefill_step(&refs)?;
+        let out = self
+            .target
+            .forward(&step, &mut cache, &self.taps, LogitsFor::Last)?;
+        let first = pick(out.logits.as_ref().expect("asked for logits"), &mut rows)?;
+        batch.timings.prefill_s += t0.elapsed().as_secs_f64();
+
+        // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
+        // the first generated token). The chunks have the prompts' lengths, so the prefill's
+        // slots line up with the extend's one for one.
+        let t0 = Instant::now();
+        let head = match self.draft {
+            Some(draft) => {
+                let mut dcache = draft.new_cache(n, batch.draft_capacity)?;
+                let chunks: Vec<Vec<u32>> = rows
+                    .iter()
+                    .zip(&first)
+                    .map(|(r, &f)| r.request.prompt[1..].iter().copied().chain([f]).collect())
+                    .collect();
+                let slots: Vec<Vec<usize>> = rows
+                    .iter()
+                    .map(|r| (0..r.request.prompt.len()).collect())
+                    .collect();
+                let roots =
+                    self.draft_extend(draft, &mut dcache, &chunks, &out.taps, step.width, &slots)?;
+                Some((dcache, roots))
+            }
+            None => None,
+        };
+        let joined = FastCaches {
+            target: cache,
+            head,
+        };
+        match &mut batch.caches {
+            None => batch.caches = Some(joined),
+            Some(caches) => self.append(caches, joined)?,
+        }
+        self.gpu().synchronize()?;
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+
+        let mut progress = Vec::with_capacity(n);
+        for (mut row, &token) in rows.into_iter().zip(&first) {
+            commit(&mut row, &[token]);
+            progress.push(Progress {
+                id: row.request.id,
+                tokens: row.output.tokens.clone(),
+                accepted: None,
+                finished: None,
+            });
+            batch.rows.push(row);
+        }
+        self.retire(batch, &mut progress)?;
+        Ok(progress)
+    }
+
+    /// Removes a request from the batch (a client went away); its output so far is returned.
+    pub fn cancel(
+        &self,
+        batch: &mut FastRunningBatch,
+        id: u64,
+    ) -> Result<Option<SpecOutput>, InferError> {
+        let Some(row) = batch.rows.iter().position(|r| r.request.id == id) else {
+            return Ok(None);
+        };
+        batch.rows[row].done = true;
+        let mut gone = self.remove_done(batch)?;
+        Ok(gone.pop().map(|r| r.output))
+    }
+
+    /// Moves `joined`'s rows after `caches`' rows.
+    fn append(&self, caches: &mut FastCaches, joined: FastCaches) -> Result<(), InferError> {
+        let gpu = self.gpu();
+        caches.target.append(gpu, joined.target)?;
+        if let (Some((dcache, roots)), Some((jcache, jroots))) = (&mut caches.head, joined.head) {
+            dcache.append(gpu, jcache)?;
+            let rows = |r: &Roots| r.hidden.batch;
+            let pick_all = |r: &Roots| (0..rows(r)).collect::<Vec<_>>();
+            let sources = [(&*roots, pick_all(roots)), (&jroots, pick_all(&jroots))];
+            *roots = self.concat_roots(&sources)?;
+        }
+        Ok(())
+    }
+
+    /// The rows `pick` of each source, one after the other, as new roots.
+    fn concat_roots(&self, sources: &[(&Roots, Vec<usize>)]) -> Result<Roots, InferError> {
+        let gpu = self.gpu();
+        let total: usize = sources.iter().map(|(_, p)| p.len()).sum();
+        let (h, v) = (sources[0].0.hidden.hidden, sources[0].0.logits.vocab);
+        let mut hidden = gpu.scratch::<f32>(total.max(1) * h)?;
+        let mut logits = gpu.scratch::<f32>(total.max(1) * v)?;
+        let mut at = 0;
+        for (roots, pick) in sources {
+            let src: Vec<i32> = pick.iter().map(|&r| r as i32).collect();
+            let dst: Vec<i32> = (at..at + pick.len()).map(|r| r as i32).collect();
+            let (src, dst) = (gpu.upload(&src)?, gpu.upload(&dst)?);
+            gpu.copy_rows(&roots.hidden.data, &src, &mut hidden, &dst, pick.len(), h)?;
+            gpu.copy_rows(&roots.logits.data, &src, &mut logits, &dst, pick.len(), v)?;
+            at += pick.len();
+        }
+        Ok(Roots {
+            hidden: DeviceRows {
+                data: hidden,
+                batch: total,
+                width: 1,
+                hidden: h,
+            },
+            logits: DeviceLogits::new(logits, total, v, self.target.gpu().clone()),
+        })
+    }
+
+    /// Takes the rows marked done out of the batch (and its caches), in row order.
+    fn remove_done(&self, batch: &mut FastRunningBatch) -> Result<Vec<Row>, InferError> {
+        if !batch.rows.iter().any(|r| r.done) {
+            return Ok(Vec::new());
+        }
+        let keep: Vec<usize> = (0..batch.rows.len())
+            .filter(|&r| !batch.rows[r].done)
+            .collect();
+        if keep.is_empty() {
+            batch.caches = None;
+        } else if let Some(caches) = &mut batch.caches {
+            let gpu = self.gpu();
+            caches.target.retain(gpu, &keep)?;
+            if let Some((dcache, roots)) = &mut caches.head {
+                dcache.retain(gpu, &keep)?;
+                *roots = self.concat_roots(&[(&*roots, keep.clone())])?;
+            }
+        }
+        let (gone, kept): (Vec<Row>, Vec<Row>) = std::mem::take(&mut batch.rows)
+            .into_iter()
+            .partition(|r| r.done);
+        batch.rows = kept;
+        Ok(gone)
+    }
+
+    /// Moves finished sequences out of the batch, filling in their `finished` output.
+    fn retire(
+        &self,
+        batch: &mut FastRunningBatch,
+        progress: &mut [Progress],
+    ) -> Result<(), InferError> {
+        for row in self.remove_done(batch)? {
+            if let Some(p) = progress.iter_mut().find(|p| p.id == row.request.id) {
+                p.finished = Some(row.output);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes room for one round: compacts the caches when either would overflow, and ends the
+    /// sequences that no longer fit the cache or the model's positions (`Finish::ContextFull`).
+    fn make_room(
+        &self,
+        batch: &mut FastRunningBatch,
+        progress: &mut Vec<Progress>,
+    ) -> Result<(), InferError> {
+        let width = self.round_width();
+        let scratch = draft_scratch(&self.config);
+        let Some(caches) = &mut batch.caches else {
+            return Ok(());
+        };
+        let target = caches.target.layout();
+        let needs_room = target.used() + width > target.capacity()
+            || caches
+                .head
+                .as_ref()
+                .is_some_and(|(d, _)| d.layout().used() + width + scratch > d.layout().capacity());
+        let t0 = Instant::now();
+        if needs_room {
+            caches.target.compact(self.gpu())?;
+            if let Some((dcache, _)) = &mut caches.head {
+                dcache.compact(self.gpu())?;
+            }
+            batch.compactions += 1;
+        }
+        let limit = batch.capacity.min(self.target.spec.max_position_embeddings);
+        for (b, row) in batch.rows.iter_mut().enumerate() {
+            if caches.target.layout().seq_len(b) + width > limit {
+                row.output.finish = Finish::ContextFull;
+                row.done = true;
+                progress.push(Progress {
+                    id: row.request.id,
+                    tokens: Vec::new(),
+                    accepted: None,
+                    finished: None,
+                });
+            }
+        }
+        self.retire(batch, progress)?;
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// One round for every running sequence: draft, verify with the target (one tree step for
+    /// the batch), accept, commit, draft extend over what was accepted. Sequences that finish
+    /// leave the batch.
+    pub fn step(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
+        let mut progress = Vec::new();
+        self.make_room(batch, &mut progress)?;
+        let Some(caches) = &mut batch.caches else {
+            return Ok(progress);
+        };
+        let rows = &mut batch.rows;
+        let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
+
+        // Draft (the head's scratch columns are rolled back afterwards).
+        let t0 = Instant::now();
+        let trees = match (self.draft, &mut caches.head) {
+            (Some(draft), Some((dcache, head_roots))) => {
+                let draft_columns = dcache.layout().used();
+                let trees = self.draft_trees(draft, &roots, head_roots, dcache)?;
+                dcache.layout_mut().rollback(draft_columns);
+                trees
+            }
+            _ => roots.iter().map(|&t| DraftTree::chain(t, &[])).collect(),
+        };
+        batch.timings.draft_s += t0.elapsed().as_secs_f64();
+
+        // Verify all trees in one target step.
+        let t0 = Instant::now();
+        let tree_refs: Vec<(&[u32], &[Option<usize>])> = trees
+            .iter()
+            .map(|t| (t.tokens.as_slice(), t.parents.as_slice()))
+            .collect();
+        let step = caches.target.layout().tree_step(&tree_refs)?;
+        let verify_width = step.width;
+        let out = self
+            .target
+            .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?;
+        let logits = out.logits.as_ref().expect("asked for logits");
+        let acceptances = verify_rows(&trees, logits, verify_width, rows)?;
+        batch.timings.verify_s += t0.elapsed().as_secs_f64();
+
+        // Commit the accepted path in the target cache, record statistics, and extend the
+        // head over the committed tokens with the taps of the verification step.
+        let t0 = Instant::now();
+        let mut chunks = Vec::with_capacity(rows.len());
+        let mut slots = Vec::with_capacity(rows.len());
+        for (b, ((tree, acc), row)) in trees
+            .iter()
+            .zip(&acceptances)
+            .zip(rows.iter_mut())
+            .enumerate()
+        {
+            let path = acc.path_with_root();
+            caches.target.layout_mut().keep_only(b, verify_width, &path);
+            let committed = acc.committed_tokens(tree);
+            if self.draft.is_some() {
+                let depth = tree.depth.iter().copied().max().unwrap_or(0);
+                row.output.stats.record(acc.accepted.len(), depth);
+            }
+            let before = row.output.tokens.len();
+            commit(row, &committed);
+            progress.push(Progress {
+                id: row.request.id,
+                tokens: row.output.tokens[before..].to_vec(),
+                accepted: Some(acc.accepted.len()),
+                finished: None,
+            });
+            row.last = *committed.last().expect("bonus token");
+            slots.push(path);
+            chunks.push(committed);
+        }
+        if let (Some(draft), Some((dcache, head_roots))) = (self.draft, &mut caches.head) {
+            *head_roots =
+                self.draft_extend(draft, dcache, &chunks, &out.taps, verify_width, &slots)?;
+            self.gpu().synchronize()?;
+        }
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        self.retire(batch, &mut progress)?;
+        Ok(progress)
+    }
+
+    /// Generates up to `max_new_tokens` for each prompt: all admitted at once, then rounds until
+    /// every sequence has finished (finished ones leave the batch). Greedy output equals
+    /// target-only greedy output up to bf16 near-ties; sampled output follows the target
+    /// distribution exactly. Sequence `i` samples from its own stream seeded `config.seed + i`.
     pub fn generate(
         &self,
         prompts: &[Vec<u32>],
@@ -108,153 +533,29 @@ impl FastSpecEngine<'_> {
                 reason: "no prompts to generate from".into(),
             });
         }
-        let spec = &self.target.spec;
-        for (i, p) in prompts.iter().enumerate() {
-            if p.is_empty() {
-                return Err(InferError::Request {
-                    reason: format!("prompt {i} is empty: it must have at least one token"),
-                });
-            }
-            if let Some(&t) = p.iter().find(|&&t| t as usize >= spec.vocab_size) {
-                return Err(InferError::Request {
-                    reason: format!(
-                        "prompt {i}: token {t} is outside the vocabulary of {}",
-                        spec.vocab_size
-                    ),
-                });
-            }
-        }
-        if max_new_tokens == 0 {
-            return Err(InferError::Request {
-                reason: "max_new_tokens must be at least 1".into(),
-            });
-        }
         let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let width = cfg.num_draft_tokens;
-        // Every round commits at least one token, so this many rounds end every sequence.
-        let capacity = max_prompt + (max_new_tokens + 1) * width + 1;
-        if max_prompt + 1 > spec.max_position_embeddings {
-            return Err(InferError::Request {
-                reason: format!(
-                    "a prompt of {max_prompt} tokens does not fit the context of {}",
-                    spec.max_position_embeddings
-                ),
-            });
-        }
-        let batch = prompts.len();
-        let mut timings = Timings::default();
-        let mut rows = Row::batch(
-            prompts,
-            max_new_tokens,
-            stop_ids,
-            cfg.sampling,
-            cfg.seed,
-            cfg.num_steps,
-        );
-
-        // Target prefill with taps, first token.
-        let t0 = Instant::now();
-        let mut cache = self.target.new_cache(batch, capacity)?;
-        let mut dcache = self
-            .draft
-            .new_cache(batch, capacity + draft_scratch(&cfg))?;
-        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-        let step = cache.layout().prefill_step(&refs)?;
-        let out = self
-            .target
-            .forward(&step, &mut cache, &self.taps, LogitsFor::Last)?;
-        let logits = out.logits.expect("asked for logits");
-        let first = pick(&logits, &mut rows)?;
-        timings.prefill_s += t0.elapsed().as_secs_f64();
-
-        // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
-        // the first generated token). The chunks have the prompts' lengths, so the prefill's
-        // slots line up with the extend's one for one.
-        let t0 = Instant::now();
-        let chunks: Vec<Vec<u32>> = prompts
-            .iter()
-            .zip(&first)
-            .map(|(p, &f)| p[1..].iter().copied().chain([f]).collect())
-            .collect();
-        let slots: Vec<Vec<usize>> = prompts.iter().map(|p| (0..p.len()).collect()).collect();
-        let mut roots = self.draft_extend(&mut dcache, &chunks, &out.taps, step.width, &slots)?;
-        roots.tokens = first.clone();
-        for (row, &token) in rows.iter_mut().zip(&first) {
-            commit(row, &[token]);
-        }
-        self.draft.gpu().synchronize()?;
-        timings.extend_s += t0.elapsed().as_secs_f64();
-
-        let context = spec.max_position_embeddings;
-        loop {
-            // A sequence whose next round could pass the model's context ends here, cleanly.
-            for (b, row) in rows.iter_mut().enumerate() {
-                if !row.done && cache.layout().seq_len(b) + width > context {
-                    row.output.finish = Finish::ContextFull;
-                    row.done = true;
+        // Every round commits at least one token, so this many columns never need compaction.
+        let capacity = max_prompt + (max_new_tokens + 1) * self.round_width() + 1;
+        let mut batch = self.new_batch(capacity);
+        let requests = Row::requests(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
+        let mut finished: Vec<Option<SpecOutput>> = vec![None; prompts.len()];
+        let mut collect = |progress: Vec<Progress>| {
+            for p in progress {
+                if let Some(out) = p.finished {
+                    finished[p.id as usize] = Some(out);
                 }
             }
-            if rows.iter().all(|r| r.done) {
-                break;
-            }
-            // Draft (the head's scratch columns are rolled back afterwards).
-            let t0 = Instant::now();
-            let draft_columns = dcache.layout().used();
-            let trees = self.draft_trees(&roots, &mut dcache)?;
-            dcache.layout_mut().rollback(draft_columns);
-            timings.draft_s += t0.elapsed().as_secs_f64();
-
-            // Verify all trees in one target step.
-            let t0 = Instant::now();
-            let tree_refs: Vec<(&[u32], &[Option<usize>])> = trees
-                .iter()
-                .map(|t| (t.tokens.as_slice(), t.parents.as_slice()))
-                .collect();
-            let step = cache.layout().tree_step(&tree_refs)?;
-            let verify_width = step.width;
-            let out = self
-                .target
-                .forward(&step, &mut cache, &self.taps, LogitsFor::All)?;
-            let logits = out.logits.as_ref().expect("asked for logits");
-            let acceptances = verify_rows(&trees, logits, verify_width, &mut rows)?;
-            timings.verify_s += t0.elapsed().as_secs_f64();
-
-            // Commit the accepted path in the target cache, record statistics, and extend the
-            // head over the committed tokens with the taps of the verification step.
-            let t0 = Instant::now();
-            let mut chunks = Vec::with_capacity(batch);
-            let mut slots = Vec::with_capacity(batch);
-            let mut last_tokens = Vec::with_capacity(batch);
-            for (b, ((tree, acc), row)) in trees
-                .iter()
-                .zip(&acceptances)
-                .zip(rows.iter_mut())
-                .enumerate()
-            {
-                let path = acc.path_with_root();
-                cache.layout_mut().keep_only(b, verify_width, &path);
-                let committed = acc.committed_tokens(tree);
-                if !row.done {
-                    let depth = tree.depth.iter().copied().max().unwrap_or(0);
-                    row.output.stats.record(acc.accepted.len(), depth);
-                }
-                commit(row, &committed);
-                last_tokens.push(*committed.last().expect("bonus token"));
-                slots.push(path);
-                chunks.push(committed);
-            }
-            if rows.iter().all(|r| r.done) {
-                timings.extend_s += t0.elapsed().as_secs_f64();
-                break;
-            }
-            roots = self.draft_extend(&mut dcache, &chunks, &out.taps, verify_width, &slots)?;
-            roots.tokens = last_tokens;
-            self.draft.gpu().synchronize()?;
-            timings.extend_s += t0.elapsed().as_secs_f64();
+        };
+        collect(self.admit(&mut batch, requests)?);
+        while !batch.is_empty() {
+            collect(self.step(&mut batch)?);
         }
         Ok(BatchOutput {
-            sequences: rows.into_iter().map(|r| r.output).collect(),
-            timings,
+            sequences: finished
+                .into_iter()
+                .map(|o| o.expect("every sequence finishes"))
+                .collect(),
+            timings: batch.timings,
         })
     }
 
@@ -263,6 +564,7 @@ impl FastSpecEngine<'_> {
     /// sequence's root (the head's output at its last chunk slot); `tokens` is left empty.
     fn draft_extend(
         &self,
+        draft: &CudaDraft,
         dcache: &mut CudaKvCache,
         chunks: &[Vec<u32>],
         taps: &tandem_model::Taps<DeviceRows>,
@@ -278,15 +580,14 @@ impl FastSpecEngine<'_> {
                 tap_rows.push((b * step_width + *s.get(i).unwrap_or(&s[0])) as i32);
             }
         }
-        let aux = self.draft.fc_input(taps, &tap_rows)?;
-        let out = self.draft.extend(&step, &aux, dcache)?;
+        let aux = draft.fc_input(taps, &tap_rows)?;
+        let out = draft.extend(&step, &aux, dcache)?;
         let last: Vec<usize> = chunks
             .iter()
             .enumerate()
             .map(|(b, c)| b * step.width + c.len() - 1)
             .collect();
         Ok(Roots {
-            tokens: Vec::new(),
             hidden: self.select_rows(&out.hidden, &last)?,
             logits: self.select_logits(&out.logits, &last)?,
         })
@@ -299,7 +600,7 @@ impl FastSpecEngine<'_> {
         cols: usize,
         pick: &[usize],
     ) -> Result<CudaSlice<f32>, InferError> {
-        let gpu = self.draft.gpu();
+        let gpu = self.gpu();
         let src: Vec<i32> = pick.iter().map(|&r| r as i32).collect();
         let dst: Vec<i32> = (0..pick.len() as i32).collect();
         let mut out = gpu.scratch::<f32>(pick.len() * cols)?;
@@ -332,7 +633,7 @@ impl FastSpecEngine<'_> {
             self.gather(&logits.data, logits.vocab, pick)?,
             pick.len(),
             logits.vocab,
-            self.draft.gpu().clone(),
+            self.target.gpu().clone(),
         ))
     }
 
@@ -340,22 +641,26 @@ impl FastSpecEngine<'_> {
     /// otherwise. Draft-step keys are written to `dcache`; the caller rolls them back.
     fn draft_trees(
         &self,
+        draft: &CudaDraft,
+        tokens: &[u32],
         roots: &Roots,
         dcache: &mut CudaKvCache,
     ) -> Result<Vec<DraftTree>, InferError> {
         if self.config.topk == 1 {
-            self.draft_chains(roots, dcache)
+            self.draft_chains(draft, tokens, roots, dcache)
         } else {
-            self.draft_beams(roots, dcache)
+            self.draft_beams(draft, tokens, roots, dcache)
         }
     }
 
     fn draft_chains(
         &self,
+        draft: &CudaDraft,
+        root_tokens: &[u32],
         roots: &Roots,
         dcache: &mut CudaKvCache,
     ) -> Result<Vec<DraftTree>, InferError> {
-        let batch = roots.tokens.len();
+        let batch = root_tokens.len();
         let steps = self.config.num_steps.min(self.config.num_draft_tokens - 1);
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); batch];
         let mut hidden = roots.hidden.data.clone();
@@ -365,7 +670,7 @@ impl FastSpecEngine<'_> {
             let ids = logits.argmax()?;
             let tokens: Vec<u32> = ids
                 .iter()
-                .map(|&d| self.draft.vocab.to_target(d as usize))
+                .map(|&d| draft.vocab.to_target(d as usize))
                 .collect();
             for (b, &t) in tokens.iter().enumerate() {
                 drafts[b].push(t);
@@ -374,12 +679,11 @@ impl FastSpecEngine<'_> {
                 break;
             }
             let step = dcache.layout().decode_step(&tokens)?;
-            let out = self.draft.forward_step(&step, hidden, dcache)?;
+            let out = draft.forward_step(&step, hidden, dcache)?;
             hidden = out.hidden.data;
             next = Some(out.logits);
         }
-        Ok(roots
-            .tokens
+        Ok(root_tokens
             .iter()
             .zip(drafts)
             .map(|(&r, d)| DraftTree::chain(r, &d))
@@ -393,17 +697,19 @@ impl FastSpecEngine<'_> {
     /// probabilities and ids per row come back to the host.
     fn draft_beams(
         &self,
+        draft: &CudaDraft,
+        tokens: &[u32],
         roots: &Roots,
         dcache: &mut CudaKvCache,
     ) -> Result<Vec<DraftTree>, InferError> {
-        let gpu = self.draft.gpu();
+        let gpu = self.gpu();
         let k = self.config.topk;
-        let batch = roots.tokens.len();
-        let h = self.draft.spec.hidden_size;
+        let batch = tokens.len();
+        let h = draft.spec.hidden_size;
         let base_columns = dcache.layout().used();
         let to_target = |ids: &[u32]| -> Vec<u32> {
             ids.iter()
-                .map(|&d| self.draft.vocab.to_target(d as usize))
+                .map(|&d| draft.vocab.to_target(d as usize))
                 .collect()
         };
         // The store: rows 0..batch are the roots' hidden states, then evaluated beams.
@@ -453,7 +759,7 @@ impl FastSpecEngine<'_> {
                 rows,
                 h,
             )?;
-            let out = self.draft.forward_step(&step, hidden, dcache)?;
+            let out = draft.forward_step(&step, hidden, dcache)?;
             dcache.layout_mut().rollback(base_columns);
 
             // The beams' rows: their outputs into the store, their top-k to the tree.
@@ -498,8 +804,7 @@ impl FastSpecEngine<'_> {
                 at += n;
             }
         }
-        roots
-            .tokens
+        tokens
             .iter()
             .zip(&searches)
             .map(|(&r, search)| Ok(search.build(r, self.config.num_draft_tokens)?))
@@ -589,7 +894,10 @@ pub fn fast_target_generate(
     sampling.validate()?;
     let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut cache = target.new_cache(prompts.len(), max_prompt + max_new_tokens + 1)?;
-    let mut rows = Row::batch(prompts, max_new_tokens, stop_ids, sampling, seed, 0);
+    let mut rows: Vec<Row> = Row::requests(prompts, max_new_tokens, stop_ids, sampling, seed)
+        .into_iter()
+        .map(|r| Row::new(r, 0))
+        .collect();
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let mut step = cache.layout().prefill_step(&refs)?;
     let none = TapRequest::none();

@@ -15,7 +15,7 @@ pub use engine::{
     BatchOutput, DraftRoot, Finish, InferError, Progress, Request, RunningBatch, SpecConfig,
     SpecEngine, SpecOutput, Timings,
 };
-pub use fast::{FastSpecEngine, fast_target_generate};
+pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
 pub use plain::{PlainBatch, PlainEngine};
 pub use stats::AcceptanceStats;
 pub use tree::{BeamSearch, BeamStep, DraftStep, DraftTree, TreeBuilder, TreeError};

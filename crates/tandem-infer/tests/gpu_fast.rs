@@ -260,7 +260,7 @@ fn fast_speculative_greedy_equals_fast_target_greedy() {
     ] {
         let engine = FastSpecEngine {
             target: &f.target,
-            draft: &f.draft,
+            draft: Some(&f.draft),
             taps: f.taps.clone(),
             config,
         };
@@ -318,7 +318,7 @@ fn fast_sampling_keeps_the_target_distribution() {
         for seed in 0..2000u64 {
             let engine = FastSpecEngine {
                 target: &f.target,
-                draft: &f.draft,
+                draft: Some(&f.draft),
                 taps: f.taps.clone(),
                 config: SpecConfig {
                     num_steps: 2,
@@ -353,7 +353,7 @@ fn fast_engine_ends_a_sequence_at_the_context_limit() {
     let prompts = vec![long, vec![3, 14, 15]];
     let engine = FastSpecEngine {
         target: &f.target,
-        draft: &f.draft,
+        draft: Some(&f.draft),
         taps: f.taps.clone(),
         config: SpecConfig::chain(3),
     };
@@ -378,4 +378,130 @@ fn fast_engine_ends_a_sequence_at_the_context_limit() {
     assert_eq!(full.tokens, expected[0].tokens);
     assert_eq!(out.sequences[1].finish, tandem_infer::Finish::Length);
     assert_eq!(out.sequences[1].tokens.len(), 64);
+}
+
+/// Continuous batching on the fast path: requests join mid-flight, one is cancelled, finished
+/// ones leave, and a small cache forces compactions; every sequence still equals the fast
+/// target-only greedy output of its prompt alone. The same holds for the target alone
+/// (`draft: None`, the serving baseline), chain and tree.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
+    use std::collections::HashMap;
+    use tandem_infer::Request;
+    let f = fixture("running");
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![3, 14, 15, 92, 65],
+        vec![2, 71, 82],
+        vec![9, 4, 33, 61, 2, 2, 8, 90, 17],
+        vec![44, 45],
+        vec![7, 7, 7, 1],
+    ];
+    let budgets = [30usize, 12, 25, 30, 20];
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(budgets)
+        .map(|(p, n)| {
+            fast_target_generate(
+                &f.target,
+                std::slice::from_ref(p),
+                n,
+                &[],
+                SamplingParams::greedy(),
+                0,
+            )
+            .unwrap()
+            .remove(0)
+            .tokens
+        })
+        .collect();
+    let request = |i: usize| Request {
+        id: i as u64,
+        prompt: prompts[i].clone(),
+        max_new_tokens: budgets[i],
+        stop_ids: vec![],
+        sampling: SamplingParams::greedy(),
+        seed: i as u64,
+    };
+    let tree = SpecConfig {
+        num_steps: 3,
+        topk: 4,
+        num_draft_tokens: 8,
+        sampling: SamplingParams::greedy(),
+        seed: 0,
+    };
+    for (draft, config) in [
+        (Some(&f.draft), SpecConfig::chain(3)),
+        (Some(&f.draft), tree),
+        (None, SpecConfig::chain(3)),
+    ] {
+        let engine = FastSpecEngine {
+            target: &f.target,
+            draft,
+            taps: if draft.is_some() {
+                f.taps.clone()
+            } else {
+                TapRequest::none()
+            },
+            config,
+        };
+        // 48 columns: far less than the rounds need without compaction.
+        let mut batch = engine.new_batch(48);
+        let mut streamed: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut finished: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut take = |progress: Vec<tandem_infer::Progress>| {
+            for p in progress {
+                streamed.entry(p.id).or_default().extend(&p.tokens);
+                if let Some(out) = p.finished {
+                    finished.insert(p.id, out.tokens);
+                }
+            }
+        };
+        take(
+            engine
+                .admit(&mut batch, vec![request(0), request(1)])
+                .unwrap(),
+        );
+        for round in 0.. {
+            match round {
+                2 => take(
+                    engine
+                        .admit(&mut batch, vec![request(2), request(3)])
+                        .unwrap(),
+                ),
+                4 => {
+                    let out = engine.cancel(&mut batch, 3).unwrap().expect("3 is running");
+                    assert!(!out.tokens.is_empty());
+                    assert_eq!(out.tokens[..], expected[3][..out.tokens.len()]);
+                }
+                5 => take(engine.admit(&mut batch, vec![request(4)]).unwrap()),
+                _ => {}
+            }
+            if batch.is_empty() && round > 5 {
+                break;
+            }
+            take(engine.step(&mut batch).unwrap());
+        }
+        assert!(
+            batch.compactions > 0,
+            "the small cache must have been compacted"
+        );
+        for i in [0usize, 1, 2, 4] {
+            let id = i as u64;
+            assert_eq!(
+                finished[&id],
+                expected[i],
+                "sequence {i}, head {}, {config:?}",
+                draft.is_some()
+            );
+            assert_eq!(
+                streamed[&id], expected[i],
+                "streamed tokens of sequence {i}"
+            );
+        }
+        assert!(
+            !finished.contains_key(&3),
+            "a cancelled request does not finish"
+        );
+    }
 }

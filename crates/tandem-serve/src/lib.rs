@@ -17,5 +17,6 @@ pub mod text;
 pub use http::{AppState, router, serve};
 pub use metrics::Metrics;
 pub use scheduler::{
-    Decoder, Event, Limits, PlainDecoder, Scheduler, SchedulerConfig, SpecDecoder, SubmitError,
+    Decoder, Event, FastDecoder, Limits, PlainDecoder, Scheduler, SchedulerConfig, SpecDecoder,
+    SubmitError,
 };

@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
+use tandem_cuda::{CudaDraft, CudaTarget};
 use tandem_eagle::Eagle3Draft;
 use tandem_infer::{
-    InferError, PlainBatch, PlainEngine, Progress, Request, RunningBatch, SpecConfig, SpecEngine,
-    SpecOutput,
+    FastRunningBatch, FastSpecEngine, InferError, PlainBatch, PlainEngine, Progress, Request,
+    RunningBatch, SpecConfig, SpecEngine, SpecOutput,
 };
 use tandem_model::burn::prelude::Backend;
 use tandem_model::{TapRequest, TargetModel};
@@ -25,7 +26,9 @@ pub trait Decoder {
     fn check(&self, request: &Request) -> Result<(), InferError>;
     fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError>;
     fn step(&mut self) -> Result<Vec<Progress>, InferError>;
-    fn cancel(&mut self, id: u64) -> Option<SpecOutput>;
+    /// Takes a request out of the batch (its output so far); an error leaves the batch in an
+    /// unknown state, and the scheduler fails the running requests.
+    fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError>;
     fn running(&self) -> usize;
     fn limits(&self) -> Limits;
 }
@@ -100,8 +103,8 @@ impl<B: Backend> Decoder for SpecDecoder<B> {
     fn step(&mut self) -> Result<Vec<Progress>, InferError> {
         spec_engine!(self).step(&mut self.batch)
     }
-    fn cancel(&mut self, id: u64) -> Option<SpecOutput> {
-        spec_engine!(self).cancel(&mut self.batch, id)
+    fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError> {
+        Ok(spec_engine!(self).cancel(&mut self.batch, id))
     }
     fn running(&self) -> usize {
         self.batch.len()
@@ -148,11 +151,11 @@ impl<B: Backend> Decoder for PlainDecoder<B> {
         }
         .step(&mut self.batch)
     }
-    fn cancel(&mut self, id: u64) -> Option<SpecOutput> {
-        PlainEngine {
+    fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError> {
+        Ok(PlainEngine {
             target: &self.target,
         }
-        .cancel(&mut self.batch, id)
+        .cancel(&mut self.batch, id))
     }
     fn running(&self) -> usize {
         self.batch.len()
@@ -166,6 +169,87 @@ impl<B: Backend> Decoder for PlainDecoder<B> {
             .max_prompt_len(&self.batch),
             round: 1,
             draft_depth: 0,
+        }
+    }
+}
+
+/// The CUDA fast path ([`FastSpecEngine`]): the speculative loop over an owned target and
+/// head, or the target alone (`draft: None`, the `--no-draft` baseline), with continuous
+/// batching.
+pub struct FastDecoder {
+    target: CudaTarget,
+    draft: Option<CudaDraft>,
+    taps: tandem_model::TapRequest,
+    config: SpecConfig,
+    batch: FastRunningBatch,
+}
+
+impl FastDecoder {
+    /// `taps`: the serving taps checked against the head's manifest ([`TapRequest::none`]
+    /// without a head).
+    pub fn new(
+        target: CudaTarget,
+        draft: Option<CudaDraft>,
+        taps: TapRequest,
+        config: SpecConfig,
+        context: usize,
+    ) -> Result<Self, InferError> {
+        config.validate()?;
+        let batch = FastSpecEngine {
+            target: &target,
+            draft: draft.as_ref(),
+            taps: taps.clone(),
+            config,
+        }
+        .new_batch(context);
+        Ok(Self {
+            target,
+            draft,
+            taps,
+            config,
+            batch,
+        })
+    }
+}
+
+/// [`spec_engine!`] for the fast path.
+macro_rules! fast_engine {
+    ($s:expr) => {
+        FastSpecEngine {
+            target: &$s.target,
+            draft: $s.draft.as_ref(),
+            taps: $s.taps.clone(),
+            config: $s.config,
+        }
+    };
+}
+
+impl Decoder for FastDecoder {
+    fn check(&self, request: &Request) -> Result<(), InferError> {
+        fast_engine!(self).check_request(&self.batch, request)
+    }
+    fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
+        fast_engine!(self).admit(&mut self.batch, requests)
+    }
+    fn step(&mut self) -> Result<Vec<Progress>, InferError> {
+        fast_engine!(self).step(&mut self.batch)
+    }
+    fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError> {
+        fast_engine!(self).cancel(&mut self.batch, id)
+    }
+    fn running(&self) -> usize {
+        self.batch.len()
+    }
+    fn limits(&self) -> Limits {
+        let (round, draft_depth) = match self.draft {
+            Some(_) => (self.config.num_draft_tokens, self.config.num_steps),
+            None => (1, 0),
+        };
+        Limits {
+            context: self.batch.capacity(),
+            max_prompt: fast_engine!(self).max_prompt_len(&self.batch),
+            round,
+            draft_depth,
         }
     }
 }
@@ -347,11 +431,21 @@ fn run_engine(
             .map(|(&id, _)| id)
             .collect();
         for id in gone {
-            if let Some(out) = decoder.cancel(id) {
-                metrics.acceptance(&out.stats);
+            match decoder.cancel(id) {
+                Ok(out) => {
+                    if let Some(out) = out {
+                        metrics.acceptance(&out.stats);
+                    }
+                    live.remove(&id);
+                    metrics.request_done(Outcome::Cancelled);
+                }
+                Err(e) => {
+                    live.remove(&id);
+                    metrics.request_done(Outcome::Cancelled);
+                    let ids: Vec<u64> = live.keys().copied().collect();
+                    fail(&ids, &e, &mut live, &mut *decoder, metrics);
+                }
             }
-            live.remove(&id);
-            metrics.request_done(Outcome::Cancelled);
         }
 
         if decoder.running() > 0 {
@@ -401,7 +495,9 @@ fn fail(
     metrics: &Metrics,
 ) {
     for id in ids {
-        decoder.cancel(*id);
+        // The batch may already be unusable (the error came from it): failing the request is
+        // what matters, a second error changes nothing.
+        let _ = decoder.cancel(*id);
         if let Some(tx) = live.remove(id) {
             let _ = tx.send(Event::Failed {
                 message: error.to_string(),
