@@ -35,7 +35,9 @@ if [[ " $PARTS " == *" tests "* ]]; then
     [[ -f "$BIN/$t.xz" ]] || continue
     echo "== GPU tests: $t --ignored" | tee -a "$LOG"
     xz -dc "$BIN/$t.xz" > "$W/$t" && chmod +x "$W/$t"
-    timeout 240 "$W/$t" --ignored --test-threads 1 2>&1 | grep -E "^test |test result|panicked|rel err" | tail -30 | tee -a "$LOG"
+    # The whole output stays in $OUT/$t.txt (assertion messages follow the "panicked" line).
+    timeout 240 "$W/$t" --ignored --test-threads 1 > "$OUT/$t.txt" 2>&1
+    grep -E "^test |test result|panicked|rel err" "$OUT/$t.txt" | tail -30 | tee -a "$LOG"
   done
 fi
 if [[ " $PARTS " == *" pool "* ]]; then

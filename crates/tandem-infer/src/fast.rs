@@ -285,6 +285,7 @@ impl FastSpecEngine<'_> {
 
         let mut progress = Vec::with_capacity(n);
         for (mut row, &token) in rows.into_iter().zip(&first) {
+            row.last = token;
             commit(&mut row, &[token]);
             progress.push(Progress {
                 id: row.request.id,
@@ -499,7 +500,8 @@ impl FastSpecEngine<'_> {
             progress.push(Progress {
                 id: row.request.id,
                 tokens: row.output.tokens[before..].to_vec(),
-                accepted: Some(acc.accepted.len()),
+                // Target-only rounds draft nothing (as the burn baseline reports them).
+                accepted: self.draft.map(|_| acc.accepted.len()),
                 finished: None,
             });
             row.last = *committed.last().expect("bonus token");
