@@ -383,7 +383,7 @@ fn fast_engine_ends_a_sequence_at_the_context_limit() {
 /// Continuous batching on the fast path: requests join mid-flight, one is cancelled, finished
 /// ones leave, and a small cache forces compactions; every sequence still equals the fast
 /// target-only greedy output of its prompt alone. The same holds for the target alone
-/// (`draft: None`, the serving baseline), chain and tree.
+/// (`draft: None`, the serving baseline). Speculative: chain and tree.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
@@ -482,9 +482,11 @@ fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
             }
             take(engine.step(&mut batch).unwrap());
         }
+        // One column per round without a head: 48 columns last the whole schedule, so only the
+        // speculative rounds (4 or 8 columns each) are sure to need compaction.
         assert!(
-            batch.compactions > 0,
-            "the small cache must have been compacted"
+            batch.compactions > 0 || draft.is_none(),
+            "the small cache must have been compacted ({config:?})"
         );
         for i in [0usize, 1, 2, 4] {
             let id = i as u64;
