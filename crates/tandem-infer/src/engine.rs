@@ -165,6 +165,22 @@ fn floats<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .expect("floats")
 }
 
+/// What every engine checks of a request before it joins a batch, whatever the batch: valid
+/// sampling, a non-empty prompt inside the vocabulary, a budget of at least one token.
+pub(crate) fn check_request_alone(r: &Request, vocab: usize) -> Result<(), InferError> {
+    r.sampling.validate()?;
+    let reason = if r.prompt.is_empty() {
+        "the prompt is empty: it must have at least one token".to_owned()
+    } else if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
+        format!("prompt token {t} is outside the vocabulary of {vocab}")
+    } else if r.max_new_tokens == 0 {
+        "max_new_tokens must be at least 1".to_owned()
+    } else {
+        return Ok(());
+    };
+    Err(InferError::Request { reason })
+}
+
 /// One request to a [`RunningBatch`]: its own prompt, budget, stop tokens and sampling.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
@@ -261,23 +277,7 @@ impl<B: Backend> SpecEngine<'_, B> {
 
     /// Checks a request against the engine and the batch before anything runs.
     pub fn check_request(&self, batch: &RunningBatch<B>, r: &Request) -> Result<(), InferError> {
-        r.sampling.validate()?;
-        if r.prompt.is_empty() {
-            return Err(InferError::Request {
-                reason: "the prompt is empty: it must have at least one token".into(),
-            });
-        }
-        let vocab = self.target.spec.vocab_size;
-        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(InferError::Request {
-                reason: format!("prompt token {t} is outside the vocabulary of {vocab}"),
-            });
-        }
-        if r.max_new_tokens == 0 {
-            return Err(InferError::Request {
-                reason: "max_new_tokens must be at least 1".into(),
-            });
-        }
+        check_request_alone(r, self.target.spec.vocab_size)?;
         let room = self.max_prompt_len(batch);
         if r.prompt.len() > room {
             return Err(InferError::Request {

@@ -24,7 +24,7 @@ use tandem_model::{LogitsFor, StepInput, TapRequest};
 
 use crate::engine::{
     BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecOutput, Timings,
-    commit_tokens, draft_scratch,
+    check_request_alone, commit_tokens, draft_scratch,
 };
 use crate::stats::AcceptanceStats;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
@@ -176,23 +176,7 @@ impl FastSpecEngine<'_> {
 
     /// Checks a request against the engine and the batch before anything runs.
     pub fn check_request(&self, batch: &FastRunningBatch, r: &Request) -> Result<(), InferError> {
-        r.sampling.validate()?;
-        if r.prompt.is_empty() {
-            return Err(InferError::Request {
-                reason: "the prompt is empty: it must have at least one token".into(),
-            });
-        }
-        let vocab = self.target.spec.vocab_size;
-        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(InferError::Request {
-                reason: format!("prompt token {t} is outside the vocabulary of {vocab}"),
-            });
-        }
-        if r.max_new_tokens == 0 {
-            return Err(InferError::Request {
-                reason: "max_new_tokens must be at least 1".into(),
-            });
-        }
+        check_request_alone(r, self.target.spec.vocab_size)?;
         let room = self.max_prompt_len(batch);
         if r.prompt.len() > room {
             return Err(InferError::Request {

@@ -11,7 +11,8 @@ use tandem_model::sampling::SamplingParams;
 use tandem_model::{KvCache, LogitsFor, TapRequest, TargetModel};
 
 use crate::engine::{
-    Finish, InferError, Progress, Request, SpecOutput, Timings, commit_tokens, pick,
+    Finish, InferError, Progress, Request, SpecOutput, Timings, check_request_alone, commit_tokens,
+    pick,
 };
 use crate::stats::AcceptanceStats;
 
@@ -91,17 +92,8 @@ impl<B: Backend> PlainEngine<'_, B> {
 
     /// Checks a request before anything runs (same rules as the speculative engine).
     pub fn check_request(&self, batch: &PlainBatch<B>, r: &Request) -> Result<(), InferError> {
-        r.sampling.validate()?;
-        let vocab = self.target.spec.vocab_size;
-        let reason = if r.prompt.is_empty() {
-            Some("the prompt is empty: it must have at least one token".to_owned())
-        } else if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
-            Some(format!(
-                "prompt token {t} is outside the vocabulary of {vocab}"
-            ))
-        } else if r.max_new_tokens == 0 {
-            Some("max_new_tokens must be at least 1".to_owned())
-        } else if r.prompt.len() > self.max_prompt_len(batch) {
+        check_request_alone(r, self.target.spec.vocab_size)?;
+        let reason = if r.prompt.len() > self.max_prompt_len(batch) {
             Some(format!(
                 "a prompt of {} tokens does not fit the context of {} columns",
                 r.prompt.len(),

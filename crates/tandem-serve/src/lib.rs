@@ -4,7 +4,9 @@
 //!   pure functions tested without a model;
 //! - [`scheduler`]: one engine thread owning the target and the head; requests join and leave
 //!   the running batch between speculative rounds, a bounded queue answers 429 when full and a
-//!   client that goes away frees its slot;
+//!   client that goes away frees its slot. The batch is a [`Decoder`]: the burn engines
+//!   ([`SpecDecoder`], [`PlainDecoder`]) or the CUDA fast path ([`FastDecoder`], with or
+//!   without a head);
 //! - [`metrics`]: Prometheus text for `/metrics`;
 //! - [`http`]: the axum routes, streaming (SSE), stop strings and graceful shutdown.
 
