@@ -9,12 +9,12 @@ use clap::Args;
 use tandem_dump::DumpReader;
 use tandem_model::burn::prelude::Backend;
 use tandem_replay::{
-    CompareSetup, GapThresholds, HeadWiring, OfflinePositions, ReplayOptions, Tolerance,
-    fingerprint_model, replay,
+    CompareSetup, GapThresholds, HeadWiring, OfflinePositions, ReplayOptions, ReplayTarget,
+    Tolerance, fingerprint_model, replay,
 };
 
 use super::ModelArgs;
-use super::spec::default_num_draft_tokens;
+use super::spec::{EngineKind, default_num_draft_tokens};
 use crate::with_backend;
 
 #[derive(Args, Debug)]
@@ -43,20 +43,37 @@ pub struct ReplayArgs {
     /// Write the report as a self-contained HTML page here.
     #[arg(long)]
     pub html: Option<PathBuf>,
+    /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast: the target path
+    /// to replay through (auto = the one serving runs).
+    #[arg(long, default_value = "auto")]
+    pub engine: EngineKind,
 }
 
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
-    with_backend!(args.model.device, |B, device| run_on::<B>(&args, &device))
+    // Replay re-runs the path serving takes on this device: the CUDA fast path on cuda (what
+    // `tandem serve`, `bench` and `generate` run there), burn otherwise.
+    let cuda = args.model.device.to_string() == "cuda";
+    match args.engine {
+        EngineKind::Fast | EngineKind::Auto if cuda => {
+            let (_, target) = super::spec_fast::load_target(&args.model)?;
+            eprintln!("replay: the CUDA fast path's target");
+            replay_on(&args, &target)
+        }
+        EngineKind::Fast => anyhow::bail!("--engine fast runs on the GPU: pass --device cuda"),
+        _ => with_backend!(args.model.device, |B, device| {
+            let model = args.model.load::<B>(&device)?;
+            replay_on(&args, &model)
+        }),
+    }
 }
 
-fn run_on<B: Backend>(args: &ReplayArgs, device: &B::Device) -> anyhow::Result<()> {
+fn replay_on(args: &ReplayArgs, model: &dyn ReplayTarget) -> anyhow::Result<()> {
     let dump = DumpReader::open(&args.dump)?;
-    let model = args.model.load::<B>(device)?;
     let target = fingerprint_model(&args.model.model)?;
     let head = args
         .head
         .as_deref()
-        .map(|dir| HeadWiring::load(dir, model.spec.num_layers))
+        .map(|dir| HeadWiring::load(dir, model.spec().num_layers))
         .transpose()
         .context("reading the head's config")?;
     let device_name = args.model.device.to_string();
@@ -70,7 +87,7 @@ fn run_on<B: Backend>(args: &ReplayArgs, device: &B::Device) -> anyhow::Result<(
         device: device_name,
         model_label: args.model.model.display().to_string(),
     };
-    let report = replay(&model, &target, &dump, head.as_ref(), &options)?;
+    let report = replay(model, &target, &dump, head.as_ref(), &options)?;
     print!("{}", report.to_table());
     if let Some(path) = &args.json {
         std::fs::write(path, report.to_json() + "\n")
@@ -152,6 +169,11 @@ pub struct CompareArgs {
     /// Write the report (with a plot) as a self-contained HTML page here.
     #[arg(long)]
     pub html: Option<PathBuf>,
+    /// auto (online on the CUDA fast path on --device cuda, burn on cpu), burn, or fast: the
+    /// engine of the online run (auto = the one serving runs). Offline always drafts with the
+    /// burn head on the dump's taps.
+    #[arg(long, default_value = "auto")]
+    pub engine: EngineKind,
 }
 
 pub fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
@@ -162,7 +184,7 @@ pub fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
 
 fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Result<()> {
     use tandem_infer::wiring::{check_head, head_taps, serving_manifest};
-    use tandem_infer::{SpecConfig, SpecEngine};
+    use tandem_infer::{FastSpecEngine, SpecConfig, SpecEngine, SpecGenerate};
     use tandem_model::{ChatMessage, SamplingParams, TapRequest, TargetTokenizer};
 
     let config = SpecConfig {
@@ -208,14 +230,32 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
         args.offline_positions,
         args.offline_batch,
     )?;
+    // Online runs the engine serving runs on this device: the CUDA fast path on cuda.
+    let fast_parts = match args.engine {
+        EngineKind::Fast | EngineKind::Auto if device_name == "cuda" => {
+            let (_, target) = super::spec_fast::load_target(&args.model)?;
+            let draft = super::spec_fast::load_draft(&target, &args.head)?;
+            eprintln!("compare: online on the CUDA fast path");
+            Some((target, draft))
+        }
+        EngineKind::Fast => anyhow::bail!("--engine fast runs on the GPU: pass --device cuda"),
+        _ => None,
+    };
+    let fast_engine = fast_parts.as_ref().map(|(target, draft)| FastSpecEngine {
+        target,
+        draft: Some(draft),
+        taps: TapRequest::new(taps.clone()),
+        config,
+    });
+    let online_engine: &dyn SpecGenerate = match &fast_engine {
+        Some(fast) => fast,
+        None => &engine,
+    };
     let online = if args.prompts == "dump" {
-        tandem_replay::online_acceptance_on_dump(
-            &model,
-            &head.draft,
-            TapRequest::new(taps),
+        tandem_replay::online_acceptance_on_dump_with(
+            online_engine,
             &dump,
             args.max_prompts,
-            config,
             &tokenizer.eos_ids,
         )?
     } else {
@@ -228,12 +268,9 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
                 tokenizer.encode_chat(&[ChatMessage::new("user", first)], true)
             })
             .collect::<Result<_, _>>()?;
-        tandem_replay::online_acceptance(
-            &model,
-            &head.draft,
-            TapRequest::new(taps),
+        tandem_replay::online_acceptance_with(
+            online_engine,
             &prompts,
-            config,
             args.max_new_tokens,
             &tokenizer.eos_ids,
         )?

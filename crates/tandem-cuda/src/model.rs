@@ -102,6 +102,25 @@ impl CudaTarget {
         &self.weights.embed
     }
 
+    /// Block `k`'s `input_layernorm` weight on the host, widened from the bf16 the fast path
+    /// computes with (replay derives the normed candidates from it).
+    pub fn input_norm_weight(&self, k: usize) -> Result<Vec<f32>, CudaError> {
+        self.widened(&self.weights.layers[k].input_norm)
+    }
+
+    /// The final norm's weight on the host (replay relates the `final` tap's scale to it).
+    pub fn final_norm_weight(&self) -> Result<Vec<f32>, CudaError> {
+        self.widened(&self.weights.final_norm)
+    }
+
+    fn widened(&self, bf16: &CudaSlice<u16>) -> Result<Vec<f32>, CudaError> {
+        let bits = self.gpu.download(bf16)?;
+        Ok(bits
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect())
+    }
+
     /// An empty cache for `batch` sequences of up to `capacity` columns.
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<CudaKvCache, CudaError> {
         CudaKvCache::new(

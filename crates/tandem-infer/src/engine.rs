@@ -165,6 +165,35 @@ fn floats<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .expect("floats")
 }
 
+/// Speculative generation of a batch of prompts, whatever runs it: the burn [`SpecEngine`] or
+/// the CUDA fast path's [`crate::FastSpecEngine`]. Jobs that measure online acceptance
+/// (`compare`) take it so they run the engine serving runs on that device.
+pub trait SpecGenerate {
+    /// See [`SpecEngine::generate`].
+    fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+    ) -> Result<BatchOutput, InferError>;
+    /// The engine's tree settings.
+    fn config(&self) -> SpecConfig;
+}
+
+impl<B: Backend> SpecGenerate for SpecEngine<'_, B> {
+    fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+    ) -> Result<BatchOutput, InferError> {
+        SpecEngine::generate(self, prompts, max_new_tokens, stop_ids)
+    }
+    fn config(&self) -> SpecConfig {
+        self.config
+    }
+}
+
 /// What every engine checks of a request before it joins a batch, whatever the batch: valid
 /// sampling, a non-empty prompt inside the vocabulary, a budget of at least one token.
 pub(crate) fn check_request_alone(r: &Request, vocab: usize) -> Result<(), InferError> {

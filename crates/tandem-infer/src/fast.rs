@@ -866,6 +866,20 @@ fn verify_rows(
         .collect())
 }
 
+impl crate::engine::SpecGenerate for FastSpecEngine<'_> {
+    fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+    ) -> Result<BatchOutput, InferError> {
+        FastSpecEngine::generate(self, prompts, max_new_tokens, stop_ids)
+    }
+    fn config(&self) -> SpecConfig {
+        self.config
+    }
+}
+
 /// Target-only decoding on the fast path for the same prompts (one static batch, greedy or
 /// sampled per `sampling`, stream `seed + i` for sequence `i`): the baseline speculative
 /// output is compared with and timed against.

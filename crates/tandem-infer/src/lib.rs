@@ -13,7 +13,7 @@ pub mod wiring;
 
 pub use engine::{
     BatchOutput, DraftRoot, Finish, InferError, Progress, Request, RunningBatch, SpecConfig,
-    SpecEngine, SpecOutput, Timings,
+    SpecEngine, SpecGenerate, SpecOutput, Timings,
 };
 pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
 pub use plain::{PlainBatch, PlainEngine};

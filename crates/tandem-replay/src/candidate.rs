@@ -7,7 +7,8 @@ use std::fmt;
 
 use burn::prelude::*;
 use serde::{Serialize, Serializer};
-use tandem_model::{LogitsFor, TapRequest, TargetModel};
+use tandem_cuda::CudaTarget;
+use tandem_model::{LogitsFor, ModelSpec, TapRequest, TargetModel};
 use tandem_wiring::TapId;
 
 use crate::error::ReplayError;
@@ -114,30 +115,86 @@ impl CandidateValues {
     }
 }
 
-/// Runs `input_ids` as one prefill through the target's block loop (the path the speculative
-/// loop takes for a prompt) with every tap point requested, and derives the normed inputs.
-pub fn capture_candidates<B: Backend>(
-    model: &TargetModel<B>,
+/// A target path replay re-runs: the burn model (CPU, burn-cuda) or the CUDA fast path, so
+/// replay checks the very code serving runs on that device.
+pub trait ReplayTarget {
+    /// The model's dimensions.
+    fn spec(&self) -> &ModelSpec;
+    /// One prefill of `input_ids` through the block loop (the path the speculative loop takes
+    /// for a prompt) with every tap point requested: `[tokens, hidden]` f32 host values per tap,
+    /// in [`all_taps`] order.
+    fn capture_taps(&self, input_ids: &[u32]) -> Result<Vec<Vec<f32>>, ReplayError>;
+    /// Block `k`'s `input_layernorm` weight, on the host.
+    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError>;
+    /// The final norm's weight, on the host.
+    fn final_norm(&self) -> Result<Vec<f32>, ReplayError>;
+}
+
+impl<B: Backend> ReplayTarget for TargetModel<B> {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+    fn capture_taps(&self, input_ids: &[u32]) -> Result<Vec<Vec<f32>>, ReplayError> {
+        let mut cache = self.new_cache(1, input_ids.len());
+        let step = cache.prefill_step(&[input_ids])?;
+        let request = TapRequest::new(all_taps(self.spec.num_layers));
+        let out = self.forward(&step, &mut cache, &request, LogitsFor::None)?;
+        Ok(out.taps.tensors.into_iter().map(to_host).collect())
+    }
+    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError> {
+        Ok(to_host_1d(self.layers[k].input_layernorm.weight.clone()))
+    }
+    fn final_norm(&self) -> Result<Vec<f32>, ReplayError> {
+        Ok(to_host_1d(self.norm.weight.clone()))
+    }
+}
+
+impl ReplayTarget for CudaTarget {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+    fn capture_taps(&self, input_ids: &[u32]) -> Result<Vec<Vec<f32>>, ReplayError> {
+        let fast = |e: tandem_cuda::CudaError| ReplayError::Infer(e.into());
+        let mut cache = self.new_cache(1, input_ids.len()).map_err(fast)?;
+        let step = cache.layout().prefill_step(&[input_ids])?;
+        let request = TapRequest::new(all_taps(self.spec.num_layers));
+        let out = self
+            .forward(&step, &mut cache, &request, LogitsFor::None)
+            .map_err(fast)?;
+        out.taps
+            .tensors
+            .iter()
+            .map(|rows| self.gpu().download(&rows.data).map_err(fast))
+            .collect()
+    }
+    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError> {
+        self.input_norm_weight(k)
+            .map_err(|e| ReplayError::Infer(e.into()))
+    }
+    fn final_norm(&self) -> Result<Vec<f32>, ReplayError> {
+        self.final_norm_weight()
+            .map_err(|e| ReplayError::Infer(e.into()))
+    }
+}
+
+/// Runs `input_ids` as one prefill through the target's block loop with every tap point
+/// requested ([`ReplayTarget::capture_taps`]), and derives the normed inputs.
+pub fn capture_candidates(
+    model: &dyn ReplayTarget,
     input_ids: &[u32],
 ) -> Result<CandidateValues, ReplayError> {
-    let layers = model.spec.num_layers;
-    let hidden = model.spec.hidden_size;
-    let tokens = input_ids.len();
-    let mut cache = model.new_cache(1, tokens);
-    let step = cache.prefill_step(&[input_ids])?;
-    let request = TapRequest::new(all_taps(layers));
-    let out = model.forward(&step, &mut cache, &request, LogitsFor::None)?;
-    let mut values: Vec<Vec<f32>> = out.taps.tensors.into_iter().map(to_host).collect();
+    let spec = model.spec();
+    let (layers, hidden) = (spec.num_layers, spec.hidden_size);
+    let mut values = model.capture_taps(input_ids)?;
     // Request index k is residual position k (embed = 0, block k-1 = k) for k <= L.
     for k in 0..layers {
-        let norm = &model.layers[k].input_layernorm;
-        let weight = to_host_1d(norm.weight.clone());
-        values.push(rms_norm_rows(&values[k], &weight, norm.eps));
+        let weight = model.input_norm(k)?;
+        values.push(rms_norm_rows(&values[k], &weight, spec.rms_norm_eps));
     }
     Ok(CandidateValues {
         candidates: all_candidates(layers),
         values,
-        tokens,
+        tokens: input_ids.len(),
         hidden,
     })
 }

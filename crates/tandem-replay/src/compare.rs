@@ -34,7 +34,9 @@ use burn::prelude::*;
 use serde::Serialize;
 use tandem_dump::DumpReader;
 use tandem_eagle::{DraftCache, Eagle3Draft};
-use tandem_infer::{AcceptanceStats, DraftRoot, DraftTree, SpecConfig, SpecEngine, verify_greedy};
+use tandem_infer::{
+    AcceptanceStats, DraftRoot, DraftTree, SpecConfig, SpecEngine, SpecGenerate, verify_greedy,
+};
 use tandem_model::{TapRequest, TargetModel};
 
 use crate::error::ReplayError;
@@ -489,7 +491,7 @@ pub fn first_turn(input_ids: &[u32], loss_mask: &[u8]) -> Option<(Vec<u32>, usiz
 }
 
 /// Online acceptance on the dump's own first exchanges (see [`first_turn`]): each sample's
-/// prompt generated with its own token budget.
+/// prompt generated with its own token budget, by the burn engine.
 pub fn online_acceptance_on_dump<B: Backend>(
     model: &TargetModel<B>,
     draft: &Eagle3Draft<B>,
@@ -499,25 +501,33 @@ pub fn online_acceptance_on_dump<B: Backend>(
     config: SpecConfig,
     stop_ids: &[u32],
 ) -> Result<OnlineAcceptance, ReplayError> {
+    let engine = SpecEngine {
+        target: model,
+        draft,
+        taps,
+        config,
+    };
+    online_acceptance_on_dump_with(&engine, dump, max_samples, stop_ids)
+}
+
+/// [`online_acceptance_on_dump`] with any engine (the CUDA fast path's on `--device cuda`).
+pub fn online_acceptance_on_dump_with(
+    engine: &dyn SpecGenerate,
+    dump: &DumpReader,
+    max_samples: usize,
+    stop_ids: &[u32],
+) -> Result<OnlineAcceptance, ReplayError> {
     let mut total = OnlineAcceptance {
         prompts: 0,
         tokens: 0,
-        stats: AcceptanceStats::new(config.num_steps),
+        stats: AcceptanceStats::new(engine.config().num_steps),
     };
     for index in 0..dump.len().min(max_samples) {
         let record = dump.read(index)?;
         let Some((prompt, budget)) = first_turn(&record.input_ids, &record.loss_mask) else {
             continue;
         };
-        let one = online_acceptance(
-            model,
-            draft,
-            taps.clone(),
-            std::slice::from_ref(&prompt),
-            config,
-            budget,
-            stop_ids,
-        )?;
+        let one = online_acceptance_with(engine, std::slice::from_ref(&prompt), budget, stop_ids)?;
         total.prompts += one.prompts;
         total.tokens += one.tokens;
         total.stats.merge(&one.stats);
@@ -525,6 +535,7 @@ pub fn online_acceptance_on_dump<B: Backend>(
     Ok(total)
 }
 
+/// Online acceptance of the burn engine on `prompts` (one at a time, greedy as configured).
 pub fn online_acceptance<B: Backend>(
     model: &TargetModel<B>,
     draft: &Eagle3Draft<B>,
@@ -540,7 +551,17 @@ pub fn online_acceptance<B: Backend>(
         taps,
         config,
     };
-    let mut stats = AcceptanceStats::new(config.num_steps);
+    online_acceptance_with(&engine, prompts, max_new_tokens, stop_ids)
+}
+
+/// [`online_acceptance`] with any engine.
+pub fn online_acceptance_with(
+    engine: &dyn SpecGenerate,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+    stop_ids: &[u32],
+) -> Result<OnlineAcceptance, ReplayError> {
+    let mut stats = AcceptanceStats::new(engine.config().num_steps);
     let mut tokens = 0;
     for prompt in prompts {
         let out = engine.generate(std::slice::from_ref(prompt), max_new_tokens, stop_ids)?;

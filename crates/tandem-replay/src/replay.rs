@@ -4,17 +4,16 @@
 
 use std::path::Path;
 
-use burn::prelude::*;
 use tandem_dump::DumpReader;
 use tandem_eagle::Eagle3Config;
 use tandem_infer::wiring::head_taps;
-use tandem_model::{TargetModel, TargetTokenizer};
+use tandem_model::TargetTokenizer;
 use tandem_wiring::{
     Job, MismatchKind, Producer, TapId, TapPoint, TargetFingerprint, WiringManifest, check,
     format_taps, normalize_dtype,
 };
 
-use crate::candidate::{Candidate, all_candidates, capture_candidates};
+use crate::candidate::{Candidate, ReplayTarget, all_candidates, capture_candidates};
 use crate::error::ReplayError;
 use crate::explain::{constant_shift, convention_swaps, describe_pattern};
 use crate::report::{
@@ -201,17 +200,17 @@ fn best_of(candidates: &[Candidate], table: &[Vec<Accumulator>]) -> Score {
 /// decides the serving taps, otherwise serving is assumed to request the dump's own taps.
 /// Wiring faults are findings of the report, never errors; errors are I/O or shape problems
 /// that stop the replay.
-pub fn replay<B: Backend>(
-    model: &TargetModel<B>,
+pub fn replay(
+    model: &dyn ReplayTarget,
     target: &TargetFingerprint,
     dump: &DumpReader,
     head: Option<&HeadWiring>,
     options: &ReplayOptions,
 ) -> Result<ReplayReport, ReplayError> {
     let m = dump.manifest();
-    let layers = model.spec.num_layers;
-    let hidden = model.spec.hidden_size;
-    let vocab = model.spec.vocab_size;
+    let layers = model.spec().num_layers;
+    let hidden = model.spec().hidden_size;
+    let vocab = model.spec().vocab_size;
     let slots = m.num_slots;
     let width = m.hidden_size;
     let tolerance = options.tolerance;
@@ -376,15 +375,9 @@ pub fn replay<B: Backend>(
 
     // Slot verdicts.
     let final_weight_norm = {
-        let w = model
-            .norm
-            .weight
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .expect("converted to f32");
-        w.iter()
+        model
+            .final_norm()?
+            .iter()
             .map(|&v| f64::from(v) * f64::from(v))
             .sum::<f64>()
             .sqrt()
