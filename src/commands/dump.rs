@@ -4,10 +4,11 @@ use std::path::PathBuf;
 
 use clap::Args;
 use tandem_dump::{DumpOptions, GenerationSettings, ShardLimits, StorageDtype};
-use tandem_model::burn::prelude::Backend;
+use tandem_model::Execution;
 use tandem_wiring::TapSpec;
 
 use super::ModelArgs;
+use super::spec::EngineKind;
 use crate::with_backend;
 
 #[derive(Args, Debug)]
@@ -70,6 +71,10 @@ pub struct DumpArgs {
     /// Allow an evaluation set (mtbench, humaneval) as training data.
     #[arg(long)]
     pub allow_eval: bool,
+    /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast: the target the
+    /// dump captures through (auto = the one serving runs).
+    #[arg(long, default_value = "auto")]
+    pub engine: EngineKind,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -113,13 +118,36 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         simulate_full_disk_after: None,
         execution: args.model.execution,
     };
-    with_backend!(args.model.device, |B, device| run_on::<B>(
-        &options, &device
-    ))
+    // On a GPU the dump runs the path serving runs (the CUDA fast path), so the head is trained
+    // on what its kernels will feed it; burn keeps micro-batched execution and other
+    // architectures.
+    let cuda = args.model.device.to_string() == "cuda";
+    let micro_batched = args.model.execution == Execution::MicroBatched;
+    match args.engine {
+        EngineKind::Fast if !cuda => {
+            anyhow::bail!("--engine fast runs on the GPU: pass --device cuda")
+        }
+        EngineKind::Fast if micro_batched => {
+            anyhow::bail!("the CUDA fast path has no micro-batched execution: use --engine burn")
+        }
+        EngineKind::Fast | EngineKind::Auto if cuda && !micro_batched => {
+            let model = &args.model;
+            let summary = tandem_dump::run_dump_with(&options, || {
+                let gpu = tandem_cuda::Gpu::new(0)?;
+                let target = tandem_cuda::CudaTarget::load(&model.model, gpu)?;
+                eprintln!("dump: the CUDA fast path's target");
+                Ok(Box::new(target))
+            })?;
+            report(&options, &summary)
+        }
+        _ => with_backend!(args.model.device, |B, device| {
+            let summary = tandem_dump::run_dump::<B>(&options, &device)?;
+            report(&options, &summary)
+        }),
+    }
 }
 
-fn run_on<B: Backend>(options: &DumpOptions, device: &B::Device) -> anyhow::Result<()> {
-    let s = tandem_dump::run_dump::<B>(options, device)?;
+fn report(options: &DumpOptions, s: &tandem_dump::DumpSummary) -> anyhow::Result<()> {
     let m = &s.manifest;
     if s.resumed_rows > 0 {
         eprintln!(

@@ -143,6 +143,9 @@ pub enum DumpError {
     /// Loading or running the target model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The CUDA fast path failed (a kernel launch, a copy, GPU memory).
+    #[error(transparent)]
+    Cuda(#[from] tandem_cuda::CudaError),
 
     /// Resolving taps or fingerprinting the target failed.
     #[error(transparent)]

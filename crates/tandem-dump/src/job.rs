@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tandem_data::{Conversation, Split, open_dataset};
 use tandem_model::burn::prelude::*;
 use tandem_model::{
-    ChatMessage, Execution, LogitsFor, SamplingParams, TapRequest, TargetModel, TargetTokenizer,
+    ChatMessage, Execution, SamplingParams, TapRequest, TargetModel, TargetTokenizer,
 };
 use tandem_wiring::{
     Job, Producer, TapId, TapPoint, TapSpec, TargetFingerprint, WiringManifest, sha256_hex,
@@ -22,6 +22,7 @@ use crate::manifest::{
 use crate::mask::{MaskedTokens, SampleSkip, tokenize_conversation};
 use crate::reader::DumpRecord;
 use crate::regen::{RegenStats, regenerate};
+use crate::target::DumpTarget;
 use crate::writer::{DumpWriter, ShardLimits};
 
 /// Everything `tandem dump` is asked to do.
@@ -261,10 +262,23 @@ enum Outcome {
     Row(DumpRecord, bool),
 }
 
-/// Runs (or resumes) a dump on backend `B`.
+/// Runs (or resumes) a dump on the burn backend `B`.
 pub fn run_dump<B: Backend>(
     options: &DumpOptions,
     device: &B::Device,
+) -> Result<DumpSummary, DumpError> {
+    run_dump_with(options, || {
+        let mut model = TargetModel::<B>::load(&options.model_dir, device)?;
+        model.execution = options.execution;
+        Ok(Box::new(model))
+    })
+}
+
+/// Runs (or resumes) a dump on the target `load` returns (called once the dump is known to
+/// need it): the burn model, or the CUDA fast path ([`DumpTarget`]).
+pub fn run_dump_with<'a>(
+    options: &DumpOptions,
+    load: impl FnOnce() -> Result<Box<dyn DumpTarget + 'a>, DumpError>,
 ) -> Result<DumpSummary, DumpError> {
     check_options(options)?;
     let tokenizer = TargetTokenizer::load(&options.model_dir)?;
@@ -315,8 +329,7 @@ pub fn run_dump<B: Backend>(
         return Ok(summary);
     }
 
-    let mut model = TargetModel::<B>::load(&options.model_dir, device)?;
-    model.execution = options.execution;
+    let model = load()?;
     let mut request = identity.wiring.taps.clone();
     request.push(identity.last_hidden_tap);
     let request = TapRequest::new(request);
@@ -376,7 +389,7 @@ pub fn run_dump<B: Backend>(
                 }
             }
             let outcomes = process(
-                &model,
+                model.as_ref(),
                 &tokenizer,
                 &template_sha,
                 options,
@@ -441,8 +454,8 @@ fn to_chat(conv: &Conversation) -> Vec<ChatMessage> {
 /// Turns a run of consecutive records (starting at ordinal `first_record`) into outcomes, in
 /// the same order.
 #[allow(clippy::too_many_arguments)]
-fn process<B: Backend>(
-    model: &TargetModel<B>,
+fn process(
+    model: &dyn DumpTarget,
     tokenizer: &TargetTokenizer,
     template_sha: &str,
     options: &DumpOptions,
@@ -518,26 +531,15 @@ fn process<B: Backend>(
 
 /// One prefill of `tokens` through the capture hook; splits the concatenated taps into the
 /// aux slots and the last block.
-pub(crate) fn capture<B: Backend>(
-    model: &TargetModel<B>,
+pub(crate) fn capture(
+    model: &dyn DumpTarget,
     request: &TapRequest,
     sample_id: String,
     tokens: MaskedTokens,
 ) -> Result<DumpRecord, DumpError> {
     let n = tokens.input_ids.len();
-    let mut cache = model.new_cache(1, n);
-    let step = cache.prefill_step(&[&tokens.input_ids])?;
-    let out = model.forward(&step, &mut cache, request, LogitsFor::None)?;
-    let all = out
-        .taps
-        .concatenated()
-        .expect("the request always holds the last block");
-    let values = all
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .expect("converted to f32");
-    let t = model.spec.hidden_size;
+    let values = model.capture_rows(&tokens.input_ids, request)?;
+    let t = model.spec().hidden_size;
     let slots = request.taps.len() - 1;
     let row = (slots + 1) * t;
     let mut aux_hidden = Vec::with_capacity(n * slots * t);

@@ -30,14 +30,16 @@ pub mod manifest;
 pub mod mask;
 pub mod reader;
 mod regen;
+pub mod target;
 pub mod writer;
 
 pub use error::DumpError;
 pub use info::{DumpInfo, dump_info};
-pub use job::{DumpOptions, DumpSummary, dump_identity, run_dump};
+pub use job::{DumpOptions, DumpSummary, dump_identity, run_dump, run_dump_with};
 pub use manifest::{
     DumpManifest, DumpSettings, FORMAT_NAME, FORMAT_VERSION, GenerationSettings, MANIFEST_FILE,
     ShardInfo, StorageDtype,
 };
 pub use reader::{DumpReader, DumpRecord};
+pub use target::DumpTarget;
 pub use writer::{DumpWriter, ShardLimits};

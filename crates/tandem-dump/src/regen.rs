@@ -9,15 +9,12 @@
 
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use tandem_model::burn::prelude::*;
-use tandem_model::sampling::{distribution, sample_from};
-use tandem_model::{
-    ChatMessage, LogitsFor, SamplingParams, TapRequest, TargetModel, TargetTokenizer,
-};
+use tandem_model::{ChatMessage, SamplingParams, TargetTokenizer};
 
 use crate::error::DumpError;
 use crate::manifest::GenerationSettings;
 use crate::mask::{SKIP_TEMPLATE_ERROR, SKIP_TOKENIZER_ERROR, SKIP_TOO_LONG, SampleSkip};
+use crate::target::DumpTarget;
 
 /// One conversation after regeneration.
 #[derive(Debug, Clone)]
@@ -77,8 +74,8 @@ struct State {
 }
 
 /// Regenerates the assistant turns of `batch` (record ordinal, messages) with `model`.
-pub(crate) fn regenerate<B: Backend>(
-    model: &TargetModel<B>,
+pub(crate) fn regenerate(
+    model: &dyn DumpTarget,
     tokenizer: &TargetTokenizer,
     batch: &[(u64, Vec<ChatMessage>)],
     settings: &GenerationSettings,
@@ -134,7 +131,8 @@ pub(crate) fn regenerate<B: Backend>(
                     continue;
                 }
             };
-            if prompt.len() + 1 >= max_len || prompt.len() + 1 >= model.spec.max_position_embeddings
+            if prompt.len() + 1 >= max_len
+                || prompt.len() + 1 >= model.spec().max_position_embeddings
             {
                 // No room for this turn: the conversation ends before it.
                 state.messages.truncate(at);
@@ -153,7 +151,7 @@ pub(crate) fn regenerate<B: Backend>(
             let budget = settings
                 .max_new_tokens
                 .min(max_len - prompt.len())
-                .min(model.spec.max_position_embeddings - prompt.len());
+                .min(model.spec().max_position_embeddings - prompt.len());
             let rng = turn_rng(settings.seed, state.record, state.next);
             jobs.push((s, prompt, budget, rng));
         }
@@ -163,14 +161,8 @@ pub(crate) fn regenerate<B: Backend>(
         let prompts: Vec<&[u32]> = jobs.iter().map(|j| j.1.as_slice()).collect();
         let budgets: Vec<usize> = jobs.iter().map(|j| j.2).collect();
         let mut rngs: Vec<StdRng> = jobs.iter().map(|j| j.3.clone()).collect();
-        let outputs = generate_batch(
-            model,
-            &prompts,
-            &budgets,
-            &sampling,
-            &mut rngs,
-            &tokenizer.eos_ids,
-        )?;
+        let outputs =
+            model.generate_batch(&prompts, &budgets, &sampling, &mut rngs, &tokenizer.eos_ids)?;
         for ((s, ..), (tokens, stopped)) in jobs.iter().zip(outputs) {
             let state = &mut states[*s];
             let at = state.todo[state.next];
@@ -191,86 +183,6 @@ pub(crate) fn regenerate<B: Backend>(
             }),
         })
         .collect())
-}
-
-/// Generates for a ragged batch of prompts; returns per sequence its tokens (without the
-/// stop token) and whether it stopped on a stop token (false: budget reached).
-pub(crate) fn generate_batch<B: Backend>(
-    model: &TargetModel<B>,
-    prompts: &[&[u32]],
-    budgets: &[usize],
-    sampling: &SamplingParams,
-    rngs: &mut [StdRng],
-    stop_ids: &[u32],
-) -> Result<Vec<(Vec<u32>, bool)>, DumpError> {
-    let n = prompts.len();
-    let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
-    let capacity = width + budgets.iter().copied().max().unwrap_or(0);
-    let mut cache = model.new_cache(n, capacity);
-    let step = cache.prefill_step(prompts)?;
-    let out = model.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
-    let mut next = pick(out.logits.expect("asked for logits"), sampling, rngs);
-    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
-    let mut done = vec![false; n];
-    let mut stopped = vec![false; n];
-    loop {
-        for b in 0..n {
-            if done[b] {
-                continue;
-            }
-            if stop_ids.contains(&next[b]) {
-                done[b] = true;
-                stopped[b] = true;
-            } else {
-                tokens[b].push(next[b]);
-                done[b] = tokens[b].len() >= budgets[b];
-            }
-        }
-        if done.iter().all(|&d| d) {
-            break;
-        }
-        // Finished sequences add nothing to the step (an empty slice).
-        let inputs: Vec<&[u32]> = (0..n)
-            .map(|b| {
-                if done[b] {
-                    &[][..]
-                } else {
-                    std::slice::from_ref(&next[b])
-                }
-            })
-            .collect();
-        let step = cache.prefill_step(&inputs)?;
-        let out = model.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
-        next = pick(out.logits.expect("asked for logits"), sampling, rngs);
-    }
-    Ok(tokens.into_iter().zip(stopped).collect())
-}
-
-/// Next token of every sequence from `logits: [batch, 1, vocab]`. Greedy runs the argmax on
-/// the device; sampling reads the rows back and draws from each sequence's own stream.
-fn pick<B: Backend>(
-    logits: Tensor<B, 3>,
-    sampling: &SamplingParams,
-    rngs: &mut [StdRng],
-) -> Vec<u32> {
-    let [n, _, vocab] = logits.dims();
-    if sampling.is_greedy() {
-        let ids = logits.argmax(2).into_data().convert::<i64>();
-        ids.as_slice::<i64>()
-            .expect("argmax returns integers")
-            .iter()
-            .map(|&i| i as u32)
-            .collect()
-    } else {
-        let rows = logits.into_data().convert::<f32>();
-        let rows = rows.as_slice::<f32>().expect("logits are floats");
-        (0..n)
-            .map(|b| {
-                let probs = distribution(&rows[b * vocab..(b + 1) * vocab], sampling);
-                sample_from(&probs, &mut rngs[b]) as u32
-            })
-            .collect()
-    }
 }
 
 #[cfg(test)]

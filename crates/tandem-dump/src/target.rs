@@ -1,0 +1,205 @@
+//! The target a dump runs: the burn model (CPU, burn-cuda) or the CUDA fast path. On a GPU the
+//! dump takes the path serving takes, so the hidden states a head is trained on come from the
+//! very kernels that feed it when it serves (replay checks this slot by slot).
+
+use rand::rngs::StdRng;
+use tandem_cuda::{CudaError, CudaTarget, DeviceLogits};
+use tandem_model::burn::prelude::*;
+use tandem_model::sampling::{distribution, sample_from};
+use tandem_model::{LogitsFor, ModelSpec, SamplingParams, TapRequest, TargetModel};
+
+use crate::error::DumpError;
+
+/// What the dump job needs of a target.
+pub trait DumpTarget {
+    /// The model's dimensions.
+    fn spec(&self) -> &ModelSpec;
+    /// One prefill of `ids` through the capture hook with `request`'s taps: per token, the taps
+    /// concatenated in request order (`[tokens, taps * hidden]` f32 on the host).
+    fn capture_rows(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<f32>, DumpError>;
+    /// Generates for a ragged batch of prompts; returns per sequence its tokens (without the
+    /// stop token) and whether it stopped on a stop token (false: budget reached).
+    fn generate_batch(
+        &self,
+        prompts: &[&[u32]],
+        budgets: &[usize],
+        sampling: &SamplingParams,
+        rngs: &mut [StdRng],
+        stop_ids: &[u32],
+    ) -> Result<Vec<(Vec<u32>, bool)>, DumpError>;
+}
+
+/// The decode loop both targets share: `forward(inputs)` runs one step (the prompts first, then
+/// one token per running sequence, an empty slice for finished ones) and returns every
+/// sequence's next token.
+fn decode_loop(
+    prompts: &[&[u32]],
+    budgets: &[usize],
+    stop_ids: &[u32],
+    mut forward: impl FnMut(&[&[u32]]) -> Result<Vec<u32>, DumpError>,
+) -> Result<Vec<(Vec<u32>, bool)>, DumpError> {
+    let n = prompts.len();
+    let mut next = forward(prompts)?;
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut done = vec![false; n];
+    let mut stopped = vec![false; n];
+    loop {
+        for b in 0..n {
+            if done[b] {
+                continue;
+            }
+            if stop_ids.contains(&next[b]) {
+                done[b] = true;
+                stopped[b] = true;
+            } else {
+                tokens[b].push(next[b]);
+                done[b] = tokens[b].len() >= budgets[b];
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        let inputs: Vec<&[u32]> = (0..n)
+            .map(|b| {
+                if done[b] {
+                    &[][..]
+                } else {
+                    std::slice::from_ref(&next[b])
+                }
+            })
+            .collect();
+        next = forward(&inputs)?;
+    }
+    Ok(tokens.into_iter().zip(stopped).collect())
+}
+
+/// Columns a batch generation needs.
+fn capacity(prompts: &[&[u32]], budgets: &[usize]) -> usize {
+    prompts.iter().map(|p| p.len()).max().unwrap_or(0) + budgets.iter().copied().max().unwrap_or(0)
+}
+
+impl<B: Backend> DumpTarget for TargetModel<B> {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn capture_rows(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<f32>, DumpError> {
+        let mut cache = self.new_cache(1, ids.len());
+        let step = cache.prefill_step(&[ids])?;
+        let out = self.forward(&step, &mut cache, request, LogitsFor::None)?;
+        let all = out
+            .taps
+            .concatenated()
+            .expect("the dump always requests taps");
+        Ok(all
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("converted to f32"))
+    }
+
+    fn generate_batch(
+        &self,
+        prompts: &[&[u32]],
+        budgets: &[usize],
+        sampling: &SamplingParams,
+        rngs: &mut [StdRng],
+        stop_ids: &[u32],
+    ) -> Result<Vec<(Vec<u32>, bool)>, DumpError> {
+        let mut cache = self.new_cache(prompts.len(), capacity(prompts, budgets));
+        decode_loop(prompts, budgets, stop_ids, |inputs| {
+            let step = cache.prefill_step(inputs)?;
+            let out = self.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
+            Ok(pick_burn(
+                out.logits.expect("asked for logits"),
+                sampling,
+                rngs,
+            ))
+        })
+    }
+}
+
+/// Next token of every sequence from `logits: [batch, 1, vocab]`. Greedy runs the argmax on
+/// the device; sampling reads the rows back and draws from each sequence's own stream.
+fn pick_burn<B: Backend>(
+    logits: Tensor<B, 3>,
+    sampling: &SamplingParams,
+    rngs: &mut [StdRng],
+) -> Vec<u32> {
+    let [n, _, vocab] = logits.dims();
+    if sampling.is_greedy() {
+        let ids = logits.argmax(2).into_data().convert::<i64>();
+        ids.as_slice::<i64>()
+            .expect("argmax returns integers")
+            .iter()
+            .map(|&i| i as u32)
+            .collect()
+    } else {
+        let rows = logits.into_data().convert::<f32>();
+        let rows = rows.as_slice::<f32>().expect("logits are floats");
+        (0..n)
+            .map(|b| {
+                let probs = distribution(&rows[b * vocab..(b + 1) * vocab], sampling);
+                sample_from(&probs, &mut rngs[b]) as u32
+            })
+            .collect()
+    }
+}
+
+impl DumpTarget for CudaTarget {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn capture_rows(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<f32>, DumpError> {
+        let n = ids.len();
+        let mut cache = self.new_cache(1, n)?;
+        let step = cache.layout().prefill_step(&[ids])?;
+        let out = self.forward(&step, &mut cache, request, LogitsFor::None)?;
+        let taps = out
+            .taps
+            .tensors
+            .iter()
+            .map(|rows| self.gpu().download(&rows.data))
+            .collect::<Result<Vec<Vec<f32>>, CudaError>>()?;
+        let h = self.spec.hidden_size;
+        let mut rows = Vec::with_capacity(n * taps.len() * h);
+        for t in 0..n {
+            for tap in &taps {
+                rows.extend_from_slice(&tap[t * h..(t + 1) * h]);
+            }
+        }
+        Ok(rows)
+    }
+
+    fn generate_batch(
+        &self,
+        prompts: &[&[u32]],
+        budgets: &[usize],
+        sampling: &SamplingParams,
+        rngs: &mut [StdRng],
+        stop_ids: &[u32],
+    ) -> Result<Vec<(Vec<u32>, bool)>, DumpError> {
+        let mut cache = self.new_cache(prompts.len(), capacity(prompts, budgets))?;
+        decode_loop(prompts, budgets, stop_ids, |inputs| {
+            let step = cache.layout().prefill_step(inputs)?;
+            let out = self.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
+            let logits: DeviceLogits = out.logits.expect("asked for logits");
+            if sampling.is_greedy() {
+                return Ok(logits.argmax()?);
+            }
+            let host = logits.to_host()?;
+            let vocab = logits.vocab;
+            // A finished sequence (empty input) reads a padding slot: nothing to draw from.
+            Ok((0..inputs.len())
+                .map(|b| {
+                    if inputs[b].is_empty() {
+                        return 0;
+                    }
+                    let probs = distribution(&host[b * vocab..(b + 1) * vocab], sampling);
+                    sample_from(&probs, &mut rngs[b]) as u32
+                })
+                .collect())
+        })
+    }
+}
