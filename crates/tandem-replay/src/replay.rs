@@ -446,19 +446,10 @@ pub fn replay(
 
     let last_hidden = (last.stats.tokens() > 0).then(|| {
         let best = best_of(&candidates, &last.aligned);
-        let ok = best.candidate == Candidate::Tap(m.last_hidden_tap)
-            && tolerance.accepts(best.cosine, best.rel_err);
-        if !ok {
-            findings.push(Finding::new(
-                Level::Error,
-                "last-hidden",
-                format!(
-                    "last_hidden should hold {} (target logits are recomputed from it with the \
-                     final norm and lm_head) but its best match is {}",
-                    m.last_hidden_tap,
-                    best.short()
-                ),
-            ));
+        let problem = last_hidden_problem(m.last_hidden_tap, &best, &tolerance);
+        let ok = problem.is_none();
+        if let Some(problem) = problem {
+            findings.push(Finding::new(Level::Error, "last-hidden", problem));
         }
         LastHiddenReport {
             manifest_tap: m.last_hidden_tap,
@@ -488,6 +479,32 @@ pub fn replay(
         last_hidden,
         candidates,
         cosine,
+    })
+}
+
+/// What is wrong with the dump's `last_hidden` column, if anything: another tap than the
+/// manifest's, or the right tap computed differently from the serving path replayed.
+fn last_hidden_problem(expected: TapId, best: &Score, tolerance: &Tolerance) -> Option<String> {
+    if tolerance.accepts(best.cosine, best.rel_err) && best.candidate == Candidate::Tap(expected) {
+        return None;
+    }
+    Some(if best.candidate == Candidate::Tap(expected) {
+        format!(
+            "last_hidden holds {expected} as the manifest says, but not the values the serving \
+             path computes: {} is outside the tolerance (cosine >= {}, rel err <= {:.0e}); the \
+             dump was made by another code path or precision than the one replayed, so the \
+             target logits a trainer recomputes from it differ from serving's (dump with the \
+             serving path, e.g. --engine of the serving device)",
+            best.short(),
+            tolerance.min_cosine,
+            tolerance.max_rel_err
+        )
+    } else {
+        format!(
+            "last_hidden should hold {expected} (target logits are recomputed from it with the \
+             final norm and lm_head) but its best match is {}",
+            best.short()
+        )
     })
 }
 
@@ -762,5 +779,52 @@ impl VerdictContext {
             self.tolerance.max_rel_err,
             f.manifest_tap
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_hidden_names_a_wrong_tap_apart_from_a_numeric_difference() {
+        let tolerance = Tolerance::default();
+        let score = |candidate, cosine, rel_err| Score {
+            candidate,
+            shard: None,
+            cosine,
+            rel_err,
+            min_token_cosine: cosine,
+        };
+        let last = TapId::Block(29);
+        assert_eq!(
+            last_hidden_problem(
+                last,
+                &score(Candidate::Tap(last), 0.99999, 5e-3),
+                &tolerance
+            ),
+            None
+        );
+        let numeric = last_hidden_problem(
+            last,
+            &score(Candidate::Tap(last), 0.99927, 9e-2),
+            &tolerance,
+        )
+        .unwrap();
+        assert!(
+            numeric.contains("holds block 29 as the manifest says")
+                && numeric.contains("another code path or precision"),
+            "{numeric}"
+        );
+        let wrong = last_hidden_problem(
+            last,
+            &score(Candidate::Tap(TapId::Block(28)), 1.0, 0.0),
+            &tolerance,
+        )
+        .unwrap();
+        assert!(
+            wrong.contains("should hold block 29") && wrong.contains("block 28"),
+            "{wrong}"
+        );
     }
 }
