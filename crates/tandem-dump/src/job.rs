@@ -1,5 +1,5 @@
 //! The dump job: dataset -> chat template -> (optional regeneration) -> one prefill through
-//! the capture hook -> shards. Generic over the burn backend.
+//! the capture hook -> shards, over any [`DumpTarget`] (the burn model, or the CUDA fast path).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
