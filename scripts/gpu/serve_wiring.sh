@@ -199,11 +199,13 @@ serve_load() {
 }
 # The load test per concurrency (CONCURRENCIES, default "$CONCURRENCY"; the server's max batch
 # is the concurrency), speculative then target-only on the same engine (SERVE_ENGINE: auto =
-# the CUDA fast path, or burn).
+# the CUDA fast path, or burn); the speculative server's tree: SERVE_STEPS (3), SERVE_TOPK (1),
+# SERVE_NDT (num draft tokens; default the engine's for steps/topk).
 part_serve() {
 for c in ${CONCURRENCIES:-$CONCURRENCY}; do
   echo "== serve load test: $REQUESTS requests, concurrency $c, max_tokens $MAX_TOKENS, engine ${SERVE_ENGINE:-auto}" | tee -a "$LOG"
-  serve_load "speculative_c$c" "$c" --draft "$HEAD" --steps 3 --topk 1
+  serve_load "speculative_c$c" "$c" --draft "$HEAD" --steps "${SERVE_STEPS:-3}" --topk "${SERVE_TOPK:-1}" \
+    ${SERVE_NDT:+--num-draft-tokens "$SERVE_NDT"}
   serve_load "target-only_c$c" "$c" --no-draft
 done
 }
