@@ -252,7 +252,7 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
         None => &engine,
     };
     let online = if args.prompts == "dump" {
-        tandem_replay::online_acceptance_on_dump_with(
+        tandem_replay::online_acceptance_on_dump(
             online_engine,
             &dump,
             args.max_prompts,
@@ -268,7 +268,7 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
                 tokenizer.encode_chat(&[ChatMessage::new("user", first)], true)
             })
             .collect::<Result<_, _>>()?;
-        tandem_replay::online_acceptance_with(
+        tandem_replay::online_acceptance(
             online_engine,
             &prompts,
             args.max_new_tokens,

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use tandem_infer::wiring::{check_head, head_taps, serving_manifest};
-use tandem_infer::{AcceptanceStats, SpecConfig, SpecEngine};
+use tandem_infer::{AcceptanceStats, SpecConfig, SpecEngine, SpecGenerate};
 use tandem_model::burn::prelude::Backend;
 use tandem_model::{ChatMessage, SamplingParams, TapRequest, TargetModel, TargetTokenizer};
 
@@ -163,22 +163,23 @@ pub fn generate<B: Backend>(
         taps: loaded.taps.clone(),
         config: spec.config(request.sampling, request.seed),
     };
+    generate_and_report(&engine, request, "speculative")
+}
+
+/// Generates `request`'s prompt with `engine` (burn or the CUDA fast path), prints the speed
+/// and acceptance under `label`, and returns the tokens.
+pub fn generate_and_report(
+    engine: &dyn SpecGenerate,
+    request: &SpecRequest,
+    label: &str,
+) -> anyhow::Result<Vec<u32>> {
     let start = Instant::now();
     let out = engine.generate(
         std::slice::from_ref(&request.prompt),
         request.max_tokens,
         &request.stop_ids,
     )?;
-    Ok(report_generation(
-        "speculative",
-        &out,
-        start.elapsed().as_secs_f64(),
-    ))
-}
-
-/// Prints the speed and acceptance of a one-prompt speculative generation that took `seconds`
-/// and returns its tokens.
-pub fn report_generation(label: &str, out: &tandem_infer::BatchOutput, seconds: f64) -> Vec<u32> {
+    let seconds = start.elapsed().as_secs_f64();
     let seq = &out.sequences[0];
     eprintln!(
         "{label}: {} tokens in {:.2}s ({:.1} tok/s), finish {:?}",
@@ -188,7 +189,7 @@ pub fn report_generation(label: &str, out: &tandem_infer::BatchOutput, seconds: 
         seq.finish
     );
     print_acceptance(&seq.stats);
-    seq.tokens.clone()
+    Ok(seq.tokens.clone())
 }
 
 #[derive(Args, Debug)]

@@ -11,7 +11,8 @@ use tandem_model::{LogitsFor, TapRequest, TargetTokenizer};
 
 use super::ModelArgs;
 use super::spec::{
-    BenchArgs, SpecArgs, SpecRequest, chat_prompts, checked_taps, measure_bench, report_generation,
+    BenchArgs, SpecArgs, SpecRequest, chat_prompts, checked_taps, generate_and_report,
+    measure_bench,
 };
 
 /// The fast path's target and head, loaded and wiring-checked.
@@ -111,18 +112,8 @@ pub fn generate(
         taps: loaded.taps,
         config: spec.config(request.sampling, request.seed),
     };
-    let start = Instant::now();
-    let out = engine.generate(
-        std::slice::from_ref(&request.prompt),
-        request.max_tokens,
-        &request.stop_ids,
-    )?;
     let label = format!("speculative (fast path on {})", loaded.gpu.name());
-    Ok(report_generation(
-        &label,
-        &out,
-        start.elapsed().as_secs_f64(),
-    ))
+    generate_and_report(&engine, request, &label)
 }
 
 pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {

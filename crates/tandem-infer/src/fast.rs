@@ -313,28 +313,11 @@ impl FastSpecEngine<'_> {
 
     /// The rows `pick` of each source, one after the other, as new roots.
     fn concat_roots(&self, sources: &[(&Roots, Vec<usize>)]) -> Result<Roots, InferError> {
-        let gpu = self.gpu();
-        let total: usize = sources.iter().map(|(_, p)| p.len()).sum();
-        let (h, v) = (sources[0].0.hidden.hidden, sources[0].0.logits.vocab);
-        let mut hidden = gpu.scratch::<f32>(total.max(1) * h)?;
-        let mut logits = gpu.scratch::<f32>(total.max(1) * v)?;
-        let mut at = 0;
-        for (roots, pick) in sources {
-            let src: Vec<i32> = pick.iter().map(|&r| r as i32).collect();
-            let dst: Vec<i32> = (at..at + pick.len()).map(|r| r as i32).collect();
-            let (src, dst) = (gpu.upload(&src)?, gpu.upload(&dst)?);
-            gpu.copy_rows(&roots.hidden.data, &src, &mut hidden, &dst, pick.len(), h)?;
-            gpu.copy_rows(&roots.logits.data, &src, &mut logits, &dst, pick.len(), v)?;
-            at += pick.len();
-        }
+        let hidden: Vec<_> = sources.iter().map(|(r, p)| (&r.hidden, &p[..])).collect();
+        let logits: Vec<_> = sources.iter().map(|(r, p)| (&r.logits, &p[..])).collect();
         Ok(Roots {
-            hidden: DeviceRows {
-                data: hidden,
-                batch: total,
-                width: 1,
-                hidden: h,
-            },
-            logits: DeviceLogits::new(logits, total, v, self.target.gpu().clone()),
+            hidden: self.select_rows(&hidden)?,
+            logits: self.select_logits(&logits)?,
         })
     }
 
@@ -574,51 +557,64 @@ impl FastSpecEngine<'_> {
             .map(|(b, c)| b * step.width + c.len() - 1)
             .collect();
         Ok(Roots {
-            hidden: self.select_rows(&out.hidden, &last)?,
-            logits: self.select_logits(&out.logits, &last)?,
+            hidden: self.select_rows(&[(&out.hidden, &last)])?,
+            logits: self.select_logits(&[(&out.logits, &last)])?,
         })
     }
 
-    /// Rows `pick` of a `[_, cols]` f32 device matrix, gathered into a new `[pick.len(), cols]`.
+    /// Rows `pick` of each `[_, cols]` f32 device matrix, one source after the other, gathered
+    /// into a new `[sum of picks, cols]` matrix.
     fn gather(
         &self,
-        data: &CudaSlice<f32>,
+        sources: &[(&CudaSlice<f32>, &[usize])],
         cols: usize,
-        pick: &[usize],
     ) -> Result<CudaSlice<f32>, InferError> {
         let gpu = self.gpu();
-        let src: Vec<i32> = pick.iter().map(|&r| r as i32).collect();
-        let dst: Vec<i32> = (0..pick.len() as i32).collect();
-        let mut out = gpu.scratch::<f32>(pick.len() * cols)?;
-        gpu.copy_rows(
-            data,
-            &gpu.upload(&src)?,
-            &mut out,
-            &gpu.upload(&dst)?,
-            pick.len(),
-            cols,
-        )?;
+        let total: usize = sources.iter().map(|(_, pick)| pick.len()).sum();
+        let mut out = gpu.scratch::<f32>(total * cols)?;
+        let mut at = 0;
+        for (data, pick) in sources {
+            let src: Vec<i32> = pick.iter().map(|&r| r as i32).collect();
+            let dst: Vec<i32> = (at..at + pick.len()).map(|r| r as i32).collect();
+            gpu.copy_rows(
+                data,
+                &gpu.upload(&src)?,
+                &mut out,
+                &gpu.upload(&dst)?,
+                pick.len(),
+                cols,
+            )?;
+            at += pick.len();
+        }
         Ok(out)
     }
 
-    fn select_rows(&self, rows: &DeviceRows, pick: &[usize]) -> Result<DeviceRows, InferError> {
+    /// [`Self::gather`] of head hidden states (one row per sequence).
+    fn select_rows(&self, parts: &[(&DeviceRows, &[usize])]) -> Result<DeviceRows, InferError> {
+        let hidden = parts[0].0.hidden;
+        let sources: Vec<_> = parts.iter().map(|(r, p)| (&r.data, *p)).collect();
+        let data = self.gather(&sources, hidden)?;
         Ok(DeviceRows {
-            data: self.gather(&rows.data, rows.hidden, pick)?,
-            batch: pick.len(),
+            data,
+            batch: parts.iter().map(|(_, p)| p.len()).sum(),
             width: 1,
-            hidden: rows.hidden,
+            hidden,
         })
     }
 
+    /// [`Self::gather`] of head logits.
     fn select_logits(
         &self,
-        logits: &DeviceLogits,
-        pick: &[usize],
+        parts: &[(&DeviceLogits, &[usize])],
     ) -> Result<DeviceLogits, InferError> {
+        let vocab = parts[0].0.vocab;
+        let sources: Vec<_> = parts.iter().map(|(l, p)| (&l.data, *p)).collect();
+        let data = self.gather(&sources, vocab)?;
+        let rows = parts.iter().map(|(_, p)| p.len()).sum();
         Ok(DeviceLogits::new(
-            self.gather(&logits.data, logits.vocab, pick)?,
-            pick.len(),
-            logits.vocab,
+            data,
+            rows,
+            vocab,
             self.target.gpu().clone(),
         ))
     }

@@ -35,9 +35,9 @@ use serde::Serialize;
 use tandem_dump::DumpReader;
 use tandem_eagle::{DraftCache, Eagle3Draft};
 use tandem_infer::{
-    AcceptanceStats, DraftRoot, DraftTree, SpecConfig, SpecEngine, SpecGenerate, verify_greedy,
+    AcceptanceStats, DraftRoot, DraftTree, SpecEngine, SpecGenerate, verify_greedy,
 };
-use tandem_model::{TapRequest, TargetModel};
+use tandem_model::TargetModel;
 
 use crate::error::ReplayError;
 use crate::render::{escape, html_page};
@@ -491,27 +491,9 @@ pub fn first_turn(input_ids: &[u32], loss_mask: &[u8]) -> Option<(Vec<u32>, usiz
 }
 
 /// Online acceptance on the dump's own first exchanges (see [`first_turn`]): each sample's
-/// prompt generated with its own token budget, by the burn engine.
-pub fn online_acceptance_on_dump<B: Backend>(
-    model: &TargetModel<B>,
-    draft: &Eagle3Draft<B>,
-    taps: TapRequest,
-    dump: &DumpReader,
-    max_samples: usize,
-    config: SpecConfig,
-    stop_ids: &[u32],
-) -> Result<OnlineAcceptance, ReplayError> {
-    let engine = SpecEngine {
-        target: model,
-        draft,
-        taps,
-        config,
-    };
-    online_acceptance_on_dump_with(&engine, dump, max_samples, stop_ids)
-}
-
-/// [`online_acceptance_on_dump`] with any engine (the CUDA fast path's on `--device cuda`).
-pub fn online_acceptance_on_dump_with(
+/// prompt generated with its own token budget, by `engine` (the burn engine, or the CUDA fast
+/// path's on `--device cuda`).
+pub fn online_acceptance_on_dump(
     engine: &dyn SpecGenerate,
     dump: &DumpReader,
     max_samples: usize,
@@ -527,7 +509,7 @@ pub fn online_acceptance_on_dump_with(
         let Some((prompt, budget)) = first_turn(&record.input_ids, &record.loss_mask) else {
             continue;
         };
-        let one = online_acceptance_with(engine, std::slice::from_ref(&prompt), budget, stop_ids)?;
+        let one = online_acceptance(engine, std::slice::from_ref(&prompt), budget, stop_ids)?;
         total.prompts += one.prompts;
         total.tokens += one.tokens;
         total.stats.merge(&one.stats);
@@ -535,27 +517,8 @@ pub fn online_acceptance_on_dump_with(
     Ok(total)
 }
 
-/// Online acceptance of the burn engine on `prompts` (one at a time, greedy as configured).
-pub fn online_acceptance<B: Backend>(
-    model: &TargetModel<B>,
-    draft: &Eagle3Draft<B>,
-    taps: TapRequest,
-    prompts: &[Vec<u32>],
-    config: SpecConfig,
-    max_new_tokens: usize,
-    stop_ids: &[u32],
-) -> Result<OnlineAcceptance, ReplayError> {
-    let engine = SpecEngine {
-        target: model,
-        draft,
-        taps,
-        config,
-    };
-    online_acceptance_with(&engine, prompts, max_new_tokens, stop_ids)
-}
-
-/// [`online_acceptance`] with any engine.
-pub fn online_acceptance_with(
+/// Online acceptance of `engine` on `prompts` (one at a time, greedy as configured).
+pub fn online_acceptance(
     engine: &dyn SpecGenerate,
     prompts: &[Vec<u32>],
     max_new_tokens: usize,

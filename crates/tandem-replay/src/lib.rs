@@ -46,8 +46,8 @@ pub use candidate::{
 pub use compare::{
     CompareReport, CompareSetup, DraftedAcceptance, GapThresholds, OfflineAcceptance,
     OfflinePositions, OnlineAcceptance, drafted_acceptance, first_turn, next_draft_slot,
-    node_targets, offline_acceptance, online_acceptance, online_acceptance_on_dump,
-    online_acceptance_on_dump_with, online_acceptance_with, relative_gap, teacher_forced_proposals,
+    node_targets, offline_acceptance, online_acceptance, online_acceptance_on_dump, relative_gap,
+    teacher_forced_proposals,
 };
 pub use diagnose::{
     DeclaredReading, DiagnoseLabels, DiagnoseOptions, DiagnoseReport, DiagnoseSample,

@@ -162,16 +162,13 @@ fn compare(config: SpecConfig, serving_taps: Vec<TapId>) -> CompareReport {
     };
     let drafted = drafted_acceptance(&engine, &dump, None, OfflinePositions::Rounds, 4).unwrap();
     let offline = offline_acceptance(&model, draft, &dump, STEPS, None).unwrap();
-    let online = online_acceptance(
-        &model,
+    let serving = SpecEngine {
+        target: &model,
         draft,
-        TapRequest::new(serving_taps),
-        &prompts(),
+        taps: TapRequest::new(serving_taps),
         config,
-        NEW_TOKENS,
-        &[],
-    )
-    .unwrap();
+    };
+    let online = online_acceptance(&serving, &prompts(), NEW_TOKENS, &[]).unwrap();
     let report = CompareReport::new(
         CompareSetup {
             dump: "regen".into(),
@@ -314,16 +311,7 @@ fn compare_runs_offline_and_online_on_a_random_head() {
     // Random text is not the target's greedy choice, and the note says so.
     assert!(drafted.greedy_share() < 0.5);
     let prompts: Vec<Vec<u32>> = sample_ids().into_iter().take(2).collect();
-    let online = online_acceptance(
-        &model,
-        &draft,
-        TapRequest::new(taps),
-        &prompts,
-        tree(),
-        12,
-        &[],
-    )
-    .unwrap();
+    let online = online_acceptance(&engine, &prompts, 12, &[]).unwrap();
     assert_eq!(online.prompts, 2);
     assert!(online.stats.rounds > 0);
     let report = CompareReport::new(
@@ -355,18 +343,15 @@ fn online_on_the_dumps_own_exchanges_is_online_on_its_prompts() {
     let dump = DumpReader::open(regen_dump()).unwrap();
     let config = SpecConfig::chain(STEPS);
     let taps = TapRequest::new(trained_taps());
-    let on_dump = tandem_replay::online_acceptance_on_dump(
-        &model,
+    let engine = SpecEngine {
+        target: &model,
         draft,
-        taps.clone(),
-        &dump,
-        usize::MAX,
+        taps,
         config,
-        &[],
-    )
-    .unwrap();
-    let on_prompts =
-        online_acceptance(&model, draft, taps, &prompts(), config, NEW_TOKENS + 1, &[]).unwrap();
+    };
+    let on_dump =
+        tandem_replay::online_acceptance_on_dump(&engine, &dump, usize::MAX, &[]).unwrap();
+    let on_prompts = online_acceptance(&engine, &prompts(), NEW_TOKENS + 1, &[]).unwrap();
     assert_eq!(on_dump.prompts, prompts().len());
     assert_eq!(on_dump.tokens, prompts().len() * (NEW_TOKENS + 1));
     assert_eq!(on_dump, on_prompts);
