@@ -17,7 +17,8 @@
 # Knobs (environment): REGEN_SECONDS (dump: no new batch after this; default 240 split, 170
 # all), REGEN_BATCH (64), MAX_NEW (128 tokens per turn), MAX_LEN (512), REGEN_SAMPLES (cap,
 # 4000), HF_SAMPLES (rows for the HF reference, 256), TRAIN_SECONDS (240 split, 190 all),
-# TRAIN_STEPS_PER_S (planning estimate for the schedule, 2.5), DRAFT_VOCAB (8192).
+# TRAIN_STEPS_PER_S (planning estimate for the schedule, 2.5), DRAFT_VOCAB (8192), TRAIN_BATCH (8),
+# LR (3e-4), DATA_XZ (the prompts in $BIN, sharegpt-3k.jsonl.xz), HF_SAMPLES=0 skips the HF run.
 #
 # Sizing: BENCHMARKS.md measured `dump --regenerate` at batch 16 at 228 generated tok/s (64
 # rows in 85 s, cold start included). Decode is launch bound (step time flat from batch 1 to
@@ -44,14 +45,17 @@ REGEN_SAMPLES="${REGEN_SAMPLES:-4000}"
 HF_SAMPLES="${HF_SAMPLES:-256}"
 TRAIN_STEPS_PER_S="${TRAIN_STEPS_PER_S:-2.5}"
 DRAFT_VOCAB="${DRAFT_VOCAB:-8192}"
-TRAIN_BATCH=8
-DATA="$W/sharegpt-3k.jsonl"
+TRAIN_BATCH="${TRAIN_BATCH:-8}"
+LR="${LR:-3e-4}"
+# The prompts: an xz'd chat JSONL in $BIN (scripts/reference/sharegpt_subset.py writes bigger ones).
+DATA_XZ="${DATA_XZ:-sharegpt-3k.jsonl.xz}"
+DATA="$W/$(basename "$DATA_XZ" .xz)"
 DUMP="$W/sharegpt-regen"
 HEAD="$W/head-regen"
 LOGS="$W/regen-logs"
 mkdir -p "$LOGS"
 LOG="$OUT/log.txt"
-[[ -f "$DATA" ]] || xz -dc "$BIN/sharegpt-3k.jsonl.xz" > "$DATA"
+[[ -f "$DATA" ]] || xz -dc "$BIN/$DATA_XZ" > "$DATA"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 
 if [[ "$PHASE" != train ]]; then
@@ -68,12 +72,14 @@ if [[ "$PHASE" != train ]]; then
   "$T" dump-info "$DUMP" 2>&1 | tail -20 | tee -a "$LOG"
   cp "$DUMP/manifest.json" "$OUT/dump_manifest.json"
 
+  if [[ "$HF_SAMPLES" -gt 0 ]]; then
   echo "== (2) HF transformers regenerate + capture, same file, same settings, first $HF_SAMPLES rows" | tee -a "$LOG"
   timeout 240 python3 scripts/reference/hf_regen_bench.py "$M" "$DATA" --samples "$HF_SAMPLES" \
     --batch-size "$REGEN_BATCH" --max-new-tokens "$MAX_NEW" --max-len "$MAX_LEN" \
     --device cuda --json "$OUT/hf_regen.json" > "$LOGS/hf.txt" 2>&1
   grep -v -i warn "$LOGS/hf.txt" | tail -4 | tee -a "$LOG"
   cp "$OUT/hf_regen.json" "$LOGS/hf_regen.json" 2>/dev/null
+  fi
 fi
 
 if [[ "$PHASE" != dump ]]; then
@@ -90,7 +96,7 @@ if [[ "$PHASE" != dump ]]; then
   rm -rf "$HEAD"
   /usr/bin/time -f "train wall %e s" timeout $((TRAIN_SECONDS + 240)) \
     "$T" train --dump "$DUMP" --model "$M" --out "$HEAD" --draft-vocab "$DRAFT_VOCAB" \
-    --batch-size "$TRAIN_BATCH" --max-len "$MAX_LEN" --lr 3e-4 --epochs "$EPOCHS" \
+    --batch-size "$TRAIN_BATCH" --max-len "$MAX_LEN" --lr "$LR" --epochs "$EPOCHS" \
     --max-seconds "$TRAIN_SECONDS" --save-every 0 --device cuda --quiet --export-bf16 \
     > "$LOGS/train.txt" 2>&1
   tail -8 "$LOGS/train.txt" | tee -a "$LOG"

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Write a chat-JSONL subset of the packaged ShareGPT file for the GPU regeneration runs.
+
+The packaged file is truncated mid-record, so it is read record by record (json.raw_decode)
+rather than with json.load. A conversation is kept when its first 2 x `--exchanges` turns are
+human/gpt turns that alternate and are not empty (split conversations may start with the
+assistant); the dump's --regenerate replaces the assistant turns with the target's own.
+`--skip` usable conversations are passed over first. The sharegpt-3k file of earlier runs came
+from tandem-data's reader, whose notion of usable differs slightly: this script's first 3,000
+overlap it but are not the same list.
+
+    python3 scripts/reference/sharegpt_subset.py data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json \
+        --count 12000 --out .device/f/sharegpt-12k.jsonl && xz -9 .device/f/sharegpt-12k.jsonl
+"""
+import argparse
+import json
+
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def records(path):
+    text = open(path, encoding="utf-8").read()
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \r\n\t,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield record
+
+
+def usable(record, exchanges):
+    messages = []
+    for turn in (record.get("conversations") or [])[: 2 * exchanges]:
+        role = ROLES.get(turn.get("from"))
+        content = turn.get("value") or ""
+        if role is None or not content.strip():
+            return None
+        if messages and messages[-1]["role"] == role:
+            return None
+        messages.append({"role": role, "content": content})
+    return messages or None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("source")
+    p.add_argument("--skip", type=int, default=0)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--exchanges", type=int, default=2)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    seen = written = 0
+    with open(a.out + ".tmp", "w", encoding="utf-8") as f:
+        for record in records(a.source):
+            messages = usable(record, a.exchanges)
+            if messages is None:
+                continue
+            seen += 1
+            if seen <= a.skip:
+                continue
+            f.write(json.dumps({"id": record.get("id"), "messages": messages}) + "\n")
+            written += 1
+            if written == a.count:
+                break
+    import os
+
+    os.replace(a.out + ".tmp", a.out)
+    print(f"{written} conversations after skipping {a.skip} usable ones -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()
