@@ -529,8 +529,8 @@ fn process(
     Ok(outcomes)
 }
 
-/// One prefill of `tokens` through the capture hook; splits the concatenated taps into the
-/// aux slots and the last block.
+/// One prefill of `tokens` through the capture hook; lays the aux slots out per token
+/// (`[tokens, slots * hidden]`) and keeps the last tap as the last block.
 pub(crate) fn capture(
     model: &dyn DumpTarget,
     request: &TapRequest,
@@ -538,15 +538,16 @@ pub(crate) fn capture(
     tokens: MaskedTokens,
 ) -> Result<DumpRecord, DumpError> {
     let n = tokens.input_ids.len();
-    let values = model.capture_rows(&tokens.input_ids, request)?;
-    let t = model.spec().hidden_size;
-    let slots = request.taps.len() - 1;
-    let row = (slots + 1) * t;
-    let mut aux_hidden = Vec::with_capacity(n * slots * t);
-    let mut last_hidden = Vec::with_capacity(n * t);
-    for token in values.chunks_exact(row) {
-        aux_hidden.extend_from_slice(&token[..slots * t]);
-        last_hidden.extend_from_slice(&token[slots * t..]);
+    let mut taps = model.capture_taps(&tokens.input_ids, request)?;
+    let h = model.spec().hidden_size;
+    let last_hidden = taps
+        .pop()
+        .expect("the dump requests the slots and the last block");
+    let mut aux_hidden = Vec::with_capacity(n * taps.len() * h);
+    for t in 0..n {
+        for slot in &taps {
+            aux_hidden.extend_from_slice(&slot[t * h..(t + 1) * h]);
+        }
     }
     Ok(DumpRecord {
         sample_id,

@@ -14,9 +14,10 @@ use crate::error::DumpError;
 pub trait DumpTarget {
     /// The model's dimensions.
     fn spec(&self) -> &ModelSpec;
-    /// One prefill of `ids` through the capture hook with `request`'s taps: per token, the taps
-    /// concatenated in request order (`[tokens, taps * hidden]` f32 on the host).
-    fn capture_rows(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<f32>, DumpError>;
+    /// One prefill of `ids` through the capture hook with `request`'s taps: per tap, in request
+    /// order, its `[tokens, hidden]` f32 values on the host. The dump and replay both capture
+    /// through this one method.
+    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, DumpError>;
     /// Generates for a ragged batch of prompts; returns per sequence its tokens (without the
     /// stop token) and whether it stopped on a stop token (false: budget reached).
     fn generate_batch(
@@ -83,19 +84,22 @@ impl<B: Backend> DumpTarget for TargetModel<B> {
         &self.spec
     }
 
-    fn capture_rows(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<f32>, DumpError> {
+    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, DumpError> {
         let mut cache = self.new_cache(1, ids.len());
         let step = cache.prefill_step(&[ids])?;
         let out = self.forward(&step, &mut cache, request, LogitsFor::None)?;
-        let all = out
+        // The CUDA backend computes in bf16: widen before reading.
+        Ok(out
             .taps
-            .concatenated()
-            .expect("the dump always requests taps");
-        Ok(all
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .expect("converted to f32"))
+            .tensors
+            .into_iter()
+            .map(|t| {
+                t.into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .expect("converted to f32")
+            })
+            .collect())
     }
 
     fn generate_batch(
@@ -151,25 +155,16 @@ impl DumpTarget for CudaTarget {
         &self.spec
     }
 
-    fn capture_rows(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<f32>, DumpError> {
-        let n = ids.len();
-        let mut cache = self.new_cache(1, n)?;
+    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, DumpError> {
+        let mut cache = self.new_cache(1, ids.len())?;
         let step = cache.layout().prefill_step(&[ids])?;
         let out = self.forward(&step, &mut cache, request, LogitsFor::None)?;
-        let taps = out
+        Ok(out
             .taps
             .tensors
             .iter()
             .map(|rows| self.gpu().download(&rows.data))
-            .collect::<Result<Vec<Vec<f32>>, CudaError>>()?;
-        let h = self.spec.hidden_size;
-        let mut rows = Vec::with_capacity(n * taps.len() * h);
-        for t in 0..n {
-            for tap in &taps {
-                rows.extend_from_slice(&tap[t * h..(t + 1) * h]);
-            }
-        }
-        Ok(rows)
+            .collect::<Result<Vec<Vec<f32>>, CudaError>>()?)
     }
 
     fn generate_batch(

@@ -8,7 +8,8 @@ use std::fmt;
 use burn::prelude::*;
 use serde::{Serialize, Serializer};
 use tandem_cuda::CudaTarget;
-use tandem_model::{LogitsFor, ModelSpec, TapRequest, TargetModel};
+use tandem_dump::DumpTarget;
+use tandem_model::{TapRequest, TargetModel};
 use tandem_wiring::TapId;
 
 use crate::error::ReplayError;
@@ -116,14 +117,10 @@ impl CandidateValues {
 }
 
 /// A target path replay re-runs: the burn model (CPU, burn-cuda) or the CUDA fast path, so
-/// replay checks the very code serving runs on that device.
-pub trait ReplayTarget {
-    /// The model's dimensions.
-    fn spec(&self) -> &ModelSpec;
-    /// One prefill of `input_ids` through the block loop (the path the speculative loop takes
-    /// for a prompt) with every tap point requested: `[tokens, hidden]` f32 host values per tap,
-    /// in [`all_taps`] order.
-    fn capture_taps(&self, input_ids: &[u32]) -> Result<Vec<Vec<f32>>, ReplayError>;
+/// replay checks the very code serving runs on that device. It captures through the dump's
+/// [`DumpTarget::capture_taps`] (one capture for both jobs) and adds the norm weights for the
+/// normed candidates.
+pub trait ReplayTarget: DumpTarget {
     /// Block `k`'s `input_layernorm` weight, on the host.
     fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError>;
     /// The final norm's weight, on the host.
@@ -131,16 +128,6 @@ pub trait ReplayTarget {
 }
 
 impl<B: Backend> ReplayTarget for TargetModel<B> {
-    fn spec(&self) -> &ModelSpec {
-        &self.spec
-    }
-    fn capture_taps(&self, input_ids: &[u32]) -> Result<Vec<Vec<f32>>, ReplayError> {
-        let mut cache = self.new_cache(1, input_ids.len());
-        let step = cache.prefill_step(&[input_ids])?;
-        let request = TapRequest::new(all_taps(self.spec.num_layers));
-        let out = self.forward(&step, &mut cache, &request, LogitsFor::None)?;
-        Ok(out.taps.tensors.into_iter().map(to_host).collect())
-    }
     fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError> {
         Ok(to_host_1d(self.layers[k].input_layernorm.weight.clone()))
     }
@@ -150,23 +137,6 @@ impl<B: Backend> ReplayTarget for TargetModel<B> {
 }
 
 impl ReplayTarget for CudaTarget {
-    fn spec(&self) -> &ModelSpec {
-        &self.spec
-    }
-    fn capture_taps(&self, input_ids: &[u32]) -> Result<Vec<Vec<f32>>, ReplayError> {
-        let fast = |e: tandem_cuda::CudaError| ReplayError::Infer(e.into());
-        let mut cache = self.new_cache(1, input_ids.len()).map_err(fast)?;
-        let step = cache.layout().prefill_step(&[input_ids])?;
-        let request = TapRequest::new(all_taps(self.spec.num_layers));
-        let out = self
-            .forward(&step, &mut cache, &request, LogitsFor::None)
-            .map_err(fast)?;
-        out.taps
-            .tensors
-            .iter()
-            .map(|rows| self.gpu().download(&rows.data).map_err(fast))
-            .collect()
-    }
     fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError> {
         self.input_norm_weight(k)
             .map_err(|e| ReplayError::Infer(e.into()))
@@ -178,14 +148,14 @@ impl ReplayTarget for CudaTarget {
 }
 
 /// Runs `input_ids` as one prefill through the target's block loop with every tap point
-/// requested ([`ReplayTarget::capture_taps`]), and derives the normed inputs.
+/// requested ([`DumpTarget::capture_taps`]), and derives the normed inputs.
 pub fn capture_candidates(
     model: &dyn ReplayTarget,
     input_ids: &[u32],
 ) -> Result<CandidateValues, ReplayError> {
     let spec = model.spec();
     let (layers, hidden) = (spec.num_layers, spec.hidden_size);
-    let mut values = model.capture_taps(input_ids)?;
+    let mut values = model.capture_taps(input_ids, &TapRequest::new(all_taps(layers)))?;
     // Request index k is residual position k (embed = 0, block k-1 = k) for k <= L.
     for k in 0..layers {
         let weight = model.input_norm(k)?;
@@ -218,14 +188,6 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
         );
     }
     out
-}
-
-fn to_host<B: Backend>(t: Tensor<B, 3>) -> Vec<f32> {
-    // The CUDA backend computes in bf16: widen before reading.
-    t.into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .expect("converted to f32")
 }
 
 fn to_host_1d<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
