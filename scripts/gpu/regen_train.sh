@@ -18,7 +18,7 @@
 # all), REGEN_BATCH (64), MAX_NEW (128 tokens per turn), MAX_LEN (512), REGEN_SAMPLES (cap,
 # 4000), HF_SAMPLES (rows for the HF reference, 256), TRAIN_SECONDS (240 split, 190 all),
 # TRAIN_STEPS_PER_S (planning estimate for the schedule, 2.5), DRAFT_VOCAB (8192), TRAIN_BATCH (8),
-# LR (3e-4), DATA_XZ (the prompts in $BIN, sharegpt-3k.jsonl.xz), HF_SAMPLES=0 skips the HF run.
+# LR (3e-4), DATA_XZ (the prompts: a path, or a name in $BIN; sharegpt-3k.jsonl.xz), HF_SAMPLES=0 skips the HF run.
 #
 # Sizing: BENCHMARKS.md measured `dump --regenerate` at batch 16 at 228 generated tok/s (64
 # rows in 85 s, cold start included). Decode is launch bound (step time flat from batch 1 to
@@ -47,7 +47,8 @@ TRAIN_STEPS_PER_S="${TRAIN_STEPS_PER_S:-2.5}"
 DRAFT_VOCAB="${DRAFT_VOCAB:-8192}"
 TRAIN_BATCH="${TRAIN_BATCH:-8}"
 LR="${LR:-3e-4}"
-# The prompts: an xz'd chat JSONL in $BIN (scripts/reference/sharegpt_subset.py writes bigger ones).
+# The prompts: an xz'd chat JSONL, a path or a name in $BIN (scripts/reference/sharegpt_subset.py
+# writes bigger ones; one that does not fit a call with $BIN travels in an earlier call to /tmp).
 DATA_XZ="${DATA_XZ:-sharegpt-3k.jsonl.xz}"
 DATA="$W/$(basename "$DATA_XZ" .xz)"
 DUMP="$W/sharegpt-regen"
@@ -55,7 +56,8 @@ HEAD="$W/head-regen"
 LOGS="$W/regen-logs"
 mkdir -p "$LOGS"
 LOG="$OUT/log.txt"
-[[ -f "$DATA" ]] || xz -dc "$BIN/$DATA_XZ" > "$DATA"
+[[ -f "$DATA_XZ" ]] || DATA_XZ="$BIN/$DATA_XZ"
+[[ -f "$DATA" ]] || xz -dc "$DATA_XZ" > "$DATA"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 
 if [[ "$PHASE" != train ]]; then
