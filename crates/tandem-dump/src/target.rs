@@ -116,6 +116,7 @@ impl<B: Backend> DumpTarget for TargetModel<B> {
             let out = self.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
             Ok(pick_burn(
                 out.logits.expect("asked for logits"),
+                inputs,
                 sampling,
                 rngs,
             ))
@@ -124,13 +125,14 @@ impl<B: Backend> DumpTarget for TargetModel<B> {
 }
 
 /// Next token of every sequence from `logits: [batch, 1, vocab]`. Greedy runs the argmax on
-/// the device; sampling reads the rows back and draws from each sequence's own stream.
+/// the device; sampling reads the rows back ([`sample_rows`]).
 fn pick_burn<B: Backend>(
     logits: Tensor<B, 3>,
+    inputs: &[&[u32]],
     sampling: &SamplingParams,
     rngs: &mut [StdRng],
 ) -> Vec<u32> {
-    let [n, _, vocab] = logits.dims();
+    let vocab = logits.dims()[2];
     if sampling.is_greedy() {
         let ids = logits.argmax(2).into_data().convert::<i64>();
         ids.as_slice::<i64>()
@@ -141,13 +143,29 @@ fn pick_burn<B: Backend>(
     } else {
         let rows = logits.into_data().convert::<f32>();
         let rows = rows.as_slice::<f32>().expect("logits are floats");
-        (0..n)
-            .map(|b| {
-                let probs = distribution(&rows[b * vocab..(b + 1) * vocab], sampling);
-                sample_from(&probs, &mut rngs[b]) as u32
-            })
-            .collect()
+        sample_rows(rows, vocab, inputs, sampling, rngs)
     }
+}
+
+/// Draws each running sequence's next token from its row of `host: [batch, vocab]` with the
+/// sequence's own stream. A finished sequence (empty input) reads a padding row: nothing to
+/// draw from, its token is 0 and its stream is left alone.
+fn sample_rows(
+    host: &[f32],
+    vocab: usize,
+    inputs: &[&[u32]],
+    sampling: &SamplingParams,
+    rngs: &mut [StdRng],
+) -> Vec<u32> {
+    (0..inputs.len())
+        .map(|b| {
+            if inputs[b].is_empty() {
+                return 0;
+            }
+            let probs = distribution(&host[b * vocab..(b + 1) * vocab], sampling);
+            sample_from(&probs, &mut rngs[b]) as u32
+        })
+        .collect()
 }
 
 impl DumpTarget for CudaTarget {
@@ -184,17 +202,7 @@ impl DumpTarget for CudaTarget {
                 return Ok(logits.argmax()?);
             }
             let host = logits.to_host()?;
-            let vocab = logits.vocab;
-            // A finished sequence (empty input) reads a padding slot: nothing to draw from.
-            Ok((0..inputs.len())
-                .map(|b| {
-                    if inputs[b].is_empty() {
-                        return 0;
-                    }
-                    let probs = distribution(&host[b * vocab..(b + 1) * vocab], sampling);
-                    sample_from(&probs, &mut rngs[b]) as u32
-                })
-                .collect())
+            Ok(sample_rows(&host, logits.vocab, inputs, sampling, rngs))
         })
     }
 }

@@ -223,6 +223,59 @@ pub struct Request {
     pub seed: u64,
 }
 
+impl Request {
+    /// One request per prompt, ids `0..`; request `i` samples from its own stream seeded
+    /// `seed + i` (the `generate` of every engine).
+    pub(crate) fn for_prompts(
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+        sampling: SamplingParams,
+        seed: u64,
+    ) -> Vec<Request> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| Request {
+                id: i as u64,
+                prompt: prompt.clone(),
+                max_new_tokens,
+                stop_ids: stop_ids.to_vec(),
+                sampling,
+                seed: seed.wrapping_add(i as u64),
+            })
+            .collect()
+    }
+}
+
+/// The `generate` loop of every running batch: admits `requests` (ids `0..n`), steps until the
+/// batch is empty and returns each request's output in id order.
+pub(crate) fn run_to_completion<Batch>(
+    batch: &mut Batch,
+    requests: Vec<Request>,
+    admit: impl FnOnce(&mut Batch, Vec<Request>) -> Result<Vec<Progress>, InferError>,
+    mut step: impl FnMut(&mut Batch) -> Result<Vec<Progress>, InferError>,
+    is_empty: impl Fn(&Batch) -> bool,
+) -> Result<Vec<SpecOutput>, InferError> {
+    let mut outputs: Vec<Option<SpecOutput>> = vec![None; requests.len()];
+    let mut progress = admit(batch, requests)?;
+    loop {
+        for p in progress {
+            if let Some(out) = p.finished {
+                outputs[p.id as usize] = Some(out);
+            }
+        }
+        if is_empty(batch) {
+            break;
+        }
+        progress = step(batch)?;
+    }
+    Ok(outputs
+        .into_iter()
+        .map(|o| o.expect("every sequence finishes"))
+        .collect())
+}
+
 /// What one sequence produced in one [`SpecEngine::admit`] or [`SpecEngine::step`] call.
 #[derive(Debug, Clone)]
 pub struct Progress {
@@ -611,36 +664,18 @@ impl<B: Backend> SpecEngine<'_, B> {
         // Room for every round without compaction: each round takes at most one tree's width.
         let width = self.config.num_draft_tokens;
         let mut batch = self.new_batch(max_prompt + (max_new_tokens + 1) * width + 1);
-        let requests = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, prompt)| Request {
-                id: i as u64,
-                prompt: prompt.clone(),
-                max_new_tokens,
-                stop_ids: stop_ids.to_vec(),
-                sampling: self.config.sampling,
-                seed: self.config.seed.wrapping_add(i as u64),
-            })
-            .collect();
-        let mut outputs: Vec<Option<SpecOutput>> = vec![None; prompts.len()];
-        let mut progress = self.admit(&mut batch, requests)?;
-        loop {
-            for p in progress {
-                if let Some(out) = p.finished {
-                    outputs[p.id as usize] = Some(out);
-                }
-            }
-            if batch.is_empty() {
-                break;
-            }
-            progress = self.step(&mut batch)?;
-        }
+        let cfg = self.config;
+        let requests =
+            Request::for_prompts(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
+        let sequences = run_to_completion(
+            &mut batch,
+            requests,
+            |b, r| self.admit(b, r),
+            |b| self.step(b),
+            RunningBatch::is_empty,
+        )?;
         Ok(BatchOutput {
-            sequences: outputs
-                .into_iter()
-                .map(|o| o.expect("every sequence finishes"))
-                .collect(),
+            sequences,
             timings: batch.timings,
         })
     }

@@ -24,7 +24,7 @@ use tandem_model::{LogitsFor, StepInput, TapRequest};
 
 use crate::engine::{
     BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecOutput, Timings,
-    check_request_alone, commit_tokens, draft_scratch,
+    check_request_alone, commit_tokens, draft_scratch, run_to_completion,
 };
 use crate::stats::AcceptanceStats;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
@@ -70,29 +70,6 @@ impl Row {
             done: false,
             last: 0,
         }
-    }
-
-    /// One request per prompt, ids `0..`; request `i` samples from its own stream seeded
-    /// `seed + i`.
-    fn requests(
-        prompts: &[Vec<u32>],
-        max_new_tokens: usize,
-        stop_ids: &[u32],
-        sampling: SamplingParams,
-        seed: u64,
-    ) -> Vec<Request> {
-        prompts
-            .iter()
-            .enumerate()
-            .map(|(i, prompt)| Request {
-                id: i as u64,
-                prompt: prompt.clone(),
-                max_new_tokens,
-                stop_ids: stop_ids.to_vec(),
-                sampling,
-                seed: seed.wrapping_add(i as u64),
-            })
-            .collect()
     }
 }
 
@@ -506,24 +483,17 @@ impl FastSpecEngine<'_> {
         // Every round commits at least one token, so this many columns never need compaction.
         let capacity = max_prompt + (max_new_tokens + 1) * self.round_width() + 1;
         let mut batch = self.new_batch(capacity);
-        let requests = Row::requests(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
-        let mut finished: Vec<Option<SpecOutput>> = vec![None; prompts.len()];
-        let mut collect = |progress: Vec<Progress>| {
-            for p in progress {
-                if let Some(out) = p.finished {
-                    finished[p.id as usize] = Some(out);
-                }
-            }
-        };
-        collect(self.admit(&mut batch, requests)?);
-        while !batch.is_empty() {
-            collect(self.step(&mut batch)?);
-        }
+        let requests =
+            Request::for_prompts(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
+        let sequences = run_to_completion(
+            &mut batch,
+            requests,
+            |b, r| self.admit(b, r),
+            |b| self.step(b),
+            FastRunningBatch::is_empty,
+        )?;
         Ok(BatchOutput {
-            sequences: finished
-                .into_iter()
-                .map(|o| o.expect("every sequence finishes"))
-                .collect(),
+            sequences,
             timings: batch.timings,
         })
     }
@@ -890,10 +860,11 @@ pub fn fast_target_generate(
     sampling.validate()?;
     let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mut cache = target.new_cache(prompts.len(), max_prompt + max_new_tokens + 1)?;
-    let mut rows: Vec<Row> = Row::requests(prompts, max_new_tokens, stop_ids, sampling, seed)
-        .into_iter()
-        .map(|r| Row::new(r, 0))
-        .collect();
+    let mut rows: Vec<Row> =
+        Request::for_prompts(prompts, max_new_tokens, stop_ids, sampling, seed)
+            .into_iter()
+            .map(|r| Row::new(r, 0))
+            .collect();
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let mut step = cache.layout().prefill_step(&refs)?;
     let none = TapRequest::none();
