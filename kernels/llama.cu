@@ -155,7 +155,7 @@ extern "C" __global__ void rope_qkv(const float* qkv, const float* bias, const i
 // (mask `[rows, total]`: 0 visible, -inf hidden; built by `ColumnLayout::attention_mask`).
 // Each warp walks a strided subset of columns with an online softmax; lane l holds dims
 // l, l + 32, ... (head_dim a multiple of 32, at most 256); warps are merged at the end.
-// Grid: (heads, rows). Block: a multiple of 32 threads. Dynamic shared: warps * head_dim floats.
+// Grid: (rows, heads). Block: a multiple of 32 threads. Dynamic shared: warps * head_dim floats.
 extern "C" __global__ void attention(const float* q, const unsigned short* k_cache,
                                      const unsigned short* v_cache, const float* mask,
                                      unsigned short* out, int width, int heads, int kv_heads,
@@ -164,8 +164,10 @@ extern "C" __global__ void attention(const float* q, const unsigned short* k_cac
     __shared__ float warp_max[32];
     __shared__ float warp_sum_exp[32];
     extern __shared__ float warp_acc[];
-    const int h = blockIdx.x;
-    const int r = blockIdx.y;
+    // Rows on grid x (up to 2^31 - 1): a ragged prefill of 64 prompts of 2,048 tokens has
+    // 131,072 rows, past grid y's 65,535 (the launch then fails with CUDA_ERROR_INVALID_VALUE).
+    const int r = blockIdx.x;
+    const int h = blockIdx.y;
     const int b = r / width;
     const int kvh = h / (heads / kv_heads);
     const int lane = threadIdx.x & 31;

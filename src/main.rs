@@ -39,6 +39,9 @@ enum Command {
     FastBench(commands::fast::FastBenchArgs),
     /// Train an EAGLE-3 draft head on dumps and export it for SGLang / vLLM.
     Train(commands::train::TrainArgs),
+    /// The GPU trainer against burn's autodiff on the CPU (loss, every gradient, one AdamW
+    /// step) on a small random target; exits non-zero outside tolerance.
+    TrainCheck,
     /// Speculative vs target-only decoding on a prompt set: tokens/s, accept length,
     /// per-position acceptance, greedy equality.
     Bench(commands::spec::BenchArgs),
@@ -71,6 +74,7 @@ fn main() -> anyhow::Result<()> {
         Command::FastCheck(args) => commands::fast::run_check(args),
         Command::FastBench(args) => commands::fast::run_bench(args),
         Command::Train(args) => commands::train::run(args),
+        Command::TrainCheck => commands::train::run_check(),
         Command::Bench(args) => commands::spec::run_bench(args),
         Command::Replay(args) => commands::replay::run(args),
         Command::Compare(args) => commands::replay::run_compare(args),

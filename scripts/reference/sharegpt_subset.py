@@ -13,7 +13,9 @@ overlap it but are not the same list.
         --count 12000 --out .device/f/sharegpt-12k.jsonl && xz -9 .device/f/sharegpt-12k.jsonl
 """
 import argparse
+import gzip
 import json
+import re
 
 ROLES = {"human": "user", "gpt": "assistant"}
 
@@ -47,6 +49,37 @@ def usable(record, exchanges):
     return messages or None
 
 
+def normalise(text):
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def eval_prompts(paths):
+    """Prompts of evaluation sets (MT-Bench question.jsonl `turns`, HumanEval `prompt`), so
+    that conversations containing one are kept out of training data."""
+    prompts = set()
+    for path in paths:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                for text in row.get("turns", []) + [row.get("prompt", "")]:
+                    if len(normalise(text)) >= 20:
+                        prompts.add(normalise(text))
+    return prompts
+
+
+def contains_eval(messages, prompts):
+    for m in messages:
+        if m["role"] != "user":
+            continue
+        text = normalise(m["content"])
+        if any(p in text for p in prompts):
+            return True
+    return False
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("source")
@@ -54,16 +87,30 @@ def main():
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--exchanges", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--prompts-only", action="store_true",
+                   help="replace assistant turns by '.' (the dump's --regenerate writes them "
+                        "anew; the file then travels in a fraction of the size)")
+    p.add_argument("--exclude", nargs="*", default=[],
+                   help="evaluation sets whose prompts must not appear in a kept conversation "
+                        "(data/mtbench/question.jsonl, data/humaneval/HumanEval.jsonl.gz)")
     a = p.parse_args()
-    seen = written = 0
+    excluded = eval_prompts(a.exclude)
+    seen = written = dropped = 0
     with open(a.out + ".tmp", "w", encoding="utf-8") as f:
         for record in records(a.source):
             messages = usable(record, a.exchanges)
             if messages is None:
                 continue
+            if excluded and contains_eval(messages, excluded):
+                dropped += 1
+                continue
             seen += 1
             if seen <= a.skip:
                 continue
+            if a.prompts_only:
+                for m in messages:
+                    if m["role"] == "assistant":
+                        m["content"] = "."
             f.write(json.dumps({"id": record.get("id"), "messages": messages}) + "\n")
             written += 1
             if written == a.count:
@@ -71,7 +118,8 @@ def main():
     import os
 
     os.replace(a.out + ".tmp", a.out)
-    print(f"{written} conversations after skipping {a.skip} usable ones -> {a.out}")
+    print(f"{written} conversations after skipping {a.skip} usable ones -> {a.out} "
+          f"({dropped} dropped for containing one of {len(excluded)} evaluation prompts)")
 
 
 if __name__ == "__main__":

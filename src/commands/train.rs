@@ -10,6 +10,7 @@ use tandem_model::burn::prelude::Backend;
 use tandem_train::{TrainOptions, TrainReport};
 
 use super::DEFAULT_MODEL_DIR;
+use super::spec::EngineKind;
 use crate::with_backend;
 
 #[derive(Args, Debug)]
@@ -87,9 +88,14 @@ pub struct TrainArgs {
     /// Export the final head in bf16 (checkpoints stay f32).
     #[arg(long)]
     pub export_bf16: bool,
-    /// cpu (ndarray, f32) or cuda (burn-cuda, bf16; needs a build with --features cuda).
+    /// cpu (ndarray, f32) or cuda (the GPU trainer, in every build; `--engine burn` for
+    /// burn-cuda, which needs a build with --features cuda).
     #[arg(long, default_value = "cpu")]
     pub device: DeviceKind,
+    /// auto (the GPU trainer on --device cuda, burn on cpu), burn, or fast (the GPU trainer:
+    /// cuBLAS + kernels/train.cu, the corpus held on the GPU).
+    #[arg(long, default_value = "auto")]
+    pub engine: EngineKind,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -123,7 +129,26 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         progress: !args.quiet && std::io::stderr().is_terminal(),
         device_label: args.device.to_string(),
     };
-    with_backend!(args.device, |B, device| run_on::<B>(&options, &device))
+    let cuda = args.device.to_string() == "cuda";
+    match args.engine {
+        EngineKind::Fast | EngineKind::Auto if cuda => {
+            let report = tandem_train::train_gpu(&options)?;
+            print_report(&report);
+            Ok(())
+        }
+        EngineKind::Fast => anyhow::bail!("--engine fast trains on the GPU: pass --device cuda"),
+        _ => with_backend!(args.device, |B, device| run_on::<B>(&options, &device)),
+    }
+}
+
+/// `tandem train-check`: see `tandem_train::gpu_check`.
+pub fn run_check() -> anyhow::Result<()> {
+    let lines = tandem_train::gpu_check::gpu_parity_check()?;
+    for line in lines {
+        println!("{line}");
+    }
+    println!("train-check: the GPU trainer matches burn autodiff within tolerance");
+    Ok(())
 }
 
 fn run_on<B: Backend>(options: &TrainOptions, device: &B::Device) -> anyhow::Result<()> {

@@ -143,6 +143,21 @@ impl Gpu {
         Ok(())
     }
 
+    /// The context, for modules compiled beside `llama.cu` (the trainer's kernels).
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The one stream every launch goes to.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// cuBLAS, bound to [`Gpu::stream`].
+    pub(crate) fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "CUDA device".into())
     }
@@ -414,7 +429,7 @@ impl Gpu {
             .arg(&total_i)
             .arg(&scale);
         let cfg = LaunchConfig {
-            grid_dim: (s.heads as u32, s.rows() as u32, 1),
+            grid_dim: (s.rows() as u32, s.heads as u32, 1),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: (ATTENTION_THREADS / 32) * s.head_dim as u32 * 4,
         };

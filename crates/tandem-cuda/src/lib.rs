@@ -15,6 +15,7 @@ mod draft;
 mod error;
 mod model;
 pub mod reference;
+mod train;
 mod weights;
 
 pub use cache::{ColumnMoves, CudaKvCache, HostKv};
@@ -23,3 +24,7 @@ pub use device::{AttentionShape, DeviceRows, Gpu};
 pub use draft::{CudaDraft, DraftStepOutput};
 pub use error::CudaError;
 pub use model::{CudaStepOutput, CudaTarget, DeviceLogits};
+pub use train::{
+    AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, StepCounts, TargetPieces,
+    TrainStepReport,
+};

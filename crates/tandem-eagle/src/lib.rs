@@ -31,7 +31,7 @@ pub use io::{
     load_pretrained, read_checkpoint, save_pretrained, save_safetensors,
 };
 pub use model::{
-    AttentionContext, DecoderLayer, DraftCache, DraftOutput, Eagle3Draft, HostWeights, Rope,
-    parameter_shapes, ttt_step_tokens,
+    AttentionContext, DecoderLayer, DraftCache, DraftOutput, Eagle3Draft, HostWeights, Linear,
+    RmsNorm, Rope, parameter_shapes, ttt_step_tokens,
 };
 pub use vocab::{VocabMap, build_vocab_map};

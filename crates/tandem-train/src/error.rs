@@ -27,6 +27,13 @@ pub enum TrainError {
         source: serde_json::Error,
     },
 
+    /// The GPU trainer failed (no device, a CUDA or cuBLAS error, too little memory).
+    #[error("GPU trainer: {reason}")]
+    Gpu {
+        /// What went wrong, from the CUDA layer.
+        reason: String,
+    },
+
     /// An option is out of range or contradicts another one.
     #[error("--{option}: {reason}")]
     InvalidOption {

@@ -10,12 +10,16 @@
 //! - [`schedule`]: warm-up + cosine learning rate.
 //! - [`trainer`]: the loop (AdamW, global grad-norm clipping, validation, checkpoints with
 //!   exact `--resume`, metrics JSONL, progress bar, curves, export).
+//! - [`gpu`]: the same run on the hand-written GPU trainer (`tandem_cuda::CudaHeadTrainer`):
+//!   the corpus on the GPU, cuBLAS + NVRTC kernels, no host round trip inside a step.
 //! - [`metrics`], [`plot`]: `metrics.jsonl` and `curves.html`.
 
 #![warn(missing_docs)]
 
 pub mod data;
 pub mod error;
+pub mod gpu;
+pub mod gpu_check;
 pub mod metrics;
 pub mod objective;
 pub mod plot;
@@ -24,4 +28,5 @@ pub mod target;
 pub mod trainer;
 
 pub use error::TrainError;
+pub use gpu::train_gpu;
 pub use trainer::{TrainOptions, TrainReport, TrainState, clip_global_norm, train, train_on};

@@ -27,7 +27,7 @@ use crate::schedule::{lr_at, warmup_steps};
 use crate::target::{TargetHead, fingerprint};
 
 /// Batches sorted together by length when planning an epoch.
-const BUCKET_BATCHES: usize = 32;
+pub(crate) const BUCKET_BATCHES: usize = 32;
 /// Where checkpoints go inside `--out`.
 pub const CHECKPOINT_DIR: &str = "checkpoints";
 /// The metrics log inside `--out`.
@@ -131,7 +131,7 @@ impl TrainOptions {
 
     /// The options a resumed run must share with the interrupted one (everything that shapes
     /// the parameters: data, model, schedule, seed).
-    fn identity(&self) -> serde_json::Value {
+    pub(crate) fn identity(&self) -> serde_json::Value {
         let mut v = serde_json::to_value(self).expect("options serialise");
         let map = v.as_object_mut().expect("object");
         for volatile in [
@@ -151,7 +151,7 @@ impl TrainOptions {
         v
     }
 
-    fn validate(&self) -> Result<(), TrainError> {
+    pub(crate) fn validate(&self) -> Result<(), TrainError> {
         let bad = |option, reason: &str| {
             Err(TrainError::InvalidOption {
                 option,
@@ -600,7 +600,10 @@ fn export_dtype(options: &TrainOptions) -> WeightDtype {
 
 /// Checks the dumps against each other and against `--model`, refuses evaluation data and
 /// non-residual taps, and returns the wiring the head is trained on.
-fn check_data(options: &TrainOptions, data: &Dataset) -> Result<WiringManifest, TrainError> {
+pub(crate) fn check_data(
+    options: &TrainOptions,
+    data: &Dataset,
+) -> Result<WiringManifest, TrainError> {
     let first = data.sources()[0].wiring().clone();
     for source in data.sources() {
         if source.split() == Some("eval") {
@@ -721,7 +724,7 @@ fn index_rows(
 }
 
 /// A new head: from `--init-from` or randomly initialised, with its config.
-fn fresh_model<B: AutodiffBackend>(
+pub(crate) fn fresh_model<B: AutodiffBackend>(
     options: &TrainOptions,
     head: &TargetHead<B::InnerBackend>,
     wiring: &WiringManifest,
@@ -829,7 +832,7 @@ fn head_config<B: Backend>(head: &TargetHead<B>, draft_vocab: usize, taps: usize
 /// The config the head is exported with: SGLang-convention aux ids in `eagle_config`, the
 /// canonical wiring (job `train`) under `tandem_wiring`, naming the dumps it was trained on
 /// (`trained_on`).
-fn export_config(
+pub(crate) fn export_config(
     base: &Eagle3Config,
     wiring: &WiringManifest,
     sglang_ids: &[i64],
@@ -958,13 +961,13 @@ pub fn clip_global_norm<B: AutodiffBackend>(
     total
 }
 
-fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), TrainError> {
+pub(crate) fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), TrainError> {
     let mut text = serde_json::to_string_pretty(value).expect("serialise");
     text.push('\n');
     std::fs::write(path, text).map_err(TrainError::io("write", path))
 }
 
-fn checkpoint_name(step: usize) -> String {
+pub(crate) fn checkpoint_name(step: usize) -> String {
     format!("step-{step:08}")
 }
 
@@ -999,14 +1002,30 @@ fn save_checkpoint<B: AutodiffBackend, O: Optimizer<Eagle3Draft<B>, B>>(
         std::fs::remove_dir_all(&dir).map_err(TrainError::io("replace", &dir))?;
     }
     std::fs::rename(&tmp, &dir).map_err(TrainError::io("rename into place", &dir))?;
+    prune_checkpoints(options, &root, &name)?;
+    let lines = read_lines(&options.out.join(METRICS_FILE))?;
+    plot::write(
+        &options.out.join(CURVES_FILE),
+        &format!("tandem train: {}", options.out.display()),
+        &lines,
+    )
+}
+
+/// Points `checkpoints/latest` at checkpoint `name` and deletes the oldest beyond
+/// `keep_checkpoints`.
+pub(crate) fn prune_checkpoints(
+    options: &TrainOptions,
+    root: &Path,
+    name: &str,
+) -> Result<(), TrainError> {
     let latest = root.join("latest");
     let latest_tmp = root.join(".latest.tmp");
     std::fs::write(&latest_tmp, format!("{name}\n"))
         .map_err(TrainError::io("write", &latest_tmp))?;
     std::fs::rename(&latest_tmp, &latest).map_err(TrainError::io("rename into place", &latest))?;
     // Keep the newest `keep_checkpoints`.
-    let mut names: Vec<String> = std::fs::read_dir(&root)
-        .map_err(TrainError::io("list", &root))?
+    let mut names: Vec<String> = std::fs::read_dir(root)
+        .map_err(TrainError::io("list", root))?
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with("step-"))
@@ -1019,16 +1038,11 @@ fn save_checkpoint<B: AutodiffBackend, O: Optimizer<Eagle3Draft<B>, B>>(
             std::fs::remove_dir_all(&path).map_err(TrainError::io("delete", &path))?;
         }
     }
-    let lines = read_lines(&options.out.join(METRICS_FILE))?;
-    plot::write(
-        &options.out.join(CURVES_FILE),
-        &format!("tandem train: {}", options.out.display()),
-        &lines,
-    )
+    Ok(())
 }
 
 /// The checkpoint `checkpoints/latest` names, and its state.
-fn latest_checkpoint(out: &Path) -> Result<(PathBuf, TrainState), TrainError> {
+pub(crate) fn latest_checkpoint(out: &Path) -> Result<(PathBuf, TrainState), TrainError> {
     let root = out.join(CHECKPOINT_DIR);
     let latest = root.join("latest");
     let name = std::fs::read_to_string(&latest).map_err(|e| TrainError::Resume {
@@ -1045,7 +1059,7 @@ fn latest_checkpoint(out: &Path) -> Result<(PathBuf, TrainState), TrainError> {
     Ok((dir, state))
 }
 
-fn describe_differences(before: &serde_json::Value, now: &serde_json::Value) -> String {
+pub(crate) fn describe_differences(before: &serde_json::Value, now: &serde_json::Value) -> String {
     let (Some(a), Some(b)) = (before.as_object(), now.as_object()) else {
         return "unreadable options".to_owned();
     };

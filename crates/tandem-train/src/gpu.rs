@@ -1,0 +1,695 @@
+//! `tandem train --device cuda`: the run of [`crate::trainer::train`] (same checks, split,
+//! draft vocabulary, initialisation, batch plan, schedule, clipping, metrics, checkpoints and
+//! export) on [`tandem_cuda::CudaHeadTrainer`], the hand-written GPU trainer.
+//!
+//! The data pass reads the dumps once, on every core (one reader per thread over a contiguous
+//! range of rows), and puts the whole corpus on the GPU as bf16 (the dump's own precision):
+//! 4 taps of a 576-wide target are 4.6 KB per token, so 5M tokens take 23 GB of the H200's
+//! 141. Batches are then gathered on the GPU; the host only builds index lists.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::prelude::*;
+use indicatif::{ProgressBar, ProgressStyle};
+use safetensors::tensor::{Dtype, TensorView};
+use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, MAX_TTT_STEPS, TargetPieces};
+use tandem_eagle::{Eagle3Config, Eagle3Draft, WeightDtype, load_pretrained, save_pretrained};
+use tandem_model::weights::WeightFiles;
+use tandem_wiring::{Convention, DumpRef};
+
+use crate::data::{Dataset, RowInfo, check_record, is_validation, plan_epoch};
+use crate::error::TrainError;
+use crate::metrics::{MetricsLine, MetricsLog, StatsSum, read_lines};
+use crate::objective::StepStats;
+use crate::plot;
+use crate::schedule::{lr_at, warmup_steps};
+use crate::target::TargetHead;
+use crate::trainer::{
+    BUCKET_BATCHES, CHECKPOINT_DIR, CURVES_FILE, METRICS_FILE, OPTIONS_FILE, TrainOptions,
+    TrainReport, TrainState, check_data, checkpoint_name, describe_differences, export_config,
+    fresh_model, latest_checkpoint, prune_checkpoints, write_json,
+};
+
+/// AdamW moments of a GPU checkpoint (flat, in the trainer's parameter layout).
+const ADAM_FILE: &str = "adam.safetensors";
+
+/// One row of the corpus: where its tokens start on the GPU, and its ids and loss mask.
+#[derive(Debug, Clone)]
+struct CorpusRow {
+    start: usize,
+    input_ids: Vec<u32>,
+    loss_mask: Vec<u8>,
+}
+
+/// What one loader thread read: its rows (global index, validation or not) and their bf16
+/// aux/last rows, concatenated.
+#[derive(Default)]
+struct LoadedChunk {
+    rows: Vec<(RowInfo, bool, Vec<u32>, Vec<u8>)>,
+    aux: Vec<u16>,
+    last: Vec<u16>,
+    counts: Vec<u64>,
+}
+
+fn to_bf16_bits(values: &[f32], out: &mut Vec<u16>) {
+    // The dump stores bf16; the reader widened it to f32, so this is exact.
+    out.extend(values.iter().map(|&v| half::bf16::from_f32(v).to_bits()));
+}
+
+fn load_range(
+    options: &TrainOptions,
+    range: std::ops::Range<usize>,
+    slots: usize,
+    hidden: usize,
+    vocab: usize,
+) -> Result<LoadedChunk, TrainError> {
+    let data = Dataset::open(&options.dumps)?;
+    let mut chunk = LoadedChunk {
+        counts: vec![0; vocab],
+        ..Default::default()
+    };
+    for index in range {
+        let r = data.read(index)?;
+        check_record(&r, index, slots, hidden)?;
+        if let Some(&id) = r.input_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(TrainError::BadSample {
+                index,
+                sample_id: r.sample_id.clone(),
+                reason: format!("token id {id} is outside the target vocabulary ({vocab})"),
+            });
+        }
+        let len = r.len().min(options.max_len);
+        if len < 3 {
+            continue;
+        }
+        let val = is_validation(&r.sample_id, options.val_fraction);
+        if !val {
+            for (&t, &m) in r.input_ids[..len].iter().zip(&r.loss_mask[..len]) {
+                if m != 0 {
+                    chunk.counts[t as usize] += 1;
+                }
+            }
+        }
+        to_bf16_bits(&r.aux_hidden[..len * slots * hidden], &mut chunk.aux);
+        to_bf16_bits(&r.last_hidden[..len * hidden], &mut chunk.last);
+        chunk.rows.push((
+            RowInfo { index, len },
+            val,
+            r.input_ids[..len].to_vec(),
+            r.loss_mask[..len].to_vec(),
+        ));
+    }
+    Ok(chunk)
+}
+
+/// Reads every row on all cores.
+fn load_all(
+    options: &TrainOptions,
+    rows: usize,
+    slots: usize,
+    hidden: usize,
+    vocab: usize,
+) -> Result<Vec<LoadedChunk>, TrainError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .clamp(1, 16)
+        .min(rows.max(1));
+    let per = rows.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let range = (t * per).min(rows)..((t + 1) * per).min(rows);
+                scope.spawn(move || load_range(options, range, slots, hidden, vocab))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("loader thread panicked"))
+            .collect()
+    })
+}
+
+/// The host copies of the frozen target pieces, HF layout.
+struct TargetHost {
+    embed: Vec<f32>,
+    norm: Vec<f32>,
+    lm_head: Vec<f32>,
+}
+
+fn target_host(model: &Path, head: &TargetHead<NdArray>) -> Result<TargetHost, TrainError> {
+    let spec = &head.spec;
+    let (v, h) = (spec.vocab_size, spec.hidden_size);
+    let weights = WeightFiles::open(model)?;
+    let embed = weights.read("model.embed_tokens.weight", &[v, h])?.values;
+    let norm = weights.read("model.norm.weight", &[h])?.values;
+    let lm_head = if spec.tie_word_embeddings || !weights.contains("lm_head.weight") {
+        embed.clone()
+    } else {
+        weights.read("lm_head.weight", &[v, h])?.values
+    };
+    Ok(TargetHost {
+        embed,
+        norm,
+        lm_head,
+    })
+}
+
+fn cuda_err(e: tandem_cuda::CudaError) -> TrainError {
+    TrainError::Gpu {
+        reason: e.to_string(),
+    }
+}
+
+/// Builds the GPU batch of global rows `rows`.
+fn corpus_batch(rows: &[usize], corpus: &[Option<CorpusRow>]) -> CorpusBatch {
+    let picked: Vec<&CorpusRow> = rows
+        .iter()
+        .map(|&i| corpus[i].as_ref().expect("planned rows are loaded"))
+        .collect();
+    let lengths: Vec<usize> = picked.iter().map(|r| r.input_ids.len()).collect();
+    let width = lengths.iter().copied().max().unwrap_or(0);
+    let mut input_ids = vec![0u32; picked.len() * width];
+    let mut loss_mask = vec![0u8; picked.len() * width];
+    for (b, r) in picked.iter().enumerate() {
+        let n = r.input_ids.len();
+        input_ids[b * width..b * width + n].copy_from_slice(&r.input_ids);
+        loss_mask[b * width..b * width + n].copy_from_slice(&r.loss_mask);
+    }
+    CorpusBatch {
+        starts: picked.iter().map(|r| r.start).collect(),
+        lengths,
+        width,
+        input_ids,
+        loss_mask,
+    }
+}
+
+fn to_stats(counts: &[tandem_cuda::StepCounts]) -> Vec<StepStats> {
+    counts
+        .iter()
+        .map(|c| StepStats {
+            loss: c.loss,
+            correct: c.correct,
+            denominator: c.denominator,
+        })
+        .collect()
+}
+
+/// Trains on the GPU. Same options, outputs and resume rules as [`crate::train`].
+pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
+    options.validate()?;
+    if options.ttt_steps > MAX_TTT_STEPS {
+        return Err(TrainError::InvalidOption {
+            option: "ttt-steps",
+            reason: format!(
+                "{} exceeds the GPU trainer's {MAX_TTT_STEPS}",
+                options.ttt_steps
+            ),
+        });
+    }
+    let start = Instant::now();
+    std::fs::create_dir_all(&options.out).map_err(TrainError::io("create", &options.out))?;
+    let data = Dataset::open(&options.dumps)?;
+    let wiring = check_data(options, &data)?;
+    let cpu = Default::default();
+    let head = TargetHead::<NdArray>::load(&options.model, &cpu)?;
+    let spec = head.spec.clone();
+    let hidden = spec.hidden_size;
+    let slots = wiring.taps.len();
+    let sglang_ids = Convention::SglangHeuristic
+        .from_canonical(&wiring.taps, spec.num_layers)
+        .map_err(|e| TrainError::InvalidOption {
+            option: "dump",
+            reason: format!(
+                "the dump's taps cannot be written as SGLang layer ids, so an exported head \
+                 would be served on other taps: {e}"
+            ),
+        })?;
+
+    // One pass over the data on every core.
+    let load_start = Instant::now();
+    let chunks = load_all(options, data.len(), slots, hidden, spec.vocab_size)?;
+    let mut counts = vec![0u64; spec.vocab_size];
+    let mut train_rows = Vec::new();
+    let mut val_rows = Vec::new();
+    let mut corpus_tokens = 0usize;
+    for chunk in &chunks {
+        for (c, &n) in counts.iter_mut().zip(&chunk.counts) {
+            *c += n;
+        }
+        for (info, val, _, _) in &chunk.rows {
+            corpus_tokens += info.len;
+            if *val {
+                val_rows.push(info.clone());
+            } else {
+                train_rows.push(info.clone());
+            }
+        }
+    }
+    if train_rows.is_empty() {
+        return Err(TrainError::NoData {
+            reason: format!(
+                "{} rows, {} in validation, none left to train on (rows need at least 3 tokens)",
+                data.len(),
+                val_rows.len()
+            ),
+        });
+    }
+    let batches_per_epoch = train_rows.len().div_ceil(options.batch_size);
+    let total_steps = batches_per_epoch * options.epochs;
+    let warmup = warmup_steps(total_steps, options.warmup_ratio);
+
+    // The head: resumed, from --init-from, or fresh (the burn trainer's initialisation).
+    let embed = || head.embed_tokens.clone();
+    let identity = options.identity();
+    let checkpoints = options.out.join(CHECKPOINT_DIR);
+    let (draft, base_config, mut state, resumed_from, adam) = if options.resume {
+        let (dir, state) = latest_checkpoint(&options.out)?;
+        if state.options != identity {
+            return Err(TrainError::Resume {
+                path: options.out.clone(),
+                reason: format!(
+                    "the options differ from the interrupted run's ({}); resume with the same \
+                     data, model, schedule and seed",
+                    describe_differences(&state.options, &identity)
+                ),
+            });
+        }
+        if state.rows != data.len() || state.train_rows != train_rows.len() {
+            return Err(TrainError::Resume {
+                path: options.out.clone(),
+                reason: format!(
+                    "the dumps now hold {} rows ({} for training), the run was started on {} \
+                     ({})",
+                    data.len(),
+                    train_rows.len(),
+                    state.rows,
+                    state.train_rows
+                ),
+            });
+        }
+        let adam_path = dir.join(ADAM_FILE);
+        if !adam_path.is_file() {
+            return Err(TrainError::Resume {
+                path: options.out.clone(),
+                reason: format!(
+                    "{} has no {ADAM_FILE}: it was written by the burn trainer (resume it \
+                     with --engine burn)",
+                    dir.display()
+                ),
+            });
+        }
+        let adam = read_adam(&adam_path)?;
+        let loaded = load_pretrained::<NdArray>(&dir.join("head"), embed(), &cpu)?;
+        let step = state.step;
+        (loaded.draft, loaded.config, state, Some(step), Some(adam))
+    } else {
+        let (model, config) = fresh_model::<Autodiff<NdArray>>(
+            options,
+            &head,
+            &wiring,
+            &counts,
+            Tensor::from_inner(embed()),
+            &cpu,
+        )?;
+        let state = TrainState {
+            step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+            total_steps,
+            tokens_seen: 0,
+            rows: data.len(),
+            train_rows: train_rows.len(),
+            options: identity,
+        };
+        if checkpoints.exists() {
+            std::fs::remove_dir_all(&checkpoints).map_err(TrainError::io("clear", &checkpoints))?;
+        }
+        (
+            Eagle3Draft::<NdArray>::from_host(
+                model.spec.clone(),
+                model.vocab.clone(),
+                &model.to_host(),
+                embed(),
+                &cpu,
+            )?,
+            config,
+            state,
+            None,
+            None,
+        )
+    };
+    let trained_on: Vec<DumpRef> = data.sources().iter().map(|s| s.dump_ref()).collect();
+    let export_config = export_config(
+        &base_config,
+        &wiring,
+        &sglang_ids,
+        &trained_on,
+        &options.device_label,
+    )?;
+    write_json(&options.out.join(OPTIONS_FILE), options)?;
+
+    // The trainer and the corpus on the GPU.
+    let target = target_host(&options.model, &head)?;
+    let draft_ids = draft.vocab.target_ids();
+    let gpu = Gpu::new(0).map_err(cuda_err)?;
+    let mut trainer = CudaHeadTrainer::new(
+        Arc::clone(&gpu),
+        draft.spec.clone(),
+        &draft.to_host(),
+        &TargetPieces {
+            embed_tokens: &target.embed,
+            norm: &target.norm,
+            lm_head: &target.lm_head,
+            draft_ids: &draft_ids,
+        },
+    )
+    .map_err(cuda_err)?;
+    if let Some((m1, m2)) = &adam {
+        trainer
+            .load_optimizer_state(m1, m2, state.step as u64)
+            .map_err(cuda_err)?;
+    }
+    trainer.reserve_corpus(corpus_tokens).map_err(cuda_err)?;
+    let mut corpus: Vec<Option<CorpusRow>> = vec![None; data.len()];
+    for chunk in chunks {
+        let mut at = trainer
+            .append_corpus(&chunk.aux, &chunk.last)
+            .map_err(cuda_err)?;
+        for (info, _, ids, mask) in chunk.rows {
+            corpus[info.index] = Some(CorpusRow {
+                start: at,
+                input_ids: ids,
+                loss_mask: mask,
+            });
+            at += info.len;
+        }
+    }
+    trainer.finish_corpus().map_err(cuda_err)?;
+    eprintln!(
+        "loaded {} rows ({} tokens, {} train / {} validation) onto {} in {:.1}s",
+        train_rows.len() + val_rows.len(),
+        corpus_tokens,
+        train_rows.len(),
+        val_rows.len(),
+        gpu.name(),
+        load_start.elapsed().as_secs_f64()
+    );
+
+    let mut log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
+    let bar = if options.progress {
+        let bar = ProgressBar::new(total_steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps {msg}",
+            )
+            .expect("valid template"),
+        );
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_position(state.step as u64);
+    let stop_at = options.max_steps.unwrap_or(usize::MAX).min(total_steps);
+    let run_start = Instant::now();
+    let steps_before = state.step;
+    let mut tokens_this_run = 0usize;
+    let (mut first_train, mut last_train, mut last_saved) = (None, None, None);
+    let elapsed = |s: &Instant| s.elapsed().as_secs_f64();
+    let ctx = Checkpointing {
+        options,
+        config: &export_config,
+        draft: &draft,
+    };
+    'epochs: while state.epoch < options.epochs && state.step < stop_at {
+        let plan = plan_epoch(
+            &train_rows,
+            options.batch_size,
+            BUCKET_BATCHES,
+            options.seed,
+            state.epoch,
+        );
+        while state.batch_in_epoch < plan.len() {
+            if state.step >= stop_at {
+                break 'epochs;
+            }
+            let step_start = Instant::now();
+            let batch = corpus_batch(&plan[state.batch_in_epoch], &corpus);
+            let tokens: usize = batch.lengths.iter().sum();
+            let lr = lr_at(
+                state.step,
+                total_steps,
+                warmup,
+                options.lr,
+                options.min_lr_ratio,
+            );
+            let report = trainer
+                .train_step(
+                    &batch,
+                    options.ttt_steps,
+                    &AdamWStep {
+                        lr,
+                        beta1: 0.9,
+                        beta2: 0.999,
+                        eps: 1e-8,
+                        weight_decay: options.weight_decay,
+                        max_grad_norm: options.max_grad_norm,
+                    },
+                )
+                .map_err(cuda_err)?;
+            if !report.loss.is_finite() || !report.grad_norm.is_finite() {
+                return Err(TrainError::Diverged {
+                    step: state.step + 1,
+                    loss: report.loss,
+                });
+            }
+            state.step += 1;
+            state.batch_in_epoch += 1;
+            state.tokens_seen += tokens as u64;
+            tokens_this_run += tokens;
+            let mut sum = StatsSum::default();
+            sum.add(&to_stats(&report.steps), tokens);
+            let line = MetricsLine {
+                kind: "train".to_owned(),
+                step: state.step,
+                epoch: state.epoch,
+                lr: Some(lr),
+                loss: report.loss,
+                ploss: sum.ploss(),
+                acc: sum.acc(),
+                grad_norm: Some(report.grad_norm),
+                tokens,
+                tokens_per_s: Some(tokens as f64 / elapsed(&step_start).max(1e-9)),
+                elapsed_s: elapsed(&start),
+            };
+            log.append(&line)?;
+            bar.set_position(state.step as u64);
+            bar.set_message(format!(
+                "loss {:.3} acc0 {:.3} {:.0} tok/s",
+                line.loss,
+                line.acc.first().copied().unwrap_or(0.0),
+                tokens_this_run as f64 / elapsed(&run_start).max(1e-9)
+            ));
+            if first_train.is_none() {
+                first_train = Some(line.clone());
+            }
+            last_train = Some(line);
+
+            let epoch_done = state.batch_in_epoch == plan.len();
+            let time_up = options
+                .max_seconds
+                .is_some_and(|limit| elapsed(&run_start) >= limit);
+            let evaluate = (options.eval_every > 0
+                && state.step.is_multiple_of(options.eval_every))
+                || epoch_done
+                || state.step == stop_at
+                || time_up;
+            if evaluate && !val_rows.is_empty() {
+                let sum = validate(&mut trainer, &val_rows, &corpus, options)?;
+                log.append(&MetricsLine {
+                    kind: "val".to_owned(),
+                    step: state.step,
+                    epoch: state.epoch,
+                    lr: None,
+                    loss: sum.total_loss(),
+                    ploss: sum.ploss(),
+                    acc: sum.acc(),
+                    grad_norm: None,
+                    tokens: sum.tokens,
+                    tokens_per_s: None,
+                    elapsed_s: elapsed(&start),
+                })?;
+            }
+            if epoch_done {
+                state.epoch += 1;
+                state.batch_in_epoch = 0;
+            }
+            let periodic = options.save_every > 0 && state.step.is_multiple_of(options.save_every);
+            if periodic && state.step < stop_at && !time_up {
+                ctx.save(&trainer, &state)?;
+                last_saved = Some(state.step);
+            }
+            if time_up {
+                break 'epochs;
+            }
+            if epoch_done {
+                continue 'epochs;
+            }
+        }
+        state.epoch += 1;
+        state.batch_in_epoch = 0;
+    }
+    bar.finish_and_clear();
+    if last_saved != Some(state.step) && state.step > steps_before {
+        ctx.save(&trainer, &state)?;
+    }
+    let final_head = ctx.head(&trainer)?;
+    save_pretrained(
+        &final_head,
+        &export_config,
+        &options.out,
+        export_dtype(options),
+    )?;
+    let lines = read_lines(log.path())?;
+    plot::write(
+        &options.out.join(CURVES_FILE),
+        &format!("tandem train: {}", options.out.display()),
+        &lines,
+    )?;
+    let run_seconds = elapsed(&run_start).max(1e-9);
+    let vals: Vec<&MetricsLine> = lines.iter().filter(|l| l.kind == "val").collect();
+    Ok(TrainReport {
+        steps: state.step,
+        total_steps,
+        resumed_from,
+        export_dir: options.out.clone(),
+        train_rows: train_rows.len(),
+        val_rows: val_rows.len(),
+        first_train,
+        last_train,
+        first_val: vals.first().map(|l| (*l).clone()),
+        last_val: vals.last().map(|l| (*l).clone()),
+        steps_per_s: (state.step - steps_before) as f64 / run_seconds,
+        tokens_per_s: tokens_this_run as f64 / run_seconds,
+        trained_on,
+    })
+}
+
+fn export_dtype(options: &TrainOptions) -> WeightDtype {
+    if options.export_bf16 {
+        WeightDtype::Bf16
+    } else {
+        WeightDtype::F32
+    }
+}
+
+/// The validation split, sorted by length, in batches of `--batch-size`.
+fn validate(
+    trainer: &mut CudaHeadTrainer,
+    rows: &[RowInfo],
+    corpus: &[Option<CorpusRow>],
+    options: &TrainOptions,
+) -> Result<StatsSum, TrainError> {
+    let mut sorted = rows.to_vec();
+    sorted.sort_by_key(|r| (r.len, r.index));
+    let mut sum = StatsSum::default();
+    for chunk in sorted.chunks(options.batch_size) {
+        let indices: Vec<usize> = chunk.iter().map(|r| r.index).collect();
+        let batch = corpus_batch(&indices, corpus);
+        let counts = trainer
+            .evaluate(&batch, options.ttt_steps)
+            .map_err(cuda_err)?;
+        sum.add(&to_stats(&counts), batch.lengths.iter().sum());
+    }
+    Ok(sum)
+}
+
+/// Writes GPU checkpoints: the head as an engine-loadable directory, the AdamW moments, the
+/// state; the same directory layout and `latest` pointer as the burn trainer's.
+struct Checkpointing<'a> {
+    options: &'a TrainOptions,
+    config: &'a Eagle3Config,
+    draft: &'a Eagle3Draft<NdArray>,
+}
+
+impl Checkpointing<'_> {
+    fn head(&self, trainer: &CudaHeadTrainer) -> Result<Eagle3Draft<NdArray>, TrainError> {
+        let weights = trainer.weights().map_err(cuda_err)?;
+        Ok(Eagle3Draft::<NdArray>::from_host(
+            self.draft.spec.clone(),
+            self.draft.vocab.clone(),
+            &weights,
+            self.draft.embed_tokens.clone(),
+            &Default::default(),
+        )?)
+    }
+
+    fn save(&self, trainer: &CudaHeadTrainer, state: &TrainState) -> Result<(), TrainError> {
+        let root = self.options.out.join(CHECKPOINT_DIR);
+        let name = checkpoint_name(state.step);
+        let dir = root.join(&name);
+        let tmp = root.join(format!(".{name}.tmp"));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(TrainError::io("clear", &tmp))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(TrainError::io("create", &tmp))?;
+        save_pretrained(
+            &self.head(trainer)?,
+            self.config,
+            &tmp.join("head"),
+            WeightDtype::F32,
+        )?;
+        let (m1, m2, _) = trainer.optimizer_state().map_err(cuda_err)?;
+        write_adam(&tmp.join(ADAM_FILE), &m1, &m2)?;
+        write_json(&tmp.join("state.json"), state)?;
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(TrainError::io("replace", &dir))?;
+        }
+        std::fs::rename(&tmp, &dir).map_err(TrainError::io("rename into place", &dir))?;
+        prune_checkpoints(self.options, &root, &name)?;
+        let lines = read_lines(&self.options.out.join(METRICS_FILE))?;
+        plot::write(
+            &self.options.out.join(CURVES_FILE),
+            &format!("tandem train: {}", self.options.out.display()),
+            &lines,
+        )
+    }
+}
+
+fn write_adam(path: &Path, m1: &[f32], m2: &[f32]) -> Result<(), TrainError> {
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (b1, b2) = (bytes(m1), bytes(m2));
+    let views = vec![
+        (
+            "exp_avg",
+            TensorView::new(Dtype::F32, vec![m1.len()], &b1).expect("sized"),
+        ),
+        (
+            "exp_avg_sq",
+            TensorView::new(Dtype::F32, vec![m2.len()], &b2).expect("sized"),
+        ),
+    ];
+    safetensors::serialize_to_file(views, None, path).map_err(|e| TrainError::Gpu {
+        reason: format!("cannot write {}: {e}", path.display()),
+    })
+}
+
+fn read_adam(path: &PathBuf) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
+    let bytes = std::fs::read(path).map_err(TrainError::io("read", path))?;
+    let bad = |reason: String| TrainError::Resume {
+        path: path.clone(),
+        reason,
+    };
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+    let get = |name: &str| -> Result<Vec<f32>, TrainError> {
+        let t = st.tensor(name).map_err(|e| bad(format!("{name}: {e}")))?;
+        Ok(t.data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    };
+    Ok((get("exp_avg")?, get("exp_avg_sq")?))
+}
