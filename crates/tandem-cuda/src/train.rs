@@ -354,7 +354,7 @@ impl CudaHeadTrainer {
                 spec.hidden_size, spec.target_hidden_size
             )));
         }
-        if !spec.num_heads.is_multiple_of(spec.num_kv_heads) || spec.head_dim % 2 != 0 {
+        if !spec.num_heads.is_multiple_of(spec.num_kv_heads) || !spec.head_dim.is_multiple_of(2) {
             return Err(unsupported(format!(
                 "{} heads over {} KV heads of width {}",
                 spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -1492,4 +1492,65 @@ enum Which {
     Master,
     Bf16,
     Grad,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_eagle::Eagle3Config;
+
+    fn spec() -> DraftSpec {
+        let target: tandem_model::HfConfig = serde_json::from_value(serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "vocab_size": 49152,
+            "max_position_embeddings": 8192, "tie_word_embeddings": true
+        }))
+        .unwrap();
+        Eagle3Config::for_target(&target, 8192, 3)
+            .resolve()
+            .unwrap()
+    }
+
+    /// The flat layout the kernels rely on: every parameter exactly once, no overlaps,
+    /// q|k|v and gate|up packed back to back (one fused matmul weight each), groups aligned.
+    #[test]
+    fn parameter_layout_packs_fused_weights_and_covers_every_parameter() {
+        let spec = spec();
+        let layout = ParamLayout::new(&spec);
+        let shapes = parameter_shapes(&spec);
+        assert_eq!(layout.entries.len(), shapes.len());
+        let mut spans: Vec<(usize, usize)> = layout
+            .entries
+            .iter()
+            .map(|(_, shape, offset)| (*offset, offset + shape.iter().product::<usize>()))
+            .collect();
+        spans.sort();
+        for pair in spans.windows(2) {
+            assert!(pair[0].1 <= pair[1].0, "overlapping parameters: {pair:?}");
+        }
+        assert_eq!(spans.last().unwrap().1, layout.total);
+        let end = |name: &str| {
+            let (_, shape, offset) = layout.entries.iter().find(|e| e.0 == name).unwrap();
+            offset + shape.iter().product::<usize>()
+        };
+        let q = "midlayer.self_attn.q_proj.weight";
+        let k = "midlayer.self_attn.k_proj.weight";
+        let v = "midlayer.self_attn.v_proj.weight";
+        assert_eq!(end(q), layout.offset(k));
+        assert_eq!(end(k), layout.offset(v));
+        let (gate, up) = (
+            "midlayer.mlp.gate_proj.weight",
+            "midlayer.mlp.up_proj.weight",
+        );
+        assert_eq!(end(gate), layout.offset(up));
+        for name in ["fc.weight", q, gate, "lm_head.weight", "norm.weight"] {
+            assert_eq!(layout.offset(name) % 64, 0, "{name} starts unaligned");
+        }
+        // The fused q|k|v weight is [(heads + 2 kv_heads) * head_dim, 2H] row-major.
+        assert_eq!(
+            end(v) - layout.offset(q),
+            (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * 2 * spec.hidden_size
+        );
+    }
 }

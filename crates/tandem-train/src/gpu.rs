@@ -7,7 +7,7 @@
 //! 4 taps of a 576-wide target are 4.6 KB per token, so 5M tokens take 23 GB of the H200's
 //! 141. Batches are then gathered on the GPU; the host only builds index lists.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -677,10 +677,10 @@ fn write_adam(path: &Path, m1: &[f32], m2: &[f32]) -> Result<(), TrainError> {
     })
 }
 
-fn read_adam(path: &PathBuf) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
+fn read_adam(path: &Path) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
     let bytes = std::fs::read(path).map_err(TrainError::io("read", path))?;
     let bad = |reason: String| TrainError::Resume {
-        path: path.clone(),
+        path: path.to_path_buf(),
         reason,
     };
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
@@ -692,4 +692,62 @@ fn read_adam(path: &PathBuf) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
             .collect())
     };
     Ok((get("exp_avg")?, get("exp_avg_sq")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hand-worked: rows 2 (3 tokens at corpus offset 10) and 0 (2 tokens at offset 0) padded
+    /// to width 3, in the planned order.
+    #[test]
+    fn corpus_batches_pad_rows_in_plan_order() {
+        let corpus = vec![
+            Some(CorpusRow {
+                start: 0,
+                input_ids: vec![7, 8],
+                loss_mask: vec![0, 1],
+            }),
+            None,
+            Some(CorpusRow {
+                start: 10,
+                input_ids: vec![4, 5, 6],
+                loss_mask: vec![1, 1, 0],
+            }),
+        ];
+        let b = corpus_batch(&[2, 0], &corpus);
+        assert_eq!(b.starts, vec![10, 0]);
+        assert_eq!(b.lengths, vec![3, 2]);
+        assert_eq!(b.width, 3);
+        assert_eq!(b.input_ids, vec![4, 5, 6, 7, 8, 0]);
+        assert_eq!(b.loss_mask, vec![1, 1, 0, 0, 1, 0]);
+    }
+
+    #[test]
+    fn adam_state_round_trips_through_its_checkpoint_file() {
+        let dir = tandem_model::testing::scratch_dir("adam-state");
+        let path = dir.join(ADAM_FILE);
+        let m1 = vec![0.5f32, -1.25, 3.0e-8];
+        let m2 = vec![1.0f32, 2.0, 4.5e-12];
+        write_adam(&path, &m1, &m2).unwrap();
+        assert_eq!(read_adam(&path).unwrap(), (m1, m2));
+        std::fs::write(&path, b"not a safetensors file").unwrap();
+        let err = read_adam(&path).unwrap_err().to_string();
+        assert!(err.contains(ADAM_FILE), "{err}");
+    }
+
+    #[test]
+    fn bf16_staging_is_exact_for_values_read_from_a_bf16_dump() {
+        let values: Vec<f32> = [1.5f32, -0.0078125, 300.0, 1.0e-3]
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let mut bits = Vec::new();
+        to_bf16_bits(&values, &mut bits);
+        let back: Vec<f32> = bits
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        assert_eq!(back, values);
+    }
 }
