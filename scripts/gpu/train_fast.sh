@@ -8,6 +8,8 @@
 #        MT-Bench/HumanEval), question.jsonl (MT-Bench). Runs `tandem train-check` (the GPU
 #        trainer vs burn autodiff on the CPU).
 #   call 2 (carry .device/b):  bash scripts/gpu/train_fast.sh dump
+#        (session 7 ran it at REGEN_BATCH=31: larger batches failed before 7707ca3 moved the fast
+#        path's attention rows to grid x; 256 is the default again but unverified on a GPU)
 #        .device/b: part-b (the rest of the GGUF), optionally a newer tandem.xz. Imports the
 #        model, regenerates ShareGPT with the fast path: dump A (the first PARITY_ROWS
 #        conversations, whole) and dump B (the rest, until REGEN_SECONDS).
@@ -63,6 +65,9 @@ dump)
       --batch-size "$REGEN_BATCH" --shard-rows 256 --device cuda --quiet "${limit[@]}"
     run "$T" dump-info "$W/dump-$part"
     cp "$W/dump-$part/manifest.json" "$OUT/dump-$part-manifest.json"
+    # The regenerated conversations (a few MB): bring them home so that a later run can
+    # re-capture (`tandem dump --dataset`, no --regenerate) instead of regenerating.
+    cat "$W/dump-$part"/conversations-*.jsonl 2>/dev/null | xz -6 -T0 > "$OUT/conversations-$part.jsonl.xz"
   done
   df -h /tmp | tail -1
   ;;
@@ -76,7 +81,7 @@ train)
   PYTHONUNBUFFERED=1 run python3 scripts/reference/train_eagle3_ref.py --dump "$W/dump-a" "${common[@]}" \
     --vocab-from "$W/head-a" --out "$OUT/ref-a.json" --tandem-metrics "$W/head-a/metrics.jsonl"
   echo "== speed: torch.compile reference (tokens/s only)" | tee -a "$LOG"
-  PYTHONUNBUFFERED=1 run timeout 240 python3 scripts/reference/train_eagle3_ref.py --dump "$W/dump-a" "${common[@]}" \
+  PYTHONUNBUFFERED=1 run timeout 420 python3 scripts/reference/train_eagle3_ref.py --dump "$W/dump-a" "${common[@]}" \
     --vocab-from "$W/head-a" --out "$OUT/ref-a-compiled.json" --compile --bench-only --max-steps 60 --timing-warmup 10
   echo "== the head to commit: tandem train on dumps A + B" | tee -a "$LOG"
   run "$T" train --dump "$W/dump-a" --dump "$W/dump-b" --out "$W/head" --model "$M" \
@@ -105,7 +110,7 @@ def get(d, *keys):
         if k in d:
             return d[k]
     return None
-racc = get(ref, "val_acc", "acc") or []
+racc = (ref.get("val") or {}).get("acc") or []
 print("| dump A, same batches and steps | steps | tokens/s (median) | val acc_0..acc_6 |")
 print("|---|---|---|---|")
 print(f"| tandem train --device cuda | {steps} | {tps:,.0f} | {' '.join(f'{a:.3f}' for a in acc)} |")

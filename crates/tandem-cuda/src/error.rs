@@ -19,6 +19,9 @@ pub enum CudaError {
     Compile(#[from] CompileError),
     #[error("the CUDA fast path does not support {what} (model {architecture}); use the burn path")]
     Unsupported { what: String, architecture: String },
+    /// The head trainer cannot go on (its inputs, or what the GPU can hold).
+    #[error("{0}")]
+    Trainer(String),
     #[error(transparent)]
     Model(#[from] ModelError),
 }

@@ -344,9 +344,8 @@ impl CudaHeadTrainer {
         weights: &HostWeights,
         target: &TargetPieces<'_>,
     ) -> Result<Self, CudaError> {
-        let unsupported = |what: String| CudaError::Unsupported {
-            what,
-            architecture: "EAGLE-3 head trainer".into(),
+        let unsupported = |what: String| {
+            CudaError::Trainer(format!("the GPU head trainer does not support {what}"))
         };
         if spec.target_hidden_size != spec.hidden_size {
             return Err(unsupported(format!(
@@ -521,10 +520,17 @@ impl CudaHeadTrainer {
     pub fn reserve_corpus(&mut self, tokens: usize) -> Result<(), CudaError> {
         let (f, h) = (self.spec.fc_in(), self.spec.hidden_size);
         self.corpus = None;
+        let too_big = |e: CudaError| {
+            CudaError::Trainer(format!(
+                "a corpus of {tokens} tokens ({:.1} GiB of bf16 taps on the GPU): {e}; train on \
+                 fewer or shorter rows (--max-len) or split the dumps",
+                (tokens * (f + h) * 2 + tokens * 4) as f64 / (1u64 << 30) as f64
+            ))
+        };
         self.corpus = Some(Corpus {
-            aux: self.alloc(tokens * f)?,
-            last: self.alloc(tokens * h)?,
-            argmax: self.alloc(tokens)?,
+            aux: self.alloc(tokens * f).map_err(too_big)?,
+            last: self.alloc(tokens * h).map_err(too_big)?,
+            argmax: self.alloc(tokens).map_err(too_big)?,
             tokens,
             filled: 0,
         });
@@ -541,14 +547,11 @@ impl CudaHeadTrainer {
         let corpus = self.corpus.as_mut().expect("reserve_corpus first");
         let start = corpus.filled;
         if start + n > corpus.tokens {
-            return Err(CudaError::Unsupported {
-                what: format!(
-                    "{} corpus tokens where {} were reserved",
-                    start + n,
-                    corpus.tokens
-                ),
-                architecture: "EAGLE-3 head trainer".into(),
-            });
+            return Err(CudaError::Trainer(format!(
+                "{} corpus tokens where {} were reserved",
+                start + n,
+                corpus.tokens
+            )));
         }
         let stream = self.stream.clone();
         stream.memcpy_htod(aux, &mut corpus.aux.slice_mut(start * f..(start + n) * f))?;
@@ -754,15 +757,12 @@ impl CudaHeadTrainer {
         steps: u64,
     ) -> Result<(), CudaError> {
         if moment1.len() != self.layout.total || moment2.len() != self.layout.total {
-            return Err(CudaError::Unsupported {
-                what: format!(
-                    "optimizer state of {} / {} values for {} parameters",
-                    moment1.len(),
-                    moment2.len(),
-                    self.layout.total
-                ),
-                architecture: "EAGLE-3 head trainer".into(),
-            });
+            return Err(CudaError::Trainer(format!(
+                "optimizer state of {} / {} values for {} parameters",
+                moment1.len(),
+                moment2.len(),
+                self.layout.total
+            )));
         }
         self.stream.memcpy_htod(moment1, &mut self.moment1)?;
         self.stream.memcpy_htod(moment2, &mut self.moment2)?;

@@ -259,7 +259,64 @@ pub fn dump_identity(
 /// What became of one dataset record.
 enum Outcome {
     Skip(&'static str),
-    Row(DumpRecord, bool),
+    /// A row, whether it was cut to `max_len`, and (regenerated runs) the conversation with the
+    /// target's replies as one chat-JSONL line.
+    Row(DumpRecord, bool, Option<String>),
+}
+
+/// The regenerated conversations of the rows in completed shards, one chat-JSONL file per
+/// shard (`conversations-00000.jsonl` beside `shard-00000.arrow`, the rows in the same order):
+/// the regenerated text itself, a few MB where the shards are GB, from which `tandem dump
+/// --dataset` (without `--regenerate`) captures the same token ids again, e.g. with other taps
+/// or on a machine that has not regenerated. Written under a temporary name and renamed once
+/// the shard is complete, so a file exists only for a complete shard.
+struct ConversationFiles {
+    dir: PathBuf,
+    /// Lines of rows not yet in a completed shard, in row order.
+    pending: Vec<String>,
+    /// Shards whose file is written (or that existed before this run).
+    done: usize,
+}
+
+/// File name of the conversations of shard `shard_file` (`shard-00003.arrow` ->
+/// `conversations-00003.jsonl`).
+pub(crate) fn conversations_file_name(shard_file: &str) -> String {
+    let stem = shard_file
+        .strip_prefix("shard-")
+        .and_then(|s| s.strip_suffix(".arrow"))
+        .unwrap_or(shard_file);
+    format!("conversations-{stem}.jsonl")
+}
+
+impl ConversationFiles {
+    /// Writes the files of shards completed since the last call.
+    fn flush(&mut self, manifest: &DumpManifest) -> Result<(), DumpError> {
+        while self.done < manifest.shards.len() {
+            let shard = &manifest.shards[self.done];
+            let rows = (shard.rows as usize).min(self.pending.len());
+            let mut text = String::new();
+            for line in self.pending.drain(..rows) {
+                text.push_str(&line);
+                text.push('\n');
+            }
+            let name = conversations_file_name(&shard.file);
+            let path = self.dir.join(&name);
+            let tmp = self.dir.join(format!(".{name}.tmp"));
+            std::fs::write(&tmp, text).map_err(DumpError::io("write", &tmp))?;
+            std::fs::rename(&tmp, &path).map_err(DumpError::io("rename into place", &path))?;
+            self.done += 1;
+        }
+        Ok(())
+    }
+}
+
+/// One chat-JSONL line: `{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}`.
+fn conversation_line(id: &str, messages: &[ChatMessage]) -> String {
+    let messages: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+        .collect();
+    serde_json::json!({"id": id, "messages": messages}).to_string()
 }
 
 /// Runs (or resumes) a dump on the burn backend `B`.
@@ -363,6 +420,11 @@ pub fn run_dump_with<'a>(
 
     let start = Instant::now();
     let mut regen_stats = RegenStats::default();
+    let mut conversations = ConversationFiles {
+        dir: options.out.clone(),
+        pending: Vec::new(),
+        done: writer.manifest().shards.len(),
+    };
     let result = (|| -> Result<bool, DumpError> {
         let want = if options.regenerate.is_some() {
             options.batch_size
@@ -405,10 +467,14 @@ pub fn run_dump_with<'a>(
                         writer.skip(reason);
                         *summary.skipped.entry(reason.to_owned()).or_insert(0) += 1;
                     }
-                    Outcome::Row(record, truncated) => {
+                    Outcome::Row(record, truncated, line) => {
                         summary.rows += 1;
                         summary.tokens += record.input_ids.len() as u64;
                         writer.write(&record, truncated)?;
+                        if let Some(line) = line {
+                            conversations.pending.push(line);
+                        }
+                        conversations.flush(writer.manifest())?;
                         progress.set_position(writer.rows());
                         let elapsed = start.elapsed().as_secs_f64();
                         let skipped: u64 = summary.skipped.values().sum();
@@ -435,6 +501,7 @@ pub fn run_dump_with<'a>(
     match result {
         Ok(complete) => {
             summary.manifest = writer.finish(complete)?;
+            conversations.flush(&summary.manifest)?;
             Ok(summary)
         }
         Err(e) => {
@@ -524,7 +591,11 @@ fn process(
         let t0 = Instant::now();
         let record = capture(model, request, id, masked.clone())?;
         summary.capture_seconds += t0.elapsed().as_secs_f64();
-        outcomes.push(Outcome::Row(record, masked.truncated));
+        let line = options
+            .regenerate
+            .is_some()
+            .then(|| conversation_line(&record.sample_id, &messages));
+        outcomes.push(Outcome::Row(record, masked.truncated, line));
     }
     Ok(outcomes)
 }

@@ -560,6 +560,30 @@ fn regenerate_stores_the_targets_own_batched_replies() {
     );
     assert_eq!(summary.manifest.settings.regenerate, Some(settings));
 
+    // The regenerated conversations are kept beside the shards, one chat-JSONL file per
+    // shard; a dump of them without --regenerate captures the very same token ids and masks.
+    let mut kept = String::new();
+    for shard in &summary.manifest.shards {
+        let name = shard
+            .file
+            .replace("shard-", "conversations-")
+            .replace(".arrow", ".jsonl");
+        kept.push_str(&fs::read_to_string(out.join(&name)).unwrap());
+    }
+    assert_eq!(kept.lines().count(), 3, "{kept}");
+    let again = dir.join("again.jsonl");
+    fs::write(&again, &kept).unwrap();
+    let mut o2 = options(tiny_model(), &again, &dir.join("recaptured"));
+    o2.max_len = 256;
+    dump(&o2).unwrap();
+    let (first, second) = (records(&out), records(&dir.join("recaptured")));
+    assert_eq!(first.len(), second.len());
+    for (a, b) in first.iter().zip(&second) {
+        assert_eq!(a.sample_id, b.sample_id);
+        assert_eq!(a.input_ids, b.input_ids, "{}", a.sample_id);
+        assert_eq!(a.loss_mask, b.loss_mask, "{}", a.sample_id);
+    }
+
     // The first reply of each conversation is what single-sequence greedy generation gives.
     let tokenizer = TargetTokenizer::load(tiny_model()).unwrap();
     let model = TargetModel::<B>::load(tiny_model(), &Default::default()).unwrap();
