@@ -6,8 +6,8 @@
 //!
 //! Why by hand: burn-cuda reached 13K tokens/s on this head where eager PyTorch reaches 350K
 //! (BENCHMARKS.md, issue #15): its bf16 matmuls run at ~22% of cuBLAS, and autodiff over
-//! hundreds of small ops per step is launch bound. A training step here is ~25 cuBLAS calls and
-//! ~20 kernels per TTT step, no host round trip inside a step (one read-back of the loss
+//! hundreds of small ops per step is launch bound. A training step here is 21 cuBLAS calls and
+//! ~25 kernels per TTT step, no host round trip inside a step (one read-back of the loss
 //! statistics and the gradient norm per optimizer step), and the training data lives on the GPU
 //! (bf16) for the whole run.
 //!

@@ -13,24 +13,23 @@ use std::time::Instant;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::prelude::*;
-use indicatif::{ProgressBar, ProgressStyle};
 use safetensors::tensor::{Dtype, TensorView};
 use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, MAX_TTT_STEPS, TargetPieces};
 use tandem_eagle::{Eagle3Config, Eagle3Draft, WeightDtype, load_pretrained, save_pretrained};
 use tandem_model::weights::WeightFiles;
 use tandem_wiring::{Convention, DumpRef};
 
-use crate::data::{Dataset, RowInfo, check_record, is_validation, plan_epoch};
+use crate::data::{Dataset, RowInfo, check_record, is_validation};
+use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
 use crate::error::TrainError;
-use crate::metrics::{MetricsLine, MetricsLog, StatsSum, read_lines};
+use crate::metrics::{MetricsLog, StatsSum, read_lines};
 use crate::objective::StepStats;
 use crate::plot;
-use crate::schedule::{lr_at, warmup_steps};
 use crate::target::TargetHead;
 use crate::trainer::{
-    BUCKET_BATCHES, CHECKPOINT_DIR, CURVES_FILE, METRICS_FILE, OPTIONS_FILE, TrainOptions,
-    TrainReport, TrainState, check_data, checkpoint_name, describe_differences, export_config,
-    fresh_model, latest_checkpoint, prune_checkpoints, write_json,
+    CHECKPOINT_DIR, CURVES_FILE, METRICS_FILE, OPTIONS_FILE, TrainOptions, TrainReport, TrainState,
+    check_data, checkpoint_name, describe_differences, export_config, fresh_model,
+    latest_checkpoint, prune_checkpoints, write_json,
 };
 
 /// AdamW moments of a GPU checkpoint (flat, in the trainer's parameter layout).
@@ -260,13 +259,12 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
     }
     let batches_per_epoch = train_rows.len().div_ceil(options.batch_size);
     let total_steps = batches_per_epoch * options.epochs;
-    let warmup = warmup_steps(total_steps, options.warmup_ratio);
 
     // The head: resumed, from --init-from, or fresh (the burn trainer's initialisation).
     let embed = || head.embed_tokens.clone();
     let identity = options.identity();
     let checkpoints = options.out.join(CHECKPOINT_DIR);
-    let (draft, base_config, mut state, resumed_from, adam) = if options.resume {
+    let (draft, base_config, state, resumed_from, adam) = if options.resume {
         let (dir, state) = latest_checkpoint(&options.out)?;
         if state.options != identity {
             return Err(TrainError::Resume {
@@ -399,190 +397,86 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
         load_start.elapsed().as_secs_f64()
     );
 
-    let mut log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
-    let bar = if options.progress {
-        let bar = ProgressBar::new(total_steps as u64);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps {msg}",
-            )
-            .expect("valid template"),
-        );
-        bar
-    } else {
-        ProgressBar::hidden()
+    let log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
+    let mut engine = GpuEngine {
+        trainer,
+        corpus: &corpus,
+        checkpoints: Checkpointing {
+            options,
+            config: &export_config,
+            draft: &draft,
+        },
     };
-    bar.set_position(state.step as u64);
-    let stop_at = options.max_steps.unwrap_or(usize::MAX).min(total_steps);
-    let run_start = Instant::now();
-    let steps_before = state.step;
-    let mut tokens_this_run = 0usize;
-    let (mut first_train, mut last_train, mut last_saved) = (None, None, None);
-    let elapsed = |s: &Instant| s.elapsed().as_secs_f64();
-    let ctx = Checkpointing {
-        options,
-        config: &export_config,
-        draft: &draft,
-    };
-    'epochs: while state.epoch < options.epochs && state.step < stop_at {
-        let plan = plan_epoch(
-            &train_rows,
-            options.batch_size,
-            BUCKET_BATCHES,
-            options.seed,
-            state.epoch,
-        );
-        while state.batch_in_epoch < plan.len() {
-            if state.step >= stop_at {
-                break 'epochs;
-            }
-            let step_start = Instant::now();
-            let batch = corpus_batch(&plan[state.batch_in_epoch], &corpus);
-            let tokens: usize = batch.lengths.iter().sum();
-            let lr = lr_at(
-                state.step,
-                total_steps,
-                warmup,
-                options.lr,
-                options.min_lr_ratio,
-            );
-            let report = trainer
-                .train_step(
-                    &batch,
-                    options.ttt_steps,
-                    &AdamWStep {
-                        lr,
-                        beta1: 0.9,
-                        beta2: 0.999,
-                        eps: 1e-8,
-                        weight_decay: options.weight_decay,
-                        max_grad_norm: options.max_grad_norm,
-                    },
-                )
-                .map_err(cuda_err)?;
-            if !report.loss.is_finite() || !report.grad_norm.is_finite() {
-                return Err(TrainError::Diverged {
-                    step: state.step + 1,
-                    loss: report.loss,
-                });
-            }
-            state.step += 1;
-            state.batch_in_epoch += 1;
-            state.tokens_seen += tokens as u64;
-            tokens_this_run += tokens;
-            let mut sum = StatsSum::default();
-            sum.add(&to_stats(&report.steps), tokens);
-            let line = MetricsLine {
-                kind: "train".to_owned(),
-                step: state.step,
-                epoch: state.epoch,
-                lr: Some(lr),
-                loss: report.loss,
-                ploss: sum.ploss(),
-                acc: sum.acc(),
-                grad_norm: Some(report.grad_norm),
-                tokens,
-                tokens_per_s: Some(tokens as f64 / elapsed(&step_start).max(1e-9)),
-                elapsed_s: elapsed(&start),
-            };
-            log.append(&line)?;
-            bar.set_position(state.step as u64);
-            bar.set_message(format!(
-                "loss {:.3} acc0 {:.3} {:.0} tok/s",
-                line.loss,
-                line.acc.first().copied().unwrap_or(0.0),
-                tokens_this_run as f64 / elapsed(&run_start).max(1e-9)
-            ));
-            if first_train.is_none() {
-                first_train = Some(line.clone());
-            }
-            last_train = Some(line);
-
-            let epoch_done = state.batch_in_epoch == plan.len();
-            let time_up = options
-                .max_seconds
-                .is_some_and(|limit| elapsed(&run_start) >= limit);
-            let evaluate = (options.eval_every > 0
-                && state.step.is_multiple_of(options.eval_every))
-                || epoch_done
-                || state.step == stop_at
-                || time_up;
-            if evaluate && !val_rows.is_empty() {
-                let sum = validate(&mut trainer, &val_rows, &corpus, options)?;
-                log.append(&MetricsLine {
-                    kind: "val".to_owned(),
-                    step: state.step,
-                    epoch: state.epoch,
-                    lr: None,
-                    loss: sum.total_loss(),
-                    ploss: sum.ploss(),
-                    acc: sum.acc(),
-                    grad_norm: None,
-                    tokens: sum.tokens,
-                    tokens_per_s: None,
-                    elapsed_s: elapsed(&start),
-                })?;
-            }
-            if epoch_done {
-                state.epoch += 1;
-                state.batch_in_epoch = 0;
-            }
-            let periodic = options.save_every > 0 && state.step.is_multiple_of(options.save_every);
-            if periodic && state.step < stop_at && !time_up {
-                ctx.save(&trainer, &state)?;
-                last_saved = Some(state.step);
-            }
-            if time_up {
-                break 'epochs;
-            }
-            if epoch_done {
-                continue 'epochs;
-            }
-        }
-        state.epoch += 1;
-        state.batch_in_epoch = 0;
-    }
-    bar.finish_and_clear();
-    if last_saved != Some(state.step) && state.step > steps_before {
-        ctx.save(&trainer, &state)?;
-    }
-    let final_head = ctx.head(&trainer)?;
-    save_pretrained(
-        &final_head,
-        &export_config,
-        &options.out,
-        export_dtype(options),
-    )?;
-    let lines = read_lines(log.path())?;
-    plot::write(
-        &options.out.join(CURVES_FILE),
-        &format!("tandem train: {}", options.out.display()),
-        &lines,
-    )?;
-    let run_seconds = elapsed(&run_start).max(1e-9);
-    let vals: Vec<&MetricsLine> = lines.iter().filter(|l| l.kind == "val").collect();
-    Ok(TrainReport {
-        steps: state.step,
-        total_steps,
-        resumed_from,
-        export_dir: options.out.clone(),
-        train_rows: train_rows.len(),
-        val_rows: val_rows.len(),
-        first_train,
-        last_train,
-        first_val: vals.first().map(|l| (*l).clone()),
-        last_val: vals.last().map(|l| (*l).clone()),
-        steps_per_s: (state.step - steps_before) as f64 / run_seconds,
-        tokens_per_s: tokens_this_run as f64 / run_seconds,
-        trained_on,
-    })
+    run_schedule(
+        Run {
+            options,
+            train_rows: &train_rows,
+            val_rows: &val_rows,
+            state,
+            resumed_from,
+            log,
+            start,
+            trained_on,
+        },
+        &mut engine,
+    )
 }
 
-fn export_dtype(options: &TrainOptions) -> WeightDtype {
-    if options.export_bf16 {
-        WeightDtype::Bf16
-    } else {
-        WeightDtype::F32
+/// The GPU trainer's side of the run.
+struct GpuEngine<'a> {
+    trainer: CudaHeadTrainer,
+    corpus: &'a [Option<CorpusRow>],
+    checkpoints: Checkpointing<'a>,
+}
+
+impl StepEngine for GpuEngine<'_> {
+    fn step(&mut self, rows: &[usize], lr: f64, _step: usize) -> Result<StepOutcome, TrainError> {
+        let options = self.checkpoints.options;
+        let batch = corpus_batch(rows, self.corpus);
+        let report = self
+            .trainer
+            .train_step(
+                &batch,
+                options.ttt_steps,
+                &AdamWStep {
+                    lr,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: options.weight_decay,
+                    max_grad_norm: options.max_grad_norm,
+                },
+            )
+            .map_err(cuda_err)?;
+        Ok(StepOutcome {
+            loss: report.loss,
+            stats: to_stats(&report.steps),
+            grad_norm: report.grad_norm,
+            tokens: batch.lengths.iter().sum(),
+        })
+    }
+
+    fn validate(&mut self, rows: &[RowInfo]) -> Result<StatsSum, TrainError> {
+        validate(
+            &mut self.trainer,
+            rows,
+            self.corpus,
+            self.checkpoints.options,
+        )
+    }
+
+    fn checkpoint(&mut self, state: &TrainState) -> Result<(), TrainError> {
+        self.checkpoints.save(&self.trainer, state)
+    }
+
+    fn export(&mut self, dtype: WeightDtype) -> Result<(), TrainError> {
+        let c = &self.checkpoints;
+        Ok(save_pretrained(
+            &c.head(&self.trainer)?,
+            c.config,
+            &c.options.out,
+            dtype,
+        )?)
     }
 }
 

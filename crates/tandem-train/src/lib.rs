@@ -17,6 +17,7 @@
 #![warn(missing_docs)]
 
 pub mod data;
+mod driver;
 pub mod error;
 pub mod gpu;
 pub mod gpu_check;

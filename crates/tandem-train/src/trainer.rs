@@ -18,12 +18,12 @@ use tandem_eagle::{
 };
 use tandem_wiring::{Convention, DumpRef, Job, Producer, RawIds, TapPoint, WiringManifest, check};
 
-use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation, plan_epoch};
+use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation};
+use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
 use crate::error::TrainError;
 use crate::metrics::{MetricsLine, MetricsLog, StatsSum, read_lines};
 use crate::objective::{BatchTargets, objective};
 use crate::plot;
-use crate::schedule::{lr_at, warmup_steps};
 use crate::target::{TargetHead, fingerprint};
 
 /// Batches sorted together by length when planning an epoch.
@@ -313,7 +313,6 @@ pub fn train_on<B: AutodiffBackend>(
     }
     let batches_per_epoch = train_rows.len().div_ceil(options.batch_size);
     let total_steps = batches_per_epoch * options.epochs;
-    let warmup = warmup_steps(total_steps, options.warmup_ratio);
 
     // The head, its vocabulary and config: resumed, initialised from a head, or fresh.
     let checkpoints = options.out.join(CHECKPOINT_DIR);
@@ -326,7 +325,7 @@ pub fn train_on<B: AutodiffBackend>(
         .init::<B, Eagle3Draft<B>>();
     let embed = || Tensor::<B, 2>::from_inner(head.embed_tokens.clone());
     let identity = options.identity();
-    let (mut model, base_config, mut state, resumed_from) = if options.resume {
+    let (model, base_config, state, resumed_from) = if options.resume {
         let (dir, state) = latest_checkpoint(&options.out)?;
         if state.options != identity {
             return Err(TrainError::Resume {
@@ -388,7 +387,7 @@ pub fn train_on<B: AutodiffBackend>(
         &options.device_label,
     )?;
     write_json(&options.out.join(OPTIONS_FILE), options)?;
-    let mut log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
+    let log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
     let draft_ids = Tensor::<B::InnerBackend, 1, Int>::from_data(
         TensorData::new(
             model
@@ -401,200 +400,137 @@ pub fn train_on<B: AutodiffBackend>(
         ),
         device,
     );
-
-    let bar = if options.progress {
-        let bar = ProgressBar::new(total_steps as u64);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps {msg}",
-            )
-            .expect("valid template"),
-        );
-        bar
-    } else {
-        ProgressBar::hidden()
+    let mut engine = BurnEngine {
+        model: Some(model),
+        optim,
+        data: &data,
+        head: &head,
+        draft_ids,
+        options,
+        slots,
+        hidden,
+        export_config: &export_config,
+        device: device.clone(),
     };
-    bar.set_position(state.step as u64);
-
-    let stop_at = options.max_steps.unwrap_or(usize::MAX).min(total_steps);
-    let run_start = Instant::now();
-    let steps_before = state.step;
-    let mut tokens_this_run = 0usize;
-    let mut first_train = None;
-    let mut last_train = None;
-    let mut last_saved = None;
-    let elapsed = |s: &Instant| s.elapsed().as_secs_f64();
-    'epochs: while state.epoch < options.epochs && state.step < stop_at {
-        let plan = plan_epoch(
-            &train_rows,
-            options.batch_size,
-            BUCKET_BATCHES,
-            options.seed,
-            state.epoch,
-        );
-        while state.batch_in_epoch < plan.len() {
-            if state.step >= stop_at {
-                break 'epochs;
-            }
-            let step_start = Instant::now();
-            let rows = &plan[state.batch_in_epoch];
-            let batch = assemble(&data, rows, options.max_len, slots, hidden)?;
-            let lr = lr_at(
-                state.step,
-                total_steps,
-                warmup,
-                options.lr,
-                options.min_lr_ratio,
-            );
-            let aux = Tensor::<B, 3>::from_data(
-                TensorData::new(
-                    batch.aux.clone(),
-                    [batch.size(), batch.width, slots * hidden],
-                ),
-                device,
-            );
-            let outputs =
-                model.forward_ttt(aux, &batch.input_ids, &batch.lengths, options.ttt_steps)?;
-            let inner = BatchTargets::compute(&head, &batch, &draft_ids);
-            let targets = BatchTargets::<B> {
-                probs: Tensor::from_inner(inner.probs),
-                argmax: inner.argmax,
-            };
-            let (loss, stats) = objective(&outputs, &targets, &batch, &model.vocab);
-            drop(outputs);
-            let loss_value = scalar(loss.clone());
-            if !loss_value.is_finite() {
-                return Err(TrainError::Diverged {
-                    step: state.step + 1,
-                    loss: loss_value,
-                });
-            }
-            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-            let grad_norm = clip_global_norm::<B>(&model, &mut grads, options.max_grad_norm);
-            model = optim.step(lr, model, grads);
-            state.step += 1;
-            state.batch_in_epoch += 1;
-            state.tokens_seen += batch.tokens() as u64;
-            tokens_this_run += batch.tokens();
-            let mut sum = StatsSum::default();
-            sum.add(&stats, batch.tokens());
-            let line = MetricsLine {
-                kind: "train".to_owned(),
-                step: state.step,
-                epoch: state.epoch,
-                lr: Some(lr),
-                loss: loss_value,
-                ploss: sum.ploss(),
-                acc: sum.acc(),
-                grad_norm: Some(grad_norm),
-                tokens: batch.tokens(),
-                tokens_per_s: Some(batch.tokens() as f64 / elapsed(&step_start).max(1e-9)),
-                elapsed_s: elapsed(&start),
-            };
-            log.append(&line)?;
-            bar.set_position(state.step as u64);
-            bar.set_message(format!(
-                "loss {:.3} acc0 {:.3} {:.0} tok/s",
-                line.loss,
-                line.acc.first().copied().unwrap_or(0.0),
-                tokens_this_run as f64 / elapsed(&run_start).max(1e-9)
-            ));
-            if first_train.is_none() {
-                first_train = Some(line.clone());
-            }
-            last_train = Some(line);
-
-            let epoch_done = state.batch_in_epoch == plan.len();
-            let time_up = options
-                .max_seconds
-                .is_some_and(|limit| elapsed(&run_start) >= limit);
-            let evaluate = (options.eval_every > 0
-                && state.step.is_multiple_of(options.eval_every))
-                || epoch_done
-                || state.step == stop_at
-                || time_up;
-            if evaluate && !val_rows.is_empty() {
-                let sum = validate(
-                    &model.valid(),
-                    &data,
-                    &val_rows,
-                    &head,
-                    &draft_ids,
-                    options,
-                    slots,
-                    hidden,
-                )?;
-                log.append(&MetricsLine {
-                    kind: "val".to_owned(),
-                    step: state.step,
-                    epoch: state.epoch,
-                    lr: None,
-                    loss: sum.total_loss(),
-                    ploss: sum.ploss(),
-                    acc: sum.acc(),
-                    grad_norm: None,
-                    tokens: sum.tokens,
-                    tokens_per_s: None,
-                    elapsed_s: elapsed(&start),
-                })?;
-            }
-            if epoch_done {
-                state.epoch += 1;
-                state.batch_in_epoch = 0;
-            }
-            let periodic = options.save_every > 0 && state.step.is_multiple_of(options.save_every);
-            if periodic && state.step < stop_at && !time_up {
-                save_checkpoint(&model, &optim, &state, &export_config, options)?;
-                last_saved = Some(state.step);
-            }
-            if time_up {
-                break 'epochs;
-            }
-            if epoch_done {
-                continue 'epochs;
-            }
-        }
-        // Only reached when a plan was already exhausted (a resume right at an epoch end).
-        state.epoch += 1;
-        state.batch_in_epoch = 0;
-    }
-    bar.finish_and_clear();
-
-    if last_saved != Some(state.step) && state.step > steps_before {
-        save_checkpoint(&model, &optim, &state, &export_config, options)?;
-    }
-    let valid = model.valid();
-    save_pretrained(&valid, &export_config, &options.out, export_dtype(options))?;
-    let lines = read_lines(log.path())?;
-    plot::write(
-        &options.out.join(CURVES_FILE),
-        &format!("tandem train: {}", options.out.display()),
-        &lines,
-    )?;
-    let run_seconds = elapsed(&run_start).max(1e-9);
-    let vals: Vec<&MetricsLine> = lines.iter().filter(|l| l.kind == "val").collect();
-    Ok(TrainReport {
-        steps: state.step,
-        total_steps,
-        resumed_from,
-        export_dir: options.out.clone(),
-        train_rows: train_rows.len(),
-        val_rows: val_rows.len(),
-        first_train,
-        last_train,
-        first_val: vals.first().map(|l| (*l).clone()),
-        last_val: vals.last().map(|l| (*l).clone()),
-        steps_per_s: (state.step - steps_before) as f64 / run_seconds,
-        tokens_per_s: tokens_this_run as f64 / run_seconds,
-        trained_on,
-    })
+    run_schedule(
+        Run {
+            options,
+            train_rows: &train_rows,
+            val_rows: &val_rows,
+            state,
+            resumed_from,
+            log,
+            start,
+            trained_on,
+        },
+        &mut engine,
+    )
 }
 
-fn export_dtype(options: &TrainOptions) -> WeightDtype {
-    if options.export_bf16 {
-        WeightDtype::Bf16
-    } else {
-        WeightDtype::F32
+/// The burn trainer's side of the run: autodiff through [`Eagle3Draft::forward_ttt`] and
+/// [`objective`], burn's AdamW, burn records for checkpoints.
+struct BurnEngine<'a, B: AutodiffBackend, O> {
+    /// Taken out for the optimizer step (which consumes it), always put back.
+    model: Option<Eagle3Draft<B>>,
+    optim: O,
+    data: &'a Dataset,
+    head: &'a TargetHead<B::InnerBackend>,
+    draft_ids: Tensor<B::InnerBackend, 1, Int>,
+    options: &'a TrainOptions,
+    slots: usize,
+    hidden: usize,
+    export_config: &'a Eagle3Config,
+    device: B::Device,
+}
+
+impl<B: AutodiffBackend, O: Optimizer<Eagle3Draft<B>, B>> BurnEngine<'_, B, O> {
+    fn model(&self) -> &Eagle3Draft<B> {
+        self.model
+            .as_ref()
+            .expect("the model is put back after every step")
+    }
+}
+
+impl<B: AutodiffBackend, O: Optimizer<Eagle3Draft<B>, B>> StepEngine for BurnEngine<'_, B, O> {
+    fn step(&mut self, rows: &[usize], lr: f64, step: usize) -> Result<StepOutcome, TrainError> {
+        let options = self.options;
+        let batch = assemble(self.data, rows, options.max_len, self.slots, self.hidden)?;
+        let model = self
+            .model
+            .take()
+            .expect("the model is put back after every step");
+        let aux = Tensor::<B, 3>::from_data(
+            TensorData::new(
+                batch.aux.clone(),
+                [batch.size(), batch.width, self.slots * self.hidden],
+            ),
+            &self.device,
+        );
+        let outputs =
+            match model.forward_ttt(aux, &batch.input_ids, &batch.lengths, options.ttt_steps) {
+                Ok(outputs) => outputs,
+                Err(e) => {
+                    self.model = Some(model);
+                    return Err(e.into());
+                }
+            };
+        let inner = BatchTargets::compute(self.head, &batch, &self.draft_ids);
+        let targets = BatchTargets::<B> {
+            probs: Tensor::from_inner(inner.probs),
+            argmax: inner.argmax,
+        };
+        let (loss, stats) = objective(&outputs, &targets, &batch, &model.vocab);
+        drop(outputs);
+        let loss_value = scalar(loss.clone());
+        if !loss_value.is_finite() {
+            // No step on a non-finite loss: the weights stay those of the last good step.
+            self.model = Some(model);
+            return Err(TrainError::Diverged {
+                step: step + 1,
+                loss: loss_value,
+            });
+        }
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grad_norm = clip_global_norm::<B>(&model, &mut grads, options.max_grad_norm);
+        self.model = Some(self.optim.step(lr, model, grads));
+        Ok(StepOutcome {
+            loss: loss_value,
+            stats,
+            grad_norm,
+            tokens: batch.tokens(),
+        })
+    }
+
+    fn validate(&mut self, rows: &[RowInfo]) -> Result<StatsSum, TrainError> {
+        validate(
+            &self.model().valid(),
+            self.data,
+            rows,
+            self.head,
+            &self.draft_ids,
+            self.options,
+            self.slots,
+            self.hidden,
+        )
+    }
+
+    fn checkpoint(&mut self, state: &TrainState) -> Result<(), TrainError> {
+        save_checkpoint(
+            self.model(),
+            &self.optim,
+            state,
+            self.export_config,
+            self.options,
+        )
+    }
+
+    fn export(&mut self, dtype: WeightDtype) -> Result<(), TrainError> {
+        Ok(save_pretrained(
+            &self.model().valid(),
+            self.export_config,
+            &self.options.out,
+            dtype,
+        )?)
     }
 }
 
