@@ -28,8 +28,8 @@ use crate::plot;
 use crate::target::TargetHead;
 use crate::trainer::{
     CHECKPOINT_DIR, CURVES_FILE, METRICS_FILE, OPTIONS_FILE, TrainOptions, TrainReport, TrainState,
-    check_data, checkpoint_name, describe_differences, export_config, fresh_model,
-    latest_checkpoint, prune_checkpoints, write_json,
+    check_data, checkpoint_name, export_config, fresh_model, fresh_state, prune_checkpoints,
+    resume_state, write_json,
 };
 
 /// AdamW moments of a GPU checkpoint (flat, in the trainer's parameter layout).
@@ -263,32 +263,8 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
     // The head: resumed, from --init-from, or fresh (the burn trainer's initialisation).
     let embed = || head.embed_tokens.clone();
     let identity = options.identity();
-    let checkpoints = options.out.join(CHECKPOINT_DIR);
     let (draft, base_config, state, resumed_from, adam) = if options.resume {
-        let (dir, state) = latest_checkpoint(&options.out)?;
-        if state.options != identity {
-            return Err(TrainError::Resume {
-                path: options.out.clone(),
-                reason: format!(
-                    "the options differ from the interrupted run's ({}); resume with the same \
-                     data, model, schedule and seed",
-                    describe_differences(&state.options, &identity)
-                ),
-            });
-        }
-        if state.rows != data.len() || state.train_rows != train_rows.len() {
-            return Err(TrainError::Resume {
-                path: options.out.clone(),
-                reason: format!(
-                    "the dumps now hold {} rows ({} for training), the run was started on {} \
-                     ({})",
-                    data.len(),
-                    train_rows.len(),
-                    state.rows,
-                    state.train_rows
-                ),
-            });
-        }
+        let (dir, state) = resume_state(options, &identity, data.len(), train_rows.len())?;
         let adam_path = dir.join(ADAM_FILE);
         if !adam_path.is_file() {
             return Err(TrainError::Resume {
@@ -313,19 +289,7 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
             Tensor::from_inner(embed()),
             &cpu,
         )?;
-        let state = TrainState {
-            step: 0,
-            epoch: 0,
-            batch_in_epoch: 0,
-            total_steps,
-            tokens_seen: 0,
-            rows: data.len(),
-            train_rows: train_rows.len(),
-            options: identity,
-        };
-        if checkpoints.exists() {
-            std::fs::remove_dir_all(&checkpoints).map_err(TrainError::io("clear", &checkpoints))?;
-        }
+        let state = fresh_state(options, identity, data.len(), train_rows.len(), total_steps)?;
         (
             Eagle3Draft::<NdArray>::from_host(
                 model.spec.clone(),

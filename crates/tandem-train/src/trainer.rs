@@ -315,7 +315,6 @@ pub fn train_on<B: AutodiffBackend>(
     let total_steps = batches_per_epoch * options.epochs;
 
     // The head, its vocabulary and config: resumed, initialised from a head, or fresh.
-    let checkpoints = options.out.join(CHECKPOINT_DIR);
     let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
     let mut optim = AdamWConfig::new()
         .with_beta_1(0.9)
@@ -326,30 +325,7 @@ pub fn train_on<B: AutodiffBackend>(
     let embed = || Tensor::<B, 2>::from_inner(head.embed_tokens.clone());
     let identity = options.identity();
     let (model, base_config, state, resumed_from) = if options.resume {
-        let (dir, state) = latest_checkpoint(&options.out)?;
-        if state.options != identity {
-            return Err(TrainError::Resume {
-                path: options.out.clone(),
-                reason: format!(
-                    "the options differ from the interrupted run's ({}); resume with the same \
-                     data, model, schedule and seed",
-                    describe_differences(&state.options, &identity)
-                ),
-            });
-        }
-        if state.rows != data.len() || state.train_rows != train_rows.len() {
-            return Err(TrainError::Resume {
-                path: options.out.clone(),
-                reason: format!(
-                    "the dumps now hold {} rows ({} for training), the run was started on {} \
-                     ({})",
-                    data.len(),
-                    train_rows.len(),
-                    state.rows,
-                    state.train_rows
-                ),
-            });
-        }
+        let (dir, state) = resume_state(options, &identity, data.len(), train_rows.len())?;
         let loaded = load_pretrained::<B>(&dir.join("head"), embed(), device)?;
         let model = loaded
             .draft
@@ -363,19 +339,7 @@ pub fn train_on<B: AutodiffBackend>(
         (model, loaded.config, state, Some(step))
     } else {
         let (model, config) = fresh_model::<B>(options, &head, &wiring, &counts, embed(), device)?;
-        let state = TrainState {
-            step: 0,
-            epoch: 0,
-            batch_in_epoch: 0,
-            total_steps,
-            tokens_seen: 0,
-            rows: data.len(),
-            train_rows: train_rows.len(),
-            options: identity,
-        };
-        if checkpoints.exists() {
-            std::fs::remove_dir_all(&checkpoints).map_err(TrainError::io("clear", &checkpoints))?;
-        }
+        let state = fresh_state(options, identity, data.len(), train_rows.len(), total_steps)?;
         (model, config, state, None)
     };
     let trained_on: Vec<DumpRef> = data.sources().iter().map(|s| s.dump_ref()).collect();
@@ -532,6 +496,62 @@ impl<B: AutodiffBackend, O: Optimizer<Eagle3Draft<B>, B>> StepEngine for BurnEng
             dtype,
         )?)
     }
+}
+
+/// The state of an interrupted run in `--out` (`--resume`), refused when the options or the
+/// data differ from the run's. Returns the checkpoint directory and its state.
+pub(crate) fn resume_state(
+    options: &TrainOptions,
+    identity: &serde_json::Value,
+    rows: usize,
+    train_rows: usize,
+) -> Result<(PathBuf, TrainState), TrainError> {
+    let (dir, state) = latest_checkpoint(&options.out)?;
+    if state.options != *identity {
+        return Err(TrainError::Resume {
+            path: options.out.clone(),
+            reason: format!(
+                "the options differ from the interrupted run's ({}); resume with the same \
+                 data, model, schedule and seed",
+                describe_differences(&state.options, identity)
+            ),
+        });
+    }
+    if state.rows != rows || state.train_rows != train_rows {
+        return Err(TrainError::Resume {
+            path: options.out.clone(),
+            reason: format!(
+                "the dumps now hold {rows} rows ({train_rows} for training), the run was \
+                 started on {} ({})",
+                state.rows, state.train_rows
+            ),
+        });
+    }
+    Ok((dir, state))
+}
+
+/// The state of a new run; the checkpoints of an earlier run in `--out` are cleared.
+pub(crate) fn fresh_state(
+    options: &TrainOptions,
+    identity: serde_json::Value,
+    rows: usize,
+    train_rows: usize,
+    total_steps: usize,
+) -> Result<TrainState, TrainError> {
+    let checkpoints = options.out.join(CHECKPOINT_DIR);
+    if checkpoints.exists() {
+        std::fs::remove_dir_all(&checkpoints).map_err(TrainError::io("clear", &checkpoints))?;
+    }
+    Ok(TrainState {
+        step: 0,
+        epoch: 0,
+        batch_in_epoch: 0,
+        total_steps,
+        tokens_seen: 0,
+        rows,
+        train_rows,
+        options: identity,
+    })
 }
 
 /// Checks the dumps against each other and against `--model`, refuses evaluation data and
