@@ -16,11 +16,44 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
 use crate::error::CudaError;
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
+
+/// Compiles a kernel source with NVRTC (`name` labels its messages), as every GPU path does at
+/// start-up.
+pub(crate) fn compile_source(source: &str, name: &str) -> Result<Ptx, CudaError> {
+    Ok(compile_ptx_with_opts(
+        source,
+        CompileOptions {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+    )?)
+}
+
+/// Whether libnvrtc can be loaded. Compiling the kernels needs it; a GPU it does not.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles every kernel source of the crate (`kernels/llama.cu`, `kernels/train.cu`) with
+/// NVRTC and the options the GPU paths use, without a GPU: CI runs it (with the libnvrtc of
+/// the `nvidia-cuda-nvrtc` wheel) so that a kernel that does not compile is caught before a
+/// GPU session. Returns the sources compiled.
+pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
+    if !nvrtc_present() {
+        return Err(CudaError::MissingLibrary(
+            "libnvrtc (CUDA runtime compiler)",
+        ));
+    }
+    compile_source(KERNEL_SOURCE, "llama.cu")?;
+    compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
+    Ok(vec!["kernels/llama.cu", "kernels/train.cu"])
+}
 
 /// Threads per block of the attention kernel (8 warps walk the cache columns).
 const ATTENTION_THREADS: u32 = 256;
@@ -86,13 +119,7 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone())?;
-        let ptx = compile_ptx_with_opts(
-            KERNEL_SOURCE,
-            CompileOptions {
-                name: Some("llama.cu".into()),
-                ..Default::default()
-            },
-        )?;
+        let ptx = compile_source(KERNEL_SOURCE, "llama.cu")?;
         let module = ctx.load_module(ptx)?;
         let kernels = Kernels {
             embed_rows: module.load_function("embed_rows")?,

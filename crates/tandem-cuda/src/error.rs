@@ -15,7 +15,7 @@ pub enum CudaError {
     Driver(#[from] DriverError),
     #[error("cuBLAS call failed: {0}")]
     Blas(#[from] CublasError),
-    #[error("NVRTC could not compile kernels/llama.cu: {0}")]
+    #[error("NVRTC could not compile the CUDA kernels (the log names the file): {0}")]
     Compile(#[from] CompileError),
     #[error("the CUDA fast path does not support {what} (model {architecture}); use the burn path")]
     Unsupported { what: String, architecture: String },

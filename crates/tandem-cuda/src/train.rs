@@ -30,13 +30,12 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use tandem_eagle::{DraftSpec, HostWeights, parameter_shapes, ttt_step_tokens};
 
-use crate::device::Gpu;
+use crate::device::{Gpu, compile_source};
 use crate::error::CudaError;
 
-const KERNEL_SOURCE: &str = include_str!("../../../kernels/train.cu");
+pub(crate) const KERNEL_SOURCE: &str = include_str!("../../../kernels/train.cu");
 /// Threads of the row kernels.
 const ROW_THREADS: u32 = 256;
 /// Threads of the attention softmax kernels (one block per query row).
@@ -365,13 +364,7 @@ impl CudaHeadTrainer {
         assert_eq!(target.norm.len(), h, "final norm [T]");
         assert_eq!(target.draft_ids.len(), dv, "one target id per draft id");
         let stream = gpu.stream().clone();
-        let ptx = compile_ptx_with_opts(
-            KERNEL_SOURCE,
-            CompileOptions {
-                name: Some("train.cu".into()),
-                ..Default::default()
-            },
-        )?;
+        let ptx = compile_source(KERNEL_SOURCE, "train.cu")?;
         let module = gpu.context().load_module(ptx)?;
         let f = |name: &str| module.load_function(name);
         let kernels = Kernels {
