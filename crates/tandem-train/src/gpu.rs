@@ -16,7 +16,6 @@ use burn::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, MAX_TTT_STEPS, TargetPieces};
 use tandem_eagle::{Eagle3Config, Eagle3Draft, WeightDtype, load_pretrained, save_pretrained};
-use tandem_model::weights::WeightFiles;
 use tandem_wiring::{Convention, DumpRef};
 
 use crate::data::{Dataset, RowInfo, check_record, is_validation};
@@ -128,31 +127,6 @@ fn load_all(
             .into_iter()
             .map(|h| h.join().expect("loader thread panicked"))
             .collect()
-    })
-}
-
-/// The host copies of the frozen target pieces, HF layout.
-struct TargetHost {
-    embed: Vec<f32>,
-    norm: Vec<f32>,
-    lm_head: Vec<f32>,
-}
-
-fn target_host(model: &Path, head: &TargetHead<NdArray>) -> Result<TargetHost, TrainError> {
-    let spec = &head.spec;
-    let (v, h) = (spec.vocab_size, spec.hidden_size);
-    let weights = WeightFiles::open(model)?;
-    let embed = weights.read("model.embed_tokens.weight", &[v, h])?.values;
-    let norm = weights.read("model.norm.weight", &[h])?.values;
-    let lm_head = if spec.tie_word_embeddings || !weights.contains("lm_head.weight") {
-        embed.clone()
-    } else {
-        weights.read("lm_head.weight", &[v, h])?.values
-    };
-    Ok(TargetHost {
-        embed,
-        norm,
-        lm_head,
     })
 }
 
@@ -315,7 +289,7 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
     write_json(&options.out.join(OPTIONS_FILE), options)?;
 
     // The trainer and the corpus on the GPU.
-    let target = target_host(&options.model, &head)?;
+    let target = head.host_pieces();
     let draft_ids = draft.vocab.target_ids();
     let gpu = Gpu::new(0).map_err(cuda_err)?;
     let mut trainer = CudaHeadTrainer::new(
@@ -323,7 +297,7 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
         draft.spec.clone(),
         &draft.to_host(),
         &TargetPieces {
-            embed_tokens: &target.embed,
+            embed_tokens: &target.embed_tokens,
             norm: &target.norm,
             lm_head: &target.lm_head,
             draft_ids: &draft_ids,

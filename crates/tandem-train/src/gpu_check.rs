@@ -18,11 +18,10 @@ use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, TargetPieces};
 use tandem_eagle::{Eagle3Config, Eagle3Draft, Linear, RmsNorm, build_vocab_map};
 use tandem_model::HfConfig;
 use tandem_model::testing::{scratch_dir, write_random_model};
-use tandem_model::weights::WeightFiles;
 
 use crate::data::Batch;
 use crate::error::TrainError;
-use crate::objective::{BatchTargets, objective};
+use crate::objective::{BatchTargets, draft_id_tensor, objective};
 use crate::target::TargetHead;
 
 fn gpu_err(e: tandem_cuda::CudaError) -> TrainError {
@@ -156,17 +155,7 @@ pub fn gpu_parity_check() -> Result<Vec<String>, TrainError> {
 
     for steps in [1usize, 4, 7] {
         // burn, autodiff on the CPU.
-        let draft_ids = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(
-                vocab
-                    .target_ids()
-                    .into_iter()
-                    .map(i64::from)
-                    .collect::<Vec<_>>(),
-                [draft_vocab],
-            ),
-            &device,
-        );
+        let draft_ids = draft_id_tensor::<B>(&vocab, &device);
         let targets = BatchTargets::<B>::compute(&head, &batch, &draft_ids);
         let aux_t =
             Tensor::<AB, 3>::from_data(TensorData::new(aux.clone(), [b, w, fc_in]), &device);
@@ -225,12 +214,7 @@ pub fn gpu_parity_check() -> Result<Vec<String>, TrainError> {
         ];
 
         // The GPU trainer on the same weights and rows.
-        let files = WeightFiles::open(&dir)?;
-        let embed = files
-            .read("model.embed_tokens.weight", &[VOCAB, HIDDEN])?
-            .values;
-        let lm = files.read("lm_head.weight", &[VOCAB, HIDDEN])?.values;
-        let norm = files.read("model.norm.weight", &[HIDDEN])?.values;
+        let pieces = head.host_pieces();
         let target_ids = vocab.target_ids();
         let gpu = Gpu::new(0).map_err(gpu_err)?;
         let mut trainer = CudaHeadTrainer::new(
@@ -238,9 +222,9 @@ pub fn gpu_parity_check() -> Result<Vec<String>, TrainError> {
             spec.clone(),
             &model.to_host(),
             &TargetPieces {
-                embed_tokens: &embed,
-                norm: &norm,
-                lm_head: &lm,
+                embed_tokens: &pieces.embed_tokens,
+                norm: &pieces.norm,
+                lm_head: &pieces.lm_head,
                 draft_ids: &target_ids,
             },
         )

@@ -31,6 +31,14 @@ use tandem_eagle::{DraftOutput, VocabMap};
 use crate::data::Batch;
 use crate::target::TargetHead;
 
+/// The target id of each draft id (`d2t` applied), as the index tensor that selects the draft
+/// columns of the target logits.
+pub fn draft_id_tensor<B: Backend>(vocab: &VocabMap, device: &B::Device) -> Tensor<B, 1, Int> {
+    let ids: Vec<i64> = vocab.target_ids().into_iter().map(i64::from).collect();
+    let n = ids.len();
+    Tensor::from_data(TensorData::new(ids, [n]), device)
+}
+
 /// Weight of step `i` in the total loss: `0.8^i`.
 pub fn step_weight(step: usize) -> f64 {
     0.8f64.powi(step as i32)

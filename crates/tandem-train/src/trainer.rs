@@ -22,7 +22,7 @@ use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation};
 use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
 use crate::error::TrainError;
 use crate::metrics::{MetricsLine, MetricsLog, StatsSum, read_lines};
-use crate::objective::{BatchTargets, objective};
+use crate::objective::{BatchTargets, draft_id_tensor, objective};
 use crate::plot;
 use crate::target::{TargetHead, fingerprint};
 
@@ -352,18 +352,7 @@ pub fn train_on<B: AutodiffBackend>(
     )?;
     write_json(&options.out.join(OPTIONS_FILE), options)?;
     let log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
-    let draft_ids = Tensor::<B::InnerBackend, 1, Int>::from_data(
-        TensorData::new(
-            model
-                .vocab
-                .target_ids()
-                .into_iter()
-                .map(i64::from)
-                .collect::<Vec<_>>(),
-            [model.vocab.draft_size()],
-        ),
-        device,
-    );
+    let draft_ids = draft_id_tensor::<B::InnerBackend>(&model.vocab, device);
     let mut engine = BurnEngine {
         model: Some(model),
         optim,

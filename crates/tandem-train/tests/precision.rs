@@ -18,7 +18,9 @@ use tandem_dump::DumpRecord;
 use tandem_eagle::{DraftOutput, build_vocab_map};
 use tandem_model::testing::{scratch_dir, tiny_config, write_random_model};
 use tandem_train::data::{Batch, Dataset, MemorySource};
-use tandem_train::objective::{BatchTargets, objective, position_mask, step_weight};
+use tandem_train::objective::{
+    BatchTargets, draft_id_tensor, objective, position_mask, step_weight,
+};
 use tandem_train::target::{TargetHead, fingerprint};
 use tandem_train::{TrainOptions, train_on};
 use tandem_wiring::{Job, Producer, TapId, TapPoint, WiringManifest};
@@ -80,17 +82,7 @@ fn target_softmax_and_loss_are_f32_when_the_backend_float_is_not() {
     };
     let counts: Vec<u64> = (0..96).map(|_| rng.random_range(0..100)).collect();
     let vocab = build_vocab_map(&counts, n, 96).unwrap();
-    let draft_ids = Tensor::<B, 1, Int>::from_data(
-        TensorData::new(
-            vocab
-                .target_ids()
-                .into_iter()
-                .map(i64::from)
-                .collect::<Vec<_>>(),
-            [n],
-        ),
-        &device,
-    );
+    let draft_ids = draft_id_tensor::<B>(&vocab, &device);
     let targets = BatchTargets::<B>::compute(&head, &batch, &draft_ids);
     assert_eq!(targets.probs.dtype(), DType::F32, "target softmax in f32");
     assert_eq!(targets.shifted(1).dtype(), DType::F32, "padding rows too");
