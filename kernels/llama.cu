@@ -10,50 +10,7 @@
 // - Rows are `batch * width` slots laid out sequence-major (row = b * width + i), as in
 //   `tandem_model::StepInput`.
 
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ float bf16_to_f32(unsigned short v) {
-    return __uint_as_float(((unsigned int)v) << 16);
-}
-
-__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return 0x7fc0;  // NaN stays NaN
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
-    return v;
-}
-
-// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats.
-__device__ float block_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
-    if (lane == 0) {
-        scratch[warp] = v;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < warps ? scratch[lane] : 0.0f;
-        w = warp_sum(w);
-        if (lane == 0) {
-            scratch[0] = w;
-        }
-    }
-    __syncthreads();
-    const float total = scratch[0];
-    __syncthreads();
-    return total;
-}
+// NEG_INF, the bf16 conversions, warp_sum / block_sum and block_argmax: kernels/common.cuh.
 
 // out[r, :] = embed[tokens[r], :] (the `embed` tap point). Grid: rows.
 extern "C" __global__ void embed_rows(const unsigned short* table, const unsigned int* tokens,
@@ -285,29 +242,10 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned 
             index = i;
         }
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
-        if (ov > best || (ov == best && oi < index)) {
-            best = ov;
-            index = oi;
-        }
-    }
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        best_value[warp] = best;
-        best_index[warp] = index;
-    }
-    __syncthreads();
+    float max_value;
+    index = block_argmax(best, index, best_value, best_index, &max_value);
     if (threadIdx.x == 0) {
-        const int warps = (blockDim.x + 31) >> 5;
-        for (int w = 1; w < warps; ++w) {
-            if (best_value[w] > best || (best_value[w] == best && best_index[w] < index)) {
-                best = best_value[w];
-                index = best_index[w];
-            }
-        }
+        // A row of NaNs has no maximum: token 0 rather than an out-of-vocabulary id.
         out[blockIdx.x] = (unsigned int)(index == 0x7fffffff ? 0 : index);
     }
 }

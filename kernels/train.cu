@@ -14,27 +14,7 @@
 //   (sequence, kv head).
 // - bf16 values are `unsigned short` bit patterns, rounded to nearest even (as torch).
 
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ float bf16_to_f32(unsigned short v) {
-    return __uint_as_float(((unsigned int)v) << 16);
-}
-
-__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return 0x7fc0;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
-    return v;
-}
+// NEG_INF, the bf16 conversions, warp_sum / block_sum and block_argmax: kernels/common.cuh.
 
 __device__ __forceinline__ float warp_max(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -43,34 +23,11 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats.
-__device__ float block_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) {
-        scratch[warp] = v;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < warps ? scratch[lane] : 0.0f;
-        w = warp_sum(w);
-        if (lane == 0) {
-            scratch[0] = w;
-        }
-    }
-    __syncthreads();
-    return scratch[0];
-}
-
 __device__ float block_max(float v, float* scratch) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = (blockDim.x + 31) >> 5;
     v = warp_max(v);
-    __syncthreads();
     if (lane == 0) {
         scratch[warp] = v;
     }
@@ -83,7 +40,9 @@ __device__ float block_max(float v, float* scratch) {
         }
     }
     __syncthreads();
-    return scratch[0];
+    const float total = scratch[0];
+    __syncthreads();
+    return total;
 }
 
 // dst[r, :] = src[index[r], :] (bf16 rows of `cols`), zero where index[r] < 0 (padding).
@@ -513,31 +472,10 @@ extern "C" __global__ void argmax_rows_u32(const float* x, int cols, unsigned in
             index = i;
         }
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
-        if (ov > best || (ov == best && oi < index)) {
-            best = ov;
-            index = oi;
-        }
-    }
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        best_value[warp] = best;
-        best_index[warp] = index;
-    }
-    __syncthreads();
+    float max_value;
+    index = block_argmax(best, index, best_value, best_index, &max_value);
     if (threadIdx.x == 0) {
-        const int warps = (blockDim.x + 31) >> 5;
-        for (int w = 1; w < warps; ++w) {
-            if (best_value[w] > best_value[0] ||
-                (best_value[w] == best_value[0] && best_index[w] < best_index[0])) {
-                best_value[0] = best_value[w];
-                best_index[0] = best_index[w];
-            }
-        }
-        out[blockIdx.x] = (unsigned int)best_index[0];
+        out[blockIdx.x] = (unsigned int)index;
     }
 }
 
@@ -591,34 +529,8 @@ extern "C" __global__ void draft_loss(const float* logits, const float* target_p
             index = i;
         }
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
-        if (ov > best || (ov == best && oi < index)) {
-            best = ov;
-            index = oi;
-        }
-    }
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        best_value[warp] = best;
-        best_index[warp] = index;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int warps = (blockDim.x + 31) >> 5;
-        for (int w = 1; w < warps; ++w) {
-            if (best_value[w] > best_value[0] ||
-                (best_value[w] == best_value[0] && best_index[w] < best_index[0])) {
-                best_value[0] = best_value[w];
-                best_index[0] = best_index[w];
-            }
-        }
-    }
-    __syncthreads();
-    const float m = best_value[0];
-    const int arg = best_index[0];
+    float m;
+    const int arg = block_argmax(best, index, best_value, best_index, &m);
     float sum = 0.0f;
     float psum = 0.0f;
     float pz = 0.0f;

@@ -22,11 +22,15 @@ use crate::error::CudaError;
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
+/// The helpers every kernel source uses (bf16 conversions, block reductions, block argmax).
+const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
+
 /// Compiles a kernel source with NVRTC (`name` labels its messages), as every GPU path does at
-/// start-up.
+/// start-up: `kernels/common.cuh` first (NVRTC gets no include path), then a `#line` directive
+/// so that messages give the line numbers of the source itself.
 pub(crate) fn compile_source(source: &str, name: &str) -> Result<Ptx, CudaError> {
     Ok(compile_ptx_with_opts(
-        source,
+        format!("{COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}"),
         CompileOptions {
             name: Some(name.into()),
             ..Default::default()
@@ -40,7 +44,8 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compiles every kernel source of the crate (`kernels/llama.cu`, `kernels/train.cu`) with
+/// Compiles every kernel source of the crate (`kernels/llama.cu`, `kernels/train.cu`, each after
+/// `kernels/common.cuh`) with
 /// NVRTC and the options the GPU paths use, without a GPU: CI runs it (with the libnvrtc of
 /// the `nvidia-cuda-nvrtc` wheel) so that a kernel that does not compile is caught before a
 /// GPU session. Returns the sources compiled.

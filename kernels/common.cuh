@@ -1,0 +1,92 @@
+// Helpers shared by the CUDA kernel sources (`llama.cu`, `train.cu`). NVRTC gets no include
+// path, so `tandem_cuda` puts this text in front of each source before compiling it
+// (`compile_source` in crates/tandem-cuda/src/device.rs, which also resets the line numbers so
+// that compiler messages point into the source itself).
+//
+// - bf16 values travel as `unsigned short` bit patterns (no cuda_bf16.h), converted with
+//   round-to-nearest-even like torch's `.to(torch.bfloat16)`.
+// - Block reductions give every thread the result and may be called back to back: each one
+//   reads its result before its last barrier.
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short v) {
+    return __uint_as_float(((unsigned int)v) << 16);
+}
+
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return 0x7fc0;  // NaN stays NaN
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < warps ? scratch[lane] : 0.0f;
+        w = warp_sum(w);
+        if (lane == 0) {
+            scratch[0] = w;
+        }
+    }
+    __syncthreads();
+    const float total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+// Largest value over the block and its index, the first index among equal maxima (like
+// torch.argmax); each thread passes its own candidate (NEG_INF and 0x7fffffff when it saw
+// none). Every thread gets the index, and the value in `*max_value`. `best_value` and
+// `best_index` hold >= 32 entries each.
+__device__ int block_argmax(float best, int index, float* best_value, int* best_index,
+                            float* max_value) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
+        if (ov > best || (ov == best && oi < index)) {
+            best = ov;
+            index = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        best_value[warp] = best;
+        best_index[warp] = index;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int warps = (blockDim.x + 31) >> 5;
+        for (int w = 1; w < warps; ++w) {
+            if (best_value[w] > best_value[0] ||
+                (best_value[w] == best_value[0] && best_index[w] < best_index[0])) {
+                best_value[0] = best_value[w];
+                best_index[0] = best_index[w];
+            }
+        }
+    }
+    __syncthreads();
+    *max_value = best_value[0];
+    const int result = best_index[0];
+    __syncthreads();
+    return result;
+}
