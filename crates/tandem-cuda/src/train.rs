@@ -7,9 +7,9 @@
 //! Why by hand: burn-cuda reached 13K tokens/s on this head where eager PyTorch reaches 350K
 //! (BENCHMARKS.md, issue #15): its bf16 matmuls run at ~22% of cuBLAS, and autodiff over
 //! hundreds of small ops per step is launch bound. A training step here is 21 cuBLAS calls and
-//! ~25 kernels per TTT step, no host round trip inside a step (one read-back of the loss
-//! statistics and the gradient norm per optimizer step), and the training data lives on the GPU
-//! (bf16) for the whole run.
+//! ~25 kernels per TTT step, no host round trip inside a step (the host waits once per
+//! optimizer step, for the loss statistics and the gradient norm that clipping needs), and the
+//! training data lives on the GPU (bf16) for the whole run.
 //!
 //! What guards it: the GPU test `cuda_trainer_matches_burn_autodiff` (tandem-train) runs the
 //! same batch through this trainer and through burn's autodiff on the CPU (f32) and compares
@@ -622,7 +622,6 @@ impl CudaHeadTrainer {
     ) -> Result<TrainStepReport, CudaError> {
         self.stream.memset_zeros(&mut self.grads)?;
         let stats = self.run(batch, steps, true)?;
-        let counts = self.download_stats(&stats, batch, steps)?;
         let norm_sq: CudaSlice<f64> = self.alloc(1)?;
         let n = self.layout.total;
         launch!(
@@ -633,6 +632,8 @@ impl CudaHeadTrainer {
             n as i64,
             self.ptr(&norm_sq)
         )?;
+        // Both read-backs after the last kernel of the step: the host waits for the GPU once.
+        let counts = self.download_stats(&stats, batch, steps)?;
         let grad_norm = self.stream.clone_dtoh(&norm_sq)?[0].sqrt();
         let scale = if hp.max_grad_norm > 0.0 && grad_norm > hp.max_grad_norm {
             hp.max_grad_norm / (grad_norm + 1e-6)

@@ -18,7 +18,7 @@ use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, MAX_TTT_STEPS, T
 use tandem_eagle::{Eagle3Config, Eagle3Draft, WeightDtype, load_pretrained, save_pretrained};
 use tandem_wiring::{Convention, DumpRef};
 
-use crate::data::{Dataset, RowInfo, check_record, is_validation};
+use crate::data::{Dataset, RowInfo};
 use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
 use crate::error::TrainError;
 use crate::metrics::{MetricsLog, StatsSum, read_lines};
@@ -27,8 +27,8 @@ use crate::plot;
 use crate::target::TargetHead;
 use crate::trainer::{
     CHECKPOINT_DIR, CURVES_FILE, METRICS_FILE, OPTIONS_FILE, TrainOptions, TrainReport, TrainState,
-    check_data, checkpoint_name, export_config, fresh_model, fresh_state, prune_checkpoints,
-    resume_state, write_json,
+    check_data, checkpoint_name, export_config, fresh_model, fresh_state, index_row,
+    prune_checkpoints, resume_state, write_json,
 };
 
 /// AdamW moments of a GPU checkpoint (flat, in the trainer's parameter layout).
@@ -71,30 +71,15 @@ fn load_range(
     };
     for index in range {
         let r = data.read(index)?;
-        check_record(&r, index, slots, hidden)?;
-        if let Some(&id) = r.input_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(TrainError::BadSample {
-                index,
-                sample_id: r.sample_id.clone(),
-                reason: format!("token id {id} is outside the target vocabulary ({vocab})"),
-            });
-        }
-        let len = r.len().min(options.max_len);
-        if len < 3 {
+        let Some((info, val)) = index_row(&r, index, options, slots, hidden, &mut chunk.counts)?
+        else {
             continue;
-        }
-        let val = is_validation(&r.sample_id, options.val_fraction);
-        if !val {
-            for (&t, &m) in r.input_ids[..len].iter().zip(&r.loss_mask[..len]) {
-                if m != 0 {
-                    chunk.counts[t as usize] += 1;
-                }
-            }
-        }
+        };
+        let len = info.len;
         to_bf16_bits(&r.aux_hidden[..len * slots * hidden], &mut chunk.aux);
         to_bf16_bits(&r.last_hidden[..len * hidden], &mut chunk.last);
         chunk.rows.push((
-            RowInfo { index, len },
+            info,
             val,
             r.input_ids[..len].to_vec(),
             r.loss_mask[..len].to_vec(),

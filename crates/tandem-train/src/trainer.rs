@@ -18,6 +18,8 @@ use tandem_eagle::{
 };
 use tandem_wiring::{Convention, DumpRef, Job, Producer, RawIds, TapPoint, WiringManifest, check};
 
+use tandem_dump::DumpRecord;
+
 use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation};
 use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
 use crate::error::TrainError;
@@ -639,33 +641,53 @@ fn index_rows(
     let mut counts = vec![0u64; vocab];
     for index in 0..data.len() {
         let r = data.read(index)?;
-        check_record(&r, index, slots, hidden)?;
-        if let Some(&id) = r.input_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(TrainError::BadSample {
-                index,
-                sample_id: r.sample_id.clone(),
-                reason: format!("token id {id} is outside the target vocabulary ({vocab})"),
-            });
-        }
-        let len = r.len().min(options.max_len);
+        let row = index_row(&r, index, options, slots, hidden, &mut counts)?;
         bar.inc(1);
-        if len < 3 {
-            continue;
-        }
-        let info = RowInfo { index, len };
-        if is_validation(&r.sample_id, options.val_fraction) {
-            val.push(info);
-        } else {
-            for (&t, &m) in r.input_ids[..len].iter().zip(&r.loss_mask[..len]) {
-                if m != 0 {
-                    counts[t as usize] += 1;
-                }
-            }
-            train.push(info);
+        match row {
+            Some((info, true)) => val.push(info),
+            Some((info, false)) => train.push(info),
+            None => {}
         }
     }
     bar.finish_and_clear();
     Ok(RowIndex { train, val, counts })
+}
+
+/// One row of the first pass (both trainers): its widths checked against `slots` taps of
+/// `hidden`, its token ids against the vocabulary (`counts.len()`), its length cut to
+/// `--max-len`. `None` when fewer than 3 tokens are left (nothing to train on); otherwise the
+/// row and whether it is held out for validation. A training row's assistant tokens are added
+/// to `counts` (for the draft vocabulary).
+pub(crate) fn index_row(
+    r: &DumpRecord,
+    index: usize,
+    options: &TrainOptions,
+    slots: usize,
+    hidden: usize,
+    counts: &mut [u64],
+) -> Result<Option<(RowInfo, bool)>, TrainError> {
+    let vocab = counts.len();
+    check_record(r, index, slots, hidden)?;
+    if let Some(&id) = r.input_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(TrainError::BadSample {
+            index,
+            sample_id: r.sample_id.clone(),
+            reason: format!("token id {id} is outside the target vocabulary ({vocab})"),
+        });
+    }
+    let len = r.len().min(options.max_len);
+    if len < 3 {
+        return Ok(None);
+    }
+    let val = is_validation(&r.sample_id, options.val_fraction);
+    if !val {
+        for (&t, &m) in r.input_ids[..len].iter().zip(&r.loss_mask[..len]) {
+            if m != 0 {
+                counts[t as usize] += 1;
+            }
+        }
+    }
+    Ok(Some((RowInfo { index, len }, val)))
 }
 
 /// A new head: from `--init-from` or randomly initialised, with its config.
