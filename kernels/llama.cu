@@ -110,9 +110,15 @@ extern "C" __global__ void rope_qkv(const float* qkv, const float* bias, const i
 
 // Grouped-query attention of one query row and head over the cache columns its mask allows
 // (mask `[rows, total]`: 0 visible, -inf hidden; built by `ColumnLayout::attention_mask`).
-// Each warp walks a strided subset of columns with an online softmax; lane l holds dims
-// l, l + 32, ... (head_dim a multiple of 32, at most 256); warps are merged at the end.
-// Grid: (rows, heads). Block: a multiple of 32 threads. Dynamic shared: warps * head_dim floats.
+// Each warp takes chunks of 32 columns (warps stride over the chunks): lane l scores column
+// c0 + l against the query held in shared memory (its key row read as 16-byte vectors), the
+// chunk updates the warp's online softmax, then the warp adds the chunk's value rows with
+// lane l holding dims l, l + 32, ... (head_dim a multiple of 32, at most 256). Warps are
+// merged at the end. One lane per column keeps many independent loads in flight: a warp walks
+// `total / (32 * warps)` chunks instead of `total / warps` dependent column steps, which is
+// what made long-context decode (dump --regenerate at 1,000+ columns) slow.
+// Grid: (rows, heads). Block: a multiple of 32 threads. Dynamic shared: (warps + 1) * head_dim
+// floats (the scaled query, then one accumulator row per warp).
 extern "C" __global__ void attention(const float* q, const unsigned short* k_cache,
                                      const unsigned short* v_cache, const float* mask,
                                      unsigned short* out, int width, int heads, int kv_heads,
@@ -120,7 +126,7 @@ extern "C" __global__ void attention(const float* q, const unsigned short* k_cac
     const int MAX_DIMS_PER_LANE = 8;
     __shared__ float warp_max[32];
     __shared__ float warp_sum_exp[32];
-    extern __shared__ float warp_acc[];
+    extern __shared__ float shared_attention[];
     // Rows on grid x (up to 2^31 - 1): a ragged prefill of 64 prompts of 2,048 tokens has
     // 131,072 rows, past grid y's 65,535 (the launch then fails with CUDA_ERROR_INVALID_VALUE).
     const int r = blockIdx.x;
@@ -131,42 +137,70 @@ extern "C" __global__ void attention(const float* q, const unsigned short* k_cac
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const int dims = head_dim >> 5;
+    float* q_shared = shared_attention;
+    float* warp_acc = shared_attention + head_dim;
 
     const float* qr = q + ((size_t)r * heads + h) * head_dim;
-    float qv[MAX_DIMS_PER_LANE];
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        q_shared[d] = qr[d] * scale;
+    }
+    __syncthreads();
     float acc[MAX_DIMS_PER_LANE];
 #pragma unroll
     for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
-        qv[t] = t < dims ? qr[lane + 32 * t] * scale : 0.0f;
         acc[t] = 0.0f;
     }
     const float* mask_row = mask + (size_t)r * total;
     const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
     float m = NEG_INF;
     float l = 0.0f;
-    for (int j = warp; j < total; j += warps) {
-        const float bias = mask_row[j];
-        if (bias == NEG_INF) {
-            continue;  // the whole warp skips together: j is warp-uniform
-        }
-        const unsigned short* kj = k_cache + base + (size_t)j * head_dim;
-        float s = 0.0f;
-#pragma unroll
-        for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
-            if (t < dims) {
-                s += qv[t] * bf16_to_f32(kj[lane + 32 * t]);
+    for (int c0 = warp * 32; c0 < total; c0 += warps * 32) {
+        const int j = c0 + lane;
+        float s = NEG_INF;
+        if (j < total) {
+            const float bias = mask_row[j];
+            if (bias != NEG_INF) {
+                // head_dim is a multiple of 32, so every key row starts on a 16-byte boundary.
+                const uint4* kj = reinterpret_cast<const uint4*>(k_cache + base + (size_t)j * head_dim);
+                float dot = 0.0f;
+                for (int v8 = 0; v8 < (head_dim >> 3); ++v8) {
+                    const uint4 w = kj[v8];
+                    const float* qq = q_shared + v8 * 8;
+                    dot += qq[0] * __uint_as_float(w.x << 16) + qq[1] * __uint_as_float(w.x & 0xffff0000u);
+                    dot += qq[2] * __uint_as_float(w.y << 16) + qq[3] * __uint_as_float(w.y & 0xffff0000u);
+                    dot += qq[4] * __uint_as_float(w.z << 16) + qq[5] * __uint_as_float(w.z & 0xffff0000u);
+                    dot += qq[6] * __uint_as_float(w.w << 16) + qq[7] * __uint_as_float(w.w & 0xffff0000u);
+                }
+                s = dot + bias;
             }
         }
-        s = warp_sum(s) + bias;
-        const float m_new = fmaxf(m, s);
+        float chunk_max = s;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, offset));
+        }
+        if (chunk_max == NEG_INF) {
+            continue;  // the whole chunk is hidden; chunk_max is warp-uniform
+        }
+        const float m_new = fmaxf(m, chunk_max);
         const float correction = expf(m - m_new);
-        const float p = expf(s - m_new);
-        l = l * correction + p;
-        const unsigned short* vj = v_cache + base + (size_t)j * head_dim;
+        const float p = s == NEG_INF ? 0.0f : expf(s - m_new);
+        l = l * correction + warp_sum(p);
 #pragma unroll
         for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
-            if (t < dims) {
-                acc[t] = acc[t] * correction + p * bf16_to_f32(vj[lane + 32 * t]);
+            acc[t] *= correction;
+        }
+        const int n = min(32, total - c0);
+#pragma unroll 4
+        for (int jj = 0; jj < n; ++jj) {
+            const float pj = __shfl_sync(0xffffffffu, p, jj);
+            if (pj != 0.0f) {  // warp-uniform (a broadcast value); hidden columns add nothing
+                const unsigned short* vj = v_cache + base + (size_t)(c0 + jj) * head_dim;
+#pragma unroll
+                for (int t = 0; t < MAX_DIMS_PER_LANE; ++t) {
+                    if (t < dims) {
+                        acc[t] += pj * bf16_to_f32(vj[lane + 32 * t]);
+                    }
+                }
             }
         }
         m = m_new;
@@ -246,6 +280,106 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned 
     index = block_argmax(best, index, best_value, best_index, &max_value);
     if (threadIdx.x == 0) {
         // A row of NaNs has no maximum: token 0 rather than an out-of-vocabulary id.
+        out[blockIdx.x] = (unsigned int)(index == 0x7fffffff ? 0 : index);
+    }
+}
+
+// Uniform in (0, 1) from a row's seed and a token id (splitmix64; 24 bits are plenty for a
+// Gumbel draw and keep u away from 0 and 1).
+__device__ __forceinline__ float seeded_uniform(unsigned long long seed, int token) {
+    unsigned long long x = seed + 0x9E3779B97F4A7C15ull * (unsigned long long)(token + 1);
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return ((float)(x >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+// Probability mass of the tokens whose scaled logit is at least `cut` (softmax with the row's
+// max `mx` and normaliser `z`); every thread gets it.
+__device__ float mass_at_least(const float* row, int vocab, float inv_temperature, float mx,
+                               float z, float cut, float* scratch) {
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float s = row[i] * inv_temperature;
+        if (s >= cut) {
+            m += expf(s - mx);
+        }
+    }
+    return block_sum(m, scratch) / z;
+}
+
+// Draws one token per logits row from softmax(logits / temperature), restricted to the nucleus
+// (the most likely tokens whose mass reaches top_p; top_p >= 1 keeps all), on the GPU: the
+// nucleus cut is found by bisection on the scaled logit (mass is monotone in the cut), then the
+// Gumbel-max trick picks the token (argmax of s_i - log(-log u_i) is a draw from softmax(s)
+// over the kept tokens), with u_i from the row's seed. `dump --regenerate` samples 256 rows of
+// 49,152 logits per step this way instead of reading 50 MB back and sorting each row on the
+// host. A NaN row yields token 0. Grid: rows. Block: 1024.
+extern "C" __global__ void sample_rows(const float* logits, int vocab, float inv_temperature,
+                                       float top_p, const unsigned long long* seeds,
+                                       unsigned int* out) {
+    __shared__ float scratch[32];
+    __shared__ float best_value[32];
+    __shared__ int best_index[32];
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float best = NEG_INF;
+    int index = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = row[i];
+        if (v > best) {
+            best = v;
+            index = i;
+        }
+    }
+    float max_value;
+    index = block_argmax(best, index, best_value, best_index, &max_value);
+    if (index == 0x7fffffff) {
+        if (threadIdx.x == 0) {
+            out[blockIdx.x] = 0;
+        }
+        return;  // uniform over the block: every thread read the same index
+    }
+    const float mx = max_value * inv_temperature;
+    float cut = NEG_INF;
+    if (top_p < 1.0f) {
+        float z = 0.0f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            z += expf(row[i] * inv_temperature - mx);
+        }
+        z = block_sum(z, scratch);
+        // Largest cut whose mass still reaches top_p: the most likely token alone (cut = mx)
+        // or a bisection between mx - 40 (mass ~1) and mx; 30 halvings leave < 4e-8 of slack.
+        if (mass_at_least(row, vocab, inv_temperature, mx, z, mx, scratch) >= top_p) {
+            cut = mx;
+        } else {
+            float lo = mx - 40.0f;
+            float hi = mx;
+            for (int it = 0; it < 30; ++it) {
+                const float mid = 0.5f * (lo + hi);
+                if (mass_at_least(row, vocab, inv_temperature, mx, z, mid, scratch) >= top_p) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            cut = lo;
+        }
+    }
+    const unsigned long long seed = seeds[blockIdx.x];
+    best = NEG_INF;
+    index = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float s = row[i] * inv_temperature;
+        if (s >= cut) {
+            const float key = s - logf(-logf(seeded_uniform(seed, i)));
+            if (key > best) {
+                best = key;
+                index = i;
+            }
+        }
+    }
+    index = block_argmax(best, index, best_value, best_index, &max_value);
+    if (threadIdx.x == 0) {
         out[blockIdx.x] = (unsigned int)(index == 0x7fffffff ? 0 : index);
     }
 }

@@ -60,7 +60,7 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     Ok(vec!["kernels/llama.cu", "kernels/train.cu"])
 }
 
-/// Threads per block of the attention kernel (8 warps walk the cache columns).
+/// Threads per block of the attention kernel (8 warps, each taking 32 cache columns at a time).
 const ATTENTION_THREADS: u32 = 256;
 
 struct Kernels {
@@ -71,6 +71,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
+    sample_rows: CudaFunction,
     copy_rows: CudaFunction,
     copy_rows_u16: CudaFunction,
     rows_to_bf16: CudaFunction,
@@ -134,6 +135,7 @@ impl Gpu {
             silu_mul: module.load_function("silu_mul")?,
             gather_rows: module.load_function("gather_rows")?,
             argmax_rows: module.load_function("argmax_rows")?,
+            sample_rows: module.load_function("sample_rows")?,
             copy_rows: module.load_function("copy_rows")?,
             copy_rows_u16: module.load_function("copy_rows_u16")?,
             rows_to_bf16: module.load_function("rows_to_bf16")?,
@@ -463,9 +465,10 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (s.rows() as u32, s.heads as u32, 1),
             block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: (ATTENTION_THREADS / 32) * s.head_dim as u32 * 4,
+            shared_mem_bytes: (ATTENTION_THREADS / 32 + 1) * s.head_dim as u32 * 4,
         };
-        // SAFETY: sizes asserted above; dynamic shared memory holds warps * head_dim floats.
+        // SAFETY: sizes asserted above; dynamic shared memory holds (warps + 1) * head_dim floats;
+        // the caches are whole allocations, so key rows are 16-byte aligned (head_dim % 32 == 0).
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
@@ -612,6 +615,44 @@ impl Gpu {
             let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows);
             launch.arg(logits).arg(&vocab_i).arg(&mut out);
             // SAFETY: one block per row, each reads `vocab` values; sizes asserted.
+            unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
+        }
+        let mut host = self.download(&out)?;
+        host.truncate(rows);
+        Ok(host)
+    }
+
+    /// One token per row of `[rows, vocab]` f32 logits drawn from softmax(logits /
+    /// `temperature`) restricted to the `top_p` nucleus (`top_p >= 1`: all tokens), on the GPU
+    /// (`sample_rows` in kernels/llama.cu: bisection for the nucleus cut, then Gumbel-max with
+    /// uniforms hashed from `seeds[row]` and the token id). Same seed, same logits: same token.
+    pub fn sample_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        temperature: f32,
+        top_p: f32,
+        seeds: &[u64],
+    ) -> Result<Vec<u32>, CudaError> {
+        assert!(logits.len() >= rows * vocab && seeds.len() >= rows);
+        assert!(
+            temperature > 0.0,
+            "sample_rows draws; greedy rows use argmax_rows"
+        );
+        let seeds = self.upload(&seeds[..rows])?;
+        let mut out = self.scratch::<u32>(rows)?;
+        let (vocab_i, inv_temperature) = (vocab as i32, 1.0 / temperature);
+        {
+            let mut launch = self.stream.launch_builder(&self.kernels.sample_rows);
+            launch
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&inv_temperature)
+                .arg(&top_p)
+                .arg(&seeds)
+                .arg(&mut out);
+            // SAFETY: one block per row, each reads `vocab` values and one seed; sizes asserted.
             unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
         }
         let mut host = self.download(&out)?;

@@ -60,6 +60,17 @@ impl DeviceLogits {
     pub fn argmax(&self) -> Result<Vec<u32>, CudaError> {
         self.gpu.argmax_rows(&self.data, self.rows, self.vocab)
     }
+    /// One token per row drawn on the GPU from softmax(logits / `temperature`) within the
+    /// `top_p` nucleus, row `r` with `seeds[r]` (see [`Gpu::sample_rows`]).
+    pub fn sample(
+        &self,
+        temperature: f32,
+        top_p: f32,
+        seeds: &[u64],
+    ) -> Result<Vec<u32>, CudaError> {
+        self.gpu
+            .sample_rows(&self.data, self.rows, self.vocab, temperature, top_p, seeds)
+    }
     /// The `k` most likely entries of each row and their softmax probabilities, computed on
     /// the GPU: `(probs, ids)`, each `[rows * k]`, descending per row.
     pub fn topk(&self, k: usize) -> Result<(Vec<f32>, Vec<u32>), CudaError> {

@@ -2,6 +2,7 @@
 //! dump takes the path serving takes, so the hidden states a head is trained on come from the
 //! very kernels that feed it when it serves (replay checks this slot by slot).
 
+use rand::Rng;
 use rand::rngs::StdRng;
 use tandem_cuda::{CudaError, CudaTarget, DeviceLogits};
 use tandem_model::burn::prelude::*;
@@ -200,6 +201,18 @@ impl DumpTarget for CudaTarget {
             let logits: DeviceLogits = out.logits.expect("asked for logits");
             if sampling.is_greedy() {
                 return Ok(logits.argmax()?);
+            }
+            if sampling.top_k == 0 {
+                // Drawn on the GPU: a batch of 256 rows would otherwise read 50 MB of logits
+                // back per step and sort every row on the host. Each running sequence takes
+                // its seed from its own stream, so its reply still does not depend on the
+                // batch; a finished one leaves its stream alone.
+                let seeds: Vec<u64> = inputs
+                    .iter()
+                    .zip(rngs.iter_mut())
+                    .map(|(input, rng)| if input.is_empty() { 0 } else { rng.random() })
+                    .collect();
+                return Ok(logits.sample(sampling.temperature, sampling.top_p, &seeds)?);
             }
             let host = logits.to_host()?;
             Ok(sample_rows(&host, logits.vocab, inputs, sampling, rngs))
