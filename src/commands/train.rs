@@ -4,10 +4,14 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use clap::Args;
+use tandem_dump::{DumpOptions, OnlineCapture, ShardLimits, StorageDtype};
 use tandem_model::backend::DeviceKind;
 use tandem_model::burn::backend::Autodiff;
 use tandem_model::burn::prelude::Backend;
+use tandem_model::{Execution, TargetModel};
+use tandem_train::data::Dataset;
 use tandem_train::{TrainOptions, TrainReport};
+use tandem_wiring::TapSpec;
 
 use super::DEFAULT_MODEL_DIR;
 use super::spec::EngineKind;
@@ -17,8 +21,26 @@ use crate::with_backend;
 pub struct TrainArgs {
     /// A dump directory written by `tandem dump` (repeat to train on several; their wiring
     /// must agree).
-    #[arg(long = "dump", required = true)]
+    #[arg(long = "dump", required_unless_present = "online")]
     pub dumps: Vec<PathBuf>,
+    /// Train on taps captured from the target while training instead of a dump: the
+    /// conversations of --dataset (with their own replies, e.g. the regenerated ones kept in
+    /// datasets/regenerated/) go through the capture hook `tandem dump` uses, on the GPU (the
+    /// fast path) or the CPU; no hidden state is written to disk.
+    #[arg(long, requires = "dataset", conflicts_with = "dumps")]
+    pub online: bool,
+    /// --online: registry name (`sharegpt`) or chat-JSONL/JSON path.
+    #[arg(long)]
+    pub dataset: Option<String>,
+    /// --online: where registry datasets are fetched to.
+    #[arg(long, default_value = "data")]
+    pub data_root: PathBuf,
+    /// --online: aux taps, as `tandem dump --taps`.
+    #[arg(long, default_value = "default")]
+    pub taps: TapSpec,
+    /// --online: use at most this many conversations.
+    #[arg(long)]
+    pub max_samples: Option<u64>,
     /// The target model directory the dumps were captured from (checked against their wiring).
     #[arg(long, default_value = DEFAULT_MODEL_DIR)]
     pub model: PathBuf,
@@ -128,16 +150,33 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         resume: args.resume,
         progress: !args.quiet && std::io::stderr().is_terminal(),
         device_label: args.device.to_string(),
+        online: args.online.then(|| args.dataset.clone()).flatten(),
     };
+    let online = args.online.then(|| online_options(&args));
     let cuda = args.device.to_string() == "cuda";
     match args.engine {
         EngineKind::Fast | EngineKind::Auto if cuda => {
-            let report = tandem_train::train_gpu(&options)?;
+            let report = match &online {
+                Some(capture) => {
+                    let capture = OnlineCapture::open(capture, || {
+                        let gpu = tandem_cuda::Gpu::new(0)?;
+                        let target = tandem_cuda::CudaTarget::load(&args.model, gpu)?;
+                        eprintln!("online: capturing through the CUDA fast path's hook");
+                        Ok(Box::new(target))
+                    })?;
+                    tandem_train::train_gpu_on(&options, Dataset::new(vec![Box::new(capture)])?)?
+                }
+                None => tandem_train::train_gpu(&options)?,
+            };
             print_report(&report);
             Ok(())
         }
         EngineKind::Fast => anyhow::bail!("--engine fast trains on the GPU: pass --device cuda"),
-        _ => with_backend!(args.device, |B, device| run_on::<B>(&options, &device)),
+        _ => with_backend!(args.device, |B, device| run_on::<B>(
+            &options,
+            online.as_ref(),
+            &device
+        )),
     }
 }
 
@@ -151,10 +190,49 @@ pub fn run_check() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_on<B: Backend>(options: &TrainOptions, device: &B::Device) -> anyhow::Result<()> {
-    let report = tandem_train::train::<Autodiff<B>>(options, device)?;
+fn run_on<B: Backend>(
+    options: &TrainOptions,
+    online: Option<&DumpOptions>,
+    device: &B::Device,
+) -> anyhow::Result<()> {
+    let report = match online {
+        Some(capture) => {
+            let capture = OnlineCapture::open(capture, || {
+                Ok(Box::new(TargetModel::<B>::load(
+                    &capture.model_dir,
+                    device,
+                )?))
+            })?;
+            let data = Dataset::new(vec![Box::new(capture)])?;
+            tandem_train::train_on::<Autodiff<B>>(options, data, device)?
+        }
+        None => tandem_train::train::<Autodiff<B>>(options, device)?,
+    };
     print_report(&report);
     Ok(())
+}
+
+/// What `--online` captures: a dump's options without the output (nothing is written).
+fn online_options(args: &TrainArgs) -> DumpOptions {
+    DumpOptions {
+        model_dir: args.model.clone(),
+        dataset: args.dataset.clone().unwrap_or_default(),
+        data_root: args.data_root.clone(),
+        out: PathBuf::new(),
+        taps: args.taps.clone(),
+        max_samples: args.max_samples,
+        max_seconds: None,
+        max_len: args.max_len,
+        regenerate: None,
+        batch_size: 1,
+        dtype: StorageDtype::Bf16,
+        shard_limits: ShardLimits::default(),
+        allow_eval: false,
+        device_label: args.device.to_string(),
+        progress: false,
+        simulate_full_disk_after: None,
+        execution: Execution::default(),
+    }
 }
 
 fn print_report(r: &TrainReport) {

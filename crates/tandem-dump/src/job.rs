@@ -511,7 +511,7 @@ pub fn run_dump_with<'a>(
     }
 }
 
-fn to_chat(conv: &Conversation) -> Vec<ChatMessage> {
+pub(crate) fn to_chat(conv: &Conversation) -> Vec<ChatMessage> {
     conv.messages
         .iter()
         .map(|m| ChatMessage::new(m.role.as_str(), m.content.clone()))

@@ -28,6 +28,7 @@ pub mod job;
 pub mod layout;
 pub mod manifest;
 pub mod mask;
+pub mod online;
 pub mod reader;
 mod regen;
 pub mod target;
@@ -40,6 +41,7 @@ pub use manifest::{
     DumpManifest, DumpSettings, FORMAT_NAME, FORMAT_VERSION, GenerationSettings, MANIFEST_FILE,
     ShardInfo, StorageDtype,
 };
+pub use online::OnlineCapture;
 pub use reader::{DumpReader, DumpRecord};
 pub use target::DumpTarget;
 pub use writer::{DumpWriter, ShardLimits};

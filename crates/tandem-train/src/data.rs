@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use sha2::{Digest, Sha256};
-use tandem_dump::{DumpReader, DumpRecord};
+use tandem_dump::{DumpReader, DumpRecord, OnlineCapture};
 use tandem_wiring::{DumpRef, WiringManifest};
 
 use crate::error::TrainError;
@@ -63,6 +63,35 @@ impl SampleSource for DumpReader {
     }
     fn dump_ref(&self) -> DumpRef {
         DumpReader::dump_ref(self)
+    }
+}
+
+/// `tandem train --online`: rows captured from the target when read, through the hook the
+/// dump job uses (no shards on disk).
+impl SampleSource for OnlineCapture {
+    fn wiring(&self) -> &WiringManifest {
+        &self.manifest().wiring
+    }
+    fn hidden_size(&self) -> usize {
+        self.manifest().hidden_size
+    }
+    fn num_slots(&self) -> usize {
+        self.manifest().num_slots
+    }
+    fn len(&self) -> usize {
+        OnlineCapture::len(self)
+    }
+    fn read(&self, index: usize) -> Result<DumpRecord, TrainError> {
+        Ok(OnlineCapture::read(self, index)?)
+    }
+    fn name(&self) -> String {
+        format!("online capture of {}", self.manifest().dataset)
+    }
+    fn split(&self) -> Option<&str> {
+        self.manifest().dataset_split.as_deref()
+    }
+    fn dump_ref(&self) -> DumpRef {
+        OnlineCapture::dump_ref(self)
     }
 }
 

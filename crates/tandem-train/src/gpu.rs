@@ -59,12 +59,22 @@ fn to_bf16_bits(values: &[f32], out: &mut Vec<u16>) {
 
 fn load_range(
     options: &TrainOptions,
+    shared: Option<&Dataset>,
     range: std::ops::Range<usize>,
     slots: usize,
     hidden: usize,
     vocab: usize,
 ) -> Result<LoadedChunk, TrainError> {
-    let data = Dataset::open(&options.dumps)?;
+    // Each thread opens the dumps itself (a shard reader serves one thread); an online source
+    // is shared (its one target captures one row at a time).
+    let own;
+    let data = match shared {
+        Some(data) => data,
+        None => {
+            own = Dataset::open(&options.dumps)?;
+            &own
+        }
+    };
     let mut chunk = LoadedChunk {
         counts: vec![0; vocab],
         ..Default::default()
@@ -88,24 +98,29 @@ fn load_range(
     Ok(chunk)
 }
 
-/// Reads every row on all cores.
+/// Reads every row on all cores (an online source: on one thread, it captures on the GPU).
 fn load_all(
     options: &TrainOptions,
+    shared: Option<&Dataset>,
     rows: usize,
     slots: usize,
     hidden: usize,
     vocab: usize,
 ) -> Result<Vec<LoadedChunk>, TrainError> {
-    let threads = std::thread::available_parallelism()
-        .map_or(4, |n| n.get())
-        .clamp(1, 16)
-        .min(rows.max(1));
+    let threads = if shared.is_some() {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map_or(4, |n| n.get())
+            .clamp(1, 16)
+            .min(rows.max(1))
+    };
     let per = rows.div_ceil(threads);
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let range = (t * per).min(rows)..((t + 1) * per).min(rows);
-                scope.spawn(move || load_range(options, range, slots, hidden, vocab))
+                scope.spawn(move || load_range(options, shared, range, slots, hidden, vocab))
             })
             .collect();
         handles
@@ -158,6 +173,19 @@ fn to_stats(counts: &[tandem_cuda::StepCounts]) -> Vec<StepStats> {
 
 /// Trains on the GPU. Same options, outputs and resume rules as [`crate::train`].
 pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
+    train_gpu_with(options, None)
+}
+
+/// [`train_gpu`] on an already opened dataset (`--online`: rows captured from the target),
+/// read once onto the GPU through one shared reader.
+pub fn train_gpu_on(options: &TrainOptions, data: Dataset) -> Result<TrainReport, TrainError> {
+    train_gpu_with(options, Some(data))
+}
+
+fn train_gpu_with(
+    options: &TrainOptions,
+    opened: Option<Dataset>,
+) -> Result<TrainReport, TrainError> {
     options.validate()?;
     if options.ttt_steps > MAX_TTT_STEPS {
         return Err(TrainError::InvalidOption {
@@ -170,7 +198,11 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
     }
     let start = Instant::now();
     std::fs::create_dir_all(&options.out).map_err(TrainError::io("create", &options.out))?;
-    let data = Dataset::open(&options.dumps)?;
+    let shared = opened.is_some();
+    let data = match opened {
+        Some(data) => data,
+        None => Dataset::open(&options.dumps)?,
+    };
     let wiring = check_data(options, &data)?;
     let cpu = Default::default();
     let head = TargetHead::<NdArray>::load(&options.model, &cpu)?;
@@ -189,7 +221,14 @@ pub fn train_gpu(options: &TrainOptions) -> Result<TrainReport, TrainError> {
 
     // One pass over the data on every core.
     let load_start = Instant::now();
-    let chunks = load_all(options, data.len(), slots, hidden, spec.vocab_size)?;
+    let chunks = load_all(
+        options,
+        shared.then_some(&data),
+        data.len(),
+        slots,
+        hidden,
+        spec.vocab_size,
+    )?;
     let mut counts = vec![0u64; spec.vocab_size];
     let mut train_rows = Vec::new();
     let mut val_rows = Vec::new();

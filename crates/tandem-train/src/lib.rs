@@ -1,5 +1,6 @@
 //! `tandem train`: trains an EAGLE-3 head ([`tandem_eagle::Eagle3Draft`]) on offline dumps
-//! written by `tandem dump`, and exports it as a directory SGLang / vLLM load.
+//! written by `tandem dump`, or online on taps captured through the same hook while training
+//! (`tandem_dump::OnlineCapture`), and exports it as a directory SGLang / vLLM load.
 //!
 //! - [`data`]: dumps as one row space ([`data::SampleSource`], [`data::Dataset`]), the
 //!   train/validation split by sample id, seeded shuffling with length bucketing, batches.
@@ -29,5 +30,5 @@ pub mod target;
 pub mod trainer;
 
 pub use error::TrainError;
-pub use gpu::train_gpu;
+pub use gpu::{train_gpu, train_gpu_on};
 pub use trainer::{TrainOptions, TrainReport, TrainState, clip_global_norm, train, train_on};

@@ -95,6 +95,10 @@ pub struct TrainOptions {
     pub progress: bool,
     /// Device description for the manifest (`cpu`, `cuda`).
     pub device_label: String,
+    /// `--online`: the dataset whose rows are captured from the target while training
+    /// (`tandem_dump::OnlineCapture`) instead of read from `dumps`.
+    #[serde(default)]
+    pub online: Option<String>,
 }
 
 impl TrainOptions {
@@ -128,6 +132,7 @@ impl TrainOptions {
             resume: false,
             progress: false,
             device_label: "cpu".to_owned(),
+            online: None,
         }
     }
 
@@ -160,8 +165,15 @@ impl TrainOptions {
                 reason: reason.to_owned(),
             })
         };
-        if self.dumps.is_empty() {
-            return bad("dump", "at least one dump directory is needed");
+        match (&self.online, self.dumps.is_empty()) {
+            (None, true) => return bad("dump", "at least one dump directory is needed"),
+            (Some(_), false) => {
+                return bad(
+                    "online",
+                    "trains on taps captured from --dataset; pass it without --dump",
+                );
+            }
+            _ => {}
         }
         if self.ttt_steps == 0 {
             return bad("ttt-steps", "must be at least 1");
