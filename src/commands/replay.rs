@@ -9,8 +9,8 @@ use clap::Args;
 use tandem_dump::DumpReader;
 use tandem_model::burn::prelude::Backend;
 use tandem_replay::{
-    CompareSetup, GapThresholds, HeadWiring, OfflinePositions, ReplayOptions, ReplayTarget,
-    Tolerance, fingerprint_model, replay,
+    CompareSetup, GapTest, HeadWiring, OfflinePositions, ReplayOptions, ReplayTarget, Tolerance,
+    fingerprint_model, replay,
 };
 
 use super::ModelArgs;
@@ -157,12 +157,14 @@ pub struct CompareArgs {
     /// Tokens generated per prompt online.
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
-    /// Flag a draft position whose offline acceptance exceeds the online one by more.
-    #[arg(long, default_value_t = GapThresholds::default().per_position)]
-    pub threshold: f64,
-    /// Flag an offline accept length above the online one by more than this share of it.
-    #[arg(long, default_value_t = GapThresholds::default().relative_accept_length)]
-    pub max_relative_gap: f64,
+    /// Flag a gap (offline above online, per draft position and in accept length) beyond this
+    /// many standard errors; the errors come from the spread over rounds and over prompts.
+    #[arg(long, default_value_t = GapTest::default().z)]
+    pub z: f64,
+    /// Measure even when the dump, the head and serving disagree on the wiring (the report
+    /// then leads with the mismatch and is flagged); without it compare refuses.
+    #[arg(long)]
+    pub allow_mismatch: bool,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -206,9 +208,26 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
     let device_name = args.model.device.to_string();
     let dtype = if device_name == "cuda" { "bf16" } else { "f32" };
     let serving = serving_manifest(&args.model.model, taps.clone(), dtype, &device_name)?;
-    // Compare diagnoses: a wiring mismatch is reported, not refused (it explains a gap).
-    for m in check_head(&head.config, &serving)? {
+    // Offline feeds the head the dump's taps, online serving's: both must be what it was
+    // trained on, or the gap measures the mismatch rather than the engine.
+    for m in check_head(&head.config, &serving)?
+        .iter()
+        .filter(|m| !m.is_fatal())
+    {
         eprintln!("wiring: {m}");
+    }
+    let trained = head.config.tandem_wiring.clone().unwrap_or_else(|| {
+        let mut foreign = serving.clone();
+        foreign.taps = taps.clone();
+        foreign
+    });
+    let mismatches = tandem_replay::compare_wiring(&trained, &dump.manifest().wiring, &serving);
+    if !mismatches.is_empty() && !args.allow_mismatch {
+        anyhow::bail!(
+            "compare refuses inputs whose wiring disagrees (--allow-mismatch measures and \
+             labels them):\n  {}",
+            mismatches.join("\n  ")
+        );
     }
     let offline = tandem_replay::offline_acceptance(
         &model,
@@ -287,11 +306,9 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
         offline,
         drafted,
         online,
-        GapThresholds {
-            per_position: args.threshold,
-            relative_accept_length: args.max_relative_gap,
-        },
-    );
+        GapTest { z: args.z },
+    )
+    .with_wiring_mismatches(mismatches);
     print!("{}", report.to_table());
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report)? + "\n";

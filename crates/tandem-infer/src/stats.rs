@@ -13,6 +13,9 @@ pub struct AcceptanceStats {
     pub reached: Vec<u64>,
     /// `accepted[i]`: rounds in which draft position i was accepted.
     pub accepted: Vec<u64>,
+    /// Sum over rounds of (committed tokens)^2, committed = accepted drafts + 1: with
+    /// `accepted_tokens` it gives the per-round variance of the accept length.
+    pub committed_sq: u64,
 }
 
 impl AcceptanceStats {
@@ -33,6 +36,7 @@ impl AcceptanceStats {
         }
         self.rounds += 1;
         self.accepted_tokens += accepted_len as u64;
+        self.committed_sq += (accepted_len as u64 + 1).pow(2);
         for i in 0..tree_depth.min(accepted_len + 1) {
             self.reached[i] += 1;
         }
@@ -48,6 +52,7 @@ impl AcceptanceStats {
         }
         self.rounds += other.rounds;
         self.accepted_tokens += other.accepted_tokens;
+        self.committed_sq += other.committed_sq;
         for i in 0..other.reached.len() {
             self.reached[i] += other.reached[i];
             self.accepted[i] += other.accepted[i];
@@ -60,6 +65,18 @@ impl AcceptanceStats {
             return 0.0;
         }
         (self.accepted_tokens + self.rounds) as f64 / self.rounds as f64
+    }
+
+    /// Standard error of [`Self::accept_length`] treating rounds as independent (sample
+    /// variance of the tokens committed per round over `rounds`); `None` below two rounds.
+    pub fn accept_length_se(&self) -> Option<f64> {
+        if self.rounds < 2 {
+            return None;
+        }
+        let n = self.rounds as f64;
+        let mean = self.accept_length();
+        let variance = ((self.committed_sq as f64 - n * mean * mean) / (n - 1.0)).max(0.0);
+        Some((variance / n).sqrt())
     }
 
     /// Conditional acceptance rate per draft position.
@@ -90,5 +107,18 @@ mod tests {
         assert_eq!(s.accepted, vec![2, 1, 1]);
         let p = s.per_position();
         assert!((p[0] - 2.0 / 3.0).abs() < 1e-12 && (p[1] - 0.5).abs() < 1e-12 && p[2] == 1.0);
+        // Committed 4, 2, 1: mean 7/3, sample variance (16 + 4 + 1 - 3 (7/3)^2) / 2 = 7/3,
+        // standard error sqrt(7/9).
+        assert_eq!(s.committed_sq, 21);
+        let se = s.accept_length_se().unwrap();
+        assert!((se - (7.0f64 / 9.0).sqrt()).abs() < 1e-12, "{se}");
+        let mut merged = AcceptanceStats::new(3);
+        merged.record(3, 3);
+        let mut rest = AcceptanceStats::new(3);
+        rest.record(1, 3);
+        rest.record(0, 3);
+        merged.merge(&rest);
+        assert_eq!(merged, s);
+        assert_eq!(AcceptanceStats::new(3).accept_length_se(), None);
     }
 }

@@ -44,10 +44,10 @@ pub use candidate::{
     Candidate, CandidateValues, ReplayTarget, all_candidates, all_taps, capture_candidates,
 };
 pub use compare::{
-    CompareReport, CompareSetup, DraftedAcceptance, GapThresholds, OfflineAcceptance,
-    OfflinePositions, OnlineAcceptance, drafted_acceptance, first_turn, next_draft_slot,
-    node_targets, offline_acceptance, online_acceptance, online_acceptance_on_dump, relative_gap,
-    teacher_forced_proposals,
+    CompareReport, CompareSetup, DraftedAcceptance, GapTest, OfflineAcceptance, OfflinePositions,
+    OnlineAcceptance, accept_length_se, compare_wiring, drafted_acceptance, first_turn,
+    next_draft_slot, node_targets, offline_acceptance, online_acceptance,
+    online_acceptance_on_dump, ratio_se, relative_gap, share_se, teacher_forced_proposals,
 };
 pub use diagnose::{
     DeclaredReading, DiagnoseLabels, DiagnoseOptions, DiagnoseReport, DiagnoseSample,

@@ -18,7 +18,7 @@ use tandem_infer::{SpecConfig, SpecEngine};
 use tandem_model::testing::tiny_config;
 use tandem_model::{TapRequest, TargetModel};
 use tandem_replay::{
-    Candidate, CompareReport, CompareSetup, DiagnoseSample, GapThresholds, OfflinePositions,
+    Candidate, CompareReport, CompareSetup, DiagnoseSample, GapTest, OfflinePositions,
     drafted_acceptance, generate_samples, offline_acceptance, online_acceptance,
 };
 use tandem_wiring::{Convention, TapId};
@@ -181,7 +181,7 @@ fn compare(config: SpecConfig, serving_taps: Vec<TapId>) -> CompareReport {
         offline,
         drafted,
         online,
-        GapThresholds::default(),
+        GapTest::default(),
     );
     eprintln!("{}", report.to_table());
     report
@@ -326,7 +326,7 @@ fn compare_runs_offline_and_online_on_a_random_head() {
         offline,
         drafted,
         online,
-        GapThresholds::default(),
+        GapTest::default(),
     );
     eprintln!("{}", report.to_table());
     assert_eq!(report.gap.len(), STEPS);
