@@ -302,7 +302,8 @@ impl Eagle3Config {
             .as_ref()
             .and_then(|e| e.eagle_aux_hidden_state_layer_ids.as_ref())
         {
-            let convention = tandem_wiring::Convention::SglangHeuristic;
+            // As SGLang's model code for the target's family reads them.
+            let convention = tandem_wiring::sglang_convention(&m.target.architecture);
             let read = convention.to_canonical(ids, m.target.num_layers);
             if read.as_ref().ok() != Some(&m.taps) {
                 let read = match read {
@@ -314,6 +315,30 @@ impl Eagle3Config {
                     reason: format!(
                         "is {ids:?}, which SGLang reads as {read}, but the head was trained on \
                          {} (tandem_wiring)",
+                        tandem_wiring::format_taps(&m.taps)
+                    ),
+                });
+            }
+        }
+        // vLLM reads only the top-level key, in its own convention.
+        if let Some(value) = self.extra.get(tandem_wiring::AUX_IDS_KEY) {
+            let ids: Option<Vec<i64>> = value
+                .as_array()
+                .and_then(|a| a.iter().map(serde_json::Value::as_i64).collect());
+            let read = ids
+                .as_ref()
+                .map(|ids| tandem_wiring::Convention::Vllm.to_canonical(ids, m.target.num_layers));
+            if !matches!(&read, Some(Ok(taps)) if *taps == m.taps) {
+                let read = match read {
+                    Some(Ok(taps)) => tandem_wiring::format_taps(&taps),
+                    Some(Err(e)) => format!("nothing valid ({e})"),
+                    None => "nothing (not a list of integers)".to_owned(),
+                };
+                return Err(EagleError::Config {
+                    field: "eagle_aux_hidden_state_layer_ids",
+                    reason: format!(
+                        "(top level) is {value}, which vLLM reads as {read}, but the head was \
+                         trained on {} (tandem_wiring)",
                         tandem_wiring::format_taps(&m.taps)
                     ),
                 });
@@ -486,6 +511,26 @@ mod tests {
         assert!(
             err.contains("SGLang reads as [block 1, block 16, block 29]")
                 && err.contains("trained on [block 1, block 15, block 28]"),
+            "{err}"
+        );
+        // vLLM's top-level ids are checked in vLLM's convention: [2, 16, 29] is right,
+        // [1, 15, 28] (SGLang's ids copied to the top level) is one block early.
+        cfg.eagle_config
+            .as_mut()
+            .unwrap()
+            .eagle_aux_hidden_state_layer_ids = Some(vec![1, 15, 28]);
+        cfg.extra.insert(
+            tandem_wiring::AUX_IDS_KEY.to_owned(),
+            serde_json::json!([2, 16, 29]),
+        );
+        assert!(cfg.resolve().is_ok());
+        cfg.extra.insert(
+            tandem_wiring::AUX_IDS_KEY.to_owned(),
+            serde_json::json!([1, 15, 28]),
+        );
+        let err = cfg.resolve().unwrap_err().to_string();
+        assert!(
+            err.contains("vLLM reads as [block 0, block 14, block 27]"),
             "{err}"
         );
     }

@@ -16,7 +16,7 @@ use burn::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, MAX_TTT_STEPS, TargetPieces};
 use tandem_eagle::{Eagle3Config, Eagle3Draft, WeightDtype, load_pretrained, save_pretrained};
-use tandem_wiring::{Convention, DumpRef};
+use tandem_wiring::DumpRef;
 
 use crate::data::{Dataset, RowInfo};
 use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
@@ -209,15 +209,20 @@ fn train_gpu_with(
     let spec = head.spec.clone();
     let hidden = spec.hidden_size;
     let slots = wiring.taps.len();
-    let sglang_ids = Convention::SglangHeuristic
-        .from_canonical(&wiring.taps, spec.num_layers)
-        .map_err(|e| TrainError::InvalidOption {
-            option: "dump",
-            reason: format!(
-                "the dump's taps cannot be written as SGLang layer ids, so an exported head \
-                 would be served on other taps: {e}"
-            ),
-        })?;
+    // The ids each engine reads, in its place and convention: SGLang's inside eagle_config,
+    // vLLM's at the top level (tandem_wiring::engines).
+    let engine_ids = tandem_wiring::export_ids(
+        &wiring.taps,
+        &wiring.target.architecture,
+        spec.num_layers,
+    )
+    .map_err(|e| TrainError::InvalidOption {
+        option: "dump",
+        reason: format!(
+            "the dump's taps cannot be written as SGLang and vLLM layer ids, so an exported \
+             head would be served on other taps: {e}"
+        ),
+    })?;
 
     // One pass over the data on every core.
     let load_start = Instant::now();
@@ -306,7 +311,7 @@ fn train_gpu_with(
     let export_config = export_config(
         &base_config,
         &wiring,
-        &sglang_ids,
+        &engine_ids,
         &trained_on,
         &options.device_label,
     )?;

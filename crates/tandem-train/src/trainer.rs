@@ -16,7 +16,7 @@ use tandem_eagle::{
     Eagle3Config, Eagle3Draft, VocabMap, WeightDtype, build_vocab_map, load_pretrained,
     save_pretrained,
 };
-use tandem_wiring::{Convention, DumpRef, Job, Producer, RawIds, TapPoint, WiringManifest, check};
+use tandem_wiring::{DumpRef, Job, Producer, RawIds, TapPoint, WiringManifest, check};
 
 use tandem_dump::DumpRecord;
 
@@ -300,15 +300,20 @@ pub fn train_on<B: AutodiffBackend>(
     let spec = &head.spec;
     let hidden = spec.hidden_size;
     let slots = wiring.taps.len();
-    let sglang_ids = Convention::SglangHeuristic
-        .from_canonical(&wiring.taps, spec.num_layers)
-        .map_err(|e| TrainError::InvalidOption {
-            option: "dump",
-            reason: format!(
-                "the dump's taps cannot be written as SGLang layer ids, so an exported head \
-                 would be served on other taps: {e}"
-            ),
-        })?;
+    // The ids each engine reads, in its place and convention: SGLang's inside eagle_config,
+    // vLLM's at the top level (tandem_wiring::engines).
+    let engine_ids = tandem_wiring::export_ids(
+        &wiring.taps,
+        &wiring.target.architecture,
+        spec.num_layers,
+    )
+    .map_err(|e| TrainError::InvalidOption {
+        option: "dump",
+        reason: format!(
+            "the dump's taps cannot be written as SGLang and vLLM layer ids, so an exported \
+             head would be served on other taps: {e}"
+        ),
+    })?;
 
     // First pass: lengths, the split, token counts for the draft vocabulary.
     let RowIndex {
@@ -360,7 +365,7 @@ pub fn train_on<B: AutodiffBackend>(
     let export_config = export_config(
         &base_config,
         &wiring,
-        &sglang_ids,
+        &engine_ids,
         &trained_on,
         &options.device_label,
     )?;
@@ -761,7 +766,9 @@ pub(crate) fn fresh_model<B: AutodiffBackend>(
             .as_ref()
             .and_then(|e| e.eagle_aux_hidden_state_layer_ids.clone())
         {
-            let taps = Convention::SglangHeuristic.to_canonical(&ids, head.spec.num_layers)?;
+            // Read as SGLang reads them for this target's family (tandem_wiring::engines).
+            let taps = tandem_wiring::sglang_convention(&wiring.target.architecture)
+                .to_canonical(&ids, head.spec.num_layers)?;
             if taps != wiring.taps {
                 return Err(TrainError::WiringMismatch {
                     what: format!(
@@ -814,7 +821,7 @@ fn head_config<B: Backend>(head: &TargetHead<B>, draft_vocab: usize, taps: usize
 pub(crate) fn export_config(
     base: &Eagle3Config,
     wiring: &WiringManifest,
-    sglang_ids: &[i64],
+    (sglang_ids, vllm_ids): &(Vec<i64>, Vec<i64>),
     trained_on: &[DumpRef],
     device_label: &str,
 ) -> Result<Eagle3Config, TrainError> {
@@ -830,10 +837,15 @@ pub(crate) fn export_config(
     eagle.eagle_aux_hidden_state_layer_ids = Some(sglang_ids.to_vec());
     eagle.use_aux_hidden_state = true;
     config.eagle_config = Some(eagle);
+    // vLLM reads the top level only (and would otherwise serve its default taps).
+    config.extra.insert(
+        tandem_wiring::AUX_IDS_KEY.to_owned(),
+        serde_json::json!(vllm_ids),
+    );
     let mut trained = wiring.clone();
     trained.producer = Producer::tandem(Job::Train, device_label, "train");
     trained.raw_ids = Some(RawIds::new(
-        Convention::SglangHeuristic,
+        tandem_wiring::sglang_convention(&wiring.target.architecture),
         sglang_ids.to_vec(),
     ));
     trained.trained_on = trained_on.to_vec();

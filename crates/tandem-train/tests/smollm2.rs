@@ -182,6 +182,11 @@ fn dump_train_export_reload_on_smollm2() {
         json["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
         serde_json::json!([1, 14, 26])
     );
+    assert_eq!(
+        json["eagle_aux_hidden_state_layer_ids"],
+        serde_json::json!([2, 15, 27]),
+        "vLLM ids at the top level"
+    );
     // The head's manifest names its dump: directory, manifest hash, dataset, rows, tokens.
     let reader = DumpReader::open(&dump).unwrap();
     let named = &json["tandem_wiring"]["trained_on"];

@@ -190,6 +190,11 @@ fn tiny_target_training_learns_exports_and_reloads() {
         serde_json::json!([1, 2, 3]),
         "SGLang ids of blocks 1, 2, 3"
     );
+    assert_eq!(
+        json["eagle_aux_hidden_state_layer_ids"],
+        serde_json::json!([2, 3, 4]),
+        "vLLM ids (top level) of blocks 1, 2, 3"
+    );
     assert_eq!(json["tandem_wiring"]["producer"]["job"], "train");
     assert_eq!(
         json["tandem_wiring"]["taps"],
@@ -415,7 +420,7 @@ fn init_from_starts_from_a_head_and_refuses_other_taps() {
     };
     assert_eq!(vocab(&first), vocab(&second), "d2t kept from the head");
 
-    // The same head, its manifest edited to blocks 2, 3, 4 (SGLang ids 3, 4, 5).
+    // The same head, its manifest edited to blocks 2, 3, 4 (SGLang ids 2, 3, 4, vLLM ids 3, 4, 5).
     let edited = temp_dir("init-edited");
     std::fs::copy(
         first.join("model.safetensors"),
@@ -425,8 +430,9 @@ fn init_from_starts_from_a_head_and_refuses_other_taps() {
     let mut json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(first.join("config.json")).unwrap()).unwrap();
     json["tandem_wiring"]["taps"] = serde_json::json!(["block:2", "block:3", "block:4"]);
-    json["tandem_wiring"]["raw_ids"]["ids"] = serde_json::json!([3, 4, 5]);
-    json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([3, 4, 5]);
+    json["tandem_wiring"]["raw_ids"]["ids"] = serde_json::json!([2, 3, 4]);
+    json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([2, 3, 4]);
+    json["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([3, 4, 5]);
     std::fs::write(edited.join("config.json"), json.to_string()).unwrap();
     let refused = temp_dir("init-refused");
     let text = run(&refused, Some(&edited), 1).unwrap_err().to_string();

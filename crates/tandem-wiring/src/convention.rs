@@ -49,7 +49,11 @@ pub enum Convention {
     /// representation.
     SglangHeuristic,
     /// vLLM after its 2026 refactor: id 0 = embed, id k = block k-1 (the HF index), passed
-    /// through to a loop that captures before layer k.
+    /// through to a loop that captures before layer k, and id L = the last block's output
+    /// (pre-norm), collected after the loop. Read only from the top level of the draft's
+    /// config (`eagle_aux_hidden_state_layer_ids`), never from `eagle_config`; without it vLLM
+    /// uses (2, L//2, L-3). Source: vLLM's Llama model and EAGLE-3 loader as summarised in
+    /// shared/reference/eagle3-facts.md section 1 (read 2026-11-30).
     Vllm,
     /// The official EAGLE code: it taps `hidden_states` before layers {2, L//2, L-3}. Explicit
     /// ids in this convention mean "input of layer i": 0 = embed, i = block i-1.
@@ -68,6 +72,9 @@ enum Reading {
     LayerInput { embed: bool },
     /// HF `hidden_states` index: 0 = embed, k = block k-1, L = final. Valid `0..=L`.
     HfIndex,
+    /// vLLM: 0 = embed, k = block k-1, and L = block L-1 (the residual after the loop, not
+    /// the final norm). Valid `0..=L`.
+    VllmLayerInput,
 }
 
 const NO_EMBED_IN_SGLANG: &str = "SGLang captures `hidden + residual` before a layer and there \
@@ -109,7 +116,9 @@ impl Convention {
             Convention::SglangHeuristic => {
                 "first id == 1: id i = block i; otherwise id i = input of layer i = block i-1"
             }
-            Convention::Vllm => "id 0 = embed, id k = block k-1 (input of layer k, no offset)",
+            Convention::Vllm => {
+                "id 0 = embed, id k = block k-1 (input of layer k, no offset), id L = block L-1"
+            }
             Convention::EagleOfficial => "id i = input of layer i: 0 = embed, i = block i-1",
             Convention::SpecForge => "exactly 3 ids, id i = block i (SGLang's +1)",
         }
@@ -203,7 +212,8 @@ impl Convention {
                 Some(1) | None => Reading::BlockIsId,
                 Some(_) => Reading::LayerInput { embed: false },
             },
-            Convention::Vllm | Convention::EagleOfficial => Reading::LayerInput { embed: true },
+            Convention::Vllm => Reading::VllmLayerInput,
+            Convention::EagleOfficial => Reading::LayerInput { embed: true },
         }
     }
 
@@ -212,7 +222,7 @@ impl Convention {
         let (min, max) = match reading {
             Reading::BlockIsId => (0, l - 2),
             Reading::LayerInput { embed } => (if embed { 0 } else { 1 }, l - 1),
-            Reading::HfIndex => (0, l),
+            Reading::HfIndex | Reading::VllmLayerInput => (0, l),
         };
         if id < min || id > max {
             return Err(WiringError::LayerIdOutOfRange {
@@ -228,7 +238,7 @@ impl Convention {
             Reading::BlockIsId => TapId::Block(id),
             Reading::LayerInput { .. } => TapId::from_residual_position(id),
             Reading::HfIndex if id == num_layers => TapId::Final,
-            Reading::HfIndex => TapId::from_residual_position(id),
+            Reading::HfIndex | Reading::VllmLayerInput => TapId::from_residual_position(id),
         })
     }
 
@@ -268,7 +278,7 @@ impl Convention {
                 ));
             }
             (Reading::BlockIsId, TapId::Block(k)) => k,
-            (Reading::LayerInput { .. } | Reading::HfIndex, t) => t
+            (Reading::LayerInput { .. } | Reading::HfIndex | Reading::VllmLayerInput, t) => t
                 .residual_position()
                 .expect("only `final` lacks a residual position and it was handled above"),
         };
@@ -741,17 +751,27 @@ mod tests {
                 canon(c, &[0, 1, 29], l),
                 [TapId::Embed, TapId::Block(0), TapId::Block(28)]
             );
-            let err = c.to_canonical(&[30], l).unwrap_err();
-            assert!(matches!(
-                err,
-                WiringError::LayerIdOutOfRange {
-                    id: 30,
-                    num_layers: 30,
-                    max: 29,
-                    ..
-                }
-            ));
         }
+        // vLLM also collects the residual after its loop: id L is the last block's output.
+        let vllm = Convention::Vllm;
+        assert_eq!(canon(vllm, &[2, 15, 30], l), blocks(&[1, 14, 29]));
+        assert_eq!(
+            vllm.from_canonical(&blocks(&[1, 14, 29]), l).unwrap(),
+            [2, 15, 30]
+        );
+        assert!(vllm.to_canonical(&[31], l).is_err());
+        let err = Convention::EagleOfficial
+            .to_canonical(&[30], l)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            WiringError::LayerIdOutOfRange {
+                id: 30,
+                num_layers: 30,
+                max: 29,
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -35,12 +35,16 @@
 //! ```
 
 pub mod convention;
+pub mod engines;
 pub mod error;
 pub mod manifest;
 pub mod taps;
 
 pub use convention::{
     Convention, RawIds, TapSpec, default_aux_taps, describe_reinterpretations, reinterpretations,
+};
+pub use engines::{
+    AUX_IDS_KEY, EngineReading, export_ids, sglang_convention, sglang_reading, vllm_reading,
 };
 pub use error::{Result, WiringError};
 pub use manifest::{
