@@ -637,12 +637,8 @@ pub fn compare_wiring(
     let mut out = Vec::new();
     for (pair, actual) in pairs {
         for m in check(trained, actual).iter().filter(|m| m.is_fatal()) {
-            let hint = m
-                .hint
-                .as_ref()
-                .map(|h| format!(" ({h})"))
-                .unwrap_or_default();
-            out.push(format!("{pair}: {m}{hint}"));
+            // The mismatch's Display carries its hint (the pattern behind it).
+            out.push(format!("{pair}: {m}"));
         }
     }
     out
