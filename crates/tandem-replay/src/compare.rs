@@ -280,8 +280,8 @@ pub struct DraftedAcceptance {
     /// Of those, tokens equal to the target's argmax: all of them when the dump is the
     /// target's own greedy text, which makes the offline walk exact.
     pub greedy_equal: usize,
-    /// Per sample walked: (rounds, tokens committed), for the standard error over samples.
-    pub per_sample: Vec<(u64, u64)>,
+    /// Per sample walked, its own statistics: for the standard errors over samples.
+    pub per_sample: Vec<AcceptanceStats>,
 }
 
 impl DraftedAcceptance {
@@ -305,9 +305,8 @@ struct Walk {
     extended: usize,
     /// The slot of the next tree.
     slot: usize,
-    /// Rounds walked and tokens committed so far.
-    rounds: u64,
-    committed: u64,
+    /// Its rounds so far.
+    stats: AcceptanceStats,
 }
 
 /// Drafts trees with `engine`'s own code ([`SpecEngine::draft_extend`],
@@ -381,8 +380,7 @@ pub fn drafted_acceptance<B: Backend>(
                 aux: record.aux_hidden,
                 extended: 0,
                 slot,
-                rounds: 0,
-                committed: 0,
+                stats: AcceptanceStats::new(steps),
             });
         }
         out.samples += walks.len();
@@ -407,7 +405,7 @@ fn walk_group<B: Backend>(
     positions: OfflinePositions,
     aux_width: usize,
     stats: &mut AcceptanceStats,
-    per_sample: &mut Vec<(u64, u64)>,
+    per_sample: &mut Vec<AcceptanceStats>,
 ) -> Result<(), ReplayError> {
     let steps = engine.config.num_steps;
     let longest = walks.iter().map(|w| w.ids.len()).max().unwrap_or(0);
@@ -428,8 +426,7 @@ fn walk_group<B: Backend>(
             let acceptance = verify_greedy(tree, &node_targets(tree, &walk.argmax, walk.slot));
             let depth = tree.depth.iter().copied().max().unwrap_or(0);
             stats.record(acceptance.accepted.len(), depth);
-            walk.rounds += 1;
-            walk.committed += acceptance.accepted.len() as u64 + 1;
+            walk.stats.record(acceptance.accepted.len(), depth);
             match next_draft_slot(
                 &walk.loss_mask,
                 steps,
@@ -441,13 +438,13 @@ fn walk_group<B: Backend>(
             }
         }
         if finished.len() == walks.len() {
-            per_sample.extend(walks.iter().map(|w| (w.rounds, w.committed)));
+            per_sample.extend(walks.iter().map(|w| w.stats.clone()));
             return Ok(());
         }
         for &row in finished.iter().rev() {
             dcache.remove(row);
             let walk = walks.remove(row);
-            per_sample.push((walk.rounds, walk.committed));
+            per_sample.push(walk.stats);
         }
         roots = extend_walks(engine, &mut dcache, walks, aux_width, scratch)?;
     }
@@ -496,8 +493,8 @@ pub struct OnlineAcceptance {
     pub tokens: usize,
     /// The engine's statistics.
     pub stats: AcceptanceStats,
-    /// Per prompt: (rounds, tokens committed), for the standard error over prompts.
-    pub per_prompt: Vec<(u64, u64)>,
+    /// Per prompt, its own statistics: for the standard errors over prompts.
+    pub per_prompt: Vec<AcceptanceStats>,
 }
 
 /// Runs `prompts` one at a time through [`SpecEngine`] with `config` (steps, topk,
@@ -557,10 +554,7 @@ pub fn online_acceptance(
         for seq in out.sequences {
             tokens += seq.tokens.len();
             stats.merge(&seq.stats);
-            per_prompt.push((
-                seq.stats.rounds,
-                seq.stats.accepted_tokens + seq.stats.rounds,
-            ));
+            per_prompt.push(seq.stats.clone());
         }
     }
     Ok(OnlineAcceptance {
@@ -667,8 +661,30 @@ pub fn ratio_se(units: &[(u64, u64)]) -> Option<f64> {
 /// Standard error of an accept length: the larger of the per-round estimate and the per-unit
 /// one ([`ratio_se`] over prompts or samples). Rounds of one prompt are correlated (easy text
 /// stays easy), so the per-unit estimate is usually the larger and the honest one.
-pub fn accept_length_se(stats: &AcceptanceStats, units: &[(u64, u64)]) -> Option<f64> {
-    match (stats.accept_length_se(), ratio_se(units)) {
+pub fn accept_length_se(stats: &AcceptanceStats, units: &[AcceptanceStats]) -> Option<f64> {
+    let units: Vec<(u64, u64)> = units
+        .iter()
+        .map(|u| (u.rounds, u.accepted_tokens + u.rounds))
+        .collect();
+    larger(stats.accept_length_se(), ratio_se(&units))
+}
+
+/// Standard error of the acceptance share at draft position `i`: the larger of the binomial
+/// estimate over rounds ([`share_se`]) and the per-unit one ([`ratio_se`] of accepted over
+/// reached per prompt or sample). With few prompts, rounds of one prompt share its text, and
+/// the binomial error alone would flag a gap that one unusual prompt explains.
+pub fn position_se(stats: &AcceptanceStats, units: &[AcceptanceStats], i: usize) -> Option<f64> {
+    let at = |v: &[u64]| v.get(i).copied().unwrap_or(0);
+    let binomial = share_se(at(&stats.accepted), at(&stats.reached))?;
+    let units: Vec<(u64, u64)> = units
+        .iter()
+        .map(|u| (at(&u.reached), at(&u.accepted)))
+        .collect();
+    larger(Some(binomial), ratio_se(&units))
+}
+
+fn larger(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
     }
@@ -757,17 +773,10 @@ impl CompareReport {
             .zip(&online_per_position)
             .map(|(a, b)| a - b)
             .collect();
-        let count = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0);
         let gap_se: Vec<Option<f64>> = (0..steps)
             .map(|i| {
-                let d = share_se(
-                    count(&drafted.stats.accepted, i),
-                    count(&drafted.stats.reached, i),
-                )?;
-                let o = share_se(
-                    count(&online.stats.accepted, i),
-                    count(&online.stats.reached, i),
-                )?;
+                let d = position_se(&drafted.stats, &drafted.per_sample, i)?;
+                let o = position_se(&online.stats, &online.per_prompt, i)?;
                 Some(d.hypot(o))
             })
             .collect();
@@ -1228,7 +1237,7 @@ mod tests {
         OnlineAcceptance {
             prompts: 1,
             tokens: accepted.iter().map(|a| a + 1).sum(),
-            per_prompt: vec![(stats.rounds, stats.accepted_tokens + stats.rounds)],
+            per_prompt: vec![stats.clone()],
             stats,
         }
     }
@@ -1275,16 +1284,36 @@ mod tests {
         let p: f64 = 0.5 / 11.0;
         assert!((share_se(0, 10).unwrap() - (p * (1.0 - p) / 10.0).sqrt()).abs() < 1e-12);
         assert_eq!(share_se(0, 0), None);
-        // The larger of the per-round and per-prompt estimates.
-        let mut stats = AcceptanceStats::new(3);
-        for a in [3, 3, 0, 0] {
-            stats.record(a, 3);
-        }
+        // The larger of the per-round and per-prompt estimates: prompt a accepts 3 drafts in
+        // both its rounds, prompt b none.
+        let unit = |accepted: &[usize]| {
+            let mut u = AcceptanceStats::new(3);
+            for &a in accepted {
+                u.record(a, 3);
+            }
+            u
+        };
+        let (a, b) = (unit(&[3, 3]), unit(&[0, 0]));
+        let mut stats = a.clone();
+        stats.merge(&b);
         let rounds = stats.accept_length_se().unwrap();
         let prompts = ratio_se(&[(2, 8), (2, 2)]).unwrap();
         assert!(prompts > rounds);
-        assert_eq!(accept_length_se(&stats, &[(2, 8), (2, 2)]), Some(prompts));
-        assert_eq!(accept_length_se(&stats, &[(4, 10)]), Some(rounds));
+        assert_eq!(
+            accept_length_se(&stats, &[a.clone(), b.clone()]),
+            Some(prompts)
+        );
+        assert_eq!(
+            accept_length_se(&stats, std::slice::from_ref(&stats)),
+            Some(rounds)
+        );
+        // Position 0: 2 of 4 rounds accepted, all by one prompt. Binomial over rounds:
+        // p = 2.5 / 5, sqrt(0.25 / 4) = 0.25; over the two prompts (reached 2, accepted 2 and
+        // 0): ratio 0.5, residuals 1 and -1, sqrt(2 / 1 / 2) / 2 = 0.5, the larger.
+        let se = position_se(&stats, &[a, b], 0).unwrap();
+        assert!((se - 0.5).abs() < 1e-12, "{se}");
+        assert!((position_se(&stats, &[], 0).unwrap() - 0.25).abs() < 1e-12);
+        assert_eq!(position_se(&AcceptanceStats::new(3), &[], 0), None);
     }
 
     #[test]

@@ -47,7 +47,8 @@ pub use compare::{
     CompareReport, CompareSetup, DraftedAcceptance, GapTest, OfflineAcceptance, OfflinePositions,
     OnlineAcceptance, accept_length_se, compare_wiring, drafted_acceptance, first_turn,
     next_draft_slot, node_targets, offline_acceptance, online_acceptance,
-    online_acceptance_on_dump, ratio_se, relative_gap, share_se, teacher_forced_proposals,
+    online_acceptance_on_dump, position_se, ratio_se, relative_gap, share_se,
+    teacher_forced_proposals,
 };
 pub use diagnose::{
     DeclaredReading, DiagnoseLabels, DiagnoseOptions, DiagnoseReport, DiagnoseSample,
