@@ -7,23 +7,8 @@ use std::path::PathBuf;
 
 use safetensors::{Dtype, SafeTensors};
 
-pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The imported SmolLM2 directory. Tests need it; `scripts/fetch_smollm2.sh` creates it (the
-/// test command runs that first).
-pub fn smollm2_dir() -> PathBuf {
-    let dir = std::env::var_os("TANDEM_SMOLLM2_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("models/SmolLM2-135M-Instruct"));
-    assert!(
-        dir.join("model.safetensors").exists(),
-        "{} is missing: run scripts/fetch_smollm2.sh first",
-        dir.display()
-    );
-    dir
-}
+/// The imported SmolLM2 directory (`scripts/fetch_smollm2.sh`, run first by the test command).
+pub use tandem_model::testing::{smollm2_dir, workspace_root};
 
 pub fn fixture_dir() -> PathBuf {
     workspace_root().join("tests/fixtures/smollm2")

@@ -15,7 +15,7 @@ use tandem_dump::{
     StorageDtype, run_dump,
 };
 use tandem_model::backend::CpuBackend;
-use tandem_model::testing::{tiny_config, write_random_model};
+use tandem_model::testing::{smollm2_dir, workspace_root, write_tiny_chat_model};
 use tandem_model::{
     ChatMessage, GenerateOptions, LogitsFor, SamplingParams, TapRequest, TargetModel,
     TargetTokenizer,
@@ -23,23 +23,6 @@ use tandem_model::{
 use tandem_wiring::{Convention, TapId, TapPoint};
 
 type B = CpuBackend;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The imported SmolLM2 (scripts/fetch_smollm2.sh, run by scripts/test.sh first).
-fn smollm2_dir() -> PathBuf {
-    let dir = std::env::var_os("TANDEM_SMOLLM2_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("models/SmolLM2-135M-Instruct"));
-    assert!(
-        dir.join("model.safetensors").exists() && dir.join("tokenizer.json").exists(),
-        "{} is missing: run scripts/fetch_smollm2.sh first",
-        dir.display()
-    );
-    dir
-}
 
 /// A fresh, empty directory for one test.
 fn temp_dir(name: &str) -> PathBuf {
@@ -52,14 +35,7 @@ fn tiny_model() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = temp_dir("tiny-model");
-        let mut config = tiny_config("LlamaForCausalLM", 8);
-        config.vocab_size = 49152;
-        config.model_type = Some("llama".to_owned());
-        config.max_position_embeddings = 1024;
-        write_random_model(&dir, &config, 7).unwrap();
-        for file in ["tokenizer.json", "tokenizer_config.json"] {
-            fs::copy(smollm2_dir().join(file), dir.join(file)).unwrap();
-        }
+        write_tiny_chat_model(&dir, 8, 7).unwrap();
         dir
     })
 }

@@ -215,3 +215,37 @@ pub fn write_random_model(dir: &Path, config: &HfConfig, seed: u64) -> std::io::
     serialize_to_file(views, None, &weights_tmp).map_err(std::io::Error::other)?;
     std::fs::rename(&weights_tmp, dir.join("model.safetensors"))
 }
+
+/// The workspace root (the folder above `crates/`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The imported SmolLM2 directory (`scripts/fetch_smollm2.sh`, run by `scripts/test.sh` first),
+/// or `$TANDEM_SMOLLM2_DIR`; panics naming the fetch script when it is missing.
+pub fn smollm2_dir() -> PathBuf {
+    let dir = std::env::var_os("TANDEM_SMOLLM2_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("models/SmolLM2-135M-Instruct"));
+    assert!(
+        dir.join("model.safetensors").exists() && dir.join("tokenizer.json").exists(),
+        "{} is missing: run scripts/fetch_smollm2.sh first",
+        dir.display()
+    );
+    dir
+}
+
+/// Writes into `dir` a tiny random Llama (`layers` blocks, hidden 32) with SmolLM2's tokenizer
+/// and chat template (vocabulary 49,152, 1,024 positions): chat datasets go through the whole
+/// pipeline (template, loss mask, capture) in milliseconds.
+pub fn write_tiny_chat_model(dir: &Path, layers: usize, seed: u64) -> std::io::Result<()> {
+    let mut config = tiny_config("LlamaForCausalLM", layers);
+    config.vocab_size = 49152;
+    config.model_type = Some("llama".to_owned());
+    config.max_position_embeddings = 1024;
+    write_random_model(dir, &config, seed)?;
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(smollm2_dir().join(file), dir.join(file))?;
+    }
+    Ok(())
+}

@@ -10,38 +10,17 @@ use std::path::{Path, PathBuf};
 use burn::backend::{Autodiff, NdArray};
 use tandem_dump::{DumpOptions, DumpReader, GenerationSettings, OnlineCapture, run_dump};
 use tandem_model::TargetModel;
-use tandem_model::testing::{scratch_dir, tiny_config, write_random_model};
+use tandem_model::testing::{scratch_dir, write_tiny_chat_model};
 use tandem_train::data::Dataset;
 use tandem_train::{TrainError, TrainOptions, train_on};
 
 type B = NdArray<f32>;
 type AB = Autodiff<B>;
 
-fn smollm2_dir() -> PathBuf {
-    let dir = std::env::var_os("TANDEM_SMOLLM2_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct")
-        });
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "{} is missing: run scripts/fetch_smollm2.sh first",
-        dir.display()
-    );
-    dir
-}
-
 /// A tiny random Llama (8 blocks, hidden 32) with SmolLM2's tokenizer and chat template.
 fn tiny_model(name: &str) -> PathBuf {
     let dir = scratch_dir(&format!("online-{name}-model"));
-    let mut config = tiny_config("LlamaForCausalLM", 8);
-    config.vocab_size = 49152;
-    config.model_type = Some("llama".to_owned());
-    config.max_position_embeddings = 1024;
-    write_random_model(&dir, &config, 7).unwrap();
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        fs::copy(smollm2_dir().join(file), dir.join(file)).unwrap();
-    }
+    write_tiny_chat_model(&dir, 8, 7).unwrap();
     dir
 }
 

@@ -3,7 +3,7 @@
 //! it for 30 steps: the loss falls and acc_0 rises, the export reloads to identical outputs,
 //! and the reloaded head served step by step reproduces its own training unroll.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::module::Module;
@@ -12,25 +12,12 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::TensorData;
 use tandem_dump::{DumpOptions, DumpReader, run_dump};
 use tandem_eagle::{Eagle3Draft, load_pretrained, ttt_step_tokens};
+use tandem_model::testing::smollm2_dir;
 use tandem_train::metrics::read_lines;
 use tandem_train::target::TargetHead;
 use tandem_train::{TrainOptions, train};
 
 type B = NdArray<f32>;
-
-fn smollm2_dir() -> PathBuf {
-    let dir = std::env::var_os("TANDEM_SMOLLM2_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct")
-        });
-    assert!(
-        dir.join("model.safetensors").exists(),
-        "{} is missing: run scripts/fetch_smollm2.sh first",
-        dir.display()
-    );
-    dir
-}
 
 fn temp_dir(name: &str) -> PathBuf {
     tandem_model::testing::scratch_dir(&format!("train-smol-{name}"))

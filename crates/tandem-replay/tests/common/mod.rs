@@ -37,21 +37,8 @@ pub const HIDDEN: usize = 32;
 /// Vocabulary of the tiny target (the test heads' draft vocabulary is all of it).
 pub const VOCAB: usize = 96;
 
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-pub fn smollm2_dir() -> PathBuf {
-    let dir = std::env::var_os("TANDEM_SMOLLM2_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("models/SmolLM2-135M-Instruct"));
-    assert!(
-        dir.join("model.safetensors").exists() && dir.join("tokenizer.json").exists(),
-        "{} is missing: run scripts/fetch_smollm2.sh first",
-        dir.display()
-    );
-    dir
-}
+#[allow(unused_imports)] // each test binary uses its own subset
+pub use tandem_model::testing::{smollm2_dir, workspace_root};
 
 /// A fresh, empty directory for one test.
 pub fn temp_dir(name: &str) -> PathBuf {
