@@ -27,7 +27,7 @@ use crate::plot;
 use crate::target::TargetHead;
 use crate::trainer::{
     CHECKPOINT_DIR, CURVES_FILE, METRICS_FILE, OPTIONS_FILE, TrainOptions, TrainReport, TrainState,
-    check_data, checkpoint_name, export_config, fresh_model, fresh_state, index_row,
+    check_data, checkpoint_name, engine_ids, export_config, fresh_model, fresh_state, index_row,
     prune_checkpoints, resume_state, write_json,
 };
 
@@ -209,20 +209,7 @@ fn train_gpu_with(
     let spec = head.spec.clone();
     let hidden = spec.hidden_size;
     let slots = wiring.taps.len();
-    // The ids each engine reads, in its place and convention: SGLang's inside eagle_config,
-    // vLLM's at the top level (tandem_wiring::engines).
-    let engine_ids = tandem_wiring::export_ids(
-        &wiring.taps,
-        &wiring.target.architecture,
-        spec.num_layers,
-    )
-    .map_err(|e| TrainError::InvalidOption {
-        option: "dump",
-        reason: format!(
-            "the dump's taps cannot be written as SGLang and vLLM layer ids, so an exported \
-             head would be served on other taps: {e}"
-        ),
-    })?;
+    let engine_ids = engine_ids(&wiring, spec.num_layers)?;
 
     // One pass over the data on every core.
     let load_start = Instant::now();

@@ -300,20 +300,7 @@ pub fn train_on<B: AutodiffBackend>(
     let spec = &head.spec;
     let hidden = spec.hidden_size;
     let slots = wiring.taps.len();
-    // The ids each engine reads, in its place and convention: SGLang's inside eagle_config,
-    // vLLM's at the top level (tandem_wiring::engines).
-    let engine_ids = tandem_wiring::export_ids(
-        &wiring.taps,
-        &wiring.target.architecture,
-        spec.num_layers,
-    )
-    .map_err(|e| TrainError::InvalidOption {
-        option: "dump",
-        reason: format!(
-            "the dump's taps cannot be written as SGLang and vLLM layer ids, so an exported \
-             head would be served on other taps: {e}"
-        ),
-    })?;
+    let engine_ids = engine_ids(&wiring, spec.num_layers)?;
 
     // First pass: lengths, the split, token counts for the draft vocabulary.
     let RowIndex {
@@ -813,6 +800,24 @@ fn head_config<B: Backend>(head: &TargetHead<B>, draft_vocab: usize, taps: usize
         config.rope_scaling = None;
     }
     config
+}
+
+/// The ids each engine reads for the dump's taps, in its place and convention: SGLang's for
+/// `eagle_config`, vLLM's for the top level (`tandem_wiring::engines`). Checked before training,
+/// so a head that could not be exported faithfully is refused before any step runs.
+pub(crate) fn engine_ids(
+    wiring: &WiringManifest,
+    num_layers: usize,
+) -> Result<(Vec<i64>, Vec<i64>), TrainError> {
+    tandem_wiring::export_ids(&wiring.taps, &wiring.target.architecture, num_layers).map_err(|e| {
+        TrainError::InvalidOption {
+            option: "dump",
+            reason: format!(
+                "the dump's taps cannot be written as SGLang and vLLM layer ids, so an exported \
+                 head would be served on other taps: {e}"
+            ),
+        }
+    })
 }
 
 /// The config the head is exported with: SGLang-convention aux ids in `eagle_config`, the
