@@ -90,3 +90,20 @@ __device__ int block_argmax(float best, int index, float* best_value, int* best_
     __syncthreads();
     return result;
 }
+
+// Largest entry of a row of `n` floats, scanned by the whole block: block_argmax over each
+// thread's strided share (the first index on ties). A row with no maximum (all NaN) gives
+// 0x7fffffff. Every thread gets the index, and the value in `*max_value`.
+__device__ int row_argmax(const float* row, int n, float* best_value, int* best_index,
+                          float* max_value) {
+    float best = NEG_INF;
+    int index = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = row[i];
+        if (v > best) {
+            best = v;
+            index = i;
+        }
+    }
+    return block_argmax(best, index, best_value, best_index, max_value);
+}

@@ -10,7 +10,8 @@
 // - Rows are `batch * width` slots laid out sequence-major (row = b * width + i), as in
 //   `tandem_model::StepInput`.
 
-// NEG_INF, the bf16 conversions, warp_sum / block_sum and block_argmax: kernels/common.cuh.
+// NEG_INF, the bf16 conversions, warp_sum / block_sum, block_argmax and row_argmax:
+// kernels/common.cuh.
 
 // out[r, :] = embed[tokens[r], :] (the `embed` tap point). Grid: rows.
 extern "C" __global__ void embed_rows(const unsigned short* table, const unsigned int* tokens,
@@ -267,17 +268,8 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned 
     __shared__ float best_value[32];
     __shared__ int best_index[32];
     const float* row = logits + (size_t)blockIdx.x * vocab;
-    float best = NEG_INF;
-    int index = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = row[i];
-        if (v > best) {
-            best = v;
-            index = i;
-        }
-    }
     float max_value;
-    index = block_argmax(best, index, best_value, best_index, &max_value);
+    const int index = row_argmax(row, vocab, best_value, best_index, &max_value);
     if (threadIdx.x == 0) {
         // A row of NaNs has no maximum: token 0 rather than an out-of-vocabulary id.
         out[blockIdx.x] = (unsigned int)(index == 0x7fffffff ? 0 : index);
@@ -322,17 +314,8 @@ extern "C" __global__ void sample_rows(const float* logits, int vocab, float inv
     __shared__ float best_value[32];
     __shared__ int best_index[32];
     const float* row = logits + (size_t)blockIdx.x * vocab;
-    float best = NEG_INF;
-    int index = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = row[i];
-        if (v > best) {
-            best = v;
-            index = i;
-        }
-    }
     float max_value;
-    index = block_argmax(best, index, best_value, best_index, &max_value);
+    int index = row_argmax(row, vocab, best_value, best_index, &max_value);
     if (index == 0x7fffffff) {
         if (threadIdx.x == 0) {
             out[blockIdx.x] = 0;
@@ -366,7 +349,7 @@ extern "C" __global__ void sample_rows(const float* logits, int vocab, float inv
         }
     }
     const unsigned long long seed = seeds[blockIdx.x];
-    best = NEG_INF;
+    float best = NEG_INF;
     index = 0x7fffffff;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         const float s = row[i] * inv_temperature;

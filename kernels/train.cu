@@ -14,7 +14,8 @@
 //   (sequence, kv head).
 // - bf16 values are `unsigned short` bit patterns, rounded to nearest even (as torch).
 
-// NEG_INF, the bf16 conversions, warp_sum / block_sum and block_argmax: kernels/common.cuh.
+// NEG_INF, the bf16 conversions, warp_sum / block_sum, block_argmax and row_argmax:
+// kernels/common.cuh.
 
 __device__ __forceinline__ float warp_max(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -463,17 +464,8 @@ extern "C" __global__ void argmax_rows_u32(const float* x, int cols, unsigned in
     __shared__ float best_value[32];
     __shared__ int best_index[32];
     const float* row = x + (size_t)blockIdx.x * cols;
-    float best = NEG_INF;
-    int index = 0x7fffffff;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = row[i];
-        if (v > best) {
-            best = v;
-            index = i;
-        }
-    }
     float max_value;
-    index = block_argmax(best, index, best_value, best_index, &max_value);
+    const int index = row_argmax(row, cols, best_value, best_index, &max_value);
     if (threadIdx.x == 0) {
         out[blockIdx.x] = (unsigned int)index;
     }
@@ -520,17 +512,8 @@ extern "C" __global__ void draft_loss(const float* logits, const float* target_p
     }
     const float* z = logits + (size_t)r * vocab;
     const float* p = target_probs + target_row * vocab;
-    float best = NEG_INF;
-    int index = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = z[i];
-        if (v > best) {
-            best = v;
-            index = i;
-        }
-    }
     float m;
-    const int arg = block_argmax(best, index, best_value, best_index, &m);
+    const int arg = row_argmax(z, vocab, best_value, best_index, &m);
     float sum = 0.0f;
     float psum = 0.0f;
     float pz = 0.0f;
