@@ -149,7 +149,7 @@ fn rate(n: u64, seconds: f64) -> f64 {
     }
 }
 
-fn check_options(o: &DumpOptions) -> Result<(), DumpError> {
+pub(crate) fn check_options(o: &DumpOptions) -> Result<(), DumpError> {
     let invalid = |option, reason: &str| {
         Err(DumpError::InvalidOption {
             option,

@@ -17,7 +17,7 @@ use tandem_model::{TapRequest, TargetTokenizer};
 use tandem_wiring::{DumpRef, sha256_hex};
 
 use crate::error::DumpError;
-use crate::job::{DumpOptions, capture, dump_identity, to_chat};
+use crate::job::{DumpOptions, capture, check_options, dump_identity, to_chat};
 use crate::manifest::{DumpManifest, StorageDtype};
 use crate::mask::{MaskedTokens, tokenize_conversation};
 use crate::reader::DumpRecord;
@@ -60,12 +60,7 @@ impl OnlineCapture {
                     .to_owned(),
             });
         }
-        if options.max_len < 2 {
-            return Err(DumpError::InvalidOption {
-                option: "--max-len",
-                reason: "must be at least 2 tokens".to_owned(),
-            });
-        }
+        check_options(options)?;
         let tokenizer = TargetTokenizer::load(&options.model_dir)?;
         let reader = open_dataset(&options.dataset, &options.data_root)?;
         let split = reader.split();
