@@ -44,7 +44,7 @@ mark() { echo "$(date +%T) $1" | tee -a "$R/phases.txt"; }
 # Brings back what is finished: at most 8 files (the device tool's limit).
 collect() {
   (cd "$R" && tar -cJf "$OUT/results.tar.xz" --exclude='*.xz' --exclude='head.safetensors*' . 2>/dev/null)
-  for f in conversations-d.jsonl.xz head.safetensors.part-aa head.safetensors.part-ab; do
+  for f in conversations-d.jsonl.xz head.safetensors.part-a?; do
     [[ -f "$R/$f" ]] && cp "$R/$f" "$OUT/"
   done
   ls -la "$OUT"

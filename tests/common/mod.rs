@@ -1,6 +1,6 @@
 //! Shared by the real-model tests: where the imported SmolLM2 lives and how to read the golden
 //! fixtures that `scripts/reference/make_golden.py` produced with HF transformers.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -23,7 +23,12 @@ pub struct Golden {
 }
 
 pub fn load_golden() -> HashMap<String, Golden> {
-    let path = fixture_dir().join("golden.safetensors");
+    load_golden_from(&fixture_dir())
+}
+
+/// The golden tensors of one fixture directory (`golden.safetensors`).
+pub fn load_golden_from(dir: &std::path::Path) -> HashMap<String, Golden> {
+    let path = dir.join("golden.safetensors");
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let st = SafeTensors::deserialize(&bytes).expect("golden.safetensors parses");
     let mut out = HashMap::new();
