@@ -341,10 +341,15 @@ class DeviceData:
                 self.aux[at:at + n].copy_(aux.to(device).to(dtype))
                 self.last[at:at + n].copy_(last.to(device).to(dtype))
 
-    def batch(self, indices):
+    def batch(self, indices, pad_to=None, rows=None):
+        """`pad_to`: round the width up to a multiple of it and add all-padding rows up to
+        `rows` (length 0, fully masked), so that a static-shape torch.compile sees one shape."""
         lens = [self.lens[i] for i in indices]
         width = max(lens)
-        idx = np.full((len(indices), width), self.pad, dtype=np.int64)
+        if pad_to:
+            width = -(-width // pad_to) * pad_to
+            lens = lens + [0] * max((rows or 0) - len(lens), 0)
+        idx = np.full((len(lens), width), self.pad, dtype=np.int64)
         for r, (i, n) in enumerate(zip(indices, lens)):
             idx[r, :n] = np.arange(self.start[i], self.start[i] + n)
         idx = torch.from_numpy(idx).to(self.ids.device, non_blocking=True)
@@ -536,6 +541,11 @@ def parse_args():
     a("--max-steps", type=int)
     a("--max-seconds", type=float)
     a("--compile", action="store_true", help="torch.compile the forward + loss")
+    a("--pad-to", type=int, help="pad every batch's width up to a multiple of this and to "
+      "--batch-size rows; with --compile: static shapes (one graph per padded width). For speed "
+      "runs (--bench-only): the loss is then normalised by the padded batch * width")
+    a("--wait-file", help="after the --timing-warmup steps, wait until this file exists (so the "
+      "timed steps can run alone on a GPU shared with other jobs during the warm-up)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a("--dtype", choices=["auto", "bf16", "f32"], default="auto",
       help="auto: bf16 autocast (f32 master weights) on cuda, f32 on cpu")
@@ -630,12 +640,14 @@ def main():
 
     # dynamic=True: widths and the last (smaller) batch vary; without it Dynamo recompiles on the
     # first new shape and again when the batch size changes (minutes each, inside the timed loop).
-    loss_fn = torch.compile(compute_loss, dynamic=True) if args.compile else compute_loss
+    # --pad-to: every batch has one of a few padded shapes, so the graph is static (dynamic=False)
+    # and compiled once per width; padding costs compute, counted tokens stay the real ones.
+    loss_fn = (torch.compile(compute_loss, dynamic=not args.pad_to) if args.compile else compute_loss)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=args.weight_decay, fused=device.type == "cuda")
     stop_at = min(args.max_steps if args.max_steps is not None else total_steps, total_steps)
-    curve, vals, step_times, step_tokens = [], [], [], []
+    curve, vals, step_times, step_tokens, padded_tokens = [], [], [], [], []
     step, train_s = 0, 0.0
 
     def run_validation(epoch):
@@ -657,7 +669,14 @@ def main():
             sync()
             t0 = time.perf_counter()
             lr = lr_at(step, total_steps, warmup, args.lr, args.min_lr_ratio)
-            batch, tokens = data.batch(indices)
+            if args.wait_file and step == args.timing_warmup:
+                print(f"warm-up done ({step} steps); waiting for {args.wait_file}", flush=True)
+                while not os.path.exists(args.wait_file):
+                    time.sleep(1)
+                sync()
+                t0 = time.perf_counter()
+            batch, tokens = data.batch(indices, args.pad_to, args.batch_size)
+            padded_tokens.append(batch[1].numel())
             with amp():
                 loss, stats = loss_fn(model, batch, c, args.ttt_steps)
             opt.zero_grad(set_to_none=True)
@@ -704,6 +723,9 @@ def main():
         tokens_per_s_median=statistics.median(per_step) if per_step else None,
         tokens_per_s_steady=steady_n / steady_t if steady_t else None, slow_steps_excluded=slow,
         tokens_per_s_overall=sum(step_tokens) / train_s if train_s else None,
+        padded_tokens_per_s_median=(statistics.median(
+            [n / t for n, t in zip(padded_tokens[skip:], step_times[skip:])]) if per_step else None),
+        padding_share=1 - sum(step_tokens) / max(sum(padded_tokens), 1),
         step_time_median_s=med if step_times else None,
         timing_note=f"synchronised per-step timing (batch gather + target logits + forward + backward + "
                     f"clip + AdamW); median/steady leave out the first {skip} steps, steady also the "

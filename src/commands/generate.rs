@@ -50,6 +50,10 @@ pub struct GenerateArgs {
     /// Serve even when the head's wiring differs from the serving taps (experiments only).
     #[arg(long)]
     pub allow_wiring_mismatch: bool,
+    /// For a head without a Tandem manifest: the convention of its ids (see `tandem bench
+    /// --help`).
+    #[arg(long)]
+    pub convention: Option<tandem_wiring::Convention>,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -102,6 +106,7 @@ fn speculative_request(
         topk: args.topk,
         num_draft_tokens: args.num_draft_tokens,
         allow_wiring_mismatch: args.allow_wiring_mismatch,
+        convention: args.convention,
     };
     let request = super::spec::SpecRequest {
         prompt,

@@ -73,7 +73,7 @@ fn replay_on(args: &ReplayArgs, model: &dyn ReplayTarget) -> anyhow::Result<()> 
     let head = args
         .head
         .as_deref()
-        .map(|dir| HeadWiring::load(dir, model.spec().num_layers))
+        .map(|dir| HeadWiring::load(dir, &model.spec().architecture, model.spec().num_layers))
         .transpose()
         .context("reading the head's config")?;
     let device_name = args.model.device.to_string();
@@ -204,7 +204,11 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
     let model = args.model.load::<B>(device)?;
     let head = tandem_eagle::load_pretrained(&args.head, model.embed_tokens.clone(), device)
         .with_context(|| format!("loading the head {}", args.head.display()))?;
-    let taps = head_taps(&head.config, model.spec.num_layers)?;
+    let taps = head_taps(
+        &head.config,
+        &model.spec.architecture,
+        model.spec.num_layers,
+    )?;
     let device_name = args.model.device.to_string();
     let dtype = if device_name == "cuda" { "bf16" } else { "f32" };
     let serving = serving_manifest(&args.model.model, taps.clone(), dtype, &device_name)?;

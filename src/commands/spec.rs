@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use tandem_infer::wiring::{check_head, head_taps, serving_manifest};
+use tandem_infer::wiring::{check_head, read_head_taps, serving_manifest};
 use tandem_infer::{AcceptanceStats, SpecConfig, SpecEngine, SpecGenerate};
 use tandem_model::burn::prelude::Backend;
 use tandem_model::{ChatMessage, SamplingParams, TapRequest, TargetModel, TargetTokenizer};
@@ -37,6 +37,12 @@ pub struct SpecArgs {
     /// Serve even when the head's wiring differs from the serving taps (experiments only).
     #[arg(long)]
     pub allow_wiring_mismatch: bool,
+    /// For a head without a Tandem manifest: the convention its
+    /// eagle_aux_hidden_state_layer_ids are written in (sglang-classic, sglang-heuristic, vllm,
+    /// hf, eagle, specforge). Default: as the engine that reads the ids' place does
+    /// (eagle_config: SGLang for the target's family; top level: vLLM).
+    #[arg(long)]
+    pub convention: Option<tandem_wiring::Convention>,
 }
 
 /// `--num-draft-tokens` when not given: the whole chain (steps + 1) for topk 1, SGLang's
@@ -85,6 +91,7 @@ pub fn load<B: Backend>(
         &model.model,
         spec,
         &head.config,
+        &target.spec.architecture,
         target.spec.num_layers,
         dtype,
         &model.device.to_string(),
@@ -97,17 +104,26 @@ pub fn load<B: Backend>(
     })
 }
 
-/// The taps serving feeds the head, after checking the head's manifest against them (and the
-/// target's fingerprints): a mismatch stops here unless `--allow-wiring-mismatch`.
+/// The taps serving feeds the head, said out loud (where they came from, and for a foreign
+/// head what every other convention would read), after checking the head's manifest against
+/// them (and the target's fingerprints): a mismatch stops here unless `--allow-wiring-mismatch`.
 pub fn checked_taps(
     model_dir: &Path,
     spec: &SpecArgs,
     config: &tandem_eagle::Eagle3Config,
+    architecture: &str,
     num_layers: usize,
     dtype: &str,
     device: &str,
 ) -> anyhow::Result<TapRequest> {
-    let taps = head_taps(config, num_layers)?;
+    if spec.convention.is_some() && config.tandem_wiring.is_some() {
+        eprintln!("wiring: --convention ignored: the head's Tandem manifest names its taps");
+    }
+    let reading = read_head_taps(config, architecture, num_layers, spec.convention)?;
+    for line in reading.describe(num_layers) {
+        eprintln!("wiring: {line}");
+    }
+    let taps = reading.taps;
     let serving = serving_manifest(model_dir, taps.clone(), dtype, device)?;
     let mismatches = check_head(config, &serving)?;
     let fatal: Vec<_> = mismatches.iter().filter(|m| m.is_fatal()).collect();

@@ -31,6 +31,7 @@ fn load(model: &ModelArgs, spec: &SpecArgs) -> anyhow::Result<FastLoaded> {
         &model.model,
         spec,
         &head.config,
+        &target.spec.architecture,
         target.spec.num_layers,
         "bf16",
         "cuda",

@@ -86,9 +86,10 @@ pub struct DeclaredReading {
 /// the taps they name.
 pub fn declared_readings(
     config: &Eagle3Config,
+    architecture: &str,
     num_layers: usize,
 ) -> Result<Vec<DeclaredReading>, ReplayError> {
-    let serving = HeadWiring::from_config(config, num_layers, "head")?;
+    let serving = HeadWiring::from_config(config, architecture, num_layers, "head")?;
     let mut out = vec![DeclaredReading {
         source: format!("served by Tandem / SGLang: {}", serving.basis),
         conventions: Vec::new(),
@@ -1356,7 +1357,7 @@ pub fn diagnose<B: Backend>(
             reason: "no sample has two tokens to measure on".to_owned(),
         });
     }
-    let readings = declared_readings(config, num_layers)?;
+    let readings = declared_readings(config, &model.spec.architecture, num_layers)?;
     let entries = sweep(&readings, draft.spec.num_taps, num_layers);
     if entries.is_empty() {
         return Err(ReplayError::HeadMismatch {
@@ -1373,10 +1374,12 @@ pub fn diagnose<B: Backend>(
     let scores = rank(entries.into_iter().zip(tallies).collect());
     let raw = match (&config.tandem_wiring, &config.eagle_config) {
         (Some(m), _) => m.raw_ids.clone(),
-        (None, Some(e)) => e
-            .eagle_aux_hidden_state_layer_ids
-            .clone()
-            .map(|ids| RawIds::new(Convention::SglangHeuristic, ids)),
+        (None, Some(e)) => e.eagle_aux_hidden_state_layer_ids.clone().map(|ids| {
+            RawIds::new(
+                tandem_wiring::sglang_convention(&model.spec.architecture),
+                ids,
+            )
+        }),
         (None, None) => None,
     };
     Ok(DiagnoseReport::new(
@@ -1402,6 +1405,8 @@ mod tests {
             .collect()
     }
 
+    const LLAMA: &str = "LlamaForCausalLM";
+
     fn head_config(ids: Option<Vec<i64>>) -> Eagle3Config {
         let mut c = Eagle3Config::for_target(&tiny_config("LlamaForCausalLM", 8), 96, 3);
         c.eagle_config = Some(EagleConfig {
@@ -1414,7 +1419,7 @@ mod tests {
 
     #[test]
     fn readings_of_sglang_ids_and_of_no_ids() {
-        let r = declared_readings(&head_config(Some(vec![1, 3, 4])), 8).unwrap();
+        let r = declared_readings(&head_config(Some(vec![1, 3, 4])), LLAMA, 8).unwrap();
         assert!(r[0].serving && r[0].taps == [1, 3, 4].map(TapId::Block));
         let vllm = r
             .iter()
@@ -1427,7 +1432,7 @@ mod tests {
             vllm.source
         );
         // A head from elsewhere with no ids: served on the default taps, nothing else declared.
-        let r = declared_readings(&head_config(None), 8).unwrap();
+        let r = declared_readings(&head_config(None), LLAMA, 8).unwrap();
         assert_eq!(r.len(), 1);
         assert_eq!(r[0].taps, [1, 3, 4].map(TapId::Block));
         assert!(r[0].source.contains("default"), "{}", r[0].source);
@@ -1435,7 +1440,7 @@ mod tests {
 
     #[test]
     fn the_sweep_is_bounded_deduplicated_and_covers_the_faults() {
-        let readings = declared_readings(&head_config(Some(vec![1, 3, 4])), 8).unwrap();
+        let readings = declared_readings(&head_config(Some(vec![1, 3, 4])), LLAMA, 8).unwrap();
         let s = sweep(&readings, 3, 8);
         assert_eq!(s[0].wiring, blocks(&[1, 3, 4]));
         assert!(s[0].origins[0].starts_with("served by"));
@@ -1596,7 +1601,7 @@ mod tests {
     #[test]
     fn a_mis_wired_head_is_named_with_the_convention_pair_and_the_fix() {
         let config = head_config(Some(vec![1, 3, 4]));
-        let readings = declared_readings(&config, 8).unwrap();
+        let readings = declared_readings(&config, LLAMA, 8).unwrap();
         let ranked = rank(vec![
             (entry(blocks(&[1, 3, 4])), tally(2, 10)),
             (entry(blocks(&[0, 2, 3])), tally(9, 10)),
@@ -1643,7 +1648,7 @@ mod tests {
 
     #[test]
     fn a_consistent_head_and_an_inconclusive_sweep() {
-        let readings = declared_readings(&head_config(Some(vec![1, 3, 4])), 8).unwrap();
+        let readings = declared_readings(&head_config(Some(vec![1, 3, 4])), LLAMA, 8).unwrap();
         let ranked = rank(vec![
             (entry(blocks(&[1, 3, 4])), tally(8, 10)),
             (entry(blocks(&[0, 2, 3])), tally(2, 10)),

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use tandem_dump::DumpReader;
 use tandem_eagle::Eagle3Config;
-use tandem_infer::wiring::head_taps;
+use tandem_infer::wiring::{TapSource, read_head_taps};
 use tandem_model::TargetTokenizer;
 use tandem_wiring::{
     Job, MismatchKind, Producer, TapId, TapPoint, TargetFingerprint, WiringManifest, check,
@@ -39,37 +39,37 @@ pub struct HeadWiring {
 }
 
 impl HeadWiring {
-    /// The serving wiring of a head config, for a target of `num_layers` blocks.
+    /// The serving wiring of a head config, for a target of `architecture` with `num_layers`
+    /// blocks (the reading `tandem bench` and `serve` use: `read_head_taps`).
     pub fn from_config(
         config: &Eagle3Config,
+        architecture: &str,
         num_layers: usize,
         source: impl Into<String>,
     ) -> Result<Self, ReplayError> {
-        let taps = head_taps(config, num_layers)?;
-        let ids = config
-            .eagle_config
-            .as_ref()
-            .and_then(|e| e.eagle_aux_hidden_state_layer_ids.clone());
-        let basis = match (&config.tandem_wiring, ids) {
-            (Some(_), _) => "the head's Tandem wiring manifest".to_owned(),
-            (None, Some(ids)) => format!(
-                "eagle_aux_hidden_state_layer_ids {ids:?} read as SGLang reads them \
-                 (sglang-heuristic)"
-            ),
-            (None, None) => "the EAGLE-3 default taps (the head names none)".to_owned(),
+        let reading = read_head_taps(config, architecture, num_layers, None)?;
+        let basis = match &reading.source {
+            TapSource::Manifest => "the head's Tandem wiring manifest".to_owned(),
+            TapSource::Ids {
+                location,
+                ids,
+                convention,
+                ..
+            } => format!("{location} {ids:?} read as {convention}"),
+            TapSource::Default => "the EAGLE-3 default taps (the head names none)".to_owned(),
         };
         Ok(HeadWiring {
             source: source.into(),
-            taps,
+            taps: reading.taps,
             basis,
             manifest: config.tandem_wiring.clone(),
         })
     }
 
     /// Reads `dir/config.json` of a head.
-    pub fn load(dir: &Path, num_layers: usize) -> Result<Self, ReplayError> {
+    pub fn load(dir: &Path, architecture: &str, num_layers: usize) -> Result<Self, ReplayError> {
         let config = Eagle3Config::load(&dir.join("config.json"))?;
-        Self::from_config(&config, num_layers, dir.display().to_string())
+        Self::from_config(&config, architecture, num_layers, dir.display().to_string())
     }
 }
 

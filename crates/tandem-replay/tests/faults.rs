@@ -345,7 +345,7 @@ fn h_head_manifest_vs_dump_taps() {
     let mut trained = dump.manifest().wiring.clone();
     trained.taps = blocks(&[2, 4, 5]);
     config.tandem_wiring = Some(trained);
-    let head = HeadWiring::from_config(&config, LAYERS, "head-a").unwrap();
+    let head = HeadWiring::from_config(&config, "LlamaForCausalLM", LAYERS, "head-a").unwrap();
     let report = run_replay(&dir, Some(&head));
     assert_eq!(report.mismatched_slots().len(), 3);
     let v = &report.slots[0].verdict;
@@ -360,19 +360,20 @@ fn h_head_manifest_vs_dump_taps() {
         "{text}"
     );
 
-    // A head from elsewhere: SGLang reads its ids [3, 5, 6] as layer inputs, blocks [2, 4, 5].
+    // A head from elsewhere: SGLang's Llama model code adds 1 to every id and captures layer
+    // inputs, so ids [2, 4, 5] are blocks [2, 4, 5] (sglang-classic, whatever the first id).
     config.tandem_wiring = None;
     config.eagle_config = Some(EagleConfig {
-        eagle_aux_hidden_state_layer_ids: Some(vec![3, 5, 6]),
+        eagle_aux_hidden_state_layer_ids: Some(vec![2, 4, 5]),
         use_aux_hidden_state: true,
         extra: Default::default(),
     });
-    let head = HeadWiring::from_config(&config, LAYERS, "head-b").unwrap();
+    let head = HeadWiring::from_config(&config, "LlamaForCausalLM", LAYERS, "head-b").unwrap();
     assert_eq!(head.taps, blocks(&[2, 4, 5]));
     let report = run_replay(&dir, Some(&head));
     assert_eq!(report.mismatched_slots().len(), 3);
     assert!(
-        report.slots[2].verdict.contains("sglang-heuristic"),
+        report.slots[2].verdict.contains("sglang-classic"),
         "{}",
         report.slots[2].verdict
     );
@@ -383,7 +384,7 @@ fn h_head_manifest_vs_dump_taps() {
         use_aux_hidden_state: true,
         extra: Default::default(),
     });
-    let head = HeadWiring::from_config(&config, LAYERS, "head-c").unwrap();
+    let head = HeadWiring::from_config(&config, "LlamaForCausalLM", LAYERS, "head-c").unwrap();
     let report = run_replay(&dir, Some(&head));
     assert!(report.ok(), "{:?}", report.problems());
 }

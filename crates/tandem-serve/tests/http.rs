@@ -44,7 +44,12 @@ fn spec_factory(context: usize) -> DecoderFactory {
             &device,
         )
         .map_err(|e| e.to_string())?;
-        let taps = head_taps(&head.config, target.spec.num_layers).map_err(|e| e.to_string())?;
+        let taps = head_taps(
+            &head.config,
+            &target.spec.architecture,
+            target.spec.num_layers,
+        )
+        .map_err(|e| e.to_string())?;
         let decoder = SpecDecoder::new(
             target,
             head.draft,
