@@ -180,6 +180,44 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
 }
 
+/// `tandem train-curves`.
+#[derive(Args, Debug)]
+pub struct TrainCurvesArgs {
+    /// A run's metrics.jsonl; repeat for the stages of a head, first stage first.
+    #[arg(long = "metrics", required = true)]
+    pub metrics: Vec<PathBuf>,
+    /// The HTML page to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Title of the page.
+    #[arg(long, default_value = "EAGLE-3 head training")]
+    pub title: String,
+}
+
+/// `tandem train-curves`: one plot over the stages' metrics, steps continued across stages.
+pub fn run_curves(args: TrainCurvesArgs) -> anyhow::Result<()> {
+    let mut stages = Vec::new();
+    for path in &args.metrics {
+        let lines = tandem_train::metrics::read_lines(path)?;
+        anyhow::ensure!(
+            !lines.is_empty(),
+            "{}: no metrics lines (or no such file)",
+            path.display()
+        );
+        stages.push(lines);
+    }
+    let lines = tandem_train::metrics::chain_stages(&stages);
+    tandem_train::plot::write(&args.out, &args.title, &lines)?;
+    println!(
+        "wrote {} ({} stages, {} lines, {} steps)",
+        args.out.display(),
+        stages.len(),
+        lines.len(),
+        lines.iter().map(|l| l.step).max().unwrap_or(0)
+    );
+    Ok(())
+}
+
 /// `tandem train-check`: see `tandem_train::gpu_check`.
 pub fn run_check() -> anyhow::Result<()> {
     let lines = tandem_train::gpu_check::gpu_parity_check()?;

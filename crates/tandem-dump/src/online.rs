@@ -188,6 +188,7 @@ impl OnlineCapture {
             regenerated: Some(false),
             rows: self.manifest.rows,
             tokens: self.manifest.tokens,
+            stage: None,
         }
     }
 }

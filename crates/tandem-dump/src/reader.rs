@@ -256,6 +256,7 @@ impl DumpReader {
             regenerated: Some(self.manifest.settings.regenerate.is_some()),
             rows: self.manifest.rows,
             tokens: self.manifest.tokens,
+            stage: None,
         }
     }
 

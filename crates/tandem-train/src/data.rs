@@ -142,6 +142,7 @@ impl SampleSource for MemorySource {
             regenerated: None,
             rows: self.records.len() as u64,
             tokens: self.records.iter().map(|r| r.len() as u64).sum(),
+            stage: None,
         }
     }
 }

@@ -300,6 +300,7 @@ fn train_gpu_with(
         &wiring,
         &engine_ids,
         &trained_on,
+        resumed_from.is_some(),
         &options.device_label,
     )?;
     write_json(&options.out.join(OPTIONS_FILE), options)?;

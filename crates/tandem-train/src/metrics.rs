@@ -145,6 +145,32 @@ impl MetricsLog {
     }
 }
 
+/// The metrics logs of a head trained in stages (each run `--init-from` the previous one's
+/// head) as one log: every stage's steps, epochs and elapsed seconds continue from where the
+/// previous stage ended, so one plot shows the head's whole training.
+pub fn chain_stages(stages: &[Vec<MetricsLine>]) -> Vec<MetricsLine> {
+    let (mut step0, mut epoch0, mut time0) = (0usize, 0usize, 0f64);
+    let mut out = Vec::new();
+    for lines in stages {
+        let (mut last_step, mut last_epoch, mut last_time) = (0usize, 0usize, 0f64);
+        for line in lines {
+            last_step = last_step.max(line.step);
+            last_epoch = last_epoch.max(line.epoch + 1);
+            last_time = last_time.max(line.elapsed_s);
+            out.push(MetricsLine {
+                step: line.step + step0,
+                epoch: line.epoch + epoch0,
+                elapsed_s: line.elapsed_s + time0,
+                ..line.clone()
+            });
+        }
+        step0 += last_step;
+        epoch0 += last_epoch;
+        time0 += last_time;
+    }
+    out
+}
+
 /// Reads every line of a metrics log (a missing file reads as empty).
 pub fn read_lines(path: &Path) -> Result<Vec<MetricsLine>, TrainError> {
     let text = match std::fs::read_to_string(path) {
@@ -161,4 +187,53 @@ pub fn read_lines(path: &Path) -> Result<Vec<MetricsLine>, TrainError> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(kind: &str, step: usize, epoch: usize, elapsed_s: f64) -> MetricsLine {
+        MetricsLine {
+            kind: kind.to_owned(),
+            step,
+            epoch,
+            lr: None,
+            loss: step as f64,
+            ploss: vec![1.0],
+            acc: vec![0.5],
+            grad_norm: None,
+            tokens: 10,
+            tokens_per_s: None,
+            elapsed_s,
+        }
+    }
+
+    #[test]
+    fn chained_stages_continue_steps_epochs_and_time() {
+        let first = vec![
+            line("train", 1, 0, 1.0),
+            line("train", 4, 1, 4.0),
+            line("val", 4, 1, 5.0),
+        ];
+        let second = vec![line("train", 1, 0, 0.5), line("val", 2, 0, 2.0)];
+        let chained = chain_stages(&[first.clone(), second]);
+        let keys: Vec<(String, usize, usize, f64)> = chained
+            .iter()
+            .map(|l| (l.kind.clone(), l.step, l.epoch, l.elapsed_s))
+            .collect();
+        assert_eq!(
+            keys,
+            vec![
+                ("train".into(), 1, 0, 1.0),
+                ("train".into(), 4, 1, 4.0),
+                ("val".into(), 4, 1, 5.0),
+                ("train".into(), 5, 2, 5.5),
+                ("val".into(), 6, 2, 7.0),
+            ]
+        );
+        // The values themselves are untouched; one stage is itself.
+        assert_eq!(chained[3].loss, 1.0);
+        assert_eq!(chain_stages(&[first.clone()]), first);
+    }
 }

@@ -354,6 +354,7 @@ pub fn train_on<B: AutodiffBackend>(
         &wiring,
         &engine_ids,
         &trained_on,
+        resumed_from.is_some(),
         &options.device_label,
     )?;
     write_json(&options.out.join(OPTIONS_FILE), options)?;
@@ -822,14 +823,26 @@ pub(crate) fn engine_ids(
 
 /// The config the head is exported with: SGLang-convention aux ids in `eagle_config`, the
 /// canonical wiring (job `train`) under `tandem_wiring`, naming the dumps it was trained on
-/// (`trained_on`).
+/// (`trained_on`): after those of the `--init-from` head, as the next stage
+/// ([`tandem_wiring::lineage`]); a resumed run (`resumed`) keeps its checkpoint's lineage.
 pub(crate) fn export_config(
     base: &Eagle3Config,
     wiring: &WiringManifest,
     (sglang_ids, vllm_ids): &(Vec<i64>, Vec<i64>),
     trained_on: &[DumpRef],
+    resumed: bool,
     device_label: &str,
 ) -> Result<Eagle3Config, TrainError> {
+    let prior = base
+        .tandem_wiring
+        .as_ref()
+        .map(|w| w.trained_on.clone())
+        .unwrap_or_default();
+    let trained_on = if resumed && !prior.is_empty() {
+        prior
+    } else {
+        tandem_wiring::lineage(&prior, trained_on)
+    };
     let mut config = base.clone();
     let mut eagle = config
         .eagle_config
@@ -853,7 +866,7 @@ pub(crate) fn export_config(
         tandem_wiring::sglang_convention(&wiring.target.architecture),
         sglang_ids.to_vec(),
     ));
-    trained.trained_on = trained_on.to_vec();
+    trained.trained_on = trained_on;
     trained.validate()?;
     config.tandem_wiring = Some(trained);
     config.extra.remove("num_aux_taps");

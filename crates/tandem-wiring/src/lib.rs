@@ -49,6 +49,6 @@ pub use engines::{
 pub use error::{Result, WiringError};
 pub use manifest::{
     DumpRef, Job, Mismatch, MismatchKind, Producer, SCHEMA_VERSION, Severity, TargetFingerprint,
-    WiringManifest, canonical_json, check, normalize_dtype, sha256_hex,
+    WiringManifest, canonical_json, check, lineage, normalize_dtype, sha256_hex,
 };
 pub use taps::{TapId, TapPoint, format_taps};

@@ -327,6 +327,35 @@ pub struct DumpRef {
     pub rows: u64,
     /// Tokens over those rows.
     pub tokens: u64,
+    /// For a head trained in stages (each `tandem train --init-from` the previous head): the
+    /// stage this dump was used in, 0 first. Absent for a head trained in one run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<u32>,
+}
+
+/// The data lineage a head exports: the dumps of the head it started from (`prior`, its
+/// `trained_on`), then the dumps of this run (`current`) as the next stage. A head trained in
+/// one run (no prior) keeps `current` unstaged. (A resumed run exports its checkpoint's
+/// lineage as it is: the caller does not call this.)
+pub fn lineage(prior: &[DumpRef], current: &[DumpRef]) -> Vec<DumpRef> {
+    if prior.is_empty() {
+        return current.to_vec();
+    }
+    let staged: Vec<DumpRef> = prior
+        .iter()
+        .map(|d| DumpRef {
+            stage: Some(d.stage.unwrap_or(0)),
+            ..d.clone()
+        })
+        .collect();
+    let next = staged.iter().filter_map(|d| d.stage).max().unwrap_or(0) + 1;
+    staged
+        .into_iter()
+        .chain(current.iter().map(|d| DumpRef {
+            stage: Some(next),
+            ..d.clone()
+        }))
+        .collect()
 }
 
 impl fmt::Display for DumpRef {
@@ -1248,6 +1277,64 @@ mod tests {
         assert_eq!(normalize_dtype("int8"), "int8");
     }
 
+    fn dump_ref(name: &str, stage: Option<u32>) -> DumpRef {
+        DumpRef {
+            name: name.to_owned(),
+            path: format!("/data/{name}"),
+            manifest_sha256: Some(sha256_hex(name.as_bytes())),
+            dataset: None,
+            regenerated: Some(true),
+            rows: 3,
+            tokens: 300,
+            stage,
+        }
+    }
+
+    #[test]
+    fn lineage_stages_fine_tuning_runs() {
+        let (a, b, d) = (
+            dump_ref("a", None),
+            dump_ref("b", None),
+            dump_ref("d", None),
+        );
+        // One run: unstaged, as before the field existed.
+        let first = lineage(&[], &[a.clone(), b.clone()]);
+        assert_eq!(first, vec![a.clone(), b.clone()]);
+        // Fine-tuned on d: the earlier dumps become stage 0, d stage 1.
+        let second = lineage(&first, std::slice::from_ref(&d));
+        let stages = |v: &[DumpRef]| {
+            v.iter()
+                .map(|r| (r.name.clone(), r.stage))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            stages(&second),
+            vec![
+                ("a".into(), Some(0)),
+                ("b".into(), Some(0)),
+                ("d".into(), Some(1))
+            ]
+        );
+        // The same dumps again in a later run are a new stage (more passes over them).
+        let third = lineage(&second, &[d.clone(), b.clone()]);
+        assert_eq!(
+            stages(&third),
+            vec![
+                ("a".into(), Some(0)),
+                ("b".into(), Some(0)),
+                ("d".into(), Some(1)),
+                ("d".into(), Some(2)),
+                ("b".into(), Some(2))
+            ]
+        );
+        // Manifests without the field read as unstaged, and unstaged refs are written without it.
+        let json = serde_json::to_value(&a).unwrap();
+        assert!(json.get("stage").is_none());
+        let back: DumpRef = serde_json::from_value(json).unwrap();
+        assert_eq!(back.stage, None);
+        assert_eq!(serde_json::to_value(&third[4]).unwrap()["stage"], 2);
+    }
+
     #[test]
     fn trained_on_is_additive_and_outside_the_check() {
         let dump = manifest(&blocks(&[1, 14, 26]), Job::Dump);
@@ -1270,6 +1357,7 @@ mod tests {
             regenerated: Some(true),
             rows: 12,
             tokens: 3456,
+            stage: None,
         });
         let json = serde_json::to_string(&head).unwrap();
         assert!(
