@@ -24,7 +24,12 @@ fn greedy_speculative_equals_target_greedy_on_mtbench() {
     let tokenizer = TargetTokenizer::load(&dir).unwrap();
     let head =
         tandem_eagle::load_pretrained(&head_dir, target.embed_tokens.clone(), &device).unwrap();
-    let taps = head_taps(&head.config, target.spec.num_layers).unwrap();
+    let taps = head_taps(
+        &head.config,
+        &target.spec.architecture,
+        target.spec.num_layers,
+    )
+    .unwrap();
     // The committed head was trained on exactly what serving taps (only a dtype note allowed).
     let serving = serving_manifest(&dir, taps.clone(), "f32", "cpu").unwrap();
     let fatal: Vec<String> = check_head(&head.config, &serving)

@@ -234,6 +234,6 @@ mod tests {
         );
         // The values themselves are untouched; one stage is itself.
         assert_eq!(chained[3].loss, 1.0);
-        assert_eq!(chain_stages(&[first.clone()]), first);
+        assert_eq!(chain_stages(std::slice::from_ref(&first)), first);
     }
 }
