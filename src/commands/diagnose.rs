@@ -29,8 +29,8 @@ pub struct DiagnoseArgs {
     /// Where datasets were fetched (scripts/fetch_datasets.sh).
     #[arg(long, default_value = "data")]
     pub data_root: PathBuf,
-    /// Prompts continued (the first turn of each).
-    #[arg(long, default_value_t = 4)]
+    /// Prompts continued (the first turn of each); at least 1.
+    #[arg(long, default_value_t = 4, value_parser = super::at_least_one)]
     pub samples: usize,
     /// Tokens the target generates per prompt (greedy); the head is measured on these.
     #[arg(long, default_value_t = 64)]
@@ -102,4 +102,30 @@ fn run_on<B: Backend>(args: &DiagnoseArgs, device: &B::Device) -> anyhow::Result
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DiagnoseArgs;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: DiagnoseArgs,
+    }
+
+    #[test]
+    fn zero_samples_is_refused_naming_the_option() {
+        let err = Cli::try_parse_from(["diagnose", "--head", "h", "--samples", "0"])
+            .err()
+            .expect("--samples 0 must be refused")
+            .to_string();
+        assert!(
+            err.contains("--samples") && err.contains("at least 1"),
+            "{err}"
+        );
+        let ok = Cli::try_parse_from(["diagnose", "--head", "h", "--samples", "3"]).unwrap();
+        assert_eq!(ok.args.samples, 3);
+    }
 }

@@ -194,6 +194,16 @@ fn report(options: &DumpOptions, s: &tandem_dump::DumpSummary) -> anyhow::Result
         m.dtype,
         if m.complete { ", dataset complete" } else { "" }
     );
+    if s.resumed_rows == 0
+        && let Some(why) = tandem_dump::zero_rows_reason(
+            s.rows,
+            &s.skipped,
+            options.regenerate.is_some(),
+            &options.dataset,
+        )
+    {
+        anyhow::bail!(why);
+    }
     Ok(())
 }
 

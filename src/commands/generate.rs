@@ -20,8 +20,13 @@ pub struct GenerateArgs {
     /// System prompt for --chat (default: whatever the template does without one).
     #[arg(long)]
     pub system: Option<String>,
-    #[arg(long, default_value_t = 32)]
+    /// Tokens to generate (at least 1).
+    #[arg(long, default_value_t = 32, value_parser = super::at_least_one)]
     pub max_tokens: usize,
+    /// Keep generating past the end-of-sequence token (by default generation stops there,
+    /// with or without --chat, as HF transformers' `generate` does).
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// 0 = greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
@@ -57,11 +62,24 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    // Speculative decoding on --device cuda runs on the CUDA fast path, which every build has.
-    if args.draft.is_some() && args.model.device.to_string() == "cuda" {
+    // On --device cuda, decoding (speculative or not) runs on the CUDA fast path, which every
+    // build has; burn-cuda would need a build with --features cuda.
+    if args.model.device.to_string() == "cuda" {
         let tokenizer = TargetTokenizer::load(&args.model.model)?;
-        let (spec, request) = speculative_request(&args, &tokenizer)?;
-        let tokens = super::spec_fast::generate(&args.model, &spec, &request)?;
+        let tokens = if args.draft.is_some() {
+            let (spec, request) = speculative_request(&args, &tokenizer)?;
+            super::spec_fast::generate(&args.model, &spec, &request)?
+        } else {
+            let (prompt, sampling, stop_ids) = encode_prompt(&args, &tokenizer)?;
+            let request = super::spec::SpecRequest {
+                prompt,
+                sampling,
+                seed: args.seed,
+                max_tokens: args.max_tokens,
+                stop_ids,
+            };
+            super::spec_fast::generate_target_only(&args.model, &request)?
+        };
         return print_output(&args, &tokenizer, &tokens);
     }
     with_backend!(args.model.device, |B, device| run_on::<B>(&args, &device))
@@ -87,10 +105,11 @@ fn encode_prompt(
         top_p: args.top_p,
         top_k: args.top_k,
     };
-    let stop_ids = if args.chat {
-        tokenizer.eos_ids.clone()
-    } else {
+    // HF transformers stops raw (non-chat) generation at EOS too (`generation_config`).
+    let stop_ids = if args.ignore_eos {
         Vec::new()
+    } else {
+        tokenizer.eos_ids.clone()
     };
     Ok((prompt, sampling, stop_ids))
 }
@@ -170,4 +189,58 @@ fn run_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> anyhow::Result
         generation.decode_tokens_per_second()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{GenerateArgs, encode_prompt};
+    use clap::Parser;
+    use tandem_model::TargetTokenizer;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: GenerateArgs,
+    }
+
+    fn parse(extra: &[&str]) -> Result<GenerateArgs, clap::Error> {
+        let mut argv = vec!["generate"];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv).map(|cli| cli.args)
+    }
+
+    #[test]
+    fn zero_max_tokens_is_refused_naming_the_option() {
+        // It used to fail later with "KV cache is full".
+        let err = parse(&["--max-tokens", "0"]).err().unwrap().to_string();
+        assert!(
+            err.contains("--max-tokens") && err.contains("at least 1"),
+            "{err}"
+        );
+        assert_eq!(parse(&["--max-tokens", "5"]).unwrap().max_tokens, 5);
+    }
+
+    #[test]
+    fn raw_generation_stops_at_eos_like_hf_unless_told_not_to() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct");
+        if !dir.join("tokenizer.json").is_file() {
+            eprintln!(
+                "skipped: {} is missing (scripts/fetch_smollm2.sh)",
+                dir.display()
+            );
+            return;
+        }
+        let tokenizer = TargetTokenizer::load(&dir).unwrap();
+        assert!(!tokenizer.eos_ids.is_empty());
+        for chat in [false, true] {
+            let mut args = parse(&["--prompt", "Hello"]).unwrap();
+            args.chat = chat;
+            let (_, _, stop) = encode_prompt(&args, &tokenizer).unwrap();
+            assert_eq!(stop, tokenizer.eos_ids, "chat {chat}: stops at EOS");
+            args.ignore_eos = true;
+            let (_, _, stop) = encode_prompt(&args, &tokenizer).unwrap();
+            assert!(stop.is_empty(), "chat {chat}: --ignore-eos");
+        }
+    }
 }

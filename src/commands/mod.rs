@@ -77,3 +77,13 @@ macro_rules! with_backend {
         }
     }};
 }
+
+/// clap value parser of counts that must be at least 1 (`--max-tokens`, `--samples`): 0 is
+/// refused when parsed, naming the option, instead of failing later with another error.
+pub(crate) fn at_least_one(value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(0) => Err("0 is not allowed: give at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("not a count: {e}")),
+    }
+}

@@ -272,11 +272,13 @@ pub struct BenchReport {
     pub batch: usize,
     pub target_tokens: usize,
     pub target_seconds: f64,
-    pub target_tokens_per_second: f64,
+    /// `None` with `--no-baseline` (written as `null`).
+    pub target_tokens_per_second: Option<f64>,
     pub spec_tokens: usize,
     pub spec_seconds: f64,
     pub spec_tokens_per_second: f64,
-    pub speedup: f64,
+    /// Speculative over target-only tokens/s; `None` with `--no-baseline`.
+    pub speedup: Option<f64>,
     pub accept_length: f64,
     pub per_position: Vec<f64>,
     pub identical_outputs: usize,
@@ -399,17 +401,19 @@ pub fn measure_bench(
         Comparison::default()
     };
     let per_second = |tokens: usize, seconds: f64| tokens as f64 / seconds.max(1e-9);
+    // No baseline, no target-only rate: 0 tok/s and an infinite speedup would be printed.
+    let baseline_rate = (!args.no_baseline).then(|| per_second(target_tokens, target_seconds));
     let report = BenchReport {
         prompts: prompts.len(),
         config,
         batch: args.batch,
         target_tokens,
         target_seconds,
-        target_tokens_per_second: per_second(target_tokens, target_seconds),
+        target_tokens_per_second: baseline_rate,
         spec_tokens,
         spec_seconds,
         spec_tokens_per_second: per_second(spec_tokens, spec_seconds),
-        speedup: per_second(spec_tokens, spec_seconds) / per_second(target_tokens, target_seconds),
+        speedup: baseline_rate.map(|rate| per_second(spec_tokens, spec_seconds) / rate),
         accept_length: stats.accept_length(),
         per_position: stats.per_position(),
         identical_outputs: comparison.identical,
@@ -432,6 +436,14 @@ fn write_json(path: &Path, report: &BenchReport) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The target-only tok/s and speedup cells of the bench table: "-" without a baseline run.
+fn baseline_cells(r: &BenchReport) -> (String, String) {
+    match (r.target_tokens_per_second, r.speedup) {
+        (Some(rate), Some(speedup)) => (format!("{rate:.1}"), format!("{speedup:.2}x")),
+        _ => ("- (--no-baseline)".to_owned(), "-".to_owned()),
+    }
+}
+
 fn print_report(r: &BenchReport, device: &str) {
     let c = &r.config;
     println!(
@@ -439,16 +451,15 @@ fn print_report(r: &BenchReport, device: &str) {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let per: Vec<String> = r.per_position.iter().map(|p| format!("{p:.2}")).collect();
+    let (target, speedup) = baseline_cells(r);
     println!(
-        "| {device} | {}/{}/{} | {} | {} | {:.1} | {:.1} | {:.2}x | {:.2} | {} | {}/{} |",
+        "| {device} | {}/{}/{} | {} | {} | {target} | {:.1} | {speedup} | {:.2} | {} | {}/{} |",
         c.num_steps,
         c.topk,
         c.num_draft_tokens,
         r.batch,
         r.prompts,
-        r.target_tokens_per_second,
         r.spec_tokens_per_second,
-        r.speedup,
         r.accept_length,
         per.join(" "),
         r.identical_outputs,
@@ -604,7 +615,53 @@ pub fn trace_mismatch(
 
 #[cfg(test)]
 mod tests {
-    use super::bf16_ulp;
+    use super::{BenchReport, baseline_cells, bf16_ulp};
+
+    fn report(target: Option<f64>, speedup: Option<f64>) -> BenchReport {
+        BenchReport {
+            prompts: 2,
+            config: tandem_infer::SpecConfig {
+                num_steps: 3,
+                topk: 1,
+                num_draft_tokens: 4,
+                sampling: tandem_model::SamplingParams::greedy(),
+                seed: 0,
+            },
+            batch: 1,
+            target_tokens: 0,
+            target_seconds: 0.0,
+            target_tokens_per_second: target,
+            spec_tokens: 64,
+            spec_seconds: 0.5,
+            spec_tokens_per_second: 128.0,
+            speedup,
+            accept_length: 1.9,
+            per_position: vec![0.5, 0.5, 0.5],
+            identical_outputs: 0,
+            compared_outputs: 0,
+            first_mismatch: None,
+            mismatches: Vec::new(),
+            timings: Default::default(),
+        }
+    }
+
+    #[test]
+    fn no_baseline_prints_no_rate_and_no_speedup() {
+        // `bench --no-baseline` used to print "target 0.0 tok/s" and speedup "infx".
+        let none = report(None, None);
+        assert_eq!(
+            baseline_cells(&none),
+            ("- (--no-baseline)".to_owned(), "-".to_owned())
+        );
+        let json = serde_json::to_value(&none).unwrap();
+        assert!(json["speedup"].is_null() && json["target_tokens_per_second"].is_null());
+        assert_eq!(json["accept_length"], 1.9);
+        let both = report(Some(100.0), Some(1.28));
+        assert_eq!(
+            baseline_cells(&both),
+            ("100.0".to_owned(), "1.28x".to_owned())
+        );
+    }
 
     #[test]
     fn bf16_spacing_by_hand() {

@@ -117,6 +117,33 @@ pub fn generate(
     generate_and_report(&engine, request, &label)
 }
 
+/// `tandem generate --device cuda` without `--draft`: the target alone on the CUDA fast path,
+/// which every build has (burn-cuda, the other `--device cuda` backend, needs `--features
+/// cuda`).
+pub fn generate_target_only(model: &ModelArgs, request: &SpecRequest) -> anyhow::Result<Vec<u32>> {
+    let (gpu, target) = load_target(model)?;
+    let start = Instant::now();
+    let out = fast_target_generate(
+        &target,
+        std::slice::from_ref(&request.prompt),
+        request.max_tokens,
+        &request.stop_ids,
+        request.sampling,
+        request.seed,
+    )?;
+    let seconds = start.elapsed().as_secs_f64();
+    let seq = out.into_iter().next().expect("one prompt, one output");
+    eprintln!(
+        "target only (fast path on {}): {} tokens in {:.2}s ({:.1} tok/s), finish {:?}",
+        gpu.name(),
+        seq.tokens.len(),
+        seconds,
+        seq.tokens.len() as f64 / seconds,
+        seq.finish
+    );
+    Ok(seq.tokens)
+}
+
 pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let FastLoaded {

@@ -426,12 +426,13 @@ pub fn run_dump_with<'a>(
         done: writer.manifest().shards.len(),
     };
     let result = (|| -> Result<bool, DumpError> {
-        let want = if options.regenerate.is_some() {
-            options.batch_size
-        } else {
-            1
-        };
         while !exhausted {
+            let want = conversations_to_read(
+                options.regenerate.is_some(),
+                options.batch_size,
+                options.max_samples,
+                writer.rows(),
+            );
             if options
                 .max_seconds
                 .is_some_and(|limit| start.elapsed().as_secs_f64() >= limit)
@@ -509,6 +510,53 @@ pub fn run_dump_with<'a>(
             Err(e)
         }
     }
+}
+
+/// How many conversations the next batch reads: one at a time when capturing; up to
+/// `--batch-size` when regenerating, but no more than the rows `--max-samples` still wants
+/// (`dump --max-samples 4` used to regenerate a whole batch of 8 and keep 4).
+pub fn conversations_to_read(
+    regenerate: bool,
+    batch_size: usize,
+    max_samples: Option<u64>,
+    rows_written: u64,
+) -> usize {
+    let batch = if regenerate { batch_size.max(1) } else { 1 };
+    match max_samples {
+        Some(max) => batch.min(max.saturating_sub(rows_written).max(1) as usize),
+        None => batch,
+    }
+}
+
+/// Why a run wrote no row, when the skips say: a dataset of prompts without replies (e.g.
+/// MT-Bench) read without `--regenerate` has no assistant token to train on.
+pub fn zero_rows_reason(
+    rows: u64,
+    skipped: &BTreeMap<String, u64>,
+    regenerate: bool,
+    dataset: &str,
+) -> Option<String> {
+    if rows > 0 || skipped.is_empty() {
+        return None;
+    }
+    let total: u64 = skipped.values().sum();
+    let no_reply = ["single_role", "no_assistant_tokens"]
+        .iter()
+        .map(|r| skipped.get(*r).copied().unwrap_or(0))
+        .sum::<u64>();
+    let reasons: Vec<String> = skipped.iter().map(|(r, n)| format!("{r}={n}")).collect();
+    Some(if no_reply == total && !regenerate {
+        format!(
+            "no row written: none of the {total} conversations of {dataset} has an assistant \
+             reply to train on ({}); add --regenerate to have the target write the replies",
+            reasons.join(" ")
+        )
+    } else {
+        format!(
+            "no row written: all {total} conversations of {dataset} were skipped ({})",
+            reasons.join(" ")
+        )
+    })
 }
 
 pub(crate) fn to_chat(conv: &Conversation) -> Vec<ChatMessage> {
@@ -627,4 +675,46 @@ pub(crate) fn capture(
         aux_hidden,
         last_hidden,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regeneration_batches_stop_at_max_samples() {
+        // Capturing reads one conversation at a time whatever the options.
+        assert_eq!(conversations_to_read(false, 8, Some(4), 0), 1);
+        // Regenerating: a batch, capped by the rows --max-samples still wants.
+        assert_eq!(conversations_to_read(true, 8, None, 100), 8);
+        assert_eq!(conversations_to_read(true, 8, Some(4), 0), 4);
+        assert_eq!(conversations_to_read(true, 8, Some(20), 17), 3);
+        assert_eq!(conversations_to_read(true, 8, Some(20), 0), 8);
+        // Never zero (the loop would spin): the row check ends the run.
+        assert_eq!(conversations_to_read(true, 8, Some(4), 4), 1);
+    }
+
+    #[test]
+    fn zero_rows_say_why() {
+        let skipped: BTreeMap<String, u64> = [("single_role".to_owned(), 80)].into();
+        let why = zero_rows_reason(0, &skipped, false, "mtbench").unwrap();
+        assert!(
+            why.contains("80 conversations of mtbench")
+                && why.contains("single_role=80")
+                && why.contains("--regenerate"),
+            "{why}"
+        );
+        let mixed: BTreeMap<String, u64> =
+            [("single_role".to_owned(), 3), ("too_long".to_owned(), 2)].into();
+        let why = zero_rows_reason(0, &mixed, false, "x.jsonl").unwrap();
+        assert!(
+            why.contains("all 5 conversations") && !why.contains("--regenerate"),
+            "{why}"
+        );
+        assert_eq!(zero_rows_reason(3, &skipped, false, "mtbench"), None);
+        assert_eq!(
+            zero_rows_reason(0, &BTreeMap::new(), false, "mtbench"),
+            None
+        );
+    }
 }

@@ -36,7 +36,10 @@ pub mod writer;
 
 pub use error::DumpError;
 pub use info::{DumpInfo, dump_info};
-pub use job::{DumpOptions, DumpSummary, dump_identity, run_dump, run_dump_with};
+pub use job::{
+    DumpOptions, DumpSummary, conversations_to_read, dump_identity, run_dump, run_dump_with,
+    zero_rows_reason,
+};
 pub use manifest::{
     DumpManifest, DumpSettings, FORMAT_NAME, FORMAT_VERSION, GenerationSettings, MANIFEST_FILE,
     ShardInfo, StorageDtype,

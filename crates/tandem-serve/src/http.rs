@@ -7,6 +7,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{OriginalUri, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -40,8 +41,21 @@ pub struct AppState {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, axum::Json(self.body())).into_response()
+        let mut response = (status, axum::Json(self.body())).into_response();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            // The queue drains in about a round; clients (and the openai SDK) honour this.
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        response
     }
+}
+
+/// A body axum refused before any handler saw it (over the body limit: 413; unreadable: 400),
+/// as the same JSON error every other refusal gets instead of axum's plain-text reply.
+fn rejected_body(rejection: BytesRejection) -> ApiError {
+    ApiError::body_rejected(rejection.status().as_u16(), rejection.body_text())
 }
 
 /// The router over `state`.
@@ -113,13 +127,20 @@ async fn metrics(State(s): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn completions(State(s): State<AppState>, body: Bytes) -> Response {
-    let parsed = parse_completion(&body, &s.model_id);
+async fn completions(State(s): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let parsed = body
+        .map_err(rejected_body)
+        .and_then(|body| parse_completion(&body, &s.model_id));
     generate(s, parsed, Endpoint::Completions).await
 }
 
-async fn chat_completions(State(s): State<AppState>, body: Bytes) -> Response {
-    let parsed = parse_chat(&body, &s.model_id);
+async fn chat_completions(
+    State(s): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let parsed = body
+        .map_err(rejected_body)
+        .and_then(|body| parse_chat(&body, &s.model_id));
     generate(s, parsed, Endpoint::Chat).await
 }
 

@@ -49,6 +49,16 @@ impl ApiError {
             code: Some("queue_full"),
         }
     }
+    /// The HTTP layer refused the body itself (413 over the size limit, 400 unreadable).
+    pub fn body_rejected(status: u16, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: format!("The request body was refused: {}", message.into()),
+            kind: "invalid_request_error",
+            param: None,
+            code: (status == 413).then_some("request_too_large"),
+        }
+    }
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {
             status: 503,
@@ -210,6 +220,18 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// [`parse`] for a request that flattens [`CommonFields`]: serde's `flatten` buffers those
+/// fields and loses their path, so a type error in one (`"max_tokens": "8"`) would name no
+/// `param`. They are parsed on their own first (unknown keys are ignored there), which names
+/// the field; then the whole request.
+fn parse_with_common<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
+    match parse::<CommonFields>(body) {
+        // A syntax error is reported by the full parse, with the same message.
+        Err(e) if e.param.is_some() => Err(e),
+        _ => parse(body),
+    }
+}
+
 fn check_model(model: &Option<String>, served: &str) -> Result<(), ApiError> {
     match model {
         Some(m) if m != served => Err(ApiError::model_not_found(m, served)),
@@ -297,7 +319,7 @@ fn validate_common(
 
 /// Validates a `/v1/completions` body for the model `served`.
 pub fn parse_completion(body: &[u8], served: &str) -> Result<Generation, ApiError> {
-    let r: CompletionRequest = parse(body)?;
+    let r: CompletionRequest = parse_with_common(body)?;
     check_model(&r.model, served)?;
     if r.echo {
         return Err(ApiError::invalid(
@@ -336,7 +358,7 @@ pub fn parse_completion(body: &[u8], served: &str) -> Result<Generation, ApiErro
 
 /// Validates a `/v1/chat/completions` body for the model `served`.
 pub fn parse_chat(body: &[u8], served: &str) -> Result<Generation, ApiError> {
-    let r: ChatRequest = parse(body)?;
+    let r: ChatRequest = parse_with_common(body)?;
     check_model(&r.model, served)?;
     if r.logprobs == Some(true) {
         return Err(ApiError::invalid(
@@ -640,6 +662,17 @@ mod tests {
                 Some("top_k"),
             ),
             (json!({"messages": "hello"}), 400, Some("messages")),
+            // Type errors in the flattened common fields name the field too.
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": "8"}),
+                400,
+                Some("max_tokens"),
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+                400,
+                Some("temperature"),
+            ),
             (json!({"model": MODEL}), 400, None),
         ];
         for (body, status, param) in cases {
@@ -687,6 +720,8 @@ mod tests {
             (json!({"prompt": "a", "echo": true}), "echo"),
             (json!({"prompt": "a", "logprobs": 2}), "logprobs"),
             (json!({"prompt": "a", "best_of": 3}), "best_of"),
+            (json!({"prompt": "a", "max_tokens": "8"}), "max_tokens"),
+            (json!({"prompt": "a", "stream": "yes"}), "stream"),
         ] {
             let err = parse_completion(body.to_string().as_bytes(), MODEL).unwrap_err();
             assert_eq!(err.param.as_deref(), Some(param), "{body}");

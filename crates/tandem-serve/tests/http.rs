@@ -189,6 +189,20 @@ fn greedy_output_bad_inputs_and_metrics_over_http() {
         assert_eq!(r.status().as_u16(), 400);
         let r = client.get(format!("{url}/v1/nothing")).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 404);
+        // A type error names its field; a body over axum's 2 MB limit gets the JSON error too.
+        let (got, reply) = post(
+            &client,
+            &format!("{url}/v1/chat/completions"),
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "8"}),
+        )
+        .await;
+        assert_eq!((got, &reply["error"]["param"]), (400, &json!("max_tokens")), "{reply}");
+        let big = json!({"model": MODEL, "messages": [{"role": "user", "content": "x ".repeat(1_500_000)}]});
+        // Its own client: the server closes a connection whose body it did not read, and a
+        // pooled connection would then fail the next request on the client side.
+        let (got, reply) = post(&reqwest::Client::new(), &format!("{url}/v1/chat/completions"), &big).await;
+        assert_eq!(got, 413, "{reply}");
+        assert_eq!(reply["error"]["code"], "request_too_large", "{reply}");
 
         // The server is still healthy after all of that.
         let health: Value = client.get(format!("{url}/health")).send().await.unwrap().json().await.unwrap();
@@ -205,7 +219,7 @@ fn greedy_output_bad_inputs_and_metrics_over_http() {
                 .unwrap()
         };
         assert_eq!(count("tandem_requests_total{outcome=\"ok\"}"), 3.0);
-        assert_eq!(count("tandem_requests_total{outcome=\"invalid\"}"), 9.0);
+        assert_eq!(count("tandem_requests_total{outcome=\"invalid\"}"), 11.0);
         assert!(count("tandem_rounds_total") >= 3.0);
         assert!(metrics.contains("tandem_draft_position_acceptance{position=\"0\"}"));
     });
@@ -242,9 +256,19 @@ fn overload_gets_429_and_a_disconnect_frees_the_slot() {
         });
         let refused = loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            let (status, body) = post(&client, &endpoint, &chat("Say hi.", 4)).await;
-            if status == 429 {
-                break body;
+            let r = client
+                .post(&endpoint)
+                .json(&chat("Say hi.", 4))
+                .send()
+                .await
+                .unwrap();
+            if r.status().as_u16() == 429 {
+                let retry = r
+                    .headers()
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                assert_eq!(retry.as_deref(), Some("1"), "429 without Retry-After");
+                break r.json::<Value>().await.unwrap();
             }
             assert!(
                 !queued.is_finished(),
