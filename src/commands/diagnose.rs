@@ -80,6 +80,7 @@ fn run_on<B: Backend>(args: &DiagnoseArgs, device: &B::Device) -> anyhow::Result
             model: args.model.model.display().to_string(),
             prompts: args.prompts.clone(),
             device: args.model.device.to_string(),
+            architecture: String::new(),
         },
     };
     let report = diagnose(&model, &head.draft, &head.config, &samples, &options)?;

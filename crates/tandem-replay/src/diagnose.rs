@@ -581,6 +581,9 @@ pub struct DiagnoseLabels {
     pub prompts: String,
     /// `cpu` / `cuda`.
     pub device: String,
+    /// The target's architecture (`LlamaForCausalLM`, ...): which SGLang convention the fix
+    /// line writes ids in. [`diagnose`] fills it from the model.
+    pub architecture: String,
 }
 
 /// How a diagnosis runs.
@@ -658,9 +661,12 @@ pub struct LikelyTrained {
 }
 
 /// `fix: ...`: the ids that make each engine serve `trained`, or why none can.
-fn fix_sentence(trained: &[TapId], num_layers: usize) -> String {
+/// The ids to write for each engine so that it serves `trained`: SGLang in the convention its
+/// model code applies to the target's `architecture` (+1 always for Llama/Qwen, the first-id
+/// rule for DeepSeek), vLLM, SpecForge.
+fn fix_sentence(trained: &[TapId], num_layers: usize, architecture: &str) -> String {
     let fixes: Vec<String> = [
-        Convention::SglangHeuristic,
+        tandem_wiring::sglang_convention(architecture),
         Convention::Vllm,
         Convention::SpecForge,
     ]
@@ -898,7 +904,11 @@ impl DiagnoseReport {
                             format_taps(&trained)
                         ));
                     }
-                    verdict.push(fix_sentence(&trained, num_layers));
+                    verdict.push(fix_sentence(
+                        &trained,
+                        num_layers,
+                        &options.labels.architecture,
+                    ));
                 }
                 Some(_) => match &likely {
                     Some(likely) => {
@@ -910,7 +920,11 @@ impl DiagnoseReport {
                             format_taps(&likely.taps),
                             likely.reasons.join(" and ")
                         ));
-                        verdict.push(fix_sentence(&likely.taps, num_layers));
+                        verdict.push(fix_sentence(
+                            &likely.taps,
+                            num_layers,
+                            &options.labels.architecture,
+                        ));
                     }
                     None => verdict.push(
                         "the trained wiring is not singled out (see above); measure more \
@@ -1382,8 +1396,16 @@ pub fn diagnose<B: Backend>(
         }),
         (None, None) => None,
     };
+    // The fix line writes SGLang ids in the convention SGLang applies to this target.
+    let options = DiagnoseOptions {
+        labels: DiagnoseLabels {
+            architecture: model.spec.architecture.clone(),
+            ..options.labels.clone()
+        },
+        ..options.clone()
+    };
     Ok(DiagnoseReport::new(
-        options,
+        &options,
         samples.len(),
         num_layers,
         readings,
@@ -1567,6 +1589,26 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_fix_writes_sglang_ids_in_the_targets_convention() {
+        let trained = vec![TapId::Block(1), TapId::Block(14), TapId::Block(26)];
+        let llama = fix_sentence(&trained, 30, "LlamaForCausalLM");
+        assert!(
+            llama.contains("sglang-classic [1, 14, 26]") && llama.contains("vllm [2, 15, 27]"),
+            "{llama}"
+        );
+        // DeepSeek's first-id rule: ids starting at 1 get the +1, so [1, 14, 26] too.
+        let deepseek = fix_sentence(&trained, 30, "DeepseekV3ForCausalLM");
+        assert!(
+            deepseek.contains("sglang-heuristic [1, 14, 26]"),
+            "{deepseek}"
+        );
+        // Block 0 first: SGLang's Llama code reads id 0 as block 0.
+        let first = vec![TapId::Block(0), TapId::Block(14), TapId::Block(26)];
+        let llama0 = fix_sentence(&first, 30, "LlamaForCausalLM");
+        assert!(llama0.contains("sglang-classic [0, 14, 26]"), "{llama0}");
+    }
+
     fn options() -> DiagnoseOptions {
         DiagnoseOptions {
             steps: 1,
@@ -1576,6 +1618,7 @@ mod tests {
                 model: "m".into(),
                 prompts: "p".into(),
                 device: "cpu".into(),
+                architecture: "LlamaForCausalLM".into(),
             },
         }
     }

@@ -73,6 +73,7 @@ fn run(draft: &Eagle3Draft<B>, config: &Eagle3Config, label: &str) -> DiagnoseRe
             model: "tiny".to_owned(),
             prompts: "random token sequences".to_owned(),
             device: "cpu".to_owned(),
+            architecture: String::new(),
         },
     };
     let report = diagnose(&model, draft, config, samples(), &options).unwrap();

@@ -110,6 +110,7 @@ fn smollm2_committed_head_diagnose_runs_on_its_own_text() {
             model: "SmolLM2-135M-Instruct".to_owned(),
             prompts: "2 chat prompts".to_owned(),
             device: "cpu".to_owned(),
+            architecture: String::new(),
         },
     };
     let report = diagnose(&model, &head.draft, &head.config, &samples, &options).unwrap();
