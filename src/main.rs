@@ -42,6 +42,9 @@ enum Command {
     /// The GPU trainer against burn's autodiff on the CPU (loss, every gradient, one AdamW
     /// step) on a small random target; exits non-zero outside tolerance.
     TrainCheck,
+    /// Export a head in another format: `speculators` (vLLM loads it natively; the aux ids at
+    /// the top level in vLLM's convention, the Tandem manifest kept).
+    ExportHead(commands::export::ExportHeadArgs),
     /// Redraw curves.html from metrics.jsonl files; several, in order, for a head trained in
     /// stages (each run --init-from the previous head): one plot of its whole training.
     TrainCurves(commands::train::TrainCurvesArgs),
@@ -78,6 +81,7 @@ fn main() -> anyhow::Result<()> {
         Command::FastBench(args) => commands::fast::run_bench(args),
         Command::Train(args) => commands::train::run(args),
         Command::TrainCheck => commands::train::run_check(),
+        Command::ExportHead(args) => commands::export::run(args),
         Command::TrainCurves(args) => commands::train::run_curves(args),
         Command::Bench(args) => commands::spec::run_bench(args),
         Command::Replay(args) => commands::replay::run(args),

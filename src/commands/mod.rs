@@ -2,6 +2,7 @@ pub mod bench;
 pub mod check_device;
 pub mod diagnose;
 pub mod dump;
+pub mod export;
 pub mod fast;
 pub mod generate;
 pub mod import;

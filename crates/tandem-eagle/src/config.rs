@@ -20,6 +20,41 @@ const ARCHITECTURE_ALIASES: [&str; 2] = [ARCHITECTURE, "Eagle3LlamaForCausalLM"]
 /// The key under which Tandem stores the canonical wiring manifest in `config.json`.
 pub const WIRING_KEY: &str = "tandem_wiring";
 
+/// The key that marks a `speculators`-format config (`"eagle3"` for EAGLE-3 heads).
+pub const SPECULATORS_TYPE_KEY: &str = "speculators_model_type";
+
+/// The keys of a speculators config that describe the draft's decoder layer
+/// (`transformer_layer_config`); every other key stays at the top level.
+const LAYER_KEYS: [&str; 15] = [
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+];
+
+/// The verifier (target) a speculators export names in `speculators_config.verifier`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verifier {
+    /// HF id or path of the target (`HuggingFaceTB/SmolLM2-135M-Instruct`).
+    pub name_or_path: String,
+    /// The target's `architectures[0]` (`LlamaForCausalLM`).
+    pub architecture: String,
+    /// Draft tokens proposed per round (`proposal_methods[0].speculative_tokens`), which vLLM
+    /// uses as its default `num_speculative_tokens`.
+    pub speculative_tokens: usize,
+}
+
 /// `eagle_config` in a draft's config.json: where SGLang and vLLM read the aux tap ids.
 ///
 /// SGLang reads the ids in its own convention (see `tandem_wiring::Convention`); a head with no
@@ -154,17 +189,135 @@ impl DraftSpec {
 }
 
 impl Eagle3Config {
-    /// Reads a draft `config.json`.
+    /// Reads a draft `config.json`: SGLang / vLLM / SpecForge / EAGLE / Tandem layout, or the
+    /// `speculators` format ([`Eagle3Config::from_speculators`]).
     pub fn load(path: &Path) -> Result<Self, EagleError> {
         let bytes = std::fs::read(path).map_err(|source| EagleError::Io {
             action: "read",
             path: path.to_owned(),
             source,
         })?;
-        serde_json::from_slice(&bytes).map_err(|source| EagleError::Json {
+        let json_err = |source| EagleError::Json {
             path: path.to_owned(),
             source,
+        };
+        let value: Value = serde_json::from_slice(&bytes).map_err(json_err)?;
+        if value.get(SPECULATORS_TYPE_KEY).is_some() {
+            return Self::from_speculators(&value);
+        }
+        serde_json::from_value(value).map_err(json_err)
+    }
+
+    /// Reads a `speculators`-format EAGLE-3 config the way vLLM does
+    /// (`vllm/transformers_utils/configs/speculators/base.py` and `algos.py`, `update_eagle3`):
+    /// `transformer_layer_config` is the layer, `draft_vocab_size`, `target_hidden_size` and
+    /// the top-level `eagle_aux_hidden_state_layer_ids` (vLLM's convention) come from the top
+    /// level. `norm_before_residual` (vLLM's default when absent: true) must be false: this
+    /// head, like SGLang's and SpecForge's, keeps the residual before `hidden_norm`.
+    pub fn from_speculators(value: &Value) -> Result<Self, EagleError> {
+        let kind = value.get(SPECULATORS_TYPE_KEY).and_then(Value::as_str);
+        if kind != Some("eagle3") {
+            return Err(EagleError::Config {
+                field: "speculators_model_type",
+                reason: format!("is {kind:?}; only \"eagle3\" speculators are EAGLE-3 heads"),
+            });
+        }
+        let norm_first = value
+            .get("norm_before_residual")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        if norm_first {
+            return Err(EagleError::Config {
+                field: "norm_before_residual",
+                reason: "is true (or absent, which vLLM reads as true): that head normalises \
+                         the hidden input before its residual branch, a different layer than \
+                         the EAGLE-3 head this build runs (residual before hidden_norm)"
+                    .to_owned(),
+            });
+        }
+        let mut flat = match value.get("transformer_layer_config") {
+            Some(Value::Object(layer)) => layer.clone(),
+            _ => {
+                return Err(EagleError::Config {
+                    field: "transformer_layer_config",
+                    reason: "is missing or not an object in a speculators config".to_owned(),
+                });
+            }
+        };
+        flat.insert("architectures".to_owned(), Value::from(vec![ARCHITECTURE]));
+        for key in [
+            "draft_vocab_size",
+            "target_hidden_size",
+            tandem_wiring::AUX_IDS_KEY,
+            WIRING_KEY,
+            "torch_dtype",
+        ] {
+            if let Some(v) = value.get(key) {
+                flat.insert(key.to_owned(), v.clone());
+            }
+        }
+        serde_json::from_value(Value::Object(flat)).map_err(|source| EagleError::Config {
+            field: "transformer_layer_config",
+            reason: format!("does not describe a draft layer: {source}"),
         })
+    }
+
+    /// This config in the `speculators` format that vLLM loads natively: the layer under
+    /// `transformer_layer_config`, `speculators_model_type: eagle3`, `norm_before_residual:
+    /// false`, the aux ids at the top level in vLLM's convention (the only place vLLM reads
+    /// them), `speculators_config` naming the verifier, and the Tandem manifest kept.
+    pub fn to_speculators(&self, verifier: &Verifier) -> Result<Value, EagleError> {
+        let ser = |source| EagleError::Config {
+            field: "config",
+            reason: format!("cannot be serialised: {source}"),
+        };
+        let Value::Object(all) = serde_json::to_value(self).map_err(ser)? else {
+            unreachable!("a struct serialises to an object")
+        };
+        if all.get(tandem_wiring::AUX_IDS_KEY).is_none() {
+            return Err(EagleError::Config {
+                field: tandem_wiring::AUX_IDS_KEY,
+                reason: "is missing at the top level: vLLM would serve the head on its default \
+                         taps; export it with Tandem's trainer (or add the vLLM ids) first"
+                    .to_owned(),
+            });
+        }
+        let mut layer = Map::new();
+        let mut top = Map::new();
+        for (key, value) in all {
+            if LAYER_KEYS.contains(&key.as_str()) {
+                layer.insert(key, value);
+            } else if !matches!(key.as_str(), "architectures" | "eagle_config") {
+                top.insert(key, value);
+            }
+        }
+        layer.insert(
+            "architectures".to_owned(),
+            Value::from(vec![verifier.architecture.clone()]),
+        );
+        top.insert(
+            "architectures".to_owned(),
+            Value::from(vec!["Eagle3Speculator"]),
+        );
+        top.insert(SPECULATORS_TYPE_KEY.to_owned(), Value::from("eagle3"));
+        top.insert("norm_before_residual".to_owned(), Value::from(false));
+        top.insert("transformer_layer_config".to_owned(), Value::Object(layer));
+        top.insert(
+            "speculators_config".to_owned(),
+            serde_json::json!({
+                "algorithm": "eagle3",
+                "proposal_methods": [{
+                    "proposal_type": "greedy",
+                    "speculative_tokens": verifier.speculative_tokens,
+                }],
+                "default_proposal_method": "greedy",
+                "verifier": {
+                    "name_or_path": verifier.name_or_path,
+                    "architectures": [verifier.architecture],
+                },
+            }),
+        );
+        Ok(Value::Object(top))
     }
 
     /// Writes pretty JSON (trailing newline).

@@ -266,6 +266,17 @@ pub fn save_safetensors<B: Backend>(
     path: &Path,
     dtype: WeightDtype,
 ) -> Result<(), EagleError> {
+    save_safetensors_as(draft, path, dtype, |name| name.to_owned())
+}
+
+/// [`save_safetensors`] with each key written as `key_name(canonical key)` (the speculators
+/// layout names the decoder layer `layers.0.` instead of `midlayer.`).
+fn save_safetensors_as<B: Backend>(
+    draft: &Eagle3Draft<B>,
+    path: &Path,
+    dtype: WeightDtype,
+    key_name: impl Fn(&str) -> String,
+) -> Result<(), EagleError> {
     let host = draft.to_host();
     let mut buffers: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
     for (name, shape, st_dtype) in checkpoint_layout(&draft.spec, dtype) {
@@ -288,7 +299,7 @@ pub fn save_safetensors<B: Backend>(
                 }
             }
         };
-        buffers.push((name, shape, st_dtype, bytes));
+        buffers.push((key_name(&name), shape, st_dtype, bytes));
     }
     let views = buffers
         .iter()
@@ -332,6 +343,36 @@ pub fn save_pretrained<B: Backend>(
     config.torch_dtype = Some(dtype.torch_dtype().to_owned());
     config.save(&dir.join(CONFIG_FILE))?;
     save_safetensors(draft, &dir.join(WEIGHTS_FILE), dtype)
+}
+
+/// Writes a head directory in the `speculators` format (vLLM loads it natively; see
+/// [`Eagle3Config::to_speculators`]): `config.json` with `speculators_config` and the layer
+/// config nested under `transformer_layer_config`, weights keyed `layers.0.` as speculators
+/// checkpoints are. [`load_pretrained`] reads it back.
+pub fn save_speculators<B: Backend>(
+    draft: &Eagle3Draft<B>,
+    config: &Eagle3Config,
+    dir: &Path,
+    dtype: WeightDtype,
+    verifier: &crate::config::Verifier,
+) -> Result<(), EagleError> {
+    std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+    let mut config = config.clone();
+    config.torch_dtype = Some(dtype.torch_dtype().to_owned());
+    let value = config.to_speculators(verifier)?;
+    let path = dir.join(CONFIG_FILE);
+    let mut json = serde_json::to_string_pretty(&value).map_err(|source| EagleError::Json {
+        path: path.clone(),
+        source,
+    })?;
+    json.push('\n');
+    std::fs::write(&path, json).map_err(io_err("write", &path))?;
+    save_safetensors_as(draft, &dir.join(WEIGHTS_FILE), dtype, |name| {
+        match name.strip_prefix("midlayer.") {
+            Some(rest) => format!("layers.0.{rest}"),
+            None => name.to_owned(),
+        }
+    })
 }
 
 /// A head directory loaded: the model, its config and what the loader renamed or ignored.

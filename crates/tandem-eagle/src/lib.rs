@@ -24,11 +24,13 @@ pub mod model;
 pub mod vocab;
 
 pub use burn;
-pub use config::{ARCHITECTURE, DraftSpec, Eagle3Config, EagleConfig, WIRING_KEY};
+pub use config::{
+    ARCHITECTURE, DraftSpec, Eagle3Config, EagleConfig, SPECULATORS_TYPE_KEY, Verifier, WIRING_KEY,
+};
 pub use error::EagleError;
 pub use io::{
     Checkpoint, HostHead, LoadReport, LoadedHead, WeightDtype, checkpoint_layout, load_host,
-    load_pretrained, read_checkpoint, save_pretrained, save_safetensors,
+    load_pretrained, read_checkpoint, save_pretrained, save_safetensors, save_speculators,
 };
 pub use model::{
     AttentionContext, DecoderLayer, DraftCache, DraftOutput, Eagle3Draft, HostWeights, Linear,
