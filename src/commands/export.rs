@@ -5,9 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use tandem_eagle::{Eagle3Draft, Verifier, WeightDtype, load_host, save_speculators};
-use tandem_model::burn::backend::NdArray;
-use tandem_model::burn::prelude::Tensor;
+use tandem_eagle::{Verifier, WeightDtype, load_host, save_speculators};
 
 #[derive(Args, Debug)]
 pub struct ExportHeadArgs {
@@ -44,16 +42,6 @@ pub fn run(args: ExportHeadArgs) -> anyhow::Result<()> {
         Some("float32") => WeightDtype::F32,
         _ => WeightDtype::Bf16,
     };
-    // The embedding is the target's and is not part of the checkpoint: zeros stand in.
-    let device = Default::default();
-    let embed = Tensor::<NdArray, 2>::zeros([host.spec.vocab_size, host.spec.hidden_size], &device);
-    let draft = Eagle3Draft::<NdArray>::from_host(
-        host.spec.clone(),
-        host.vocab.clone(),
-        &host.weights,
-        embed,
-        &device,
-    )?;
     let verifier = Verifier {
         name_or_path: args.verifier.clone(),
         architecture,
@@ -63,7 +51,7 @@ pub fn run(args: ExportHeadArgs) -> anyhow::Result<()> {
     if partial.exists() {
         std::fs::remove_dir_all(&partial)?;
     }
-    save_speculators(&draft, &host.config, &partial, dtype, &verifier)?;
+    save_speculators(&host, &partial, dtype, &verifier)?;
     if args.out.exists() {
         anyhow::bail!(
             "{} exists; the export is in {} (move it or remove the old one)",

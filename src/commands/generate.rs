@@ -70,15 +70,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let (spec, request) = speculative_request(&args, &tokenizer)?;
             super::spec_fast::generate(&args.model, &spec, &request)?
         } else {
-            let (prompt, sampling, stop_ids) = encode_prompt(&args, &tokenizer)?;
-            let request = super::spec::SpecRequest {
-                prompt,
-                sampling,
-                seed: args.seed,
-                max_tokens: args.max_tokens,
-                stop_ids,
-            };
-            super::spec_fast::generate_target_only(&args.model, &request)?
+            super::spec_fast::generate_target_only(&args.model, &request(&args, &tokenizer)?)?
         };
         return print_output(&args, &tokenizer, &tokens);
     }
@@ -114,11 +106,25 @@ fn encode_prompt(
     Ok((prompt, sampling, stop_ids))
 }
 
+/// The prompt, sampling, seed, budget and stop ids of one generation.
+fn request(
+    args: &GenerateArgs,
+    tokenizer: &TargetTokenizer,
+) -> anyhow::Result<super::spec::SpecRequest> {
+    let (prompt, sampling, stop_ids) = encode_prompt(args, tokenizer)?;
+    Ok(super::spec::SpecRequest {
+        prompt,
+        sampling,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop_ids,
+    })
+}
+
 fn speculative_request(
     args: &GenerateArgs,
     tokenizer: &TargetTokenizer,
 ) -> anyhow::Result<(super::spec::SpecArgs, super::spec::SpecRequest)> {
-    let (prompt, sampling, stop_ids) = encode_prompt(args, tokenizer)?;
     let spec = super::spec::SpecArgs {
         draft: args.draft.clone().expect("called with --draft"),
         steps: args.steps,
@@ -127,14 +133,7 @@ fn speculative_request(
         allow_wiring_mismatch: args.allow_wiring_mismatch,
         convention: args.convention,
     };
-    let request = super::spec::SpecRequest {
-        prompt,
-        sampling,
-        seed: args.seed,
-        max_tokens: args.max_tokens,
-        stop_ids,
-    };
-    Ok((spec, request))
+    Ok((spec, request(args, tokenizer)?))
 }
 
 fn print_output(

@@ -266,28 +266,28 @@ pub fn save_safetensors<B: Backend>(
     path: &Path,
     dtype: WeightDtype,
 ) -> Result<(), EagleError> {
-    save_safetensors_as(draft, path, dtype, |name| name.to_owned())
+    let host = draft.to_host();
+    write_weights(&draft.spec, &draft.vocab, &host, path, dtype, |name| {
+        name.to_owned()
+    })
 }
 
-/// [`save_safetensors`] with each key written as `key_name(canonical key)` (the speculators
-/// layout names the decoder layer `layers.0.` instead of `midlayer.`).
-fn save_safetensors_as<B: Backend>(
-    draft: &Eagle3Draft<B>,
+/// The weights of a head (`spec`, `vocab`, parameters in HF layout) as `model.safetensors`,
+/// each key written as `key_name(canonical key)` (the speculators layout names the decoder
+/// layer `layers.0.` instead of `midlayer.`).
+fn write_weights(
+    spec: &DraftSpec,
+    vocab: &VocabMap,
+    host: &HostWeights,
     path: &Path,
     dtype: WeightDtype,
     key_name: impl Fn(&str) -> String,
 ) -> Result<(), EagleError> {
-    let host = draft.to_host();
     let mut buffers: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
-    for (name, shape, st_dtype) in checkpoint_layout(&draft.spec, dtype) {
+    for (name, shape, st_dtype) in checkpoint_layout(spec, dtype) {
         let bytes: Vec<u8> = match name.as_str() {
-            "d2t" => draft
-                .vocab
-                .d2t
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect(),
-            "t2d" => draft.vocab.t2d.iter().map(|&b| u8::from(b)).collect(),
+            "d2t" => vocab.d2t.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            "t2d" => vocab.t2d.iter().map(|&b| u8::from(b)).collect(),
             _ => {
                 let (_, values) = &host[&name];
                 match dtype {
@@ -348,16 +348,16 @@ pub fn save_pretrained<B: Backend>(
 /// Writes a head directory in the `speculators` format (vLLM loads it natively; see
 /// [`Eagle3Config::to_speculators`]): `config.json` with `speculators_config` and the layer
 /// config nested under `transformer_layer_config`, weights keyed `layers.0.` as speculators
-/// checkpoints are. [`load_pretrained`] reads it back.
-pub fn save_speculators<B: Backend>(
-    draft: &Eagle3Draft<B>,
-    config: &Eagle3Config,
+/// checkpoints are. A conversion of a head read by [`load_host`]; [`load_pretrained`] reads
+/// the result back.
+pub fn save_speculators(
+    head: &HostHead,
     dir: &Path,
     dtype: WeightDtype,
     verifier: &crate::config::Verifier,
 ) -> Result<(), EagleError> {
     std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
-    let mut config = config.clone();
+    let mut config = head.config.clone();
     config.torch_dtype = Some(dtype.torch_dtype().to_owned());
     let value = config.to_speculators(verifier)?;
     let path = dir.join(CONFIG_FILE);
@@ -367,12 +367,18 @@ pub fn save_speculators<B: Backend>(
     })?;
     json.push('\n');
     std::fs::write(&path, json).map_err(io_err("write", &path))?;
-    save_safetensors_as(draft, &dir.join(WEIGHTS_FILE), dtype, |name| {
-        match name.strip_prefix("midlayer.") {
+    let path = dir.join(WEIGHTS_FILE);
+    write_weights(
+        &head.spec,
+        &head.vocab,
+        &head.weights,
+        &path,
+        dtype,
+        |name| match name.strip_prefix("midlayer.") {
             Some(rest) => format!("layers.0.{rest}"),
             None => name.to_owned(),
-        }
-    })
+        },
+    )
 }
 
 /// A head directory loaded: the model, its config and what the loader renamed or ignored.

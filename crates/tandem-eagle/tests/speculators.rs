@@ -3,13 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::backend::NdArray;
-use burn::prelude::*;
 use safetensors::SafeTensors;
 use serde_json::Value;
-use tandem_eagle::{
-    Eagle3Config, Eagle3Draft, EagleError, Verifier, WeightDtype, load_host, save_speculators,
-};
+use tandem_eagle::{Eagle3Config, EagleError, Verifier, WeightDtype, load_host, save_speculators};
 use tandem_wiring::TapId;
 
 fn committed_head() -> PathBuf {
@@ -23,23 +19,13 @@ fn temp_dir(name: &str) -> PathBuf {
 #[test]
 fn the_committed_head_exports_to_speculators_and_loads_back_identically() {
     let host = load_host(&committed_head()).unwrap();
-    let device = Default::default();
-    let embed = Tensor::<NdArray, 2>::zeros([host.spec.vocab_size, host.spec.hidden_size], &device);
-    let draft = Eagle3Draft::<NdArray>::from_host(
-        host.spec.clone(),
-        host.vocab.clone(),
-        &host.weights,
-        embed,
-        &device,
-    )
-    .unwrap();
     let verifier = Verifier {
         name_or_path: "HuggingFaceTB/SmolLM2-135M-Instruct".to_owned(),
         architecture: "LlamaForCausalLM".to_owned(),
         speculative_tokens: 3,
     };
     let dir = temp_dir("export");
-    save_speculators(&draft, &host.config, &dir, WeightDtype::Bf16, &verifier).unwrap();
+    save_speculators(&host, &dir, WeightDtype::Bf16, &verifier).unwrap();
 
     // What vLLM's speculators loader reads (speculators/base.py, algos.py update_eagle3).
     let config: Value =
