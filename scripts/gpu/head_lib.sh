@@ -1,0 +1,68 @@
+# Sourced by the head-training GPU scripts (scratch_head.sh and later): the GGUF carried in
+# pieces, logging, the MT-Bench bench of one head and shape, and picking the best chain.
+# Expects W (work dir on the GPU machine), R (results), T (binary), M (imported model).
+set -uo pipefail
+LOG="${LOG:-$R/pipeline.log}"
+
+run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
+mark() { echo "$(date +%T) $1" | tee -a "$R/phases.txt"; }
+
+# pack_gguf GGUF SIZE DIR...: the GGUF cut into pieces of SIZE bytes, one per DIR (the last takes
+# the rest), because a call carries at most 64 MiB together with the working tree.
+pack_gguf() {
+  local gguf=$1 size=$2 offset=0 dir
+  shift 2
+  for dir in "$@"; do
+    mkdir -p "$dir"
+    if [[ "$dir" == "${!#}" ]]; then
+      tail -c +$((offset + 1)) "$gguf" > "$dir/gguf.part"
+    else
+      tail -c +$((offset + 1)) "$gguf" | head -c "$size" > "$dir/gguf.part"
+    fi
+    offset=$((offset + size))
+  done
+}
+
+# bench HEAD_DIR NAME SHAPE [bench options...]: MT-Bench, 80 first turns, 128 tokens, greedy,
+# batch 1, fast path; one summary line per run in $R/summary.txt, the JSON in $R.
+bench() {
+  local dir=$1 name=$2 shape=$3 s k n
+  shift 3
+  IFS=/ read -r s k n <<< "$shape"
+  local tag="${name}_${s}_${k}_${n}"
+  timeout 300 "$T" bench --model "$M" --draft "$dir" --device cuda --prompts mtbench \
+    --data-root "$W/data" --max-prompts 80 --max-new-tokens 128 --steps "$s" --topk "$k" \
+    --num-draft-tokens "$n" --batch 1 --json "$R/bench_${tag}.json" "$@" > "$R/bench_${tag}.log" 2>&1
+  python3 - "$R/bench_${tag}.json" "$name" "$shape" <<'PY' | tee -a "$LOG" "$R/summary.txt"
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    print(f"{sys.argv[2]:10s} {sys.argv[3]:7s} no report ({e})"); sys.exit()
+pos = " ".join(f"{p:.2f}" for p in d["per_position"])
+target = d.get("target_tokens_per_second")
+ratio = f"target {target:.1f} speedup {d['speedup']:.3f}" if target else "no baseline"
+print(f"{sys.argv[2]:10s} {sys.argv[3]:7s} accept {d['accept_length']:.3f} [{pos}] "
+      f"spec {d['spec_tokens_per_second']:.1f} tok/s {ratio} "
+      f"identical {d.get('identical_outputs')}/{d.get('compared_outputs')}")
+PY
+}
+
+# best_chain NAME...: the head with the highest chain 3/1/4 accept length among those benched.
+best_chain() {
+  python3 - "$R" "$@" <<'PY'
+import json, os, sys
+scores = {}
+for name in sys.argv[2:]:
+    try:
+        scores[name] = json.load(open(os.path.join(sys.argv[1], f"bench_{name}_3_1_4.json")))["accept_length"]
+    except (OSError, ValueError, KeyError):
+        pass
+print(max(scores, key=scores.get) if scores else "")
+PY
+}
+
+# last_val HEAD_DIR NAME: the head's last validation line, into the summary.
+last_val() {
+  grep '"kind":"val"' "$1/metrics.jsonl" | tail -1 | cut -c1-400 | sed "s/^/$2 /" | tee -a "$LOG" "$R/summary.txt"
+}
