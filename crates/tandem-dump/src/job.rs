@@ -24,6 +24,7 @@ use crate::reader::DumpRecord;
 use crate::regen::{RegenStats, regenerate};
 use crate::target::DumpTarget;
 use crate::writer::{DumpWriter, ShardLimits};
+use tandem_format::FormatError;
 
 /// Everything `tandem dump` is asked to do.
 #[derive(Debug, Clone)]
@@ -302,8 +303,8 @@ impl ConversationFiles {
             let name = conversations_file_name(&shard.file);
             let path = self.dir.join(&name);
             let tmp = self.dir.join(format!(".{name}.tmp"));
-            std::fs::write(&tmp, text).map_err(DumpError::io("write", &tmp))?;
-            std::fs::rename(&tmp, &path).map_err(DumpError::io("rename into place", &path))?;
+            std::fs::write(&tmp, text).map_err(FormatError::io("write", &tmp))?;
+            std::fs::rename(&tmp, &path).map_err(FormatError::io("rename into place", &path))?;
             self.done += 1;
         }
         Ok(())

@@ -13,8 +13,9 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use tandem_data::{Split, open_dataset};
+use tandem_format::{FormatError, SampleSource};
 use tandem_model::{TapRequest, TargetTokenizer};
-use tandem_wiring::{DumpRef, sha256_hex};
+use tandem_wiring::{DumpRef, WiringManifest, sha256_hex};
 
 use crate::error::DumpError;
 use crate::job::{DumpOptions, capture, check_options, dump_identity, to_chat};
@@ -147,7 +148,7 @@ impl OnlineCapture {
 
     /// Row `index`, captured now through the target's hook (as `tandem dump` captures it).
     pub fn read(&self, index: usize) -> Result<DumpRecord, DumpError> {
-        let (id, tokens) = self.rows.get(index).ok_or(DumpError::RowOutOfRange {
+        let (id, tokens) = self.rows.get(index).ok_or(FormatError::RowOutOfRange {
             index,
             len: self.rows.len(),
         })?;
@@ -190,5 +191,40 @@ impl OnlineCapture {
             tokens: self.manifest.tokens,
             stage: None,
         }
+    }
+}
+
+/// `tandem train --online`: rows captured from the target when read, through the hook the
+/// dump job uses (no shards on disk).
+impl SampleSource for OnlineCapture {
+    fn wiring(&self) -> &WiringManifest {
+        &self.manifest().wiring
+    }
+    fn hidden_size(&self) -> usize {
+        self.manifest().hidden_size
+    }
+    fn num_slots(&self) -> usize {
+        self.manifest().num_slots
+    }
+    fn len(&self) -> usize {
+        OnlineCapture::len(self)
+    }
+    fn read(&self, index: usize) -> Result<DumpRecord, FormatError> {
+        OnlineCapture::read(self, index).map_err(|e| match e {
+            DumpError::Format(e) => e,
+            other => FormatError::Source {
+                name: SampleSource::name(self),
+                source: Box::new(other),
+            },
+        })
+    }
+    fn name(&self) -> String {
+        format!("online capture of {}", self.manifest().dataset)
+    }
+    fn split(&self) -> Option<&str> {
+        self.manifest().dataset_split.as_deref()
+    }
+    fn dump_ref(&self) -> DumpRef {
+        OnlineCapture::dump_ref(self)
     }
 }

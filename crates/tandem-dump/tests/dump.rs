@@ -11,8 +11,8 @@ use std::sync::OnceLock;
 use tandem_dump::layout::encode_bf16;
 use tandem_dump::mask::tokenize_conversation;
 use tandem_dump::{
-    DumpError, DumpOptions, DumpReader, DumpRecord, DumpSummary, GenerationSettings, ShardLimits,
-    StorageDtype, run_dump,
+    DumpError, DumpOptions, DumpReader, DumpRecord, DumpSummary, FormatError, GenerationSettings,
+    ShardLimits, StorageDtype, run_dump,
 };
 use tandem_model::backend::CpuBackend;
 use tandem_model::testing::{smollm2_dir, workspace_root, write_tiny_chat_model};
@@ -421,7 +421,10 @@ fn a_full_disk_keeps_completed_shards_valid_and_a_crash_is_resumed() {
     o.simulate_full_disk_after = Some(first_shard + 100);
     let err = dump(&o).unwrap_err();
     let text = err.to_string();
-    assert!(matches!(err, DumpError::ShardWrite { .. }), "{text}");
+    assert!(
+        matches!(err, DumpError::Format(FormatError::ShardWrite { .. })),
+        "{text}"
+    );
     assert!(text.contains("No space left on device"), "{text}");
     assert!(
         text.contains("1 completed shard(s) (2 rows)") && text.contains("re-run"),
@@ -466,7 +469,10 @@ fn a_different_wiring_or_setting_in_the_same_directory_is_refused() {
     o.taps = "vllm:1,3,4".parse().unwrap();
     let err = dump(&o).unwrap_err();
     let text = err.to_string();
-    assert!(matches!(err, DumpError::ManifestMismatch { .. }), "{text}");
+    assert!(
+        matches!(err, DumpError::Format(FormatError::ManifestMismatch { .. })),
+        "{text}"
+    );
     assert!(
         text.contains("slot 0: trained on block 1, served block 0"),
         "{text}"

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use tandem_wiring::TapId;
 
-use crate::error::DumpError;
+use crate::error::FormatError;
 use crate::manifest::{DumpManifest, describe_generation};
 use crate::reader::DumpReader;
 
@@ -74,7 +74,7 @@ pub struct DumpInfo {
 }
 
 /// Reads every row of `dir` (at most `limit` rows when given) and summarises it.
-pub fn dump_info(dir: &Path, limit: Option<usize>) -> Result<DumpInfo, DumpError> {
+pub fn dump_info(dir: &Path, limit: Option<usize>) -> Result<DumpInfo, FormatError> {
     let reader = DumpReader::open(dir)?;
     let manifest = reader.manifest().clone();
     let t = manifest.hidden_size;

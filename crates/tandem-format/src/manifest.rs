@@ -15,7 +15,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tandem_wiring::{TapId, check, format_taps};
 
-use crate::error::DumpError;
+use crate::error::FormatError;
 
 /// Name in [`DumpManifest::format`].
 pub const FORMAT_NAME: &str = "tandem-dump";
@@ -286,8 +286,8 @@ impl DumpManifest {
     }
 
     /// Checks the manifest against itself (wiring valid, slot count and width agree).
-    pub fn validate(&self, path: &Path) -> Result<(), DumpError> {
-        let bad = |reason: String| DumpError::NotADump {
+    pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        let bad = |reason: String| FormatError::NotADump {
             path: path.to_owned(),
             reason,
         };
@@ -322,10 +322,10 @@ impl DumpManifest {
     }
 
     /// Reads and validates `manifest.json`.
-    pub fn load(path: &Path) -> Result<DumpManifest, DumpError> {
-        let bytes = fs::read(path).map_err(DumpError::io("read", path))?;
+    pub fn load(path: &Path) -> Result<DumpManifest, FormatError> {
+        let bytes = fs::read(path).map_err(FormatError::io("read", path))?;
         let manifest: DumpManifest =
-            serde_json::from_slice(&bytes).map_err(|source| DumpError::Json {
+            serde_json::from_slice(&bytes).map_err(|source| FormatError::Json {
                 path: path.to_owned(),
                 source,
             })?;
@@ -335,8 +335,8 @@ impl DumpManifest {
 
     /// Writes pretty JSON atomically (temporary file, sync, rename), so a crash never leaves
     /// half a manifest.
-    pub fn save(&self, path: &Path) -> Result<(), DumpError> {
-        let mut json = serde_json::to_string_pretty(self).map_err(|source| DumpError::Json {
+    pub fn save(&self, path: &Path) -> Result<(), FormatError> {
+        let mut json = serde_json::to_string_pretty(self).map_err(|source| FormatError::Json {
             path: path.to_owned(),
             source,
         })?;
@@ -364,18 +364,18 @@ pub fn describe_generation(g: &GenerationSettings) -> String {
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DumpError> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.tmp"));
     let result = (|| {
-        let mut file = fs::File::create(&tmp).map_err(DumpError::io("create", &tmp))?;
+        let mut file = fs::File::create(&tmp).map_err(FormatError::io("create", &tmp))?;
         file.write_all(bytes)
-            .map_err(DumpError::io("write", &tmp))?;
-        file.sync_all().map_err(DumpError::io("sync", &tmp))?;
-        fs::rename(&tmp, path).map_err(DumpError::io("rename into place", path))
+            .map_err(FormatError::io("write", &tmp))?;
+        file.sync_all().map_err(FormatError::io("sync", &tmp))?;
+        fs::rename(&tmp, path).map_err(FormatError::io("rename into place", path))
     })();
     if result.is_err() {
         // Best effort; the first error is the one to report.

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use arrow_ipc::reader::FileReader;
 
-use crate::error::DumpError;
+use crate::error::FormatError;
 use crate::layout::{Layout, META_MANIFEST, META_SHARD};
 use crate::manifest::{DumpManifest, MANIFEST_FILE, ShardInfo};
 
@@ -63,9 +63,9 @@ pub(crate) fn is_temp_shard_name(name: &str) -> bool {
 
 type ShardFile = FileReader<BufReader<File>>;
 
-fn open_shard(path: &Path) -> Result<ShardFile, DumpError> {
-    let file = File::open(path).map_err(DumpError::io("open", path))?;
-    FileReader::try_new(BufReader::new(file), None).map_err(DumpError::arrow(path))
+fn open_shard(path: &Path) -> Result<ShardFile, FormatError> {
+    let file = File::open(path).map_err(FormatError::io("open", path))?;
+    FileReader::try_new(BufReader::new(file), None).map_err(FormatError::arrow(path))
 }
 
 /// A completed shard found on disk.
@@ -81,10 +81,10 @@ pub(crate) struct ScannedShard {
 pub(crate) fn scan_shards(
     dir: &Path,
     identity: &DumpManifest,
-) -> Result<Vec<ScannedShard>, DumpError> {
+) -> Result<Vec<ScannedShard>, FormatError> {
     let mut names = Vec::new();
-    for entry in fs::read_dir(dir).map_err(DumpError::io("list", dir))? {
-        let entry = entry.map_err(DumpError::io("list", dir))?;
+    for entry in fs::read_dir(dir).map_err(FormatError::io("list", dir))? {
+        let entry = entry.map_err(FormatError::io("list", dir))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         if is_shard_name(&name) {
             names.push(name);
@@ -95,7 +95,7 @@ pub(crate) fn scan_shards(
     let mut shards: Vec<ScannedShard> = Vec::with_capacity(names.len());
     for (n, name) in names.iter().enumerate() {
         let path = dir.join(name);
-        let bad = |reason: String| DumpError::BadShard {
+        let bad = |reason: String| FormatError::BadShard {
             path: path.clone(),
             reason,
         };
@@ -113,7 +113,7 @@ pub(crate) fn scan_shards(
             .get(META_MANIFEST)
             .ok_or_else(|| bad(format!("no {META_MANIFEST} schema metadata")))?;
         let shard_identity: DumpManifest =
-            serde_json::from_str(meta).map_err(|source| DumpError::Json {
+            serde_json::from_str(meta).map_err(|source| FormatError::Json {
                 path: path.join(META_MANIFEST),
                 source,
             })?;
@@ -128,7 +128,7 @@ pub(crate) fn scan_shards(
             .custom_metadata()
             .get(META_SHARD)
             .ok_or_else(|| bad(format!("no {META_SHARD} footer metadata")))?;
-        let info: ShardInfo = serde_json::from_str(info).map_err(|source| DumpError::Json {
+        let info: ShardInfo = serde_json::from_str(info).map_err(|source| FormatError::Json {
             path: path.join(META_SHARD),
             source,
         })?;
@@ -185,17 +185,17 @@ impl std::fmt::Debug for DumpReader {
 
 impl DumpReader {
     /// Opens `dir`: reads and validates `manifest.json`, then checks every completed shard.
-    pub fn open(dir: &Path) -> Result<Self, DumpError> {
+    pub fn open(dir: &Path) -> Result<Self, FormatError> {
         let manifest_path = dir.join(MANIFEST_FILE);
         if !manifest_path.is_file() {
-            return Err(DumpError::NotADump {
+            return Err(FormatError::NotADump {
                 path: dir.to_owned(),
                 reason: format!("no {MANIFEST_FILE}"),
             });
         }
         let mut manifest = DumpManifest::load(&manifest_path)?;
         let manifest_bytes =
-            fs::read(&manifest_path).map_err(DumpError::io("read", &manifest_path))?;
+            fs::read(&manifest_path).map_err(FormatError::io("read", &manifest_path))?;
         let manifest_sha256 = tandem_wiring::sha256_hex(&manifest_bytes);
         let shards = scan_shards(dir, &manifest.identity())?;
         manifest.shards = shards.iter().map(|s| s.info.clone()).collect();
@@ -271,9 +271,9 @@ impl DumpReader {
     }
 
     /// Row `index` (0-based across all shards).
-    pub fn read(&self, index: usize) -> Result<DumpRecord, DumpError> {
+    pub fn read(&self, index: usize) -> Result<DumpRecord, FormatError> {
         if index >= self.len() {
-            return Err(DumpError::RowOutOfRange {
+            return Err(FormatError::RowOutOfRange {
                 index,
                 len: self.len(),
             });
@@ -287,16 +287,16 @@ impl DumpReader {
             *cache = Some((shard, open_shard(path)?));
         }
         let (_, reader) = cache.as_mut().expect("just filled");
-        reader.set_index(row).map_err(DumpError::arrow(path))?;
+        reader.set_index(row).map_err(FormatError::arrow(path))?;
         let batch = reader
             .next()
-            .ok_or_else(|| DumpError::BadShard {
+            .ok_or_else(|| FormatError::BadShard {
                 path: path.clone(),
                 reason: format!("record batch {row} is missing"),
             })?
-            .map_err(DumpError::arrow(path))?;
+            .map_err(FormatError::arrow(path))?;
         if batch.num_rows() != 1 {
-            return Err(DumpError::BadShard {
+            return Err(FormatError::BadShard {
                 path: path.clone(),
                 reason: format!(
                     "record batch {row} has {} rows; this layout has one row per batch",
@@ -306,14 +306,14 @@ impl DumpReader {
         }
         self.layout
             .decode(&batch, 0)
-            .map_err(|reason| DumpError::BadShard {
+            .map_err(|reason| FormatError::BadShard {
                 path: path.clone(),
                 reason,
             })
     }
 
     /// All rows in order.
-    pub fn iter(&self) -> impl Iterator<Item = Result<DumpRecord, DumpError>> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = Result<DumpRecord, FormatError>> + '_ {
         (0..self.len()).map(|i| self.read(i))
     }
 }

@@ -11,7 +11,7 @@ use arrow_ipc::CompressionType;
 use arrow_ipc::writer::{FileWriter, IpcWriteOptions};
 use arrow_schema::{ArrowError, SchemaRef};
 
-use crate::error::DumpError;
+use crate::error::FormatError;
 use crate::layout::{Layout, META_SHARD};
 use crate::manifest::{DumpManifest, MANIFEST_FILE, ShardInfo};
 use crate::reader::{DumpRecord, is_temp_shard_name, scan_shards, shard_name, temp_shard_name};
@@ -124,15 +124,15 @@ impl DumpWriter {
         dir: &Path,
         identity: &DumpManifest,
         limits: ShardLimits,
-    ) -> Result<Self, DumpError> {
+    ) -> Result<Self, FormatError> {
         let identity = identity.identity();
-        fs::create_dir_all(dir).map_err(DumpError::io("create directory", dir))?;
+        fs::create_dir_all(dir).map_err(FormatError::io("create directory", dir))?;
         let manifest_path = dir.join(MANIFEST_FILE);
         let manifest = if manifest_path.is_file() {
             let existing = DumpManifest::load(&manifest_path)?;
             let differences = existing.differences(&identity);
             if !differences.is_empty() {
-                return Err(DumpError::ManifestMismatch {
+                return Err(FormatError::ManifestMismatch {
                     dir: dir.to_owned(),
                     differences,
                 });
@@ -149,8 +149,8 @@ impl DumpWriter {
             manifest
         } else {
             let mut foreign = Vec::new();
-            for entry in fs::read_dir(dir).map_err(DumpError::io("list", dir))? {
-                let entry = entry.map_err(DumpError::io("list", dir))?;
+            for entry in fs::read_dir(dir).map_err(FormatError::io("list", dir))? {
+                let entry = entry.map_err(FormatError::io("list", dir))?;
                 let name = entry.file_name().to_string_lossy().into_owned();
                 if !is_temp_shard_name(&name) && !name.starts_with(&format!(".{MANIFEST_FILE}")) {
                     foreign.push(name);
@@ -158,7 +158,7 @@ impl DumpWriter {
             }
             if !foreign.is_empty() {
                 foreign.sort();
-                return Err(DumpError::NotADump {
+                return Err(FormatError::NotADump {
                     path: dir.to_owned(),
                     reason: format!(
                         "the directory is not empty ({}) and has no {MANIFEST_FILE}; refusing \
@@ -170,10 +170,10 @@ impl DumpWriter {
             identity.clone()
         };
         // Temporary shards are incomplete by construction: the records they held are re-read.
-        for entry in fs::read_dir(dir).map_err(DumpError::io("list", dir))? {
-            let entry = entry.map_err(DumpError::io("list", dir))?;
+        for entry in fs::read_dir(dir).map_err(FormatError::io("list", dir))? {
+            let entry = entry.map_err(FormatError::io("list", dir))?;
             if is_temp_shard_name(&entry.file_name().to_string_lossy()) {
-                fs::remove_file(entry.path()).map_err(DumpError::io("remove", entry.path()))?;
+                fs::remove_file(entry.path()).map_err(FormatError::io("remove", entry.path()))?;
             }
         }
         manifest.save(&manifest_path)?;
@@ -235,12 +235,12 @@ impl DumpWriter {
     }
 
     /// Writes the next record as a row; closes the shard when it is full.
-    pub fn write(&mut self, record: &DumpRecord, truncated: bool) -> Result<(), DumpError> {
+    pub fn write(&mut self, record: &DumpRecord, truncated: bool) -> Result<(), FormatError> {
         let source_index = self.pending.end_record;
         let batch = self
             .layout
             .encode(&self.schema, record, source_index)
-            .map_err(|e| DumpError::BadShard {
+            .map_err(|e| FormatError::BadShard {
                 path: self.dir.join(&self.pending.file),
                 reason: e.to_string(),
             })?;
@@ -269,7 +269,7 @@ impl DumpWriter {
         Ok(())
     }
 
-    fn create_shard(&self) -> Result<OpenShard, DumpError> {
+    fn create_shard(&self) -> Result<OpenShard, FormatError> {
         let n = self.manifest.shards.len();
         let tmp = self.dir.join(temp_shard_name(n));
         let file = File::create(&tmp).map_err(|source| self.shard_error(&tmp, source))?;
@@ -282,7 +282,7 @@ impl DumpWriter {
         };
         let options = IpcWriteOptions::default()
             .try_with_compression(Some(CompressionType::ZSTD))
-            .map_err(DumpError::arrow(&tmp))?;
+            .map_err(FormatError::arrow(&tmp))?;
         let writer = FileWriter::try_new_with_options(
             BufWriter::with_capacity(1 << 20, sink),
             &self.schema,
@@ -296,8 +296,8 @@ impl DumpWriter {
         })
     }
 
-    fn shard_error(&self, path: &Path, source: io::Error) -> DumpError {
-        DumpError::ShardWrite {
+    fn shard_error(&self, path: &Path, source: io::Error) -> FormatError {
+        FormatError::ShardWrite {
             path: path.to_owned(),
             dir: self.dir.clone(),
             completed_shards: self.manifest.shards.len(),
@@ -306,10 +306,10 @@ impl DumpWriter {
         }
     }
 
-    fn arrow_write_error(&self, path: &Path, e: ArrowError) -> DumpError {
+    fn arrow_write_error(&self, path: &Path, e: ArrowError) -> FormatError {
         match e {
             ArrowError::IoError(_, source) => self.shard_error(path, source),
-            other => DumpError::Arrow {
+            other => FormatError::Arrow {
                 path: path.to_owned(),
                 source: other,
             },
@@ -318,7 +318,7 @@ impl DumpWriter {
 
     /// Turns a failed write into an error and removes the temporary shard (best effort: the
     /// disk may be full or gone, and the first error is what matters).
-    fn write_failed(&mut self, e: ArrowError) -> DumpError {
+    fn write_failed(&mut self, e: ArrowError) -> FormatError {
         let open = self.open.take().expect("a shard is open");
         let err = self.arrow_write_error(&open.tmp, e);
         drop(open.writer);
@@ -327,7 +327,7 @@ impl DumpWriter {
     }
 
     /// Completes the current shard: footer with its [`ShardInfo`], sync, rename, manifest.
-    fn close_shard(&mut self) -> Result<(), DumpError> {
+    fn close_shard(&mut self) -> Result<(), FormatError> {
         if self.open.is_none() {
             if self.pending.end_record == self.pending.first_record {
                 return Ok(());
@@ -372,7 +372,7 @@ impl DumpWriter {
 
     /// Closes the shard being written (an empty one if only skips are pending) and writes the
     /// final manifest; `complete` says whether the whole dataset has been read.
-    pub fn finish(mut self, complete: bool) -> Result<DumpManifest, DumpError> {
+    pub fn finish(mut self, complete: bool) -> Result<DumpManifest, FormatError> {
         self.close_shard()?;
         self.manifest.complete = complete;
         self.manifest.save(&self.dir.join(MANIFEST_FILE))?;

@@ -14,6 +14,9 @@ use tandem_wiring::WiringError;
 pub enum ReplayError {
     /// The dump could not be read.
     #[error(transparent)]
+    Format(#[from] tandem_dump::FormatError),
+    /// The dump job's target or capture failed.
+    #[error(transparent)]
     Dump(#[from] DumpError),
     /// The target model failed (loading, a forward step).
     #[error(transparent)]

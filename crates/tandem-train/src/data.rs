@@ -7,93 +7,11 @@
 use std::path::PathBuf;
 
 use sha2::{Digest, Sha256};
-use tandem_dump::{DumpReader, DumpRecord, OnlineCapture};
+pub use tandem_format::SampleSource;
+use tandem_format::{DumpReader, DumpRecord, FormatError};
 use tandem_wiring::{DumpRef, WiringManifest};
 
 use crate::error::TrainError;
-
-/// Rows of training data: what the trainer needs from a dump.
-pub trait SampleSource: Send + Sync {
-    /// The wiring of every row (taps, target fingerprint).
-    fn wiring(&self) -> &WiringManifest;
-    /// T: width of one tap.
-    fn hidden_size(&self) -> usize;
-    /// Taps per token.
-    fn num_slots(&self) -> usize;
-    /// Rows.
-    fn len(&self) -> usize;
-    /// Whether there are no rows.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Row `index`.
-    fn read(&self, index: usize) -> Result<DumpRecord, TrainError>;
-    /// A name for messages (the dump directory).
-    fn name(&self) -> String;
-    /// The dataset split the rows came from, when known (`train`, `eval`).
-    fn split(&self) -> Option<&str> {
-        None
-    }
-    /// What a head trained on these rows records about them (`tandem_wiring.trained_on` of
-    /// the exported config.json): name, manifest hash, rows, tokens.
-    fn dump_ref(&self) -> DumpRef;
-}
-
-impl SampleSource for DumpReader {
-    fn wiring(&self) -> &WiringManifest {
-        &self.manifest().wiring
-    }
-    fn hidden_size(&self) -> usize {
-        self.manifest().hidden_size
-    }
-    fn num_slots(&self) -> usize {
-        self.manifest().num_slots
-    }
-    fn len(&self) -> usize {
-        DumpReader::len(self)
-    }
-    fn read(&self, index: usize) -> Result<DumpRecord, TrainError> {
-        Ok(DumpReader::read(self, index)?)
-    }
-    fn name(&self) -> String {
-        self.dir().display().to_string()
-    }
-    fn split(&self) -> Option<&str> {
-        self.manifest().dataset_split.as_deref()
-    }
-    fn dump_ref(&self) -> DumpRef {
-        DumpReader::dump_ref(self)
-    }
-}
-
-/// `tandem train --online`: rows captured from the target when read, through the hook the
-/// dump job uses (no shards on disk).
-impl SampleSource for OnlineCapture {
-    fn wiring(&self) -> &WiringManifest {
-        &self.manifest().wiring
-    }
-    fn hidden_size(&self) -> usize {
-        self.manifest().hidden_size
-    }
-    fn num_slots(&self) -> usize {
-        self.manifest().num_slots
-    }
-    fn len(&self) -> usize {
-        OnlineCapture::len(self)
-    }
-    fn read(&self, index: usize) -> Result<DumpRecord, TrainError> {
-        Ok(OnlineCapture::read(self, index)?)
-    }
-    fn name(&self) -> String {
-        format!("online capture of {}", self.manifest().dataset)
-    }
-    fn split(&self) -> Option<&str> {
-        self.manifest().dataset_split.as_deref()
-    }
-    fn dump_ref(&self) -> DumpRef {
-        OnlineCapture::dump_ref(self)
-    }
-}
 
 /// Rows held in memory (tests, small experiments).
 #[derive(Debug, Clone)]
@@ -121,12 +39,13 @@ impl SampleSource for MemorySource {
     fn len(&self) -> usize {
         self.records.len()
     }
-    fn read(&self, index: usize) -> Result<DumpRecord, TrainError> {
+    fn read(&self, index: usize) -> Result<DumpRecord, FormatError> {
         self.records
             .get(index)
             .cloned()
-            .ok_or_else(|| TrainError::NoData {
-                reason: format!("{}: row {index} of {}", self.name, self.records.len()),
+            .ok_or(FormatError::RowOutOfRange {
+                index,
+                len: self.records.len(),
             })
     }
     fn name(&self) -> String {
@@ -215,7 +134,7 @@ impl Dataset {
                 reason: format!("row {index} of {}", self.len()),
             });
         }
-        self.sources[k].read(index - self.starts[k])
+        Ok(self.sources[k].read(index - self.starts[k])?)
     }
 
     /// The first source's wiring (all agree once checked).

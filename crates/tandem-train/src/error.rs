@@ -111,9 +111,9 @@ pub enum TrainError {
         loss: f64,
     },
 
-    /// A dump could not be read.
+    /// A dump (or another source of rows) could not be read.
     #[error(transparent)]
-    Dump(#[from] tandem_dump::DumpError),
+    Format(#[from] tandem_format::FormatError),
 
     /// The head could not be built, loaded, run or saved.
     #[error(transparent)]

@@ -1,6 +1,6 @@
 //! `tandem train`: trains an EAGLE-3 head ([`tandem_eagle::Eagle3Draft`]) on offline dumps
 //! written by `tandem dump`, or online on taps captured through the same hook while training
-//! (`tandem_dump::OnlineCapture`), and exports it as a directory SGLang / vLLM load.
+//! (`tandem_dump::OnlineCapture`, a `tandem_format::SampleSource`), and exports it as a directory SGLang / vLLM load.
 //!
 //! - [`data`]: dumps as one row space ([`data::SampleSource`], [`data::Dataset`]), the
 //!   train/validation split by sample id, seeded shuffling with length bucketing, batches.

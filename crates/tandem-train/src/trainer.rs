@@ -18,7 +18,7 @@ use tandem_eagle::{
 };
 use tandem_wiring::{DumpRef, Job, Producer, RawIds, TapPoint, WiringManifest, check};
 
-use tandem_dump::DumpRecord;
+use tandem_format::DumpRecord;
 
 use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation};
 use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
