@@ -17,6 +17,7 @@ use tandem_eagle::{DraftCache, Eagle3Draft};
 use tandem_model::sampling::{SamplingParams, distribution, sample_from};
 use tandem_model::{KvCache, LogitsFor, TapRequest, TargetModel};
 
+use crate::admission::Admission;
 use crate::stats::AcceptanceStats;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
@@ -357,33 +358,25 @@ impl<B: Backend> SpecEngine<'_, B> {
         }
     }
 
+    /// The admission rules of `batch` under this engine (shared by every engine).
+    pub fn admission(&self, batch: &RunningBatch<B>) -> Admission {
+        Admission {
+            capacity: batch.capacity,
+            max_positions: self.target.spec.max_position_embeddings,
+            round_width: self.config.num_draft_tokens,
+            vocab: self.target.spec.vocab_size,
+        }
+    }
+
     /// Checks a request against the engine and the batch before anything runs.
     pub fn check_request(&self, batch: &RunningBatch<B>, r: &Request) -> Result<(), InferError> {
-        check_request_alone(r, self.target.spec.vocab_size)?;
-        let room = self.max_prompt_len(batch);
-        if r.prompt.len() > room {
-            return Err(InferError::Request {
-                reason: format!(
-                    "a prompt of {} tokens does not fit the context: at most {room} tokens \
-                     leave room for one speculative round in {} columns",
-                    r.prompt.len(),
-                    batch.capacity
-                ),
-            });
-        }
-        if batch.sequences.iter().any(|s| s.request.id == r.id) {
-            return Err(InferError::Request {
-                reason: format!("request id {} is already running", r.id),
-            });
-        }
-        Ok(())
+        self.admission(batch)
+            .check(std::slice::from_ref(r), &batch.ids())
     }
 
     /// The longest prompt `batch` accepts: one speculative round must still fit after it.
     pub fn max_prompt_len(&self, batch: &RunningBatch<B>) -> usize {
-        batch
-            .capacity
-            .saturating_sub(self.config.num_draft_tokens + 1)
+        self.admission(batch).max_prompt_len()
     }
 
     /// Prefills `requests` on their own (target prefill with taps, first token, draft extend)
@@ -395,9 +388,7 @@ impl<B: Backend> SpecEngine<'_, B> {
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
         self.config.validate()?;
-        for r in &requests {
-            self.check_request(batch, r)?;
-        }
+        self.admission(batch).check(&requests, &batch.ids())?;
         if requests.is_empty() {
             return Ok(Vec::new());
         }

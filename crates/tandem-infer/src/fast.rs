@@ -22,9 +22,10 @@ use tandem_cuda::{CudaDraft, CudaKvCache, CudaSlice, CudaTarget, DeviceLogits, D
 use tandem_model::sampling::{SamplingParams, distribution, sample_from};
 use tandem_model::{LogitsFor, StepInput, TapRequest};
 
+use crate::admission::Admission;
 use crate::engine::{
     BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecOutput, Timings,
-    check_request_alone, commit_tokens, draft_scratch, run_to_completion,
+    commit_tokens, draft_scratch, run_to_completion,
 };
 use crate::stats::AcceptanceStats;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
@@ -142,36 +143,26 @@ impl FastSpecEngine<'_> {
         }
     }
 
+    /// The admission rules of `batch` under this engine (shared by every engine).
+    pub fn admission(&self, batch: &FastRunningBatch) -> Admission {
+        Admission {
+            capacity: batch.capacity,
+            max_positions: self.target.spec.max_position_embeddings,
+            round_width: self.round_width(),
+            vocab: self.target.spec.vocab_size,
+        }
+    }
+
     /// The longest prompt `batch` accepts: one round must still fit after it, in the cache and
     /// in the model's positions.
     pub fn max_prompt_len(&self, batch: &FastRunningBatch) -> usize {
-        batch
-            .capacity
-            .min(self.target.spec.max_position_embeddings)
-            .saturating_sub(self.round_width() + 1)
+        self.admission(batch).max_prompt_len()
     }
 
     /// Checks a request against the engine and the batch before anything runs.
     pub fn check_request(&self, batch: &FastRunningBatch, r: &Request) -> Result<(), InferError> {
-        check_request_alone(r, self.target.spec.vocab_size)?;
-        let room = self.max_prompt_len(batch);
-        if r.prompt.len() > room {
-            return Err(InferError::Request {
-                reason: format!(
-                    "a prompt of {} tokens does not fit the context: at most {room} tokens \
-                     leave room for one round in {} columns ({} positions)",
-                    r.prompt.len(),
-                    batch.capacity,
-                    self.target.spec.max_position_embeddings
-                ),
-            });
-        }
-        if batch.rows.iter().any(|s| s.request.id == r.id) {
-            return Err(InferError::Request {
-                reason: format!("request id {} is already running", r.id),
-            });
-        }
-        Ok(())
+        self.admission(batch)
+            .check(std::slice::from_ref(r), &batch.ids())
     }
 
     /// Prefills `requests` on their own (target prefill with taps, first token, draft extend)
@@ -183,14 +174,7 @@ impl FastSpecEngine<'_> {
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
         self.config.validate()?;
-        for (i, r) in requests.iter().enumerate() {
-            self.check_request(batch, r)?;
-            if requests[..i].iter().any(|o| o.id == r.id) {
-                return Err(InferError::Request {
-                    reason: format!("request id {} is given twice", r.id),
-                });
-            }
-        }
+        self.admission(batch).check(&requests, &batch.ids())?;
         if requests.is_empty() {
             return Ok(Vec::new());
         }

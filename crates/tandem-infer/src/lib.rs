@@ -3,6 +3,7 @@
 //! sampling), and acceptance statistics ([`stats`]). These are pure host functions so the math
 //! that decides correctness is unit-tested on tiny hand-made cases.
 
+pub mod admission;
 pub mod engine;
 pub mod fast;
 pub mod plain;
@@ -11,6 +12,7 @@ pub mod tree;
 pub mod verify;
 pub mod wiring;
 
+pub use admission::Admission;
 pub use engine::{
     BatchOutput, DraftRoot, Finish, InferError, Progress, Request, RunningBatch, SpecConfig,
     SpecEngine, SpecGenerate, SpecOutput, Timings,

@@ -10,9 +10,9 @@ use rand::SeedableRng;
 use tandem_model::sampling::SamplingParams;
 use tandem_model::{KvCache, LogitsFor, TapRequest, TargetModel};
 
+use crate::admission::Admission;
 use crate::engine::{
-    Finish, InferError, Progress, Request, SpecOutput, Timings, check_request_alone, commit_tokens,
-    pick,
+    Finish, InferError, Progress, Request, SpecOutput, Timings, commit_tokens, pick,
 };
 use crate::stats::AcceptanceStats;
 
@@ -85,29 +85,25 @@ impl<B: Backend> PlainEngine<'_, B> {
         }
     }
 
-    /// The longest prompt `batch` accepts (one decode step must still fit after it).
-    pub fn max_prompt_len(&self, batch: &PlainBatch<B>) -> usize {
-        batch.capacity.saturating_sub(2)
+    /// The admission rules of `batch` (shared by every engine): a round is one decode step.
+    pub fn admission(&self, batch: &PlainBatch<B>) -> Admission {
+        Admission {
+            capacity: batch.capacity,
+            max_positions: self.target.spec.max_position_embeddings,
+            round_width: 1,
+            vocab: self.target.spec.vocab_size,
+        }
     }
 
-    /// Checks a request before anything runs (same rules as the speculative engine).
+    /// The longest prompt `batch` accepts (one decode step must still fit after it).
+    pub fn max_prompt_len(&self, batch: &PlainBatch<B>) -> usize {
+        self.admission(batch).max_prompt_len()
+    }
+
+    /// Checks a request before anything runs (the rules every engine shares).
     pub fn check_request(&self, batch: &PlainBatch<B>, r: &Request) -> Result<(), InferError> {
-        check_request_alone(r, self.target.spec.vocab_size)?;
-        let reason = if r.prompt.len() > self.max_prompt_len(batch) {
-            Some(format!(
-                "a prompt of {} tokens does not fit the context of {} columns",
-                r.prompt.len(),
-                batch.capacity
-            ))
-        } else if batch.sequences.iter().any(|s| s.request.id == r.id) {
-            Some(format!("request id {} is already running", r.id))
-        } else {
-            None
-        };
-        match reason {
-            Some(reason) => Err(InferError::Request { reason }),
-            None => Ok(()),
-        }
+        self.admission(batch)
+            .check(std::slice::from_ref(r), &batch.ids())
     }
 
     /// Prefills `requests` on their own and moves them into the batch.
@@ -116,9 +112,7 @@ impl<B: Backend> PlainEngine<'_, B> {
         batch: &mut PlainBatch<B>,
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
-        for r in &requests {
-            self.check_request(batch, r)?;
-        }
+        self.admission(batch).check(&requests, &batch.ids())?;
         if requests.is_empty() {
             return Ok(Vec::new());
         }
