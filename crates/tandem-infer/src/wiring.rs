@@ -123,15 +123,12 @@ pub fn read_head_taps(
         .and_then(|e| e.eagle_aux_hidden_state_layer_ids.clone());
     let top: Option<Vec<i64>> = match config.extra.get(AUX_IDS_KEY) {
         None => None,
-        Some(value) => Some(
-            value
-                .as_array()
-                .and_then(|a| a.iter().map(serde_json::Value::as_i64).collect())
-                .ok_or_else(|| InferError::Config {
-                    field: "eagle_aux_hidden_state_layer_ids",
-                    reason: format!("(top level) is {value}, not a list of integers"),
-                })?,
-        ),
+        Some(value) => Some(tandem_wiring::engines::parse_aux_ids(value).ok_or_else(|| {
+            InferError::Config {
+                field: "eagle_aux_hidden_state_layer_ids",
+                reason: format!("(top level) is {value}, not a list of integers"),
+            }
+        })?),
     };
     let read = |location: &'static str, ids: Vec<i64>, convention: Convention, reason: String| {
         let taps = convention

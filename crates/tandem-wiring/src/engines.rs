@@ -54,8 +54,14 @@ pub fn sglang_convention(architecture: &str) -> Convention {
     }
 }
 
+/// A list of layer ids as a config holds it (`[1, 14, 26]`); `None` for anything else. Shared
+/// with every reader of head configs, so all of them accept the same values.
+pub fn parse_aux_ids(value: &Value) -> Option<Vec<i64>> {
+    value.as_array()?.iter().map(Value::as_i64).collect()
+}
+
 fn ids_at(value: Option<&Value>) -> Option<Vec<i64>> {
-    value?.as_array()?.iter().map(Value::as_i64).collect()
+    parse_aux_ids(value?)
 }
 
 /// SGLang's reading of a head's `config` for a target of `architecture` with `num_layers`
