@@ -9,7 +9,7 @@ use clap::Args;
 use tandem_dump::DumpReader;
 use tandem_model::burn::prelude::Backend;
 use tandem_replay::{
-    CompareSetup, GapTest, HeadWiring, OfflinePositions, ReplayOptions, ReplayTarget, Tolerance,
+    CompareSetup, GapTest, HeadWiring, OfflinePositions, ReplayOptions, Tolerance,
     fingerprint_model, replay,
 };
 
@@ -67,7 +67,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     }
 }
 
-fn replay_on(args: &ReplayArgs, model: &dyn ReplayTarget) -> anyhow::Result<()> {
+fn replay_on(args: &ReplayArgs, model: &dyn tandem_model::CaptureTarget) -> anyhow::Result<()> {
     let dump = DumpReader::open(&args.dump)?;
     let target = fingerprint_model(&args.model.model)?;
     let head = args

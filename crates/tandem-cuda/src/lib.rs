@@ -9,6 +9,7 @@
 //! verification): `fast-check` and the tests prove the taps and logits equal the reference's.
 
 mod cache;
+mod capture;
 pub mod check;
 mod device;
 mod draft;

@@ -1,5 +1,5 @@
 //! The dump job: dataset -> chat template -> (optional regeneration) -> one prefill through
-//! the capture hook -> shards, over any [`DumpTarget`] (the burn model, or the CUDA fast path).
+//! the capture hook -> shards, over any [`CaptureTarget`] (the burn model, or the CUDA fast path).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -22,9 +22,9 @@ use crate::manifest::{
 use crate::mask::{MaskedTokens, SampleSkip, tokenize_conversation};
 use crate::reader::DumpRecord;
 use crate::regen::{RegenStats, regenerate};
-use crate::target::DumpTarget;
 use crate::writer::{DumpWriter, ShardLimits};
 use tandem_format::FormatError;
+use tandem_model::CaptureTarget;
 
 /// Everything `tandem dump` is asked to do.
 #[derive(Debug, Clone)]
@@ -333,10 +333,10 @@ pub fn run_dump<B: Backend>(
 }
 
 /// Runs (or resumes) a dump on the target `load` returns (called once the dump is known to
-/// need it): the burn model, or the CUDA fast path ([`DumpTarget`]).
+/// need it): the burn model, or the CUDA fast path ([`CaptureTarget`]).
 pub fn run_dump_with<'a>(
     options: &DumpOptions,
-    load: impl FnOnce() -> Result<Box<dyn DumpTarget + 'a>, DumpError>,
+    load: impl FnOnce() -> Result<Box<dyn CaptureTarget + 'a>, DumpError>,
 ) -> Result<DumpSummary, DumpError> {
     check_options(options)?;
     let tokenizer = TargetTokenizer::load(&options.model_dir)?;
@@ -571,7 +571,7 @@ pub(crate) fn to_chat(conv: &Conversation) -> Vec<ChatMessage> {
 /// the same order.
 #[allow(clippy::too_many_arguments)]
 fn process(
-    model: &dyn DumpTarget,
+    model: &dyn CaptureTarget,
     tokenizer: &TargetTokenizer,
     template_sha: &str,
     options: &DumpOptions,
@@ -652,7 +652,7 @@ fn process(
 /// One prefill of `tokens` through the capture hook; lays the aux slots out per token
 /// (`[tokens, slots * hidden]`) and keeps the last tap as the last block.
 pub(crate) fn capture(
-    model: &dyn DumpTarget,
+    model: &dyn CaptureTarget,
     request: &TapRequest,
     sample_id: String,
     tokens: MaskedTokens,

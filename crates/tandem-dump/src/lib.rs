@@ -14,7 +14,6 @@ pub mod job;
 pub mod mask;
 pub mod online;
 mod regen;
-pub mod target;
 
 pub use error::DumpError;
 pub use job::{
@@ -27,4 +26,3 @@ pub use tandem_format::{
     FORMAT_VERSION, FormatError, GenerationSettings, MANIFEST_FILE, SampleSource, ShardInfo,
     ShardLimits, StorageDtype, dump_info, info, layout, manifest, reader, writer,
 };
-pub use target::DumpTarget;

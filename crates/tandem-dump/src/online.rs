@@ -22,7 +22,7 @@ use crate::job::{DumpOptions, capture, check_options, dump_identity, to_chat};
 use crate::manifest::{DumpManifest, StorageDtype};
 use crate::mask::{MaskedTokens, tokenize_conversation};
 use crate::reader::DumpRecord;
-use crate::target::DumpTarget;
+use tandem_model::CaptureTarget;
 
 /// A dataset whose rows are captured from the target on demand.
 pub struct OnlineCapture {
@@ -32,7 +32,7 @@ pub struct OnlineCapture {
     rows: Vec<(String, MaskedTokens)>,
     request: TapRequest,
     /// One target serves every reader thread, one capture at a time.
-    target: Mutex<Box<dyn DumpTarget + Send>>,
+    target: Mutex<Box<dyn CaptureTarget + Send>>,
 }
 
 impl std::fmt::Debug for OnlineCapture {
@@ -50,7 +50,7 @@ impl OnlineCapture {
     /// up to `options.max_samples` rows, and keeps `load()`'s target for the captures.
     pub fn open(
         options: &DumpOptions,
-        load: impl FnOnce() -> Result<Box<dyn DumpTarget + Send>, DumpError>,
+        load: impl FnOnce() -> Result<Box<dyn CaptureTarget + Send>, DumpError>,
     ) -> Result<Self, DumpError> {
         if options.regenerate.is_some() {
             return Err(DumpError::InvalidOption {

@@ -14,7 +14,7 @@ use tandem_model::{ChatMessage, SamplingParams, TargetTokenizer};
 use crate::error::DumpError;
 use crate::manifest::GenerationSettings;
 use crate::mask::{SKIP_TEMPLATE_ERROR, SKIP_TOKENIZER_ERROR, SKIP_TOO_LONG, SampleSkip};
-use crate::target::DumpTarget;
+use tandem_model::CaptureTarget;
 
 /// One conversation after regeneration.
 #[derive(Debug, Clone)]
@@ -75,7 +75,7 @@ struct State {
 
 /// Regenerates the assistant turns of `batch` (record ordinal, messages) with `model`.
 pub(crate) fn regenerate(
-    model: &dyn DumpTarget,
+    model: &dyn CaptureTarget,
     tokenizer: &TargetTokenizer,
     batch: &[(u64, Vec<ChatMessage>)],
     settings: &GenerationSettings,

@@ -78,4 +78,7 @@ pub enum ModelError {
     TapOutOfRange { tap: String, num_layers: usize },
     #[error("invalid sampling setting {field}: {reason}")]
     InvalidSampling { field: &'static str, reason: String },
+    /// An execution path outside this crate (the CUDA fast path) failed.
+    #[error(transparent)]
+    Device(Box<dyn std::error::Error + Send + Sync>),
 }

@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod cache;
 pub mod capture;
+pub mod capture_target;
 pub mod config;
 pub mod error;
 pub mod generate;
@@ -18,6 +19,7 @@ pub mod weights;
 pub use burn;
 pub use cache::{ColumnLayout, KvCache, StepInput};
 pub use capture::{CaptureHook, CapturedTaps, TapRequest, Taps};
+pub use capture_target::CaptureTarget;
 pub use config::{Family, HfConfig, MlaSpec, ModelSpec, MoeSpec};
 pub use error::ModelError;
 pub use generate::{FinishReason, GenerateOptions, Generation, generate};

@@ -5,11 +5,8 @@
 
 use std::fmt;
 
-use burn::prelude::*;
 use serde::{Serialize, Serializer};
-use tandem_cuda::CudaTarget;
-use tandem_dump::DumpTarget;
-use tandem_model::{TapRequest, TargetModel};
+use tandem_model::{CaptureTarget, TapRequest};
 use tandem_wiring::TapId;
 
 use crate::error::ReplayError;
@@ -116,41 +113,11 @@ impl CandidateValues {
     }
 }
 
-/// A target path replay re-runs: the burn model (CPU, burn-cuda) or the CUDA fast path, so
-/// replay checks the very code serving runs on that device. It captures through the dump's
-/// [`DumpTarget::capture_taps`] (one capture for both jobs) and adds the norm weights for the
-/// normed candidates.
-pub trait ReplayTarget: DumpTarget {
-    /// Block `k`'s `input_layernorm` weight, on the host.
-    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError>;
-    /// The final norm's weight, on the host.
-    fn final_norm(&self) -> Result<Vec<f32>, ReplayError>;
-}
-
-impl<B: Backend> ReplayTarget for TargetModel<B> {
-    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError> {
-        Ok(to_host_1d(self.layers[k].input_layernorm.weight.clone()))
-    }
-    fn final_norm(&self) -> Result<Vec<f32>, ReplayError> {
-        Ok(to_host_1d(self.norm.weight.clone()))
-    }
-}
-
-impl ReplayTarget for CudaTarget {
-    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ReplayError> {
-        self.input_norm_weight(k)
-            .map_err(|e| ReplayError::Infer(e.into()))
-    }
-    fn final_norm(&self) -> Result<Vec<f32>, ReplayError> {
-        self.final_norm_weight()
-            .map_err(|e| ReplayError::Infer(e.into()))
-    }
-}
-
 /// Runs `input_ids` as one prefill through the target's block loop with every tap point
-/// requested ([`DumpTarget::capture_taps`]), and derives the normed inputs.
+/// requested ([`CaptureTarget::capture_taps`], the capture the dump runs too), and derives the
+/// normed inputs with the target's own norm weights.
 pub fn capture_candidates(
-    model: &dyn ReplayTarget,
+    model: &dyn CaptureTarget,
     input_ids: &[u32],
 ) -> Result<CandidateValues, ReplayError> {
     let spec = model.spec();
@@ -188,11 +155,4 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
         );
     }
     out
-}
-
-fn to_host_1d<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .expect("converted to f32")
 }

@@ -40,9 +40,7 @@ pub mod replay;
 pub mod report;
 pub mod score;
 
-pub use candidate::{
-    Candidate, CandidateValues, ReplayTarget, all_candidates, all_taps, capture_candidates,
-};
+pub use candidate::{Candidate, CandidateValues, all_candidates, all_taps, capture_candidates};
 pub use compare::{
     CompareReport, CompareSetup, DraftedAcceptance, GapTest, OfflineAcceptance, OfflinePositions,
     OnlineAcceptance, accept_length_se, compare_wiring, drafted_acceptance, first_turn,

@@ -13,7 +13,9 @@ use tandem_wiring::{
     format_taps, normalize_dtype,
 };
 
-use crate::candidate::{Candidate, ReplayTarget, all_candidates, capture_candidates};
+use tandem_model::CaptureTarget;
+
+use crate::candidate::{Candidate, all_candidates, capture_candidates};
 use crate::error::ReplayError;
 use crate::explain::{constant_shift, convention_swaps, describe_pattern};
 use crate::report::{
@@ -201,7 +203,7 @@ fn best_of(candidates: &[Candidate], table: &[Vec<Accumulator>]) -> Score {
 /// Wiring faults are findings of the report, never errors; errors are I/O or shape problems
 /// that stop the replay.
 pub fn replay(
-    model: &dyn ReplayTarget,
+    model: &dyn CaptureTarget,
     target: &TargetFingerprint,
     dump: &DumpReader,
     head: Option<&HeadWiring>,

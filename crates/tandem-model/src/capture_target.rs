@@ -1,24 +1,24 @@
-//! The target a dump runs: the burn model (CPU, burn-cuda) or the CUDA fast path. On a GPU the
-//! dump takes the path serving takes, so the hidden states a head is trained on come from the
-//! very kernels that feed it when it serves (replay checks this slot by slot).
+//! What the jobs that run a target need of it (the dump's capture and regeneration, replay's
+//! candidate taps), defined next to the model so each execution path implements it where it
+//! lives: the burn model here, the CUDA fast path in `tandem-cuda`. On a GPU the dump and replay
+//! take the path serving takes, so the hidden states a head is trained on come from the very
+//! kernels that feed it when it serves.
 
-use rand::Rng;
 use rand::rngs::StdRng;
-use tandem_cuda::{CudaError, CudaTarget, DeviceLogits};
-use tandem_model::burn::prelude::*;
-use tandem_model::sampling::{distribution, sample_from};
-use tandem_model::{LogitsFor, ModelSpec, SamplingParams, TapRequest, TargetModel};
 
-use crate::error::DumpError;
+use crate::burn::prelude::*;
+use crate::sampling::{distribution, sample_from};
+use crate::{LogitsFor, ModelError, ModelSpec, SamplingParams, TapRequest, TargetModel};
 
-/// What the dump job needs of a target.
-pub trait DumpTarget {
+/// A target the dump, online capture and replay jobs run: one prefill through the capture hook,
+/// batched generation, and the norm weights replay needs for its normed candidates.
+pub trait CaptureTarget {
     /// The model's dimensions.
     fn spec(&self) -> &ModelSpec;
     /// One prefill of `ids` through the capture hook with `request`'s taps: per tap, in request
     /// order, its `[tokens, hidden]` f32 values on the host. The dump and replay both capture
     /// through this one method.
-    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, DumpError>;
+    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, ModelError>;
     /// Generates for a ragged batch of prompts; returns per sequence its tokens (without the
     /// stop token) and whether it stopped on a stop token (false: budget reached).
     fn generate_batch(
@@ -28,18 +28,22 @@ pub trait DumpTarget {
         sampling: &SamplingParams,
         rngs: &mut [StdRng],
         stop_ids: &[u32],
-    ) -> Result<Vec<(Vec<u32>, bool)>, DumpError>;
+    ) -> Result<Vec<(Vec<u32>, bool)>, ModelError>;
+    /// Block `k`'s `input_layernorm` weight, on the host.
+    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ModelError>;
+    /// The final norm's weight, on the host.
+    fn final_norm(&self) -> Result<Vec<f32>, ModelError>;
 }
 
 /// The decode loop both targets share: `forward(inputs)` runs one step (the prompts first, then
 /// one token per running sequence, an empty slice for finished ones) and returns every
 /// sequence's next token.
-fn decode_loop(
+pub fn decode_loop(
     prompts: &[&[u32]],
     budgets: &[usize],
     stop_ids: &[u32],
-    mut forward: impl FnMut(&[&[u32]]) -> Result<Vec<u32>, DumpError>,
-) -> Result<Vec<(Vec<u32>, bool)>, DumpError> {
+    mut forward: impl FnMut(&[&[u32]]) -> Result<Vec<u32>, ModelError>,
+) -> Result<Vec<(Vec<u32>, bool)>, ModelError> {
     let n = prompts.len();
     let mut next = forward(prompts)?;
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -76,16 +80,16 @@ fn decode_loop(
 }
 
 /// Columns a batch generation needs.
-fn capacity(prompts: &[&[u32]], budgets: &[usize]) -> usize {
+pub fn capacity(prompts: &[&[u32]], budgets: &[usize]) -> usize {
     prompts.iter().map(|p| p.len()).max().unwrap_or(0) + budgets.iter().copied().max().unwrap_or(0)
 }
 
-impl<B: Backend> DumpTarget for TargetModel<B> {
+impl<B: Backend> CaptureTarget for TargetModel<B> {
     fn spec(&self) -> &ModelSpec {
         &self.spec
     }
 
-    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, DumpError> {
+    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, ModelError> {
         let mut cache = self.new_cache(1, ids.len());
         let step = cache.prefill_step(&[ids])?;
         let out = self.forward(&step, &mut cache, request, LogitsFor::None)?;
@@ -110,7 +114,7 @@ impl<B: Backend> DumpTarget for TargetModel<B> {
         sampling: &SamplingParams,
         rngs: &mut [StdRng],
         stop_ids: &[u32],
-    ) -> Result<Vec<(Vec<u32>, bool)>, DumpError> {
+    ) -> Result<Vec<(Vec<u32>, bool)>, ModelError> {
         let mut cache = self.new_cache(prompts.len(), capacity(prompts, budgets));
         decode_loop(prompts, budgets, stop_ids, |inputs| {
             let step = cache.prefill_step(inputs)?;
@@ -123,6 +127,21 @@ impl<B: Backend> DumpTarget for TargetModel<B> {
             ))
         })
     }
+
+    fn input_norm(&self, k: usize) -> Result<Vec<f32>, ModelError> {
+        Ok(to_host_1d(self.layers[k].input_layernorm.weight.clone()))
+    }
+
+    fn final_norm(&self) -> Result<Vec<f32>, ModelError> {
+        Ok(to_host_1d(self.norm.weight.clone()))
+    }
+}
+
+fn to_host_1d<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("converted to f32")
 }
 
 /// Next token of every sequence from `logits: [batch, 1, vocab]`. Greedy runs the argmax on
@@ -151,7 +170,7 @@ fn pick_burn<B: Backend>(
 /// Draws each running sequence's next token from its row of `host: [batch, vocab]` with the
 /// sequence's own stream. A finished sequence (empty input) reads a padding row: nothing to
 /// draw from, its token is 0 and its stream is left alone.
-fn sample_rows(
+pub fn sample_rows(
     host: &[f32],
     vocab: usize,
     inputs: &[&[u32]],
@@ -167,55 +186,4 @@ fn sample_rows(
             sample_from(&probs, &mut rngs[b]) as u32
         })
         .collect()
-}
-
-impl DumpTarget for CudaTarget {
-    fn spec(&self) -> &ModelSpec {
-        &self.spec
-    }
-
-    fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, DumpError> {
-        let mut cache = self.new_cache(1, ids.len())?;
-        let step = cache.layout().prefill_step(&[ids])?;
-        let out = self.forward(&step, &mut cache, request, LogitsFor::None)?;
-        Ok(out
-            .taps
-            .tensors
-            .iter()
-            .map(|rows| self.gpu().download(&rows.data))
-            .collect::<Result<Vec<Vec<f32>>, CudaError>>()?)
-    }
-
-    fn generate_batch(
-        &self,
-        prompts: &[&[u32]],
-        budgets: &[usize],
-        sampling: &SamplingParams,
-        rngs: &mut [StdRng],
-        stop_ids: &[u32],
-    ) -> Result<Vec<(Vec<u32>, bool)>, DumpError> {
-        let mut cache = self.new_cache(prompts.len(), capacity(prompts, budgets))?;
-        decode_loop(prompts, budgets, stop_ids, |inputs| {
-            let step = cache.layout().prefill_step(inputs)?;
-            let out = self.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
-            let logits: DeviceLogits = out.logits.expect("asked for logits");
-            if sampling.is_greedy() {
-                return Ok(logits.argmax()?);
-            }
-            if sampling.top_k == 0 {
-                // Drawn on the GPU: a batch of 256 rows would otherwise read 50 MB of logits
-                // back per step and sort every row on the host. Each running sequence takes
-                // its seed from its own stream, so its reply still does not depend on the
-                // batch; a finished one leaves its stream alone.
-                let seeds: Vec<u64> = inputs
-                    .iter()
-                    .zip(rngs.iter_mut())
-                    .map(|(input, rng)| if input.is_empty() { 0 } else { rng.random() })
-                    .collect();
-                return Ok(logits.sample(sampling.temperature, sampling.top_p, &seeds)?);
-            }
-            let host = logits.to_host()?;
-            Ok(sample_rows(&host, logits.vocab, inputs, sampling, rngs))
-        })
-    }
 }
