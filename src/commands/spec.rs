@@ -280,7 +280,12 @@ pub struct BenchReport {
     /// Speculative over target-only tokens/s; `None` with `--no-baseline`.
     pub speedup: Option<f64>,
     pub accept_length: f64,
+    /// Standard error of the accept length: the larger of the per-round and the per-prompt
+    /// estimate (`tandem_infer::accept_length_se`); `None` below two rounds.
+    pub accept_length_se: Option<f64>,
     pub per_position: Vec<f64>,
+    /// Standard error of each position's acceptance, the same way (`position_se`).
+    pub per_position_se: Vec<Option<f64>>,
     pub identical_outputs: usize,
     pub compared_outputs: usize,
     pub first_mismatch: Option<String>,
@@ -381,6 +386,7 @@ pub fn measure_bench(
         }
     }
     let mut stats = AcceptanceStats::new(config.num_steps);
+    let mut per_prompt = Vec::with_capacity(prompts.len());
     let mut timings = tandem_infer::Timings::default();
     let (mut spec_tokens, mut spec_seconds) = (0usize, 0f64);
     let mut outputs = Vec::new();
@@ -392,6 +398,7 @@ pub fn measure_bench(
         for seq in out.sequences {
             spec_tokens += seq.tokens.len();
             stats.merge(&seq.stats);
+            per_prompt.push(seq.stats);
             outputs.push(seq.tokens);
         }
     }
@@ -415,7 +422,11 @@ pub fn measure_bench(
         spec_tokens_per_second: per_second(spec_tokens, spec_seconds),
         speedup: baseline_rate.map(|rate| per_second(spec_tokens, spec_seconds) / rate),
         accept_length: stats.accept_length(),
+        accept_length_se: tandem_infer::accept_length_se(&stats, &per_prompt),
         per_position: stats.per_position(),
+        per_position_se: (0..stats.reached.len())
+            .map(|i| tandem_infer::position_se(&stats, &per_prompt, i))
+            .collect(),
         identical_outputs: comparison.identical,
         compared_outputs: reference.len().min(outputs.len()),
         first_mismatch: comparison.first_mismatch,
@@ -453,7 +464,7 @@ fn print_report(r: &BenchReport, device: &str) {
     let per: Vec<String> = r.per_position.iter().map(|p| format!("{p:.2}")).collect();
     let (target, speedup) = baseline_cells(r);
     println!(
-        "| {device} | {}/{}/{} | {} | {} | {target} | {:.1} | {speedup} | {:.2} | {} | {}/{} |",
+        "| {device} | {}/{}/{} | {} | {} | {target} | {:.1} | {speedup} | {:.3}{} | {} | {}/{} |",
         c.num_steps,
         c.topk,
         c.num_draft_tokens,
@@ -461,6 +472,9 @@ fn print_report(r: &BenchReport, device: &str) {
         r.prompts,
         r.spec_tokens_per_second,
         r.accept_length,
+        r.accept_length_se
+            .map(|se| format!(" (se {se:.3})"))
+            .unwrap_or_default(),
         per.join(" "),
         r.identical_outputs,
         r.compared_outputs
@@ -636,7 +650,9 @@ mod tests {
             spec_tokens_per_second: 128.0,
             speedup,
             accept_length: 1.9,
+            accept_length_se: Some(0.02),
             per_position: vec![0.5, 0.5, 0.5],
+            per_position_se: vec![Some(0.01); 3],
             identical_outputs: 0,
             compared_outputs: 0,
             first_mismatch: None,
@@ -656,6 +672,8 @@ mod tests {
         let json = serde_json::to_value(&none).unwrap();
         assert!(json["speedup"].is_null() && json["target_tokens_per_second"].is_null());
         assert_eq!(json["accept_length"], 1.9);
+        assert_eq!(json["accept_length_se"], 0.02);
+        assert_eq!(json["per_position_se"][2], 0.01);
         let both = report(Some(100.0), Some(1.28));
         assert_eq!(
             baseline_cells(&both),

@@ -19,6 +19,6 @@ pub use engine::{
 };
 pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
 pub use plain::{PlainBatch, PlainEngine};
-pub use stats::AcceptanceStats;
+pub use stats::{AcceptanceStats, accept_length_se, position_se, ratio_se, share_se};
 pub use tree::{BeamSearch, BeamStep, DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};

@@ -89,6 +89,68 @@ impl AcceptanceStats {
     }
 }
 
+/// Standard error of a pooled ratio `sum(committed) / sum(rounds)` over independent units
+/// (prompts or samples), by the delta method (cluster-robust): `sqrt(sum(e_u^2) / (n - 1) / n)
+/// / mean(rounds)` with `e_u = committed_u - ratio * rounds_u`. `None` below two units with
+/// rounds.
+pub fn ratio_se(units: &[(u64, u64)]) -> Option<f64> {
+    let units: Vec<(f64, f64)> = units
+        .iter()
+        .filter(|(rounds, _)| *rounds > 0)
+        .map(|&(r, c)| (r as f64, c as f64))
+        .collect();
+    let n = units.len() as f64;
+    if units.len() < 2 {
+        return None;
+    }
+    let rounds: f64 = units.iter().map(|u| u.0).sum();
+    let ratio = units.iter().map(|u| u.1).sum::<f64>() / rounds;
+    let residuals: f64 = units.iter().map(|(r, c)| (c - ratio * r).powi(2)).sum();
+    Some((residuals / (n - 1.0) / n).sqrt() / (rounds / n))
+}
+
+/// Standard error of an accept length: the larger of the per-round estimate and the per-unit
+/// one ([`ratio_se`] over prompts or samples). Rounds of one prompt are correlated (easy text
+/// stays easy), so the per-unit estimate is usually the larger and the honest one.
+pub fn accept_length_se(stats: &AcceptanceStats, units: &[AcceptanceStats]) -> Option<f64> {
+    let units: Vec<(u64, u64)> = units
+        .iter()
+        .map(|u| (u.rounds, u.accepted_tokens + u.rounds))
+        .collect();
+    larger(stats.accept_length_se(), ratio_se(&units))
+}
+
+/// Standard error of the acceptance share at draft position `i`: the larger of the binomial
+/// estimate over rounds ([`share_se`]) and the per-unit one ([`ratio_se`] of accepted over
+/// reached per prompt or sample). With few prompts, rounds of one prompt share its text, and
+/// the binomial error alone would flag a gap that one unusual prompt explains.
+pub fn position_se(stats: &AcceptanceStats, units: &[AcceptanceStats], i: usize) -> Option<f64> {
+    let at = |v: &[u64]| v.get(i).copied().unwrap_or(0);
+    let binomial = share_se(at(&stats.accepted), at(&stats.reached))?;
+    let units: Vec<(u64, u64)> = units
+        .iter()
+        .map(|u| (at(&u.reached), at(&u.accepted)))
+        .collect();
+    larger(Some(binomial), ratio_se(&units))
+}
+
+fn larger(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Standard error of an acceptance share `accepted / reached` (binomial, the share pulled half
+/// a count towards 1/2 so that 0 and 1 keep their uncertainty); `None` when never reached.
+pub fn share_se(accepted: u64, reached: u64) -> Option<f64> {
+    if reached == 0 {
+        return None;
+    }
+    let p = (accepted as f64 + 0.5) / (reached as f64 + 1.0);
+    Some((p * (1.0 - p) / reached as f64).sqrt())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,5 +182,56 @@ mod tests {
         merged.merge(&rest);
         assert_eq!(merged, s);
         assert_eq!(AcceptanceStats::new(3).accept_length_se(), None);
+    }
+
+    /// Hand-worked: units (rounds, committed) (2, 6), (2, 2), (4, 8): ratio 16 / 8 = 2,
+    /// residuals 2, -2, 0, se = sqrt(8 / 2 / 3) / (8 / 3) = 0.4330.
+    #[test]
+    fn standard_errors_match_hand_worked_cases() {
+        let se = ratio_se(&[(2, 6), (2, 2), (4, 8)]).unwrap();
+        assert!(
+            (se - (4.0f64 / 3.0).sqrt() / (8.0 / 3.0)).abs() < 1e-12,
+            "{se}"
+        );
+        assert_eq!(ratio_se(&[(5, 9)]), None, "one prompt has no spread");
+        assert_eq!(
+            ratio_se(&[(5, 9), (0, 0)]),
+            None,
+            "units without rounds do not count"
+        );
+        // 0 of 10 keeps an uncertainty: p = 0.5 / 11.
+        let p: f64 = 0.5 / 11.0;
+        assert!((share_se(0, 10).unwrap() - (p * (1.0 - p) / 10.0).sqrt()).abs() < 1e-12);
+        assert_eq!(share_se(0, 0), None);
+        // The larger of the per-round and per-prompt estimates: prompt a accepts 3 drafts in
+        // both its rounds, prompt b none.
+        let unit = |accepted: &[usize]| {
+            let mut u = AcceptanceStats::new(3);
+            for &a in accepted {
+                u.record(a, 3);
+            }
+            u
+        };
+        let (a, b) = (unit(&[3, 3]), unit(&[0, 0]));
+        let mut stats = a.clone();
+        stats.merge(&b);
+        let rounds = stats.accept_length_se().unwrap();
+        let prompts = ratio_se(&[(2, 8), (2, 2)]).unwrap();
+        assert!(prompts > rounds);
+        assert_eq!(
+            accept_length_se(&stats, &[a.clone(), b.clone()]),
+            Some(prompts)
+        );
+        assert_eq!(
+            accept_length_se(&stats, std::slice::from_ref(&stats)),
+            Some(rounds)
+        );
+        // Position 0: 2 of 4 rounds accepted, all by one prompt. Binomial over rounds:
+        // p = 2.5 / 5, sqrt(0.25 / 4) = 0.25; over the two prompts (reached 2, accepted 2 and
+        // 0): ratio 0.5, residuals 1 and -1, sqrt(2 / 1 / 2) / 2 = 0.5, the larger.
+        let se = position_se(&stats, &[a, b], 0).unwrap();
+        assert!((se - 0.5).abs() < 1e-12, "{se}");
+        assert!((position_se(&stats, &[], 0).unwrap() - 0.25).abs() < 1e-12);
+        assert_eq!(position_se(&AcceptanceStats::new(3), &[], 0), None);
     }
 }
