@@ -1,8 +1,14 @@
-# Sourced by the head-training GPU scripts (scratch_head.sh and later): the GGUF carried in
-# pieces, logging, the MT-Bench bench of one head and shape, and picking the best chain.
-# Expects W (work dir on the GPU machine), R (results), T (binary), M (imported model).
+# Sourced by the head-training GPU scripts (scratch_head.sh, scratch_round.sh): the places on
+# the GPU machine, the GGUF carried in pieces, logging, the MT-Bench bench of one head and shape,
+# picking the best chain, and waiting for a pipeline and bringing its results back.
 set -uo pipefail
-LOG="${LOG:-$R/pipeline.log}"
+W=/tmp/tandem       # work dir on the GPU machine
+R="$W/results"      # what comes back
+T="$W/tandem"       # the binary
+M="$W/smollm2"      # the imported target
+OUT="${OUT:-/tmp/out}"
+LOG="$R/pipeline.log"
+mkdir -p "$R" "$OUT" 2>/dev/null
 
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 mark() { echo "$(date +%T) $1" | tee -a "$R/phases.txt"; }
@@ -66,4 +72,20 @@ PY
 # last_val HEAD_DIR NAME: the head's last validation line, into the summary.
 last_val() {
   grep '"kind":"val"' "$1/metrics.jsonl" | tail -1 | cut -c1-400 | sed "s/^/$2 /" | tee -a "$LOG" "$R/summary.txt"
+}
+
+# wait_for DONE_FILE: until $R/DONE_FILE exists or WAIT_SECONDS (default 560) have passed, so a
+# call returns before the device tool's 600 s limit; the next call waits again.
+wait_for() {
+  local start
+  start=$(date +%s)
+  while [[ ! -f "$R/$1" ]] && (( $(date +%s) - start < ${WAIT_SECONDS:-560} )); do sleep 10; done
+}
+
+# collect TARBALL PARTS: $R (without model pieces) as $OUT/TARBALL, and the pieces of the
+# PARTS head ($R/PARTS.safetensors.part-*), which come back as files of their own.
+collect() {
+  (cd "$R" && tar -cJf "$OUT/$1" --exclude='*.part-*' . 2>/dev/null)
+  for f in "$R/$2".safetensors.part-*; do [[ -f "$f" ]] && cp "$f" "$OUT/"; done
+  ls -la "$OUT"
 }

@@ -24,27 +24,15 @@
 #   call 3 (carry .device/c): bash scripts/gpu/scratch_head.sh piece c
 #   call 4 (carry .device/d): bash scripts/gpu/scratch_head.sh start
 #   calls 5..:                bash scripts/gpu/scratch_head.sh wait
+#   then: bash scripts/gpu/scratch_round.sh start 2, then start 3 (same machine)
 set -uo pipefail
 PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
-OUT="${OUT:-/tmp/out}"
-W=/tmp/tandem
-R="$W/results"
-T="$W/tandem"
-M="$W/smollm2"
 KEPT=datasets/regenerated/smollm2-135m-instruct
 HEAD=heads/smollm2-135m-eagle3
 EPOCHS="${EPOCHS:-8}"
 STAGE1_SECONDS="${STAGE1_SECONDS:-420}"
-WAIT_SECONDS="${WAIT_SECONDS:-560}"
 SHAPES="${SHAPES:-3/1/4 3/4/8 5/8/32 6/8/48 8/8/64}"
-mkdir -p "$R" "$OUT" 2>/dev/null
 source "$(dirname "$0")/head_lib.sh"
-
-collect() {
-  (cd "$R" && tar -cJf "$OUT/results.tar.xz" --exclude='*.part-*' . 2>/dev/null)
-  for f in "$R"/best.safetensors.part-*; do [[ -f "$f" ]] && cp "$f" "$OUT/"; done
-  ls -la "$OUT"
-}
 
 case "$PHASE" in
 pack)
@@ -82,14 +70,12 @@ start)
   exec bash "$0" wait
   ;;
 wait)
-  start=$(date +%s)
-  # DONE=done-ref-all waits for the reference's whole recipe instead.
-  while [[ ! -f "$R/${DONE:-done}" ]] && (( $(date +%s) - start < WAIT_SECONDS )); do sleep 10; done
+  wait_for "${DONE:-done}"  # DONE=done-ref-all waits for the reference's whole recipe instead
   cat "$R/phases.txt" 2>/dev/null
   cat "$R/summary.txt" 2>/dev/null
   tail -n 12 "$LOG" | cut -c1-300
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-  collect
+  collect results.tar.xz best
   ;;
 pipeline)
   cd "$W"
