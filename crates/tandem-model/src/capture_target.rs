@@ -94,17 +94,7 @@ impl<B: Backend> CaptureTarget for TargetModel<B> {
         let step = cache.prefill_step(&[ids])?;
         let out = self.forward(&step, &mut cache, request, LogitsFor::None)?;
         // The CUDA backend computes in bf16: widen before reading.
-        Ok(out
-            .taps
-            .tensors
-            .into_iter()
-            .map(|t| {
-                t.into_data()
-                    .convert::<f32>()
-                    .to_vec::<f32>()
-                    .expect("converted to f32")
-            })
-            .collect())
+        Ok(out.taps.tensors.into_iter().map(to_host).collect())
     }
 
     fn generate_batch(
@@ -129,15 +119,16 @@ impl<B: Backend> CaptureTarget for TargetModel<B> {
     }
 
     fn input_norm(&self, k: usize) -> Result<Vec<f32>, ModelError> {
-        Ok(to_host_1d(self.layers[k].input_layernorm.weight.clone()))
+        Ok(to_host(self.layers[k].input_layernorm.weight.clone()))
     }
 
     fn final_norm(&self) -> Result<Vec<f32>, ModelError> {
-        Ok(to_host_1d(self.norm.weight.clone()))
+        Ok(to_host(self.norm.weight.clone()))
     }
 }
 
-fn to_host_1d<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
+/// A tensor's values on the host as f32, whatever the backend computes in.
+fn to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
         .to_vec::<f32>()
