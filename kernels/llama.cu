@@ -57,11 +57,17 @@ extern "C" __global__ void add_rms_norm(float* x, const float* delta, const unsi
 // (rotate_half layout: pairs (j, j + head_dim/2), angle = inv_freq[j] * position in f32),
 // writes q (f32, [rows, heads * head_dim]) and the new keys/values (bf16) into the layer's
 // cache `[batch, kv_heads, capacity, head_dim]` at column col0 + i. Grid: rows.
+// `step_scalars` (when not null) overrides col0 with step_scalars[0]: a CUDA graph replays its
+// launches with the arguments they were captured with, so the step-dependent column comes from
+// device memory that each step rewrites before the replay.
 extern "C" __global__ void rope_qkv(const float* qkv, const float* bias, const int* positions,
                                     const float* inv_freq, float* q_out,
                                     unsigned short* k_cache, unsigned short* v_cache, int width,
                                     int heads, int kv_heads, int head_dim, int capacity,
-                                    int col0) {
+                                    int col0, const int* step_scalars) {
+    if (step_scalars != nullptr) {
+        col0 = step_scalars[0];
+    }
     const int r = blockIdx.x;
     const int b = r / width;
     const int col = col0 + r % width;
@@ -119,11 +125,16 @@ extern "C" __global__ void rope_qkv(const float* qkv, const float* bias, const i
 // `total / (32 * warps)` chunks instead of `total / warps` dependent column steps, which is
 // what made long-context decode (dump --regenerate at 1,000+ columns) slow.
 // Grid: (rows, heads). Block: a multiple of 32 threads. Dynamic shared: (warps + 1) * head_dim
-// floats (the scaled query, then one accumulator row per warp).
+// floats (the scaled query, then one accumulator row per warp). `step_scalars` (when not
+// null) overrides total with step_scalars[1] (see rope_qkv): the mask's row stride follows it.
 extern "C" __global__ void attention(const float* q, const unsigned short* k_cache,
                                      const unsigned short* v_cache, const float* mask,
                                      unsigned short* out, int width, int heads, int kv_heads,
-                                     int head_dim, int capacity, int total, float scale) {
+                                     int head_dim, int capacity, int total, float scale,
+                                     const int* step_scalars) {
+    if (step_scalars != nullptr) {
+        total = step_scalars[1];
+    }
     const int MAX_DIMS_PER_LANE = 8;
     __shared__ float warp_max[32];
     __shared__ float warp_sum_exp[32];

@@ -125,12 +125,25 @@ pub struct FastBenchArgs {
     /// 0 is CUDA's default, which re-maps every step's scratch buffers).
     #[arg(long)]
     pub pool_release_threshold: Option<u64>,
+    /// Tree-verification widths to time besides decode: a step of W draft tokens per sequence
+    /// (a chain), logits for every slot and the head's three taps, as the speculative loop
+    /// verifies.
+    #[arg(long, value_delimiter = ',', default_value = "4,8")]
+    pub verify_widths: Vec<usize>,
+    /// Measure only with CUDA graphs (the default measures eager launches first, as the
+    /// baseline, then graphs, in the same run).
+    #[arg(long)]
+    pub graphs_only: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, serde::Serialize)]
 struct FastBenchRow {
+    graphs: bool,
+    /// `decode` or `verify` (a tree step of `width` tokens per sequence).
+    step: &'static str,
+    width: usize,
     batch: usize,
     taps: usize,
     ttft_ms_median: f64,
@@ -165,52 +178,132 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     ]);
     let mut requests = vec![TapRequest::none()];
     if args.with_taps {
-        requests.push(eagle_taps);
+        requests.push(eagle_taps.clone());
     }
     let mut first_token_s = None;
     let mut rows = Vec::new();
-    for taps in &requests {
-        for &batch in &args.batch {
-            let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
-            let (ttft, step) = time_decode(
-                args.repeats,
-                args.new_tokens,
-                || Ok(model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1)?),
-                |cache| {
-                    let step = cache.layout().prefill_step(&prompts)?;
-                    let out = model.forward(&step, cache, taps, LogitsFor::Last)?;
-                    let next = out.logits.expect("logits").argmax()?;
-                    first_token_s.get_or_insert(started.elapsed().as_secs_f64());
-                    Ok(next)
-                },
-                |cache, next| {
-                    let step = cache.layout().decode_step(next)?;
-                    let out = model.forward(&step, cache, taps, LogitsFor::Last)?;
-                    Ok(out.logits.expect("logits").argmax()?)
-                },
-            )?;
-            let row = FastBenchRow {
-                batch,
-                taps: taps.taps.len(),
-                ttft_ms_median: ttft * 1e3,
-                step_ms_median: step * 1e3,
-                tokens_per_second: batch as f64 / step,
-            };
-            eprintln!("{row:?}");
-            rows.push(row);
+    let modes: &[bool] = if args.graphs_only {
+        &[true]
+    } else {
+        &[false, true]
+    };
+    for &graphs in modes {
+        model.set_graphs(graphs);
+        for taps in &requests {
+            for &batch in &args.batch {
+                let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
+                let (ttft, step) = time_decode(
+                    args.repeats,
+                    args.new_tokens,
+                    || Ok(model.new_cache(batch, args.prompt_tokens + args.new_tokens + 1)?),
+                    |cache| {
+                        let step = cache.layout().prefill_step(&prompts)?;
+                        let out = model.forward(&step, cache, taps, LogitsFor::Last)?;
+                        let next = out.logits.expect("logits").argmax()?;
+                        first_token_s.get_or_insert(started.elapsed().as_secs_f64());
+                        Ok(next)
+                    },
+                    |cache, next| {
+                        let step = cache.layout().decode_step(next)?;
+                        let out = model.forward(&step, cache, taps, LogitsFor::Last)?;
+                        Ok(out.logits.expect("logits").argmax()?)
+                    },
+                )?;
+                let row = FastBenchRow {
+                    graphs,
+                    step: "decode",
+                    width: 1,
+                    batch,
+                    taps: taps.taps.len(),
+                    ttft_ms_median: ttft * 1e3,
+                    step_ms_median: step * 1e3,
+                    tokens_per_second: batch as f64 / step,
+                };
+                eprintln!("{row:?}");
+                rows.push(row);
+            }
+        }
+        for &width in &args.verify_widths {
+            let parents: Vec<Option<usize>> = (0..width).map(|i| i.checked_sub(1)).collect();
+            for &batch in &args.batch {
+                let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
+                let (ttft, step) = time_decode(
+                    args.repeats,
+                    args.new_tokens,
+                    || Ok(model.new_cache(batch, args.prompt_tokens + args.new_tokens * width + 1)?),
+                    |cache| {
+                        let step = cache.layout().prefill_step(&prompts)?;
+                        let out = model.forward(&step, cache, &eagle_taps, LogitsFor::Last)?;
+                        Ok(out.logits.expect("logits").argmax()?)
+                    },
+                    |cache, next| {
+                        let drafts: Vec<Vec<u32>> = next.iter().map(|&t| vec![t; width]).collect();
+                        let trees: Vec<(&[u32], &[Option<usize>])> = drafts
+                            .iter()
+                            .map(|d| (d.as_slice(), parents.as_slice()))
+                            .collect();
+                        let step = cache.layout().tree_step(&trees)?;
+                        let out = model.forward(&step, cache, &eagle_taps, LogitsFor::All)?;
+                        let ids = out.logits.expect("logits").argmax()?;
+                        Ok(ids.iter().step_by(width).copied().collect())
+                    },
+                )?;
+                let row = FastBenchRow {
+                    graphs,
+                    step: "verify",
+                    width,
+                    batch,
+                    taps: eagle_taps.taps.len(),
+                    ttft_ms_median: ttft * 1e3,
+                    step_ms_median: step * 1e3,
+                    tokens_per_second: batch as f64 / step,
+                };
+                eprintln!("{row:?}");
+                rows.push(row);
+            }
         }
     }
+    let stats = model.graph_stats();
     println!(
-        "cold start (process start to first token, fast path on {}): {:.2} s",
+        "cold start (process start to first token, fast path on {}): {:.2} s; graphs captured {}, steps replayed {}",
         gpu.name(),
-        first_token_s.unwrap_or(0.0)
+        first_token_s.unwrap_or(0.0),
+        stats.captured,
+        stats.replays
     );
-    println!("| path | batch | taps | TTFT ms (median) | decode step ms (median) | tokens/s |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| path | step | batch | taps | TTFT ms (median) | step ms (median) | tokens/s (decode) | step / decode step |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for r in &rows {
+        let decode = rows
+            .iter()
+            .find(|d| {
+                d.graphs == r.graphs && d.step == "decode" && d.batch == r.batch && d.taps == 0
+            })
+            .map_or(f64::NAN, |d| d.step_ms_median);
+        let path = if r.graphs {
+            "fast path + CUDA graphs"
+        } else {
+            "fast path, eager launches"
+        };
+        let step = if r.step == "decode" {
+            "decode".to_string()
+        } else {
+            format!("verify {}", r.width)
+        };
         println!(
-            "| tandem-cuda fast path | {} | {} | {:.2} | {:.3} | {:.1} |",
-            r.batch, r.taps, r.ttft_ms_median, r.step_ms_median, r.tokens_per_second
+            "| {path} | {step} | {} | {} | {:.2} | {:.3} | {} | {:.2} |",
+            r.batch,
+            r.taps,
+            r.ttft_ms_median,
+            r.step_ms_median,
+            if r.step == "decode" {
+                format!("{:.1}", r.tokens_per_second)
+            } else {
+                "-".into()
+            },
+            r.step_ms_median / decode
         );
     }
     if let Some(path) = &args.json {

@@ -21,6 +21,16 @@ pub(crate) struct StepInputs {
     pub shape: AttentionShape,
 }
 
+/// A step's inputs on the host: see [`CudaKvCache::step_host`].
+pub(crate) struct HostStep {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<i32>,
+    pub mask: Vec<f32>,
+    pub col0: usize,
+    pub total: usize,
+    pub shape: AttentionShape,
+}
+
 pub struct CudaKvCache {
     pub(crate) keys: Vec<CudaSlice<u16>>,
     pub(crate) values: Vec<CudaSlice<u16>>,
@@ -199,17 +209,35 @@ impl CudaKvCache {
         gpu: &Gpu,
         step: &StepInput,
         vocab_size: usize,
-        [heads, kv_heads, head_dim]: [usize; 3],
+        dims: [usize; 3],
     ) -> Result<StepInputs, CudaError> {
+        let host = self.step_host(step, vocab_size, dims)?;
+        Ok(StepInputs {
+            tokens: gpu.upload(&host.tokens)?,
+            positions: gpu.upload(&host.positions)?,
+            mask: gpu.upload(&host.mask)?,
+            col0: host.col0,
+            total: host.total,
+            shape: host.shape,
+        })
+    }
+
+    /// What [`CudaKvCache::step_inputs`] uploads, on the host (a graph replay copies it into
+    /// the buffers it was captured with instead).
+    pub(crate) fn step_host(
+        &self,
+        step: &StepInput,
+        vocab_size: usize,
+        [heads, kv_heads, head_dim]: [usize; 3],
+    ) -> Result<HostStep, CudaError> {
         self.check(step)?;
         if let Some(&id) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(ModelError::TokenOutOfRange { id, vocab_size }.into());
         }
-        let positions: Vec<i32> = step.positions.iter().map(|&p| p as i32).collect();
-        Ok(StepInputs {
-            tokens: gpu.upload(&step.tokens)?,
-            positions: gpu.upload(&positions)?,
-            mask: gpu.upload(&self.layout.attention_mask(step, 1))?,
+        Ok(HostStep {
+            tokens: step.tokens.clone(),
+            positions: step.positions.iter().map(|&p| p as i32).collect(),
+            mask: self.layout.attention_mask(step, 1),
             col0: self.layout.used(),
             total: self.layout.used() + step.width,
             shape: AttentionShape {
@@ -221,6 +249,16 @@ impl CudaKvCache {
                 capacity: self.layout.capacity(),
             },
         })
+    }
+
+    /// The device addresses of every layer's key and value buffers: a graph captured over this
+    /// cache is valid for exactly these.
+    pub(crate) fn addresses(&self, gpu: &Gpu) -> Vec<u64> {
+        self.keys
+            .iter()
+            .chain(&self.values)
+            .map(|buffer| gpu.address(buffer))
+            .collect()
     }
     pub(crate) fn advance(&mut self, step: &StepInput) {
         self.layout.advance(step)

@@ -11,10 +11,12 @@ use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
-use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool};
+use cudarc::driver::sys::{
+    CUgraphInstantiate_flags, CUmemPool_attribute, CUmemoryPool, CUstreamCaptureMode,
+};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
@@ -63,6 +65,10 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
 /// Threads per block of the attention kernel (8 warps, each taking 32 cache columns at a time).
 const ATTENTION_THREADS: u32 = 256;
 
+/// Bytes of the cuBLAS workspace the GPU sets once. cuBLAS would otherwise size and allocate
+/// workspace on its own, which a stream capture (a CUDA graph) must not see happen.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 struct Kernels {
     embed_rows: CudaFunction,
     add_rms_norm: CudaFunction,
@@ -84,6 +90,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace: owned here so it outlives every graph that captured a matmul.
+    _blas_workspace: CudaSlice<u8>,
     kernels: Kernels,
 }
 
@@ -123,8 +131,24 @@ impl Gpu {
         // programs) are pure overhead: two event calls per argument per launch.
         // SAFETY: no buffer of this context is ever used from a second stream.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own, not the legacy default stream: only such a stream can be
+        // captured into a CUDA graph (`Gpu::capture`).
+        let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let mut blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        {
+            let (ptr, _record) = blas_workspace.device_ptr_mut(&stream);
+            // SAFETY: the handle is live and bound to `stream`; the workspace is a device
+            // allocation of BLAS_WORKSPACE_BYTES that `Gpu` keeps alive as long as the handle.
+            let status = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE_BYTES,
+                )
+            };
+            status.result()?;
+        }
         let ptx = compile_source(KERNEL_SOURCE, "llama.cu")?;
         let module = ctx.load_module(ptx)?;
         let kernels = Kernels {
@@ -145,6 +169,7 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            _blas_workspace: blas_workspace,
             kernels,
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
@@ -202,6 +227,70 @@ impl Gpu {
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.stream.clone_htod(host)?)
+    }
+
+    /// Copies `host` into the front of an existing buffer (a graph's input, which must keep
+    /// its address).
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        device: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        assert!(device.len() >= host.len());
+        if !host.is_empty() {
+            self.stream
+                .memcpy_htod(host, &mut device.slice_mut(0..host.len()))?;
+        }
+        Ok(())
+    }
+
+    /// `dst[..src.len()] = src` on the GPU (captured into a graph like a launch).
+    pub fn copy_into<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        assert!(dst.len() >= src.len());
+        Ok(self
+            .stream
+            .memcpy_dtod(src, &mut dst.slice_mut(0..src.len()))?)
+    }
+
+    /// The device address of `buffer` (identifies the buffers a graph was captured over).
+    pub(crate) fn address<T>(&self, buffer: &CudaSlice<T>) -> u64 {
+        let (ptr, _record) = buffer.device_ptr(&self.stream);
+        ptr
+    }
+
+    /// A new buffer holding a copy of `src`.
+    pub fn duplicate<T: DeviceRepr>(&self, src: &CudaSlice<T>) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_dtod(src)?)
+    }
+
+    /// Records the launches `record` issues on the stream as a CUDA graph, without running
+    /// them, and instantiates it. Every buffer `record` touches must outlive the graph and keep
+    /// its address: a replay runs the same launches with the same arguments.
+    pub fn capture(
+        &self,
+        record: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<StepGraph, CudaError> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let recorded = record();
+        // The capture always ends, also when recording failed, so the stream stays usable.
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph?.ok_or_else(|| CudaError::Unsupported {
+            what: "an empty graph capture".into(),
+            architecture: "-".into(),
+        })?;
+        graph.upload()?;
+        Ok(StepGraph { graph })
+    }
+
+    /// Runs a captured graph on the stream (asynchronously, like a launch).
+    pub fn replay(&self, graph: &StepGraph) -> Result<(), CudaError> {
+        Ok(graph.graph.launch()?)
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(
@@ -375,6 +464,7 @@ impl Gpu {
         v_cache: &mut CudaSlice<u16>,
         shape: AttentionShape,
         col0: usize,
+        step_scalars: Option<&CudaSlice<i32>>,
     ) -> Result<(), CudaError> {
         let s = shape;
         let q_dim = s.heads * s.head_dim;
@@ -409,7 +499,12 @@ impl Gpu {
             .arg(&head_dim)
             .arg(&capacity)
             .arg(&col0);
-        // SAFETY: sizes asserted above; the cache column col0 + i < capacity.
+        match step_scalars {
+            Some(scalars) => launch.arg(scalars),
+            None => launch.arg(&NULL),
+        };
+        // SAFETY: sizes asserted above; the cache column col0 + i < capacity (with
+        // `step_scalars`, the caller checks each step's column before it replays the launch).
         unsafe { launch.launch(Self::rows_config(s.rows(), 128)) }?;
         Ok(())
     }
@@ -425,6 +520,7 @@ impl Gpu {
         out: &mut CudaSlice<u16>,
         shape: AttentionShape,
         total: usize,
+        step_scalars: Option<&CudaSlice<i32>>,
     ) -> Result<(), CudaError> {
         let s = shape;
         assert!(
@@ -462,6 +558,10 @@ impl Gpu {
             .arg(&capacity)
             .arg(&total_i)
             .arg(&scale);
+        match step_scalars {
+            Some(scalars) => launch.arg(scalars),
+            None => launch.arg(&NULL),
+        };
         let cfg = LaunchConfig {
             grid_dim: (s.rows() as u32, s.heads as u32, 1),
             block_dim: (ATTENTION_THREADS, 1, 1),
@@ -710,6 +810,22 @@ pub struct AttentionShape {
 impl AttentionShape {
     pub fn rows(&self) -> usize {
         self.batch * self.width
+    }
+}
+
+/// A CUDA graph captured by [`Gpu::capture`].
+pub struct StepGraph {
+    graph: CudaGraph,
+}
+
+// SAFETY: a graph has no thread affinity; CUDA only asks that calls on one graph be serialised,
+// which `&mut`/`Mutex` ownership of the `StepGraph` guarantees (it is never shared by reference
+// across threads: `Sync` is not implemented).
+unsafe impl Send for StepGraph {}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepGraph")
     }
 }
 

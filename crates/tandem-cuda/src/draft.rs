@@ -303,6 +303,7 @@ impl CudaDraft {
             &mut cache.values[0],
             shape,
             col0,
+            None,
         )?;
         let mut attn = gpu.scratch::<u16>(rows * q_dim)?;
         gpu.attention(
@@ -313,6 +314,7 @@ impl CudaDraft {
             &mut attn,
             shape,
             total,
+            None,
         )?;
         let mut delta = gpu.scratch::<f32>(rows * h)?;
         gpu.linear(&attn, &self.o, &mut delta, rows, q_dim, h)?;

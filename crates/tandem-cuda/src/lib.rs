@@ -24,7 +24,7 @@ pub use cudarc::driver::CudaSlice;
 pub use device::{AttentionShape, DeviceRows, Gpu, compile_all_kernels, nvrtc_present};
 pub use draft::{CudaDraft, DraftStepOutput};
 pub use error::CudaError;
-pub use model::{CudaStepOutput, CudaTarget, DeviceLogits};
+pub use model::{CudaStepOutput, CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, GraphStats};
 pub use train::{
     AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, StepCounts, TargetPieces,
     TrainStepReport,

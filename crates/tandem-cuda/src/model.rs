@@ -1,18 +1,27 @@
 //! The fast path's forward step: the same modes, inputs and outputs as
 //! `tandem_model::TargetModel::forward`, with taps through the same [`CaptureHook`].
 
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 use tandem_model::weights::WeightFiles;
 use tandem_model::{CaptureHook, HfConfig, LogitsFor, ModelSpec, StepInput, TapRequest, Taps};
 use tandem_wiring::TapId;
 
-use crate::cache::CudaKvCache;
-use crate::device::{DeviceRows, Gpu};
+use crate::cache::{CudaKvCache, HostStep};
+use crate::device::{AttentionShape, DeviceRows, Gpu, StepGraph};
 use crate::error::CudaError;
 use crate::weights::DeviceWeights;
+
+/// Widest step that replays a CUDA graph: decode (1 token per sequence) and tree verification
+/// (up to 64 tokens). Prefill widths change with every prompt, so prefill runs eagerly.
+pub const GRAPH_MAX_WIDTH: usize = 64;
+
+/// Graphs a target keeps (step shapes times caches); the oldest goes first.
+const MAX_GRAPHS: usize = 64;
 
 /// A Llama-family target on the GPU.
 pub struct CudaTarget {
@@ -20,6 +29,238 @@ pub struct CudaTarget {
     gpu: Arc<Gpu>,
     weights: DeviceWeights,
     inv_freq: CudaSlice<f32>,
+    graphs_on: AtomicBool,
+    graphs: Mutex<GraphCache>,
+}
+
+/// How much of the decode work ran from graphs ([`CudaTarget::graph_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    pub captured: usize,
+    pub replays: usize,
+}
+
+/// What a graph was captured for: the step's shape and outputs, and the cache buffers its
+/// launches write (a cache reallocated elsewhere is another key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct GraphKey {
+    batch: usize,
+    width: usize,
+    capacity: usize,
+    logits_for: u8,
+    taps: Vec<TapId>,
+    cache: Vec<u64>,
+}
+
+/// One captured step: its graph and the buffers the graph reads and writes.
+struct CapturedStep {
+    buffers: StepBuffers,
+    graph: StepGraph,
+    visited: Vec<TapId>,
+}
+
+/// The captured steps of a target, and the keys seen once (captured on their second step).
+#[derive(Default)]
+struct GraphCache {
+    seen: HashSet<GraphKey>,
+    captured: HashMap<GraphKey, CapturedStep>,
+    order: VecDeque<GraphKey>,
+    stats: GraphStats,
+}
+
+impl GraphCache {
+    /// Whether `key` was seen before; marks it seen.
+    fn seen(&mut self, key: &GraphKey) -> bool {
+        if self.seen.contains(key) {
+            return true;
+        }
+        if self.seen.len() >= 4 * MAX_GRAPHS {
+            self.seen.clear();
+        }
+        self.seen.insert(key.clone());
+        false
+    }
+    fn insert(&mut self, key: GraphKey, step: CapturedStep) {
+        while self.order.len() >= MAX_GRAPHS {
+            if let Some(old) = self.order.pop_front() {
+                self.captured.remove(&old);
+            }
+        }
+        self.order.push_back(key.clone());
+        self.captured.insert(key, step);
+        self.stats.captured += 1;
+    }
+    fn clear(&mut self) {
+        self.seen.clear();
+        self.captured.clear();
+        self.order.clear();
+    }
+}
+
+/// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
+/// replays with the next step's inputs copied into the same buffers.
+struct StepBuffers {
+    tokens: CudaSlice<u32>,
+    positions: CudaSlice<i32>,
+    /// `[rows, total]` of the step, inside room for `[rows, mask_columns]`.
+    mask: CudaSlice<f32>,
+    /// `[col0, total]` for graph replays (see `rope_qkv` in kernels/llama.cu).
+    scalars: CudaSlice<i32>,
+    /// `LogitsFor::Last`: the row of each sequence's last real token.
+    last: CudaSlice<i32>,
+    hidden: CudaSlice<f32>,
+    normed: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    attn: CudaSlice<u16>,
+    delta: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    final_normed: CudaSlice<f32>,
+    selected: CudaSlice<u16>,
+    logits: Option<CudaSlice<f32>>,
+    /// One per tap slot, `[rows, hidden]`.
+    taps: Vec<CudaSlice<f32>>,
+    batch: usize,
+    width: usize,
+    logits_rows: usize,
+    needs_last: bool,
+}
+
+impl StepBuffers {
+    fn new(
+        target: &CudaTarget,
+        shape: AttentionShape,
+        mask_columns: usize,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> Result<Self, CudaError> {
+        let spec = &target.spec;
+        let gpu = &*target.gpu;
+        let (h, inter) = (spec.hidden_size, spec.intermediate_size);
+        let rows = shape.rows();
+        let q_dim = spec.num_heads * spec.head_dim;
+        let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
+        let logits_rows = match logits_for {
+            LogitsFor::None => 0,
+            LogitsFor::Last => shape.batch,
+            LogitsFor::All => rows,
+        };
+        let last_rows = if logits_for == LogitsFor::Last {
+            shape.batch
+        } else {
+            0
+        };
+        Ok(Self {
+            tokens: gpu.scratch(rows)?,
+            positions: gpu.scratch(rows)?,
+            mask: gpu.scratch(rows * mask_columns)?,
+            scalars: gpu.scratch(2)?,
+            last: gpu.scratch(last_rows)?,
+            hidden: gpu.scratch(rows * h)?,
+            normed: gpu.scratch(rows * h)?,
+            qkv: gpu.scratch(rows * qkv_dim)?,
+            q: gpu.scratch(rows * q_dim)?,
+            attn: gpu.scratch(rows * q_dim)?,
+            delta: gpu.scratch(rows * h)?,
+            gate_up: gpu.scratch(rows * 2 * inter)?,
+            act: gpu.scratch(rows * inter)?,
+            final_normed: gpu.scratch(rows * h)?,
+            selected: gpu.scratch(last_rows * h)?,
+            logits: match logits_rows {
+                0 => None,
+                n => Some(gpu.scratch(n * spec.vocab_size)?),
+            },
+            taps: (0..taps.taps.len())
+                .map(|_| gpu.scratch(rows * h))
+                .collect::<Result<_, _>>()?,
+            batch: shape.batch,
+            width: shape.width,
+            logits_rows,
+            needs_last: logits_for == LogitsFor::Last,
+        })
+    }
+
+    /// Copies the step's inputs in (the scalars only matter to a graph, `last` only to
+    /// `LogitsFor::Last`).
+    fn load(&mut self, gpu: &Gpu, host: &HostStep, last: &[i32]) -> Result<(), CudaError> {
+        gpu.upload_into(&host.tokens, &mut self.tokens)?;
+        gpu.upload_into(&host.positions, &mut self.positions)?;
+        gpu.upload_into(&host.mask, &mut self.mask)?;
+        gpu.upload_into(&[host.col0 as i32, host.total as i32], &mut self.scalars)?;
+        if self.needs_last {
+            gpu.upload_into(last, &mut self.last)?;
+        }
+        Ok(())
+    }
+
+    fn rows(&self, data: CudaSlice<f32>, hidden: usize) -> DeviceRows {
+        DeviceRows {
+            data,
+            batch: self.batch,
+            width: self.width,
+            hidden,
+        }
+    }
+
+    /// The outputs of an eager step: its own buffers, moved out.
+    fn into_output(
+        mut self,
+        target: &CudaTarget,
+        taps: Vec<TapId>,
+        visited: Vec<TapId>,
+    ) -> CudaStepOutput {
+        let h = target.spec.hidden_size;
+        let tensors = std::mem::take(&mut self.taps)
+            .into_iter()
+            .map(|data| self.rows(data, h))
+            .collect();
+        let (rows, vocab) = (self.logits_rows, target.spec.vocab_size);
+        CudaStepOutput {
+            logits: self
+                .logits
+                .take()
+                .map(|data| DeviceLogits::new(data, rows, vocab, target.gpu.clone())),
+            taps: Taps {
+                taps,
+                tensors,
+                visited,
+            },
+        }
+    }
+
+    /// The outputs of a replayed step: copies, since the graph's buffers are reused.
+    fn copy_output(
+        &self,
+        target: &CudaTarget,
+        taps: Vec<TapId>,
+        visited: Vec<TapId>,
+    ) -> Result<CudaStepOutput, CudaError> {
+        let gpu = &*target.gpu;
+        let h = target.spec.hidden_size;
+        let tensors = self
+            .taps
+            .iter()
+            .map(|data| Ok(self.rows(gpu.duplicate(data)?, h)))
+            .collect::<Result<_, CudaError>>()?;
+        let logits = match &self.logits {
+            Some(data) => Some(DeviceLogits::new(
+                gpu.duplicate(data)?,
+                self.logits_rows,
+                target.spec.vocab_size,
+                target.gpu.clone(),
+            )),
+            None => None,
+        };
+        Ok(CudaStepOutput {
+            logits,
+            taps: Taps {
+                taps,
+                tensors,
+                visited,
+            },
+        })
+    }
 }
 
 impl std::fmt::Debug for CudaTarget {
@@ -101,6 +342,8 @@ impl CudaTarget {
             gpu,
             weights,
             inv_freq,
+            graphs_on: AtomicBool::new(true),
+            graphs: Mutex::new(GraphCache::default()),
         })
     }
 
@@ -144,8 +387,11 @@ impl CudaTarget {
         )
     }
 
-    /// One step of any mode over the cache. The block loop below is the fast path's only
-    /// reader of hidden states, and it hands each tap point to the shared capture hook.
+    /// One step of any mode over the cache. The block loop ([`CudaTarget::encode`]) is the
+    /// fast path's only reader of hidden states, and it hands each tap point to the shared
+    /// capture hook. Steps of up to [`GRAPH_MAX_WIDTH`] tokens (decode, tree verification)
+    /// replay a CUDA graph of that loop once their shape has been seen before (the first one
+    /// runs eagerly); longer steps (prefill) always run eagerly.
     pub fn forward(
         &self,
         step: &StepInput,
@@ -155,164 +401,247 @@ impl CudaTarget {
     ) -> Result<CudaStepOutput, CudaError> {
         let spec = &self.spec;
         taps.validate(spec.num_layers)?;
-        let gpu = &*self.gpu;
-        let inputs = cache.step_inputs(
-            gpu,
+        let host = cache.step_host(
             step,
             spec.vocab_size,
             [spec.num_heads, spec.num_kv_heads, spec.head_dim],
         )?;
-        let (shape, col0, total) = (inputs.shape, inputs.col0, inputs.total);
+        let last: Vec<i32> = step
+            .last_real()
+            .iter()
+            .enumerate()
+            .map(|(b, i)| (b * step.width + i.unwrap_or(0)) as i32)
+            .collect();
+        let output = if self.graphs_enabled() && step.width <= GRAPH_MAX_WIDTH {
+            self.forward_graphed(&host, &last, cache, taps, logits_for)?
+        } else {
+            self.forward_eager(&host, &last, cache, taps, logits_for)?
+        };
+        cache.advance(step);
+        Ok(output)
+    }
+
+    /// Whether decode-sized steps replay CUDA graphs (on by default).
+    pub fn graphs_enabled(&self) -> bool {
+        self.graphs_on.load(Ordering::Relaxed)
+    }
+
+    /// Turns graph replay of decode-sized steps on or off (`fast-bench` measures both; the
+    /// outputs are the same either way, which the GPU tests check).
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs_on.store(on, Ordering::Relaxed);
+        if !on {
+            self.graphs.lock().expect("graph cache lock").clear();
+        }
+    }
+
+    /// Graphs captured so far and steps replayed from them.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.lock().expect("graph cache lock").stats
+    }
+
+    fn forward_eager(
+        &self,
+        host: &HostStep,
+        last: &[i32],
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> Result<CudaStepOutput, CudaError> {
+        let gpu = &*self.gpu;
+        let mut buffers = StepBuffers::new(self, host.shape, host.total, taps, logits_for)?;
+        buffers.load(gpu, host, last)?;
+        let mut hook = CaptureHook::new(taps.clone());
+        self.encode(&mut buffers, cache, host, None, &mut hook, logits_for)?;
+        let captured = hook.finish();
+        Ok(buffers.into_output(self, captured.taps, captured.visited))
+    }
+
+    fn forward_graphed(
+        &self,
+        host: &HostStep,
+        last: &[i32],
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> Result<CudaStepOutput, CudaError> {
+        let gpu = &*self.gpu;
+        let key = GraphKey {
+            batch: host.shape.batch,
+            width: host.shape.width,
+            capacity: host.shape.capacity,
+            logits_for: logits_for as u8,
+            taps: taps.taps.clone(),
+            cache: cache.addresses(gpu),
+        };
+        let mut graphs = self.graphs.lock().expect("graph cache lock");
+        if !graphs.seen(&key) {
+            // First sight of this shape and cache: run it eagerly (it also lets cuBLAS pick
+            // its kernels outside a capture); the next step like it is captured.
+            drop(graphs);
+            return self.forward_eager(host, last, cache, taps, logits_for);
+        }
+        if !graphs.captured.contains_key(&key) {
+            let mut buffers =
+                StepBuffers::new(self, host.shape, host.shape.capacity, taps, logits_for)?;
+            let mut hook = CaptureHook::new(taps.clone());
+            let graph = gpu.capture(|| {
+                self.encode(&mut buffers, cache, host, Some(()), &mut hook, logits_for)
+            })?;
+            let visited = hook.finish().visited;
+            graphs.insert(
+                key.clone(),
+                CapturedStep {
+                    buffers,
+                    graph,
+                    visited,
+                },
+            );
+        }
+        let entry = graphs.captured.get_mut(&key).expect("captured above");
+        entry.buffers.load(gpu, host, last)?;
+        gpu.replay(&entry.graph)?;
+        let output = entry
+            .buffers
+            .copy_output(self, taps.taps.clone(), entry.visited.clone());
+        graphs.stats.replays += 1;
+        output
+    }
+
+    /// The block loop, over the buffers of one step: embedding, every block, the final norm,
+    /// the requested logits. With `graphed`, the launches read the step's first cache column
+    /// and column count from `buffers.scalars` (a graph replays them with new values there);
+    /// otherwise from `host`.
+    fn encode(
+        &self,
+        b: &mut StepBuffers,
+        cache: &mut CudaKvCache,
+        host: &HostStep,
+        graphed: Option<()>,
+        hook: &mut CaptureHook<()>,
+        logits_for: LogitsFor,
+    ) -> Result<(), CudaError> {
+        let spec = &self.spec;
+        let gpu = &*self.gpu;
+        let (shape, col0, total) = (host.shape, host.col0, host.total);
         let (h, inter) = (spec.hidden_size, spec.intermediate_size);
-        let rows = step.batch * step.width;
+        let rows = shape.rows();
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
-
-        let mut normed = gpu.scratch::<u16>(rows * h)?;
-        let mut qkv = gpu.scratch::<f32>(rows * qkv_dim)?;
-        let mut q = gpu.scratch::<f32>(rows * q_dim)?;
-        let mut attn = gpu.scratch::<u16>(rows * q_dim)?;
-        let mut delta = gpu.scratch::<f32>(rows * h)?;
-        let mut gate_up = gpu.scratch::<f32>(rows * 2 * inter)?;
-        let mut act = gpu.scratch::<u16>(rows * inter)?;
-        let mut final_normed = gpu.scratch::<f32>(rows * h)?;
-
-        let mut hook = CaptureHook::new(taps.clone());
-        let mut hidden = DeviceRows {
-            data: gpu.scratch::<f32>(rows * h)?,
-            batch: step.batch,
-            width: step.width,
-            hidden: h,
+        let scalars = graphed.map(|()| &b.scalars);
+        let StepBuffers {
+            tokens,
+            positions,
+            mask,
+            hidden,
+            normed,
+            qkv,
+            q,
+            attn,
+            delta,
+            gate_up,
+            act,
+            final_normed,
+            last,
+            selected,
+            logits,
+            taps,
+            ..
+        } = b;
+        let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>| {
+            hook.try_observe_with(tap, |slot| gpu.copy_into(rows_of, &mut taps[slot]))
         };
-        gpu.embed_rows(
-            &self.weights.embed,
-            &inputs.tokens,
-            &mut hidden.data,
-            rows,
-            h,
-        )?;
-        hook.observe(TapId::Embed, &hidden);
+        gpu.embed_rows(&self.weights.embed, tokens, hidden, rows, h)?;
+        observe(TapId::Embed, hidden)?;
         let layers = &self.weights.layers;
         gpu.add_rms_norm(
-            &mut hidden.data,
+            hidden,
             None,
             &layers[0].input_norm,
-            &mut normed,
+            normed,
             None,
             rows,
             h,
             eps,
         )?;
         for (k, layer) in layers.iter().enumerate() {
-            gpu.linear(&normed, &layer.qkv, &mut qkv, rows, h, qkv_dim)?;
+            gpu.linear(normed, &layer.qkv, qkv, rows, h, qkv_dim)?;
             gpu.rope_qkv(
-                &qkv,
+                qkv,
                 layer.qkv_bias.as_ref(),
-                &inputs.positions,
+                positions,
                 &self.inv_freq,
-                &mut q,
+                q,
                 &mut cache.keys[k],
                 &mut cache.values[k],
                 shape,
                 col0,
+                scalars,
             )?;
             gpu.attention(
-                &q,
+                q,
                 &cache.keys[k],
                 &cache.values[k],
-                &inputs.mask,
-                &mut attn,
+                mask,
+                attn,
                 shape,
                 total,
+                scalars,
             )?;
-            gpu.linear(&attn, &layer.o, &mut delta, rows, q_dim, h)?;
+            gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
             gpu.add_rms_norm(
-                &mut hidden.data,
-                Some(&delta),
+                hidden,
+                Some(delta),
                 &layer.post_norm,
-                &mut normed,
+                normed,
                 None,
                 rows,
                 h,
                 eps,
             )?;
-            gpu.linear(&normed, &layer.gate_up, &mut gate_up, rows, h, 2 * inter)?;
-            gpu.silu_mul(&gate_up, &mut act, rows, inter)?;
-            gpu.linear(&act, &layer.down, &mut delta, rows, inter, h)?;
+            gpu.linear(normed, &layer.gate_up, gate_up, rows, h, 2 * inter)?;
+            gpu.silu_mul(gate_up, act, rows, inter)?;
+            gpu.linear(act, &layer.down, delta, rows, inter, h)?;
             // The residual add of this block fused with the next norm: the next layer's input
             // norm, or the final norm after the last block (kept in f32 for the `final` tap).
             match layers.get(k + 1) {
                 Some(next) => gpu.add_rms_norm(
-                    &mut hidden.data,
-                    Some(&delta),
+                    hidden,
+                    Some(delta),
                     &next.input_norm,
-                    &mut normed,
+                    normed,
                     None,
                     rows,
                     h,
                     eps,
                 )?,
                 None => gpu.add_rms_norm(
-                    &mut hidden.data,
-                    Some(&delta),
+                    hidden,
+                    Some(delta),
                     &self.weights.final_norm,
-                    &mut normed,
-                    Some(&mut final_normed),
+                    normed,
+                    Some(final_normed),
                     rows,
                     h,
                     eps,
                 )?,
             }
-            hook.observe(TapId::Block(k), &hidden);
+            observe(TapId::Block(k), hidden)?;
         }
-        let final_rows = DeviceRows {
-            data: final_normed,
-            batch: step.batch,
-            width: step.width,
-            hidden: h,
-        };
-        hook.observe(TapId::Final, &final_rows);
-        cache.advance(step);
+        observe(TapId::Final, final_normed)?;
 
         let vocab = spec.vocab_size;
-        let logits = match logits_for {
-            LogitsFor::None => None,
-            LogitsFor::All => {
-                let mut out = gpu.scratch::<f32>(rows * vocab)?;
-                gpu.linear(&normed, self.weights.lm_head(), &mut out, rows, h, vocab)?;
-                Some((out, rows))
+        match (logits_for, logits.as_mut()) {
+            (LogitsFor::All, Some(out)) => {
+                gpu.linear(normed, self.weights.lm_head(), out, rows, h, vocab)?
             }
-            LogitsFor::Last => {
-                let last: Vec<i32> = step
-                    .last_real()
-                    .iter()
-                    .enumerate()
-                    .map(|(b, i)| (b * step.width + i.unwrap_or(0)) as i32)
-                    .collect();
-                let last = gpu.upload(&last)?;
-                let mut selected = gpu.scratch::<u16>(step.batch * h)?;
-                gpu.gather_rows(&normed, &last, &mut selected, step.batch, h)?;
-                let mut out = gpu.scratch::<f32>(step.batch * vocab)?;
-                gpu.linear(
-                    &selected,
-                    self.weights.lm_head(),
-                    &mut out,
-                    step.batch,
-                    h,
-                    vocab,
-                )?;
-                Some((out, step.batch))
+            (LogitsFor::Last, Some(out)) => {
+                gpu.gather_rows(normed, last, selected, shape.batch, h)?;
+                gpu.linear(selected, self.weights.lm_head(), out, shape.batch, h, vocab)?;
             }
-        };
-        Ok(CudaStepOutput {
-            logits: logits.map(|(data, rows)| DeviceLogits {
-                data,
-                rows,
-                vocab,
-                gpu: self.gpu.clone(),
-            }),
-            taps: hook.finish(),
-        })
+            _ => {}
+        }
+        Ok(())
     }
 }

@@ -112,6 +112,109 @@ fn every_mode_passes_every_tap_point_through_the_hook() {
     assert_eq!((batch, width, hidden), (2, 2, 128));
 }
 
+/// The largest difference between two GPU outputs, relative to the largest value.
+fn relative_gap(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = a.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graph_replay_gives_the_eager_outputs() {
+    // Two copies of the same target, one replaying CUDA graphs for decode-sized steps and one
+    // launching every kernel: a ragged prefill, decode steps (the first of a shape runs eagerly,
+    // the second is captured, the rest replay), tree steps with logits for every slot and taps,
+    // more decode: the same logits (the same kernels with the same inputs; 1e-6 of the largest
+    // logit allows cuBLAS a different reduction order inside a capture), the same greedy
+    // tokens, the same taps and tap-point walk.
+    let gpu = gpu();
+    let dir = tiny_model("LlamaForCausalLM", false, 11);
+    let graphed = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
+    let eager = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
+    eager.set_graphs(false);
+    let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final, TapId::Embed]);
+    let mut caches = [
+        graphed.new_cache(2, 128).expect("cache"),
+        eager.new_cache(2, 128).expect("cache"),
+    ];
+    let prefill = caches[0]
+        .layout()
+        .prefill_step(&[&[5, 6, 7, 8, 9], &[11, 12]])
+        .expect("prefill");
+    let compare = |step: &tandem_model::StepInput,
+                   caches: &mut [tandem_cuda::CudaKvCache; 2],
+                   logits_for: LogitsFor,
+                   label: &str|
+     -> Vec<u32> {
+        let [a, b] = caches;
+        let out_a = graphed
+            .forward(step, a, &taps, logits_for)
+            .expect("graphed step");
+        let out_b = eager
+            .forward(step, b, &taps, logits_for)
+            .expect("eager step");
+        let (la, lb) = (out_a.logits.expect("logits"), out_b.logits.expect("logits"));
+        let gap = relative_gap(&la.to_host().unwrap(), &lb.to_host().unwrap());
+        assert!(
+            gap <= 1e-6,
+            "{label}: logits differ by {gap} of the largest"
+        );
+        let ids = la.argmax().unwrap();
+        assert_eq!(ids, lb.argmax().unwrap(), "{label}: greedy tokens");
+        assert_eq!(
+            out_a.taps.visited, out_b.taps.visited,
+            "{label}: tap points"
+        );
+        for (slot, (ta, tb)) in out_a
+            .taps
+            .tensors
+            .iter()
+            .zip(&out_b.taps.tensors)
+            .enumerate()
+        {
+            let gap = relative_gap(&ta.to_host().unwrap(), &tb.to_host().unwrap());
+            assert!(gap <= 1e-6, "{label}: tap slot {slot} differs by {gap}");
+        }
+        ids
+    };
+    let mut next = compare(&prefill, &mut caches, LogitsFor::Last, "prefill");
+    for i in 0..6 {
+        let step = caches[0].layout().decode_step(&next).expect("decode");
+        next = compare(&step, &mut caches, LogitsFor::Last, &format!("decode {i}"));
+    }
+    for i in 0..4 {
+        let drafts: Vec<Vec<u32>> = next.iter().map(|&t| vec![t, t + 1, t + 2]).collect();
+        let parents = [None, Some(0), Some(0)];
+        let trees: Vec<(&[u32], &[Option<usize>])> = drafts
+            .iter()
+            .map(|d| (d.as_slice(), &parents[..]))
+            .collect();
+        let step = caches[0].layout().tree_step(&trees).expect("tree");
+        let ids = compare(&step, &mut caches, LogitsFor::All, &format!("tree {i}"));
+        next = ids.iter().step_by(3).copied().collect();
+    }
+    for i in 0..3 {
+        let step = caches[0].layout().decode_step(&next).expect("decode");
+        next = compare(
+            &step,
+            &mut caches,
+            LogitsFor::Last,
+            &format!("late decode {i}"),
+        );
+    }
+    let stats = graphed.graph_stats();
+    eprintln!("graphs: {stats:?}");
+    // The decode shape and the tree shape were each captured once, on their second step, and
+    // replayed from then on: decode 5 + 3 times, the tree 3 times.
+    assert_eq!(stats.captured, 2, "{stats:?}");
+    assert_eq!(stats.replays, 11, "{stats:?}");
+    assert_eq!(eager.graph_stats(), tandem_cuda::GraphStats::default());
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn norm_silu_and_argmax_kernels_match_their_references() {
@@ -259,6 +362,7 @@ fn rope_cache_write_and_attention_kernels_match_their_references() {
         &mut v_cache,
         shape,
         col0,
+        None,
     )
     .unwrap();
     let q_host = gpu.download(&q).unwrap();
@@ -333,6 +437,7 @@ fn rope_cache_write_and_attention_kernels_match_their_references() {
         &mut out,
         shape,
         total,
+        None,
     )
     .unwrap();
     let out: Vec<f32> = gpu.download(&out).unwrap().into_iter().map(bf).collect();

@@ -79,12 +79,26 @@ impl<T: Clone> CaptureHook<T> {
     /// Called by a block loop (this crate's, or the CUDA fast path's), and only there. Copies
     /// `hidden` only when a slot asks for `tap`.
     pub fn observe(&mut self, tap: TapId, hidden: &T) {
+        self.try_observe_with(tap, |_| Ok::<T, std::convert::Infallible>(hidden.clone()))
+            .unwrap_or_else(|never| match never {});
+    }
+
+    /// [`CaptureHook::observe`] for a block loop that writes taps into buffers of its own (the
+    /// CUDA fast path's graphs, which must not allocate): `capture(slot)` is called for each
+    /// slot that asks for `tap`, copies the hidden states where that slot keeps them and
+    /// returns what the hook stores for the slot.
+    pub fn try_observe_with<E>(
+        &mut self,
+        tap: TapId,
+        mut capture: impl FnMut(usize) -> Result<T, E>,
+    ) -> Result<(), E> {
         self.visited.push(tap);
         for (slot, wanted) in self.request.taps.iter().enumerate() {
             if *wanted == tap {
-                self.captured[slot] = Some(hidden.clone());
+                self.captured[slot] = Some(capture(slot)?);
             }
         }
+        Ok(())
     }
 
     pub fn finish(self) -> Taps<T> {

