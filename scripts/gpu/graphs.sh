@@ -3,7 +3,9 @@
 # first (graph replay vs eager launches, the fast path vs burn, the fast speculative engine),
 # then `tandem fast-bench` (eager launches and graphs in the same run: decode at batch 1, 8, 32
 # and verification of 4- and 8-token trees), HF transformers (sdpa) decode in the same run, and
-# MT-Bench speculative vs target-only with the committed head (graphs on for both).
+# MT-Bench speculative vs target-only with the committed head (graphs on for both; then with
+# TANDEM_CUDA_GRAPHS=0, every kernel launched eagerly, as the baseline). Knobs: FAST_BENCH=0,
+# HF=0 skip those parts; SHAPES (default 3/1/4 3/4/8 6/8/48).
 #   here:     bash scripts/gpu/graphs.sh pack        # .device/a .. .device/e
 #   call 1 (carry .device/a): bash scripts/gpu/graphs.sh a
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/graphs.sh piece b|c|d
@@ -55,6 +57,7 @@ wait)
   wait_for done
   cat "$R/phases.txt"
   grep -E "^test |test result|panicked|graphs:" "$R"/tests-*.log | tail -30
+  grep -h "time split" "$R"/bench_*.log
   cat "$R/fast-bench.md" 2>/dev/null
   tail -n 12 "$R/hf.log" 2>/dev/null
   cat "$R/summary.txt" 2>/dev/null
@@ -68,14 +71,23 @@ pipeline)
   timeout 300 "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
   echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
   mark "tests done"
-  timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --new-tokens 64 \
-    --repeats 3 --with-taps --json "$R/fast-bench.json" > "$R/fast-bench.md" 2> "$R/fast-bench.log"
-  echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
-  mark "fast-bench done"
-  for s in 3/1/4 3/4/8 6/8/48; do bench "$W/head" head "$s"; done
+  if [[ "${FAST_BENCH:-1}" == 1 ]]; then
+    timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --new-tokens 64 \
+      --repeats 3 --with-taps --json "$R/fast-bench.json" > "$R/fast-bench.md" 2> "$R/fast-bench.log"
+    echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
+    mark "fast-bench done"
+  fi
+  # Speculative vs target-only, graphs on (the default), then every kernel launched eagerly
+  # (TANDEM_CUDA_GRAPHS=0) as the baseline, back to back.
+  for s in ${SHAPES:-3/1/4 3/4/8 6/8/48}; do
+    bench "$W/head" head "$s"
+    TANDEM_CUDA_GRAPHS=0 bench "$W/head" eager "$s"
+  done
   mark "spec bench done"
-  timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8,32 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1
-  mark "hf done"
+  if [[ "${HF:-1}" == 1 ]]; then
+    timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8,32 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1
+    mark "hf done"
+  fi
   touch "$R/done"
   ;;
 esac

@@ -9,18 +9,6 @@ use tandem_model::{ColumnLayout, ModelError, StepInput};
 use crate::device::{AttentionShape, Gpu};
 use crate::error::CudaError;
 
-/// One step's inputs on the GPU ([`CudaKvCache::step_inputs`]).
-pub(crate) struct StepInputs {
-    pub tokens: CudaSlice<u32>,
-    pub positions: CudaSlice<i32>,
-    pub mask: CudaSlice<f32>,
-    /// The first cache column the step writes.
-    pub col0: usize,
-    /// Columns the step attends over (`col0 + width`).
-    pub total: usize,
-    pub shape: AttentionShape,
-}
-
 /// A step's inputs on the host: see [`CudaKvCache::step_host`].
 pub(crate) struct HostStep {
     pub tokens: Vec<u32>,
@@ -201,29 +189,10 @@ impl CudaKvCache {
         self.layout.check_step(step)
     }
 
-    /// Checks `step` against this cache and the vocabulary, then uploads what its kernels read:
-    /// token ids, RoPE positions and the `[rows, total]` attention mask (built by the same
-    /// ColumnLayout code as the burn path's; one group: GQA is resolved in the kernel).
-    pub(crate) fn step_inputs(
-        &self,
-        gpu: &Gpu,
-        step: &StepInput,
-        vocab_size: usize,
-        dims: [usize; 3],
-    ) -> Result<StepInputs, CudaError> {
-        let host = self.step_host(step, vocab_size, dims)?;
-        Ok(StepInputs {
-            tokens: gpu.upload(&host.tokens)?,
-            positions: gpu.upload(&host.positions)?,
-            mask: gpu.upload(&host.mask)?,
-            col0: host.col0,
-            total: host.total,
-            shape: host.shape,
-        })
-    }
-
-    /// What [`CudaKvCache::step_inputs`] uploads, on the host (a graph replay copies it into
-    /// the buffers it was captured with instead).
+    /// Checks `step` against this cache and the vocabulary and builds what its kernels read:
+    /// token ids, RoPE positions and the `[rows, total]` attention mask (by the same ColumnLayout
+    /// code as the burn path's; one group: GQA is resolved in the kernel), for the step's
+    /// buffers (a new one per eager step, or the ones a graph was captured over).
     pub(crate) fn step_host(
         &self,
         step: &StepInput,

@@ -93,6 +93,8 @@ pub struct Gpu {
     /// cuBLAS's workspace: owned here so it outlives every graph that captured a matmul.
     _blas_workspace: CudaSlice<u8>,
     kernels: Kernels,
+    /// Whether models on this GPU start with CUDA graphs on (`TANDEM_CUDA_GRAPHS=0`: off).
+    graphs_default: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -171,6 +173,7 @@ impl Gpu {
             blas,
             _blas_workspace: blas_workspace,
             kernels,
+            graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -200,6 +203,13 @@ impl Gpu {
             )
         }?;
         Ok(())
+    }
+
+    /// Whether models loaded on this GPU replay CUDA graphs for decode-sized steps unless told
+    /// otherwise: yes, except with the environment variable `TANDEM_CUDA_GRAPHS=0` (every
+    /// kernel launched eagerly, the baseline of the graphs' benchmarks).
+    pub fn graphs_default(&self) -> bool {
+        self.graphs_default
     }
 
     /// The context, for modules compiled beside `llama.cu` (the trainer's kernels).
@@ -244,16 +254,17 @@ impl Gpu {
         Ok(())
     }
 
-    /// `dst[..src.len()] = src` on the GPU (captured into a graph like a launch).
+    /// `dst[..n] = src[..n]` on the GPU (captured into a graph like a launch).
     pub fn copy_into<T: DeviceRepr>(
         &self,
         src: &CudaSlice<T>,
         dst: &mut CudaSlice<T>,
+        n: usize,
     ) -> Result<(), CudaError> {
-        assert!(dst.len() >= src.len());
+        assert!(src.len() >= n && dst.len() >= n);
         Ok(self
             .stream
-            .memcpy_dtod(src, &mut dst.slice_mut(0..src.len()))?)
+            .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))?)
     }
 
     /// The device address of `buffer` (identifies the buffers a graph was captured over).

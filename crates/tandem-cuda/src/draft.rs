@@ -8,16 +8,18 @@
 //! The head reads the target's hidden states only as the [`Taps`] the target's capture hook
 //! produced ([`CudaDraft::fc_input`]), so serving feeds it exactly what the dump job tapped.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
-use crate::cache::CudaKvCache;
-use crate::device::{DeviceRows, Gpu};
+use crate::cache::{CudaKvCache, HostStep};
+use crate::device::{AttentionShape, DeviceRows, Gpu};
 use crate::error::CudaError;
-use crate::model::{CudaTarget, DeviceLogits};
+use crate::graphs::{CapturedStep, GraphCache, GraphKey, GraphStats};
+use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH};
 use crate::weights::to_bf16_bits;
 
 /// An EAGLE-3 head in bf16 on the GPU, on top of a copy of the target's embedding.
@@ -46,6 +48,8 @@ pub struct CudaDraft {
     /// `[draft_vocab, H]`.
     lm_head: CudaSlice<u16>,
     inv_freq: CudaSlice<f32>,
+    graphs_on: AtomicBool,
+    graphs: Mutex<GraphCache<DraftBuffers>>,
 }
 
 impl std::fmt::Debug for CudaDraft {
@@ -145,6 +149,8 @@ impl CudaDraft {
             norm: bf16(get("norm.weight")?)?,
             lm_head: bf16(get("lm_head.weight")?)?,
             inv_freq: gpu.upload(&inv_freq)?,
+            graphs_on: AtomicBool::new(gpu.graphs_default()),
+            graphs: Mutex::new(GraphCache::default()),
             spec,
             vocab,
             gpu,
@@ -234,24 +240,23 @@ impl CudaDraft {
 
     /// One step of the decoder layer over the cache. `hidden: [batch * width, H]` f32 is each
     /// slot's hidden input (`fc(aux)` for an extend, the previous output for a draft step); it
-    /// becomes the residual stream, so it is taken by value.
+    /// becomes the residual stream, so it is taken by value. Steps of up to
+    /// [`GRAPH_MAX_WIDTH`] tokens per sequence replay a CUDA graph of the same launches once
+    /// their shape and cache have run eagerly twice, like the target's.
     pub fn forward_step(
         &self,
         step: &StepInput,
-        mut hidden: CudaSlice<f32>,
+        hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
     ) -> Result<DraftStepOutput, CudaError> {
         let spec = &self.spec;
-        let gpu = &*self.gpu;
-        let inputs = cache.step_inputs(
-            gpu,
+        let host = cache.step_host(
             step,
             spec.vocab_size,
             [spec.num_heads, spec.num_kv_heads, spec.head_dim],
         )?;
-        let (shape, col0, total) = (inputs.shape, inputs.col0, inputs.total);
         let rows = step.batch * step.width;
-        let (h, inter) = (spec.hidden_size, spec.intermediate_size);
+        let h = spec.hidden_size;
         if hidden.len() < rows * h {
             return Err(ModelError::InvalidStep {
                 reason: format!(
@@ -261,100 +266,292 @@ impl CudaDraft {
             }
             .into());
         }
+        let output = if self.graphs_on.load(Ordering::Relaxed) && step.width <= GRAPH_MAX_WIDTH {
+            self.step_graphed(&host, hidden, cache)?
+        } else {
+            self.step_eager(&host, hidden, cache)?
+        };
+        cache.advance(step);
+        Ok(output)
+    }
+
+    fn step_eager(
+        &self,
+        host: &HostStep,
+        hidden: CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+    ) -> Result<DraftStepOutput, CudaError> {
+        let mut buffers = DraftBuffers::new(self, host.shape, host.total, Some(hidden))?;
+        buffers.load(&self.gpu, host)?;
+        self.encode(&mut buffers, cache, host, false)?;
+        Ok(buffers.into_output(self))
+    }
+
+    /// Turns graph replay of the head's decode-sized steps on or off.
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs_on.store(on, Ordering::Relaxed);
+        if !on {
+            self.graphs.lock().expect("graph cache lock").clear();
+        }
+    }
+
+    /// Graphs captured so far and steps replayed from them.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.lock().expect("graph cache lock").stats
+    }
+
+    fn step_graphed(
+        &self,
+        host: &HostStep,
+        hidden: CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+    ) -> Result<DraftStepOutput, CudaError> {
+        let gpu = &*self.gpu;
+        let rows = host.shape.rows();
+        let key = GraphKey {
+            batch: host.shape.batch,
+            width: host.shape.width,
+            capacity: host.shape.capacity,
+            logits_for: 0,
+            taps: Vec::new(),
+            cache: cache.addresses(gpu),
+        };
+        let mut graphs = self.graphs.lock().expect("graph cache lock");
+        if !graphs.ready(&key) {
+            // A new shape or cache runs eagerly for its first steps; the next one is captured.
+            drop(graphs);
+            return self.step_eager(host, hidden, cache);
+        }
+        if !graphs.captured.contains_key(&key) {
+            let mut buffers = DraftBuffers::new(self, host.shape, host.shape.capacity, None)?;
+            let graph = gpu.capture(|| self.encode(&mut buffers, cache, host, true))?;
+            graphs.insert(
+                key.clone(),
+                CapturedStep {
+                    buffers,
+                    graph,
+                    visited: Vec::new(),
+                },
+            );
+        }
+        let entry = graphs.captured.get_mut(&key).expect("captured above");
+        entry.buffers.load(gpu, host)?;
+        gpu.copy_into(
+            &hidden,
+            &mut entry.buffers.hidden,
+            rows * self.spec.hidden_size,
+        )?;
+        gpu.replay(&entry.graph)?;
+        let output = entry.buffers.copy_output(self);
+        graphs.stats.replays += 1;
+        output
+    }
+
+    /// The decoder layer's launches over the buffers of one step. With `graphed`, the launches
+    /// read the first cache column and the column count from `b.scalars`.
+    fn encode(
+        &self,
+        b: &mut DraftBuffers,
+        cache: &mut CudaKvCache,
+        host: &HostStep,
+        graphed: bool,
+    ) -> Result<(), CudaError> {
+        let spec = &self.spec;
+        let gpu = &*self.gpu;
+        let (shape, col0, total) = (host.shape, host.col0, host.total);
+        let rows = shape.rows();
+        let (h, inter) = (spec.hidden_size, spec.intermediate_size);
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
-
-        let mut embeds = gpu.scratch::<f32>(rows * h)?;
-        gpu.embed_rows(&self.embed, &inputs.tokens, &mut embeds, rows, h)?;
-        let mut normed_embeds = gpu.scratch::<u16>(rows * h)?;
+        let scalars = graphed.then_some(&b.scalars);
+        gpu.embed_rows(&self.embed, &b.tokens, &mut b.embeds, rows, h)?;
         gpu.add_rms_norm(
-            &mut embeds,
+            &mut b.embeds,
             None,
             &self.input_norm,
-            &mut normed_embeds,
+            &mut b.normed_embeds,
             None,
             rows,
             h,
             eps,
         )?;
-        let mut normed = gpu.scratch::<u16>(rows * h)?;
         gpu.add_rms_norm(
-            &mut hidden,
+            &mut b.hidden,
             None,
             &self.hidden_norm,
-            &mut normed,
+            &mut b.normed,
             None,
             rows,
             h,
             eps,
         )?;
-        let mut qkv = gpu.scratch::<f32>(rows * qkv_dim)?;
-        gpu.linear(&normed_embeds, &self.qkv_embed, &mut qkv, rows, h, qkv_dim)?;
-        gpu.linear_add(&normed, &self.qkv_hidden, &mut qkv, rows, h, qkv_dim)?;
-        let mut q = gpu.scratch::<f32>(rows * q_dim)?;
+        gpu.linear(
+            &b.normed_embeds,
+            &self.qkv_embed,
+            &mut b.qkv,
+            rows,
+            h,
+            qkv_dim,
+        )?;
+        gpu.linear_add(&b.normed, &self.qkv_hidden, &mut b.qkv, rows, h, qkv_dim)?;
         gpu.rope_qkv(
-            &qkv,
+            &b.qkv,
             None,
-            &inputs.positions,
+            &b.positions,
             &self.inv_freq,
-            &mut q,
+            &mut b.q,
             &mut cache.keys[0],
             &mut cache.values[0],
             shape,
             col0,
-            None,
+            scalars,
         )?;
-        let mut attn = gpu.scratch::<u16>(rows * q_dim)?;
         gpu.attention(
-            &q,
+            &b.q,
             &cache.keys[0],
             &cache.values[0],
-            &inputs.mask,
-            &mut attn,
+            &b.mask,
+            &mut b.attn,
             shape,
             total,
-            None,
+            scalars,
         )?;
-        let mut delta = gpu.scratch::<f32>(rows * h)?;
-        gpu.linear(&attn, &self.o, &mut delta, rows, q_dim, h)?;
+        gpu.linear(&b.attn, &self.o, &mut b.delta, rows, q_dim, h)?;
         gpu.add_rms_norm(
-            &mut hidden,
-            Some(&delta),
+            &mut b.hidden,
+            Some(&b.delta),
             &self.post_norm,
-            &mut normed,
+            &mut b.normed,
             None,
             rows,
             h,
             eps,
         )?;
-        let mut gate_up = gpu.scratch::<f32>(rows * 2 * inter)?;
-        gpu.linear(&normed, &self.gate_up, &mut gate_up, rows, h, 2 * inter)?;
-        let mut act = gpu.scratch::<u16>(rows * inter)?;
-        gpu.silu_mul(&gate_up, &mut act, rows, inter)?;
-        gpu.linear(&act, &self.down, &mut delta, rows, inter, h)?;
+        gpu.linear(&b.normed, &self.gate_up, &mut b.gate_up, rows, h, 2 * inter)?;
+        gpu.silu_mul(&b.gate_up, &mut b.act, rows, inter)?;
+        gpu.linear(&b.act, &self.down, &mut b.delta, rows, inter, h)?;
         gpu.add_rms_norm(
-            &mut hidden,
-            Some(&delta),
+            &mut b.hidden,
+            Some(&b.delta),
             &self.norm,
-            &mut normed,
+            &mut b.normed,
             None,
             rows,
             h,
             eps,
         )?;
         let vocab = spec.draft_vocab_size;
-        let mut logits = gpu.scratch::<f32>(rows * vocab)?;
-        gpu.linear(&normed, &self.lm_head, &mut logits, rows, h, vocab)?;
-        cache.advance(step);
+        gpu.linear(&b.normed, &self.lm_head, &mut b.logits, rows, h, vocab)?;
+        Ok(())
+    }
+}
+
+/// Every device buffer of one draft step (see the target's `StepBuffers`).
+struct DraftBuffers {
+    tokens: CudaSlice<u32>,
+    positions: CudaSlice<i32>,
+    mask: CudaSlice<f32>,
+    scalars: CudaSlice<i32>,
+    /// The residual stream: the step's hidden input, its output after the step.
+    hidden: CudaSlice<f32>,
+    embeds: CudaSlice<f32>,
+    normed_embeds: CudaSlice<u16>,
+    normed: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    attn: CudaSlice<u16>,
+    delta: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+    batch: usize,
+    width: usize,
+}
+
+impl DraftBuffers {
+    /// Buffers for a step of `shape`, with room for a `[rows, mask_columns]` mask; `hidden`
+    /// is the eager step's input (a graph gets its own).
+    fn new(
+        draft: &CudaDraft,
+        shape: AttentionShape,
+        mask_columns: usize,
+        hidden: Option<CudaSlice<f32>>,
+    ) -> Result<Self, CudaError> {
+        let spec = &draft.spec;
+        let gpu = &*draft.gpu;
+        let rows = shape.rows();
+        let (h, inter) = (spec.hidden_size, spec.intermediate_size);
+        let q_dim = spec.num_heads * spec.head_dim;
+        let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
+        Ok(Self {
+            tokens: gpu.scratch(rows)?,
+            positions: gpu.scratch(rows)?,
+            mask: gpu.scratch(rows * mask_columns)?,
+            scalars: gpu.scratch(2)?,
+            hidden: match hidden {
+                Some(hidden) => hidden,
+                None => gpu.scratch(rows * h)?,
+            },
+            embeds: gpu.scratch(rows * h)?,
+            normed_embeds: gpu.scratch(rows * h)?,
+            normed: gpu.scratch(rows * h)?,
+            qkv: gpu.scratch(rows * qkv_dim)?,
+            q: gpu.scratch(rows * q_dim)?,
+            attn: gpu.scratch(rows * q_dim)?,
+            delta: gpu.scratch(rows * h)?,
+            gate_up: gpu.scratch(rows * 2 * inter)?,
+            act: gpu.scratch(rows * inter)?,
+            logits: gpu.scratch(rows * spec.draft_vocab_size)?,
+            batch: shape.batch,
+            width: shape.width,
+        })
+    }
+
+    fn load(&mut self, gpu: &Gpu, host: &HostStep) -> Result<(), CudaError> {
+        gpu.upload_into(&host.tokens, &mut self.tokens)?;
+        gpu.upload_into(&host.positions, &mut self.positions)?;
+        gpu.upload_into(&host.mask, &mut self.mask)?;
+        gpu.upload_into(&[host.col0 as i32, host.total as i32], &mut self.scalars)
+    }
+
+    fn into_output(self, draft: &CudaDraft) -> DraftStepOutput {
+        let rows = self.batch * self.width;
+        DraftStepOutput {
+            hidden: DeviceRows {
+                data: self.hidden,
+                batch: self.batch,
+                width: self.width,
+                hidden: draft.spec.hidden_size,
+            },
+            logits: DeviceLogits::new(
+                self.logits,
+                rows,
+                draft.spec.draft_vocab_size,
+                draft.gpu.clone(),
+            ),
+        }
+    }
+
+    fn copy_output(&self, draft: &CudaDraft) -> Result<DraftStepOutput, CudaError> {
+        let gpu = &*draft.gpu;
+        let rows = self.batch * self.width;
+        let h = draft.spec.hidden_size;
+        let mut hidden = gpu.scratch::<f32>(rows * h)?;
+        gpu.copy_into(&self.hidden, &mut hidden, rows * h)?;
         Ok(DraftStepOutput {
             hidden: DeviceRows {
                 data: hidden,
-                batch: step.batch,
-                width: step.width,
+                batch: self.batch,
+                width: self.width,
                 hidden: h,
             },
-            logits: DeviceLogits::new(logits, rows, vocab, self.gpu.clone()),
+            logits: DeviceLogits::new(
+                gpu.duplicate(&self.logits)?,
+                rows,
+                draft.spec.draft_vocab_size,
+                draft.gpu.clone(),
+            ),
         })
     }
 }

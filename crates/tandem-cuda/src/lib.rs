@@ -7,6 +7,8 @@
 //! It takes its taps through the same [`tandem_model::CaptureHook`] as the burn path, after the
 //! embedding, after every block and after the final norm, in every mode (prefill, decode, tree
 //! verification): `fast-check` and the tests prove the taps and logits equal the reference's.
+//! Steps of up to [`GRAPH_MAX_WIDTH`] tokens per sequence (decode, tree verification, the
+//! head's draft steps) replay CUDA graphs of that same code ([`graphs`]).
 
 mod cache;
 mod capture;
@@ -14,6 +16,7 @@ pub mod check;
 mod device;
 mod draft;
 mod error;
+mod graphs;
 mod model;
 pub mod reference;
 mod train;
@@ -24,7 +27,8 @@ pub use cudarc::driver::CudaSlice;
 pub use device::{AttentionShape, DeviceRows, Gpu, compile_all_kernels, nvrtc_present};
 pub use draft::{CudaDraft, DraftStepOutput};
 pub use error::CudaError;
-pub use model::{CudaStepOutput, CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, GraphStats};
+pub use graphs::GraphStats;
+pub use model::{CudaStepOutput, CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH};
 pub use train::{
     AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, StepCounts, TargetPieces,
     TrainStepReport,

@@ -1,7 +1,6 @@
 //! The fast path's forward step: the same modes, inputs and outputs as
 //! `tandem_model::TargetModel::forward`, with taps through the same [`CaptureHook`].
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,16 +11,14 @@ use tandem_model::{CaptureHook, HfConfig, LogitsFor, ModelSpec, StepInput, TapRe
 use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep};
-use crate::device::{AttentionShape, DeviceRows, Gpu, StepGraph};
+use crate::device::{AttentionShape, DeviceRows, Gpu};
 use crate::error::CudaError;
+use crate::graphs::{CapturedStep, GraphCache, GraphKey, GraphStats};
 use crate::weights::DeviceWeights;
 
 /// Widest step that replays a CUDA graph: decode (1 token per sequence) and tree verification
 /// (up to 64 tokens). Prefill widths change with every prompt, so prefill runs eagerly.
 pub const GRAPH_MAX_WIDTH: usize = 64;
-
-/// Graphs a target keeps (step shapes times caches); the oldest goes first.
-const MAX_GRAPHS: usize = 64;
 
 /// A Llama-family target on the GPU.
 pub struct CudaTarget {
@@ -30,71 +27,7 @@ pub struct CudaTarget {
     weights: DeviceWeights,
     inv_freq: CudaSlice<f32>,
     graphs_on: AtomicBool,
-    graphs: Mutex<GraphCache>,
-}
-
-/// How much of the decode work ran from graphs ([`CudaTarget::graph_stats`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GraphStats {
-    pub captured: usize,
-    pub replays: usize,
-}
-
-/// What a graph was captured for: the step's shape and outputs, and the cache buffers its
-/// launches write (a cache reallocated elsewhere is another key).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct GraphKey {
-    batch: usize,
-    width: usize,
-    capacity: usize,
-    logits_for: u8,
-    taps: Vec<TapId>,
-    cache: Vec<u64>,
-}
-
-/// One captured step: its graph and the buffers the graph reads and writes.
-struct CapturedStep {
-    buffers: StepBuffers,
-    graph: StepGraph,
-    visited: Vec<TapId>,
-}
-
-/// The captured steps of a target, and the keys seen once (captured on their second step).
-#[derive(Default)]
-struct GraphCache {
-    seen: HashSet<GraphKey>,
-    captured: HashMap<GraphKey, CapturedStep>,
-    order: VecDeque<GraphKey>,
-    stats: GraphStats,
-}
-
-impl GraphCache {
-    /// Whether `key` was seen before; marks it seen.
-    fn seen(&mut self, key: &GraphKey) -> bool {
-        if self.seen.contains(key) {
-            return true;
-        }
-        if self.seen.len() >= 4 * MAX_GRAPHS {
-            self.seen.clear();
-        }
-        self.seen.insert(key.clone());
-        false
-    }
-    fn insert(&mut self, key: GraphKey, step: CapturedStep) {
-        while self.order.len() >= MAX_GRAPHS {
-            if let Some(old) = self.order.pop_front() {
-                self.captured.remove(&old);
-            }
-        }
-        self.order.push_back(key.clone());
-        self.captured.insert(key, step);
-        self.stats.captured += 1;
-    }
-    fn clear(&mut self) {
-        self.seen.clear();
-        self.captured.clear();
-        self.order.clear();
-    }
+    graphs: Mutex<GraphCache<StepBuffers>>,
 }
 
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
@@ -338,11 +271,11 @@ impl CudaTarget {
         let inv_freq: Vec<f32> = spec.rope_inv_freq().iter().map(|&f| f as f32).collect();
         let inv_freq = gpu.upload(&inv_freq)?;
         Ok(Self {
+            graphs_on: AtomicBool::new(gpu.graphs_default()),
             spec,
             gpu,
             weights,
             inv_freq,
-            graphs_on: AtomicBool::new(true),
             graphs: Mutex::new(GraphCache::default()),
         })
     }
@@ -390,8 +323,8 @@ impl CudaTarget {
     /// One step of any mode over the cache. The block loop ([`CudaTarget::encode`]) is the
     /// fast path's only reader of hidden states, and it hands each tap point to the shared
     /// capture hook. Steps of up to [`GRAPH_MAX_WIDTH`] tokens (decode, tree verification)
-    /// replay a CUDA graph of that loop once their shape has been seen before (the first one
-    /// runs eagerly); longer steps (prefill) always run eagerly.
+    /// replay a CUDA graph of that loop once their shape and cache have run eagerly twice
+    /// (see `graphs.rs`); longer steps (prefill) always run eagerly.
     pub fn forward(
         &self,
         step: &StepInput,
@@ -475,9 +408,9 @@ impl CudaTarget {
             cache: cache.addresses(gpu),
         };
         let mut graphs = self.graphs.lock().expect("graph cache lock");
-        if !graphs.seen(&key) {
-            // First sight of this shape and cache: run it eagerly (it also lets cuBLAS pick
-            // its kernels outside a capture); the next step like it is captured.
+        if !graphs.ready(&key) {
+            // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS
+            // pick its kernels outside a capture); the step after them is captured.
             drop(graphs);
             return self.forward_eager(host, last, cache, taps, logits_for);
         }
@@ -550,7 +483,9 @@ impl CudaTarget {
             ..
         } = b;
         let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>| {
-            hook.try_observe_with(tap, |slot| gpu.copy_into(rows_of, &mut taps[slot]))
+            hook.try_observe_with(tap, |slot| {
+                gpu.copy_into(rows_of, &mut taps[slot], rows * h)
+            })
         };
         gpu.embed_rows(&self.weights.embed, tokens, hidden, rows, h)?;
         observe(TapId::Embed, hidden)?;

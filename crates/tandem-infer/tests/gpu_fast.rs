@@ -85,6 +85,109 @@ fn real_rows(values: &[f32], real: &[bool], width: usize) -> Vec<f32> {
         .collect()
 }
 
+/// The largest difference between two GPU outputs, relative to the largest value.
+fn relative_gap(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = a.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_head_graph_replay_gives_the_eager_outputs() {
+    // Two copies of the same head, one replaying CUDA graphs for its steps and one launching
+    // every kernel: an extend over ragged chunks, chain steps (width 1) and tree steps (width
+    // 3), each fed the same hidden input. The same hidden outputs and draft logits (1e-6 of the
+    // largest value) and the same greedy draft tokens; the graphed head captured one graph per
+    // repeated shape and replayed the rest.
+    let f = fixture("graphs");
+    let eager = CudaDraft::new(
+        &f.target,
+        f.draft.spec.clone(),
+        f.draft.vocab.clone(),
+        &f.cpu_draft.to_host(),
+    )
+    .expect("second head");
+    eager.set_graphs(false);
+    let heads = [&f.draft, &eager];
+    let h = f.draft.spec.hidden_size;
+    let mut caches = [
+        f.draft.new_cache(2, 96).unwrap(),
+        eager.new_cache(2, 96).unwrap(),
+    ];
+    let gpu = f.target.gpu().clone();
+    let mut seed = 1u32;
+    let mut random_hidden = |rows: usize| -> Vec<f32> {
+        (0..rows * h)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    };
+    let run = |step: tandem_model::StepInput,
+               caches: &mut [tandem_cuda::CudaKvCache; 2],
+               hidden: &[f32],
+               label: &str| {
+        let mut outs = Vec::new();
+        for (head, cache) in heads.iter().zip(caches.iter_mut()) {
+            let input = gpu.upload(hidden).unwrap();
+            outs.push(head.forward_step(&step, input, cache).expect("draft step"));
+        }
+        let gap = relative_gap(
+            &outs[0].hidden.to_host().unwrap(),
+            &outs[1].hidden.to_host().unwrap(),
+        );
+        assert!(gap <= 1e-6, "{label}: hidden differs by {gap}");
+        let gap = relative_gap(
+            &outs[0].logits.to_host().unwrap(),
+            &outs[1].logits.to_host().unwrap(),
+        );
+        assert!(gap <= 1e-6, "{label}: logits differ by {gap}");
+        let ids = outs[0].logits.argmax().unwrap();
+        assert_eq!(
+            ids,
+            outs[1].logits.argmax().unwrap(),
+            "{label}: draft tokens"
+        );
+        ids
+    };
+    let chunks: [&[u32]; 2] = [&[3, 14, 15, 92, 65], &[2, 71]];
+    let step = caches[0].layout().prefill_step(&chunks).unwrap();
+    let rows = step.batch * step.width;
+    let mut next = run(step, &mut caches, &random_hidden(rows), "extend");
+    next.truncate(2);
+    for i in 0..5 {
+        let step = caches[0].layout().decode_step(&next[..2]).unwrap();
+        next = run(step, &mut caches, &random_hidden(2), &format!("chain {i}"));
+    }
+    for i in 0..3 {
+        let drafts: Vec<Vec<u32>> = next
+            .iter()
+            .take(2)
+            .map(|&t| vec![t, t + 1, t + 2])
+            .collect();
+        let parents = [None, Some(0), Some(1)];
+        let trees: Vec<(&[u32], &[Option<usize>])> = drafts
+            .iter()
+            .map(|d| (d.as_slice(), &parents[..]))
+            .collect();
+        let step = caches[0].layout().tree_step(&trees).unwrap();
+        let ids = run(step, &mut caches, &random_hidden(6), &format!("tree {i}"));
+        next = ids.iter().step_by(3).copied().collect();
+    }
+    let stats = f.draft.graph_stats();
+    eprintln!("head graphs: {stats:?}");
+    // The extend's shape came once (eager). Chain: two eager steps, the third captured and
+    // replayed, two more replays (3); tree: two eager, the third captured and replayed (1).
+    assert_eq!(stats.captured, 2, "{stats:?}");
+    assert_eq!(stats.replays, 4, "{stats:?}");
+    assert_eq!(eager.graph_stats(), tandem_cuda::GraphStats::default());
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fast_head_matches_the_burn_head_in_extend_chain_and_tree_steps() {

@@ -1,0 +1,97 @@
+//! CUDA graphs of decode-sized steps, shared by the target ([`crate::CudaTarget`]) and the
+//! draft head ([`crate::CudaDraft`]): which step shapes were seen and captured, and the buffers
+//! each graph was captured over.
+
+use std::collections::{HashMap, VecDeque};
+
+use tandem_wiring::TapId;
+
+use crate::device::StepGraph;
+
+/// Graphs a model keeps (step shapes times caches); the oldest goes first.
+const MAX_GRAPHS: usize = 64;
+
+/// Steps of one key that run eagerly before the next one is captured. A running batch moves
+/// its caches to new buffers whenever a request joins or leaves (a new key), so under churn a
+/// key may live only a few rounds: waiting two steps means a capture (about the cost of an eager
+/// step plus instantiation) is only paid for keys that have already proved stable.
+const EAGER_STEPS_BEFORE_CAPTURE: u32 = 2;
+
+/// How much of the work ran from graphs ([`crate::CudaTarget::graph_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    pub captured: usize,
+    pub replays: usize,
+}
+
+/// What a graph was captured for: the step's shape and outputs, and the cache buffers its
+/// launches write (a cache reallocated elsewhere is another key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct GraphKey {
+    pub batch: usize,
+    pub width: usize,
+    pub capacity: usize,
+    pub logits_for: u8,
+    pub taps: Vec<TapId>,
+    pub cache: Vec<u64>,
+}
+
+/// One captured step: its graph and the buffers the graph reads and writes.
+pub(crate) struct CapturedStep<B> {
+    pub buffers: B,
+    pub graph: StepGraph,
+    pub visited: Vec<TapId>,
+}
+
+/// The captured steps of a model, and how often each key not yet captured was seen.
+pub(crate) struct GraphCache<B> {
+    seen: HashMap<GraphKey, u32>,
+    pub captured: HashMap<GraphKey, CapturedStep<B>>,
+    order: VecDeque<GraphKey>,
+    pub stats: GraphStats,
+}
+
+impl<B> Default for GraphCache<B> {
+    fn default() -> Self {
+        Self {
+            seen: HashMap::new(),
+            captured: HashMap::new(),
+            order: VecDeque::new(),
+            stats: GraphStats::default(),
+        }
+    }
+}
+
+impl<B> GraphCache<B> {
+    /// Whether a step of `key` should run from a graph (captured already, or now after
+    /// [`EAGER_STEPS_BEFORE_CAPTURE`] eager steps); counts the step.
+    pub fn ready(&mut self, key: &GraphKey) -> bool {
+        if self.captured.contains_key(key) {
+            return true;
+        }
+        if self.seen.len() >= 4 * MAX_GRAPHS {
+            self.seen.clear();
+        }
+        let count = self.seen.entry(key.clone()).or_insert(0);
+        *count += 1;
+        *count > EAGER_STEPS_BEFORE_CAPTURE
+    }
+
+    pub fn insert(&mut self, key: GraphKey, step: CapturedStep<B>) {
+        while self.order.len() >= MAX_GRAPHS {
+            if let Some(old) = self.order.pop_front() {
+                self.captured.remove(&old);
+            }
+        }
+        self.seen.remove(&key);
+        self.order.push_back(key.clone());
+        self.captured.insert(key, step);
+        self.stats.captured += 1;
+    }
+
+    pub fn clear(&mut self) {
+        self.seen.clear();
+        self.captured.clear();
+        self.order.clear();
+    }
+}
