@@ -1,0 +1,162 @@
+//! Qwen3 (per-head RMSNorm on q and k before RoPE, `head_dim` independent of `hidden_size`,
+//! tied embeddings) on the burn path against HF transformers.
+//!
+//! The fixture of `scripts/reference/make_qwen3_golden.py` (a tiny random model: 3 layers,
+//! hidden 48, 4 heads of 16, 2 KV heads) holds HF's logits and every `hidden_states` entry for
+//! two prompts. Each must agree to a relative error (max |diff| / max |reference|) of at most
+//! 1e-4 in f32: in one prefill, token by token through the KV cache, and with both prompts in
+//! one ragged batch.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::SafeTensors;
+use tandem_model::backend::CpuBackend;
+use tandem_model::burn::prelude::*;
+use tandem_model::testing::rel_err;
+use tandem_model::{LogitsFor, TapRequest, TargetModel};
+
+type B = CpuBackend;
+
+/// HF parity tolerance: max |tandem - hf| / max |hf| per tensor.
+const PARITY_REL: f32 = 1e-4;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3")
+}
+
+fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().to_vec::<f32>().unwrap()
+}
+
+struct Golden {
+    bytes: Vec<u8>,
+}
+
+impl Golden {
+    fn open() -> Self {
+        Self {
+            bytes: std::fs::read(fixture().join("golden.safetensors")).unwrap(),
+        }
+    }
+    fn f32s(&self, key: &str) -> (Vec<usize>, Vec<f32>) {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        let v = st.tensor(key).unwrap();
+        let values = v
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        (v.shape().to_vec(), values)
+    }
+    fn ids(&self, key: &str) -> Vec<u32> {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        st.tensor(key)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
+    }
+}
+
+fn load() -> TargetModel<B> {
+    TargetModel::load(&fixture(), &Default::default()).unwrap()
+}
+
+#[test]
+fn qwen3_prefill_matches_hf_logits_and_every_hidden_state() {
+    let model = load();
+    let spec = &model.spec;
+    // The features this fixture exists for: q/k norm, head_dim * heads != hidden, tied head.
+    assert!(spec.qk_norm, "Qwen3 must get the per-head q/k norm");
+    assert_eq!(
+        (spec.head_dim, spec.num_heads, spec.hidden_size),
+        (16, 4, 48)
+    );
+    let golden = Golden::open();
+    let (layers, hidden) = (spec.num_layers, spec.hidden_size);
+    for case in 0..2 {
+        let ids = golden.ids(&format!("case{case}.input_ids"));
+        let n = ids.len();
+        let mut cache = model.new_cache(1, n);
+        let step = cache.prefill_step(&[&ids]).unwrap();
+        let out = model
+            .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::All)
+            .unwrap();
+        let (_, logits) = golden.f32s(&format!("case{case}.logits"));
+        let e = rel_err(&host(out.logits.unwrap()), &logits);
+        eprintln!("case{case}: logits rel err {e:.2e}");
+        assert!(e <= PARITY_REL, "case{case}: logits rel err {e}");
+        let (shape, states) = golden.f32s(&format!("case{case}.hidden_states"));
+        assert_eq!(shape, vec![layers + 1, n, hidden]);
+        // Taps: embed, block 0..L-1, final. HF hidden_states: embed, block 0..L-2, final.
+        for (k, tensor) in out.taps.tensors.iter().enumerate() {
+            if k == layers {
+                continue; // block L-1's output is not in hidden_states (its slot holds `final`)
+            }
+            let hf = if k == layers + 1 { layers } else { k };
+            let reference = &states[hf * n * hidden..(hf + 1) * n * hidden];
+            let e = rel_err(&host(tensor.clone()), reference);
+            assert!(
+                e <= PARITY_REL,
+                "case{case}: tap {} vs hidden_states[{hf}]: rel err {e}",
+                out.taps.taps[k]
+            );
+        }
+    }
+}
+
+#[test]
+fn qwen3_decode_through_the_cache_and_a_ragged_batch_match_hf() {
+    let model = load();
+    let golden = Golden::open();
+    let vocab = model.spec.vocab_size;
+    let cases: Vec<Vec<u32>> = (0..2)
+        .map(|c| golden.ids(&format!("case{c}.input_ids")))
+        .collect();
+    let references: Vec<Vec<f32>> = (0..2)
+        .map(|c| golden.f32s(&format!("case{c}.logits")).1)
+        .collect();
+    // Token by token: a 3-token prefill, then one decode step per remaining token; each step's
+    // last logits row against HF's row at that position (RoPE positions and the q/k norm
+    // through the cache).
+    for (case, ids) in cases.iter().enumerate() {
+        let mut cache = model.new_cache(1, ids.len());
+        let step = cache.prefill_step(&[&ids[..3]]).unwrap();
+        let mut last = model
+            .forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)
+            .unwrap();
+        for position in 2..ids.len() {
+            if position > 2 {
+                let step = cache.decode_step(&[ids[position]]).unwrap();
+                last = model
+                    .forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)
+                    .unwrap();
+            }
+            let row = &references[case][position * vocab..(position + 1) * vocab];
+            let e = rel_err(&host(last.logits.clone().unwrap()), row);
+            assert!(
+                e <= PARITY_REL,
+                "case{case} position {position}: rel err {e}"
+            );
+        }
+    }
+    // Both prompts in one ragged prefill (the shorter one padded): every real row.
+    let refs: Vec<&[u32]> = cases.iter().map(Vec::as_slice).collect();
+    let width = cases.iter().map(Vec::len).max().unwrap();
+    let mut cache = model.new_cache(2, width);
+    let step = cache.prefill_step(&refs).unwrap();
+    let out = model
+        .forward(&step, &mut cache, &TapRequest::none(), LogitsFor::All)
+        .unwrap();
+    let logits = host(out.logits.unwrap());
+    for (case, ids) in cases.iter().enumerate() {
+        let start = case * width * vocab;
+        let actual = &logits[start..start + ids.len() * vocab];
+        let e = rel_err(actual, &references[case]);
+        assert!(
+            e <= PARITY_REL,
+            "case{case} in the ragged batch: rel err {e}"
+        );
+    }
+}
