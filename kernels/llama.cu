@@ -53,6 +53,26 @@ extern "C" __global__ void add_rms_norm(float* x, const float* delta, const unsi
     }
 }
 
+// Qwen3's per-head RMSNorm of q and k, in place in the fused q|k|v rows (f32), before RoPE:
+// head h < heads is a query head (weight q_norm), the next kv_heads are key heads (k_norm);
+// values are left alone. HF Qwen3RMSNorm: w * (x * rsqrt(mean(x^2) + eps)) over head_dim.
+// Grid: (rows, heads + kv_heads). Block: head_dim threads (a multiple of 32, at most 256).
+extern "C" __global__ void head_rms_norm(float* qkv, const unsigned short* q_norm,
+                                         const unsigned short* k_norm, int heads, int kv_heads,
+                                         int head_dim, float eps) {
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    const int h = blockIdx.y;
+    const int d = threadIdx.x;
+    const size_t row = (size_t)(heads + 2 * kv_heads) * head_dim;
+    float* x = qkv + (size_t)r * row + (size_t)h * head_dim;
+    const float v = x[d];
+    const float total = block_sum(v * v, scratch);
+    const float inv = 1.0f / sqrtf(total / (float)head_dim + eps);
+    const unsigned short* w = h < heads ? q_norm : k_norm;
+    x[d] = v * inv * bf16_to_f32(w[d]);
+}
+
 // Splits the fused q|k|v projection of each row, adds the optional bias, applies HF's RoPE
 // (rotate_half layout: pairs (j, j + head_dim/2), angle = inv_freq[j] * position in f32),
 // writes q (f32, [rows, heads * head_dim]) and the new keys/values (bf16) into the layer's

@@ -73,6 +73,7 @@ struct Kernels {
     embed_rows: CudaFunction,
     add_rms_norm: CudaFunction,
     rope_qkv: CudaFunction,
+    head_rms_norm: CudaFunction,
     attention: CudaFunction,
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
@@ -157,6 +158,7 @@ impl Gpu {
             embed_rows: module.load_function("embed_rows")?,
             add_rms_norm: module.load_function("add_rms_norm")?,
             rope_qkv: module.load_function("rope_qkv")?,
+            head_rms_norm: module.load_function("head_rms_norm")?,
             attention: module.load_function("attention")?,
             silu_mul: module.load_function("silu_mul")?,
             gather_rows: module.load_function("gather_rows")?,
@@ -517,6 +519,46 @@ impl Gpu {
         // SAFETY: sizes asserted above; the cache column col0 + i < capacity (with
         // `step_scalars`, the caller checks each step's column before it replays the launch).
         unsafe { launch.launch(Self::rows_config(s.rows(), 128)) }?;
+        Ok(())
+    }
+
+    /// Qwen3's per-head q/k RMSNorm, in place in the fused `[rows, (heads + 2 * kv_heads) *
+    /// head_dim]` f32 projection (see `head_rms_norm` in kernels/llama.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_rms_norm(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        q_norm: &CudaSlice<u16>,
+        k_norm: &CudaSlice<u16>,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        assert!(
+            head_dim.is_multiple_of(32) && head_dim <= 256,
+            "head_dim {head_dim}"
+        );
+        assert!(qkv.len() >= rows * (heads + 2 * kv_heads) * head_dim);
+        assert!(q_norm.len() >= head_dim && k_norm.len() >= head_dim);
+        let (heads_i, kv_i, dim_i) = (heads as i32, kv_heads as i32, head_dim as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.head_rms_norm);
+        launch
+            .arg(qkv)
+            .arg(q_norm)
+            .arg(k_norm)
+            .arg(&heads_i)
+            .arg(&kv_i)
+            .arg(&dim_i)
+            .arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, (heads + kv_heads) as u32, 1),
+            block_dim: (head_dim as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes asserted above; one thread per element of a head.
+        unsafe { launch.launch(cfg) }?;
         Ok(())
     }
 

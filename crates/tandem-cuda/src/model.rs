@@ -502,6 +502,18 @@ impl CudaTarget {
         )?;
         for (k, layer) in layers.iter().enumerate() {
             gpu.linear(normed, &layer.qkv, qkv, rows, h, qkv_dim)?;
+            if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                gpu.head_rms_norm(
+                    qkv,
+                    q_norm,
+                    k_norm,
+                    rows,
+                    spec.num_heads,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                    eps,
+                )?;
+            }
             gpu.rope_qkv(
                 qkv,
                 layer.qkv_bias.as_ref(),

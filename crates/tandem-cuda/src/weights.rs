@@ -22,6 +22,8 @@ pub struct LayerWeights {
     pub qkv: CudaSlice<u16>,
     /// The three biases stacked the same way (Qwen2), f32.
     pub qkv_bias: Option<CudaSlice<f32>>,
+    /// Qwen3's per-head RMSNorm weights of q and k, `[head_dim]` each.
+    pub qk_norm: Option<(CudaSlice<u16>, CudaSlice<u16>)>,
     pub o: CudaSlice<u16>,
     pub post_norm: CudaSlice<u16>,
     /// `[2 * intermediate, hidden]`: gate_proj then up_proj.
@@ -49,8 +51,11 @@ impl DeviceWeights {
                 "latent attention / mixture-of-experts layers (DeepSeek-V3)",
             ));
         }
-        if spec.qk_norm {
-            return Err(unsupported("per-head q/k RMSNorm (Qwen3)"));
+        if spec.qk_norm && spec.qkv_bias {
+            // The kernel norms the projection before rope_qkv adds the bias.
+            return Err(unsupported(
+                "per-head q/k RMSNorm together with q/k/v biases",
+            ));
         }
         if spec.o_bias {
             return Err(unsupported("a bias on o_proj"));
@@ -92,12 +97,21 @@ impl DeviceWeights {
             } else {
                 None
             };
+            let qk_norm = if spec.qk_norm {
+                Some((
+                    bf16(&read(&format!("{p}.self_attn.q_norm.weight"), &[hd])?)?,
+                    bf16(&read(&format!("{p}.self_attn.k_norm.weight"), &[hd])?)?,
+                ))
+            } else {
+                None
+            };
             let mut gate_up = read(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?;
             gate_up.extend(read(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?);
             layers.push(LayerWeights {
                 input_norm: bf16(&read(&format!("{p}.input_layernorm.weight"), &[h])?)?,
                 qkv: bf16(&qkv)?,
                 qkv_bias,
+                qk_norm,
                 o: bf16(&read(&format!("{p}.self_attn.o_proj.weight"), &[h, q_out])?)?,
                 post_norm: bf16(&read(
                     &format!("{p}.post_attention_layernorm.weight"),

@@ -16,15 +16,27 @@ fn gpu() -> Arc<Gpu> {
 
 /// A small model the kernels accept (head_dim 32), in a fresh directory.
 fn tiny_model(architecture: &str, tied: bool, seed: u64) -> std::path::PathBuf {
+    tiny_model_with(architecture, tied, seed, 32)
+}
+
+/// [`tiny_model`] with heads of `head_dim` (4 heads; hidden stays 128, so q is 4 * head_dim
+/// wide, as in Qwen3 where heads * head_dim need not equal hidden).
+fn tiny_model_with(
+    architecture: &str,
+    tied: bool,
+    seed: u64,
+    head_dim: usize,
+) -> std::path::PathBuf {
     let config: HfConfig = serde_json::from_value(serde_json::json!({
         "architectures": [architecture],
         "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "head_dim": head_dim,
         "rope_theta": 10000.0, "vocab_size": 300, "max_position_embeddings": 4096,
         "tie_word_embeddings": tied
     }))
     .expect("config");
-    let dir = scratch_dir(&format!("cuda-{architecture}-{tied}"));
+    let dir = scratch_dir(&format!("cuda-{architecture}-{tied}-{head_dim}"));
     write_random_model(&dir, &config, seed).expect("model written");
     dir
 }
@@ -33,8 +45,13 @@ fn tiny_model(architecture: &str, tied: bool, seed: u64) -> std::path::PathBuf {
 #[ignore = "needs an NVIDIA GPU"]
 fn fast_path_matches_the_burn_reference_in_every_mode() {
     let gpu = gpu();
-    for (architecture, tied) in [("LlamaForCausalLM", true), ("Qwen2ForCausalLM", false)] {
-        let dir = tiny_model(architecture, tied, 7);
+    // Qwen3: per-head q/k RMSNorm before RoPE, and heads * head_dim (256) != hidden (128).
+    for (architecture, tied, head_dim) in [
+        ("LlamaForCausalLM", true, 32),
+        ("Qwen2ForCausalLM", false, 32),
+        ("Qwen3ForCausalLM", true, 64),
+    ] {
+        let dir = tiny_model_with(architecture, tied, 7, head_dim);
         let (fast, reference) = load_pair(&dir, gpu.clone()).expect("both paths load");
         for (batch, kv_len) in [
             (1, 1),
