@@ -25,7 +25,13 @@ pack)
     .device/a .device/b .device/c .device/d .device/e
   xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
   cp data/mtbench/question.jsonl .device/a/
-  # The GPU test binaries (`cargo test -p tandem-cuda -p tandem-infer --release --no-run`).
+  # The GPU test binaries, built here (cargo names each executable in its JSON messages).
+  cargo test -p tandem-cuda -p tandem-infer --release --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line) if line.startswith("{") else {}
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
   xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/b/gpu-tests.xz
   xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/c/gpu-fast-tests.xz
   du -b .device/a .device/b .device/c .device/d .device/e
