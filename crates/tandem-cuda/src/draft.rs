@@ -8,8 +8,7 @@
 //! The head reads the target's hidden states only as the [`Taps`] the target's capture hook
 //! produced ([`CudaDraft::fc_input`]), so serving feeds it exactly what the dump job tapped.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
@@ -18,7 +17,7 @@ use tandem_model::{ModelError, StepInput, Taps};
 use crate::cache::{CudaKvCache, HostStep};
 use crate::device::{AttentionShape, DeviceRows, Gpu};
 use crate::error::CudaError;
-use crate::graphs::{CapturedStep, GraphCache, GraphKey, GraphStats};
+use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
 use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH};
 use crate::weights::to_bf16_bits;
 
@@ -48,8 +47,7 @@ pub struct CudaDraft {
     /// `[draft_vocab, H]`.
     lm_head: CudaSlice<u16>,
     inv_freq: CudaSlice<f32>,
-    graphs_on: AtomicBool,
-    graphs: Mutex<GraphCache<DraftBuffers>>,
+    graphs: Graphs<DraftBuffers>,
 }
 
 impl std::fmt::Debug for CudaDraft {
@@ -149,8 +147,7 @@ impl CudaDraft {
             norm: bf16(get("norm.weight")?)?,
             lm_head: bf16(get("lm_head.weight")?)?,
             inv_freq: gpu.upload(&inv_freq)?,
-            graphs_on: AtomicBool::new(gpu.graphs_default()),
-            graphs: Mutex::new(GraphCache::default()),
+            graphs: Graphs::new(gpu.graphs_default()),
             spec,
             vocab,
             gpu,
@@ -266,7 +263,7 @@ impl CudaDraft {
             }
             .into());
         }
-        let output = if self.graphs_on.load(Ordering::Relaxed) && step.width <= GRAPH_MAX_WIDTH {
+        let output = if self.graphs.enabled() && step.width <= GRAPH_MAX_WIDTH {
             self.step_graphed(&host, hidden, cache)?
         } else {
             self.step_eager(&host, hidden, cache)?
@@ -289,15 +286,12 @@ impl CudaDraft {
 
     /// Turns graph replay of the head's decode-sized steps on or off.
     pub fn set_graphs(&self, on: bool) {
-        self.graphs_on.store(on, Ordering::Relaxed);
-        if !on {
-            self.graphs.lock().expect("graph cache lock").clear();
-        }
+        self.graphs.set(on);
     }
 
     /// Graphs captured so far and steps replayed from them.
     pub fn graph_stats(&self) -> GraphStats {
-        self.graphs.lock().expect("graph cache lock").stats
+        self.graphs.stats()
     }
 
     fn step_graphed(
@@ -308,15 +302,8 @@ impl CudaDraft {
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let rows = host.shape.rows();
-        let key = GraphKey {
-            batch: host.shape.batch,
-            width: host.shape.width,
-            capacity: host.shape.capacity,
-            logits_for: 0,
-            taps: Vec::new(),
-            cache: cache.addresses(gpu),
-        };
-        let mut graphs = self.graphs.lock().expect("graph cache lock");
+        let key = GraphKey::new(gpu, host.shape, cache, 0, &[]);
+        let mut graphs = self.graphs.lock();
         if !graphs.ready(&key) {
             // A new shape or cache runs eagerly for its first steps; the next one is captured.
             drop(graphs);

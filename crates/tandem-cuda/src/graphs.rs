@@ -3,10 +3,13 @@
 //! each graph was captured over.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use tandem_wiring::TapId;
 
-use crate::device::StepGraph;
+use crate::cache::CudaKvCache;
+use crate::device::{AttentionShape, Gpu, StepGraph};
 
 /// Graphs a model keeps (step shapes times caches); the oldest goes first.
 const MAX_GRAPHS: usize = 64;
@@ -34,6 +37,62 @@ pub(crate) struct GraphKey {
     pub logits_for: u8,
     pub taps: Vec<TapId>,
     pub cache: Vec<u64>,
+}
+
+impl GraphKey {
+    /// The key of a step of `shape` over `cache` with these outputs (`logits_for` and `taps`
+    /// as the model names them; the head has neither).
+    pub fn new(
+        gpu: &Gpu,
+        shape: AttentionShape,
+        cache: &CudaKvCache,
+        logits_for: u8,
+        taps: &[TapId],
+    ) -> Self {
+        Self {
+            batch: shape.batch,
+            width: shape.width,
+            capacity: shape.capacity,
+            logits_for,
+            taps: taps.to_vec(),
+            cache: cache.addresses(gpu),
+        }
+    }
+}
+
+/// A model's graphs: whether its decode-sized steps use them, and those captured so far.
+pub(crate) struct Graphs<B> {
+    on: AtomicBool,
+    cache: Mutex<GraphCache<B>>,
+}
+
+impl<B> Graphs<B> {
+    pub fn new(on: bool) -> Self {
+        Self {
+            on: AtomicBool::new(on),
+            cache: Mutex::new(GraphCache::default()),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// Turns graphs on or off; off also drops those captured.
+    pub fn set(&self, on: bool) {
+        self.on.store(on, Ordering::Relaxed);
+        if !on {
+            self.lock().clear();
+        }
+    }
+
+    pub fn stats(&self) -> GraphStats {
+        self.lock().stats
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, GraphCache<B>> {
+        self.cache.lock().expect("graph cache lock")
+    }
 }
 
 /// One captured step: its graph and the buffers the graph reads and writes.

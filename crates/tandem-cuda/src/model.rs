@@ -2,8 +2,7 @@
 //! `tandem_model::TargetModel::forward`, with taps through the same [`CaptureHook`].
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use tandem_model::weights::WeightFiles;
@@ -13,7 +12,7 @@ use tandem_wiring::TapId;
 use crate::cache::{CudaKvCache, HostStep};
 use crate::device::{AttentionShape, DeviceRows, Gpu};
 use crate::error::CudaError;
-use crate::graphs::{CapturedStep, GraphCache, GraphKey, GraphStats};
+use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
 use crate::weights::DeviceWeights;
 
 /// Widest step that replays a CUDA graph: decode (1 token per sequence) and tree verification
@@ -26,8 +25,7 @@ pub struct CudaTarget {
     gpu: Arc<Gpu>,
     weights: DeviceWeights,
     inv_freq: CudaSlice<f32>,
-    graphs_on: AtomicBool,
-    graphs: Mutex<GraphCache<StepBuffers>>,
+    graphs: Graphs<StepBuffers>,
 }
 
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
@@ -271,12 +269,11 @@ impl CudaTarget {
         let inv_freq: Vec<f32> = spec.rope_inv_freq().iter().map(|&f| f as f32).collect();
         let inv_freq = gpu.upload(&inv_freq)?;
         Ok(Self {
-            graphs_on: AtomicBool::new(gpu.graphs_default()),
+            graphs: Graphs::new(gpu.graphs_default()),
             spec,
             gpu,
             weights,
             inv_freq,
-            graphs: Mutex::new(GraphCache::default()),
         })
     }
 
@@ -356,21 +353,18 @@ impl CudaTarget {
 
     /// Whether decode-sized steps replay CUDA graphs (on by default).
     pub fn graphs_enabled(&self) -> bool {
-        self.graphs_on.load(Ordering::Relaxed)
+        self.graphs.enabled()
     }
 
     /// Turns graph replay of decode-sized steps on or off (`fast-bench` measures both; the
     /// outputs are the same either way, which the GPU tests check).
     pub fn set_graphs(&self, on: bool) {
-        self.graphs_on.store(on, Ordering::Relaxed);
-        if !on {
-            self.graphs.lock().expect("graph cache lock").clear();
-        }
+        self.graphs.set(on);
     }
 
     /// Graphs captured so far and steps replayed from them.
     pub fn graph_stats(&self) -> GraphStats {
-        self.graphs.lock().expect("graph cache lock").stats
+        self.graphs.stats()
     }
 
     fn forward_eager(
@@ -399,15 +393,8 @@ impl CudaTarget {
         logits_for: LogitsFor,
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*self.gpu;
-        let key = GraphKey {
-            batch: host.shape.batch,
-            width: host.shape.width,
-            capacity: host.shape.capacity,
-            logits_for: logits_for as u8,
-            taps: taps.taps.clone(),
-            cache: cache.addresses(gpu),
-        };
-        let mut graphs = self.graphs.lock().expect("graph cache lock");
+        let key = GraphKey::new(gpu, host.shape, cache, logits_for as u8, &taps.taps);
+        let mut graphs = self.graphs.lock();
         if !graphs.ready(&key) {
             // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS
             // pick its kernels outside a capture); the step after them is captured.

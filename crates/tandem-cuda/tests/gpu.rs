@@ -6,7 +6,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use tandem_cuda::check::{CheckPoint, Tolerance, check_point, load_pair};
 use tandem_cuda::{DeviceRows, Gpu, reference};
-use tandem_model::testing::{scratch_dir, write_random_model};
+use tandem_model::testing::{rel_err, scratch_dir, write_random_model};
 use tandem_model::{HfConfig, LogitsFor, TapRequest};
 use tandem_wiring::TapId;
 
@@ -129,16 +129,6 @@ fn every_mode_passes_every_tap_point_through_the_hook() {
     assert_eq!((batch, width, hidden), (2, 2, 128));
 }
 
-/// The largest difference between two GPU outputs, relative to the largest value.
-fn relative_gap(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = a.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
-
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn graph_replay_gives_the_eager_outputs() {
@@ -175,7 +165,7 @@ fn graph_replay_gives_the_eager_outputs() {
             .forward(step, b, &taps, logits_for)
             .expect("eager step");
         let (la, lb) = (out_a.logits.expect("logits"), out_b.logits.expect("logits"));
-        let gap = relative_gap(&la.to_host().unwrap(), &lb.to_host().unwrap());
+        let gap = rel_err(&la.to_host().unwrap(), &lb.to_host().unwrap());
         assert!(
             gap <= 1e-6,
             "{label}: logits differ by {gap} of the largest"
@@ -193,7 +183,7 @@ fn graph_replay_gives_the_eager_outputs() {
             .zip(&out_b.taps.tensors)
             .enumerate()
         {
-            let gap = relative_gap(&ta.to_host().unwrap(), &tb.to_host().unwrap());
+            let gap = rel_err(&ta.to_host().unwrap(), &tb.to_host().unwrap());
             assert!(gap <= 1e-6, "{label}: tap slot {slot} differs by {gap}");
         }
         ids

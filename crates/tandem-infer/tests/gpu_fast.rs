@@ -85,16 +85,6 @@ fn real_rows(values: &[f32], real: &[bool], width: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The largest difference between two GPU outputs, relative to the largest value.
-fn relative_gap(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = a.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
-
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fast_head_graph_replay_gives_the_eager_outputs() {
@@ -137,12 +127,12 @@ fn fast_head_graph_replay_gives_the_eager_outputs() {
             let input = gpu.upload(hidden).unwrap();
             outs.push(head.forward_step(&step, input, cache).expect("draft step"));
         }
-        let gap = relative_gap(
+        let gap = rel_err(
             &outs[0].hidden.to_host().unwrap(),
             &outs[1].hidden.to_host().unwrap(),
         );
         assert!(gap <= 1e-6, "{label}: hidden differs by {gap}");
-        let gap = relative_gap(
+        let gap = rel_err(
             &outs[0].logits.to_host().unwrap(),
             &outs[1].logits.to_host().unwrap(),
         );

@@ -9,6 +9,48 @@ use safetensors::{Dtype, serialize_to_file, tensor::TensorView};
 
 use crate::config::HfConfig;
 
+/// A golden file of an independent reference (HF transformers, `scripts/reference/make_*_golden.py`):
+/// f32 tensors and i64 token ids by name, read from its safetensors bytes.
+pub struct GoldenFile {
+    bytes: Vec<u8>,
+}
+
+impl GoldenFile {
+    pub fn open(path: &Path) -> Self {
+        Self {
+            bytes: std::fs::read(path)
+                .unwrap_or_else(|e| panic!("golden file {}: {e}", path.display())),
+        }
+    }
+
+    fn tensor(&self, key: &str) -> (Vec<usize>, Vec<u8>) {
+        let st = safetensors::SafeTensors::deserialize(&self.bytes).expect("a safetensors file");
+        let v = st
+            .tensor(key)
+            .unwrap_or_else(|e| panic!("golden tensor {key}: {e}"));
+        (v.shape().to_vec(), v.data().to_vec())
+    }
+
+    /// An f32 tensor: its shape and row-major values.
+    pub fn f32s(&self, key: &str) -> (Vec<usize>, Vec<f32>) {
+        let (shape, data) = self.tensor(key);
+        let values = data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        (shape, values)
+    }
+
+    /// An i64 tensor of token ids.
+    pub fn ids(&self, key: &str) -> Vec<u32> {
+        self.tensor(key)
+            .1
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as u32)
+            .collect()
+    }
+}
+
 /// A small Llama-style config: `layers` blocks, hidden 32, 4 heads / 2 KV heads, vocab 96.
 pub fn tiny_config(architecture: &str, layers: usize) -> HfConfig {
     serde_json::from_value(serde_json::json!({

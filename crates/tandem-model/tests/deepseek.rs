@@ -12,10 +12,9 @@
 
 use std::path::{Path, PathBuf};
 
-use safetensors::SafeTensors;
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::{rel_err, scratch_dir, tiny_config, write_random_model};
+use tandem_model::testing::{GoldenFile, rel_err, scratch_dir, tiny_config, write_random_model};
 use tandem_model::{Execution, KvCache, LogitsFor, StepInput, StepOutput, TapRequest, TargetModel};
 use tandem_wiring::TapId;
 
@@ -40,40 +39,9 @@ fn host(t: Tensor<B, 3>) -> Vec<f32> {
     t.into_data().to_vec::<f32>().unwrap()
 }
 
-struct Golden {
-    bytes: Vec<u8>,
-}
-
-impl Golden {
-    fn open(name: &str) -> Self {
-        Self {
-            bytes: std::fs::read(fixture(name).join("golden.safetensors")).unwrap(),
-        }
-    }
-    fn f32s(&self, key: &str) -> (Vec<usize>, Vec<f32>) {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let v = st.tensor(key).unwrap();
-        let values = v
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        (v.shape().to_vec(), values)
-    }
-    fn ids(&self, key: &str) -> Vec<u32> {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        st.tensor(key)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    }
-}
-
 fn check_parity(name: &str) {
     let model = load(name);
-    let golden = Golden::open(name);
+    let golden = GoldenFile::open(&fixture(name).join("golden.safetensors"));
     let layers = model.spec.num_layers;
     let hidden = model.spec.hidden_size;
     assert_eq!(layers, 4);

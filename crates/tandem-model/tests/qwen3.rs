@@ -9,10 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-use safetensors::SafeTensors;
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::rel_err;
+use tandem_model::testing::{GoldenFile, rel_err};
 use tandem_model::{LogitsFor, TapRequest, TargetModel};
 
 type B = CpuBackend;
@@ -26,37 +25,6 @@ fn fixture() -> PathBuf {
 
 fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().to_vec::<f32>().unwrap()
-}
-
-struct Golden {
-    bytes: Vec<u8>,
-}
-
-impl Golden {
-    fn open() -> Self {
-        Self {
-            bytes: std::fs::read(fixture().join("golden.safetensors")).unwrap(),
-        }
-    }
-    fn f32s(&self, key: &str) -> (Vec<usize>, Vec<f32>) {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let v = st.tensor(key).unwrap();
-        let values = v
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        (v.shape().to_vec(), values)
-    }
-    fn ids(&self, key: &str) -> Vec<u32> {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        st.tensor(key)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    }
 }
 
 fn load() -> TargetModel<B> {
@@ -73,7 +41,7 @@ fn qwen3_prefill_matches_hf_logits_and_every_hidden_state() {
         (spec.head_dim, spec.num_heads, spec.hidden_size),
         (16, 4, 48)
     );
-    let golden = Golden::open();
+    let golden = GoldenFile::open(&fixture().join("golden.safetensors"));
     let (layers, hidden) = (spec.num_layers, spec.hidden_size);
     for case in 0..2 {
         let ids = golden.ids(&format!("case{case}.input_ids"));
@@ -109,7 +77,7 @@ fn qwen3_prefill_matches_hf_logits_and_every_hidden_state() {
 #[test]
 fn qwen3_decode_through_the_cache_and_a_ragged_batch_match_hf() {
     let model = load();
-    let golden = Golden::open();
+    let golden = GoldenFile::open(&fixture().join("golden.safetensors"));
     let vocab = model.spec.vocab_size;
     let cases: Vec<Vec<u32>> = (0..2)
         .map(|c| golden.ids(&format!("case{c}.input_ids")))
