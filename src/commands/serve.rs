@@ -45,6 +45,21 @@ pub struct ServeArgs {
     /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast.
     #[arg(long, default_value = "auto")]
     pub engine: EngineKind,
+    /// How each round's draft shape is chosen on the fast path: `adaptive` (from the batch
+    /// size, the cost of each shape measured at start-up on this GPU and the acceptance
+    /// observed; rounds without drafts when speculation would be slower) or `fixed` (always
+    /// --steps/--topk/--num-draft-tokens). The burn engines always use the fixed shape.
+    #[arg(long, default_value = "adaptive")]
+    pub speculation: Speculation,
+    /// The shapes the adaptive policy chooses among, steps/topk/num_draft_tokens.
+    #[arg(long, default_value = "3/1/4,3/4/8,6/8/48")]
+    pub policy_shapes: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Speculation {
+    Adaptive,
+    Fixed,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -113,11 +128,19 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
     let cuda = args.model.device.to_string() == "cuda";
     match args.engine {
         EngineKind::Fast | EngineKind::Auto if cuda => {
+            let policy = match args.speculation {
+                Speculation::Adaptive if !args.no_draft => Some(
+                    tandem_infer::Shape::parse_list(&args.policy_shapes)
+                        .context("--policy-shapes")?,
+                ),
+                _ => None,
+            };
             let decoder = super::spec_fast::serve_decoder(
                 &args.model,
                 &args.spec,
                 args.no_draft,
                 args.context,
+                policy.map(|shapes| (shapes, args.max_batch)),
             )?;
             return Ok(Box::new(decoder));
         }

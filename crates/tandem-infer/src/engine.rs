@@ -119,6 +119,9 @@ pub struct SpecOutput {
     pub tokens: Vec<u32>,
     pub finish: Finish,
     pub stats: AcceptanceStats,
+    /// Rounds by draft shape (`steps/topk/tokens`; `none` for a round without drafts), filled
+    /// by the fast path's engine, whose policy may change the shape per round.
+    pub rounds_by_shape: std::collections::BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -439,6 +442,7 @@ impl<B: Backend> SpecEngine<'_, B> {
                     tokens: Vec::new(),
                     finish: Finish::Length,
                     stats: AcceptanceStats::new(self.config.num_steps),
+                    rounds_by_shape: Default::default(),
                 },
                 request,
                 root,

@@ -27,6 +27,7 @@ use crate::engine::{
     BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecOutput, Timings,
     commit_tokens, draft_scratch, run_to_completion,
 };
+use crate::policy::{Choice, CostTable, Shape, SpeculationPolicy};
 use crate::stats::AcceptanceStats;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
@@ -56,6 +57,9 @@ struct Row {
     done: bool,
     /// The last committed token: the root of the next round's tree.
     last: u32,
+    /// Tokens committed by plain rounds that the head has not been extended over yet, each with
+    /// where its tap rows are: (token, index into `FastRunningBatch::deferred`, row there).
+    behind: Vec<(u32, usize, usize)>,
 }
 
 impl Row {
@@ -67,9 +71,11 @@ impl Row {
                 tokens: Vec::new(),
                 finish: Finish::Length,
                 stats: AcceptanceStats::new(draft_steps),
+                rounds_by_shape: Default::default(),
             },
             done: false,
             last: 0,
+            behind: Vec::new(),
         }
     }
 }
@@ -86,6 +92,10 @@ pub struct FastRunningBatch {
     rows: Vec<Row>,
     capacity: usize,
     draft_capacity: usize,
+    /// Which shape each round drafts with, or none.
+    pub policy: SpeculationPolicy,
+    /// The taps of the plain rounds since the head was last extended (see `Row::behind`).
+    deferred: Vec<tandem_model::Taps<DeviceRows>>,
     /// Time spent so far, by phase.
     pub timings: Timings,
     /// Compactions run so far.
@@ -107,40 +117,153 @@ impl FastRunningBatch {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+    /// Plain rounds whose head extension is still deferred, at most over the rows.
+    pub fn deferred_rounds(&self) -> usize {
+        self.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0)
+    }
+    /// The head's hidden state at each row's last extended slot, `[rows, hidden]` row-major
+    /// (`None` without a head): what the next round drafts from.
+    pub fn head_roots(&self) -> Result<Option<Vec<f32>>, InferError> {
+        match self.caches.as_ref().and_then(|c| c.head.as_ref()) {
+            Some((_, roots)) => Ok(Some(roots.hidden.to_host()?)),
+            None => Ok(None),
+        }
+    }
 }
+
+/// Plain rounds in a row after which the head is extended anyway (one batched extend), so the
+/// deferred taps stay small.
+const MAX_DEFERRED: usize = 256;
+
+/// Rounds run before timing a choice in [`FastSpecEngine::calibrate`] (the CUDA graphs of a
+/// step shape are captured at its third run) and rounds timed.
+const CALIBRATION_WARM: usize = 3;
+const CALIBRATION_TIMED: usize = 5;
 
 impl FastSpecEngine<'_> {
     fn gpu(&self) -> &Gpu {
         self.target.gpu()
     }
 
-    /// Tokens one round verifies per sequence (1 without a head).
-    fn round_width(&self) -> usize {
+    /// Tokens the widest round of `batch` verifies per sequence (1 without a head).
+    fn round_width(&self, batch: &FastRunningBatch) -> usize {
         if self.draft.is_some() {
-            self.config.num_draft_tokens
+            batch.policy.max_tokens()
         } else {
             1
         }
     }
 
-    fn draft_steps(&self) -> usize {
+    fn draft_steps(&self, batch: &FastRunningBatch) -> usize {
         if self.draft.is_some() {
-            self.config.num_steps
+            batch.policy.max_steps()
         } else {
             0
         }
     }
 
-    /// An empty running batch whose sequences may each reach `capacity` tokens.
+    /// Head cache columns the largest draft of `policy` uses beyond the committed tokens.
+    fn scratch(&self, policy: &SpeculationPolicy) -> usize {
+        policy
+            .shapes()
+            .iter()
+            .map(|s| draft_scratch(&s.apply(self.config)))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// An empty running batch whose sequences may each reach `capacity` tokens; every round
+    /// drafts with the engine's configured shape.
     pub fn new_batch(&self, capacity: usize) -> FastRunningBatch {
+        self.new_batch_with_policy(capacity, SpeculationPolicy::fixed(Shape::of(&self.config)))
+    }
+
+    /// An empty running batch whose rounds are chosen by `policy`.
+    pub fn new_batch_with_policy(
+        &self,
+        capacity: usize,
+        policy: SpeculationPolicy,
+    ) -> FastRunningBatch {
         FastRunningBatch {
             caches: None,
             rows: Vec::new(),
             capacity,
-            draft_capacity: capacity + draft_scratch(&self.config),
+            draft_capacity: capacity + self.scratch(&policy),
+            policy,
+            deferred: Vec::new(),
             timings: Timings::default(),
             compactions: 0,
         }
+    }
+
+    /// Seconds per round of each choice (plain, then each of `shapes`) at each batch size in
+    /// `batches`, measured on this GPU: a batch of that many random 32-token prompts runs
+    /// [`CALIBRATION_WARM`] rounds of a choice, then the median of [`CALIBRATION_TIMED`]
+    /// timed rounds is kept. The start-up table of [`SpeculationPolicy::adaptive`].
+    pub fn calibrate(
+        &self,
+        shapes: &[Shape],
+        batches: &[usize],
+        capacity: usize,
+    ) -> Result<CostTable, InferError> {
+        if self.draft.is_none() {
+            return Err(InferError::Config {
+                field: "policy",
+                reason: "calibrating draft shapes needs a head".into(),
+            });
+        }
+        let vocab = self.target.spec.vocab_size as u64;
+        let choices: Vec<Choice> = (0..shapes.len())
+            .map(Choice::Draft)
+            .chain([Choice::Plain])
+            .collect();
+        let mut seconds = vec![vec![0.0; batches.len()]; shapes.len() + 1];
+        for (k, &b) in batches.iter().enumerate() {
+            let policy = SpeculationPolicy::forced(shapes.to_vec(), Choice::Plain);
+            let mut batch = self.new_batch_with_policy(capacity, policy);
+            let requests = (0..b as u64)
+                .map(|id| Request {
+                    id,
+                    // A fixed pseudo-random prompt per row (costs do not depend on content).
+                    prompt: (0..32u64)
+                        .map(|i| ((id * 7919 + i * 104_729 + 13) % (vocab - 1) + 1) as u32)
+                        .collect(),
+                    max_new_tokens: capacity,
+                    stop_ids: Vec::new(),
+                    sampling: SamplingParams::greedy(),
+                    seed: id,
+                })
+                .collect();
+            self.admit(&mut batch, requests)?;
+            for (c, &choice) in choices.iter().enumerate() {
+                batch.policy.force(choice);
+                let mut times = Vec::with_capacity(CALIBRATION_TIMED);
+                for round in 0..CALIBRATION_WARM + CALIBRATION_TIMED {
+                    let t0 = Instant::now();
+                    self.step(&mut batch)?;
+                    if round >= CALIBRATION_WARM {
+                        times.push(t0.elapsed().as_secs_f64());
+                    }
+                }
+                if batch.len() != b {
+                    return Err(InferError::Config {
+                        field: "policy",
+                        reason: format!(
+                            "calibration at batch {b} lost rows ({} left): the context {capacity} \
+                             is too short to calibrate",
+                            batch.len()
+                        ),
+                    });
+                }
+                times.sort_by(f64::total_cmp);
+                let row = if c + 1 == choices.len() { 0 } else { c + 1 };
+                seconds[row][k] = times[times.len() / 2];
+            }
+        }
+        Ok(CostTable {
+            batches: batches.to_vec(),
+            seconds,
+        })
     }
 
     /// The admission rules of `batch` under this engine (shared by every engine).
@@ -148,7 +271,7 @@ impl FastSpecEngine<'_> {
         Admission {
             capacity: batch.capacity,
             max_positions: self.target.spec.max_position_embeddings,
-            round_width: self.round_width(),
+            round_width: self.round_width(batch),
             vocab: self.target.spec.vocab_size,
         }
     }
@@ -181,7 +304,7 @@ impl FastSpecEngine<'_> {
         let n = requests.len();
         let mut rows: Vec<Row> = requests
             .into_iter()
-            .map(|r| Row::new(r, self.draft_steps()))
+            .map(|r| Row::new(r, self.draft_steps(batch)))
             .collect();
 
         // Target prefill (with taps when there is a head), first token.
@@ -328,8 +451,8 @@ impl FastSpecEngine<'_> {
         batch: &mut FastRunningBatch,
         progress: &mut Vec<Progress>,
     ) -> Result<(), InferError> {
-        let width = self.round_width();
-        let scratch = draft_scratch(&self.config);
+        let width = self.round_width(batch);
+        let scratch = self.scratch(&batch.policy);
         let Some(caches) = &mut batch.caches else {
             return Ok(());
         };
@@ -371,18 +494,28 @@ impl FastSpecEngine<'_> {
     pub fn step(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
         let mut progress = Vec::new();
         self.make_room(batch, &mut progress)?;
-        let Some(caches) = &mut batch.caches else {
+        if batch.caches.is_none() {
             return Ok(progress);
+        }
+        let choice = match self.draft {
+            Some(_) => batch.policy.choose(batch.rows.len()),
+            None => Choice::Plain,
         };
+        let shape = batch.policy.shape(choice);
+        if shape.is_some() {
+            self.catch_up(batch)?;
+        }
+        let round_start = Instant::now();
+        let caches = batch.caches.as_mut().expect("checked above");
         let rows = &mut batch.rows;
         let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
 
         // Draft (the head's scratch columns are rolled back afterwards).
         let t0 = Instant::now();
-        let trees = match (self.draft, &mut caches.head) {
-            (Some(draft), Some((dcache, head_roots))) => {
+        let trees = match (self.draft, &mut caches.head, shape) {
+            (Some(draft), Some((dcache, head_roots)), Some(shape)) => {
                 let draft_columns = dcache.layout().used();
-                let trees = self.draft_trees(draft, &roots, head_roots, dcache)?;
+                let trees = self.draft_trees(draft, shape, &roots, head_roots, dcache)?;
                 dcache.layout_mut().rollback(draft_columns);
                 trees
             }
@@ -406,10 +539,14 @@ impl FastSpecEngine<'_> {
         batch.timings.verify_s += t0.elapsed().as_secs_f64();
 
         // Commit the accepted path in the target cache, record statistics, and extend the
-        // head over the committed tokens with the taps of the verification step.
+        // head over the committed tokens with the taps of the verification step (after a
+        // plain round: later, with the next drafted round's).
         let t0 = Instant::now();
+        let label = shape.map_or_else(|| "none".to_owned(), |s| s.to_string());
+        let deferred_index = batch.deferred.len();
         let mut chunks = Vec::with_capacity(rows.len());
         let mut slots = Vec::with_capacity(rows.len());
+        let mut committed_total = 0;
         for (b, ((tree, acc), row)) in trees
             .iter()
             .zip(&acceptances)
@@ -419,31 +556,145 @@ impl FastSpecEngine<'_> {
             let path = acc.path_with_root();
             caches.target.layout_mut().keep_only(b, verify_width, &path);
             let committed = acc.committed_tokens(tree);
+            committed_total += committed.len();
             if self.draft.is_some() {
-                let depth = tree.depth.iter().copied().max().unwrap_or(0);
-                row.output.stats.record(acc.accepted.len(), depth);
+                if shape.is_some() {
+                    let depth = tree.depth.iter().copied().max().unwrap_or(0);
+                    row.output.stats.record(acc.accepted.len(), depth);
+                } else {
+                    row.behind.push((committed[0], deferred_index, b));
+                }
+                *row.output.rounds_by_shape.entry(label.clone()).or_default() += 1;
             }
             let before = row.output.tokens.len();
             commit(row, &committed);
             progress.push(Progress {
                 id: row.request.id,
                 tokens: row.output.tokens[before..].to_vec(),
-                // Target-only rounds draft nothing (as the burn baseline reports them).
-                accepted: self.draft.map(|_| acc.accepted.len()),
+                // Rounds without drafts report none (as the target-only baseline does).
+                accepted: shape.map(|_| acc.accepted.len()),
                 finished: None,
             });
             row.last = *committed.last().expect("bonus token");
             slots.push(path);
             chunks.push(committed);
         }
-        if let (Some(draft), Some((dcache, head_roots))) = (self.draft, &mut caches.head) {
-            *head_roots =
-                self.draft_extend(draft, dcache, &chunks, &out.taps, verify_width, &slots)?;
-            self.gpu().synchronize()?;
+        match (self.draft, &mut caches.head, shape) {
+            (Some(draft), Some((dcache, head_roots)), Some(_)) => {
+                *head_roots =
+                    self.draft_extend(draft, dcache, &chunks, &out.taps, verify_width, &slots)?;
+                self.gpu().synchronize()?;
+            }
+            (Some(_), Some(_), None) => batch.deferred.push(out.taps),
+            _ => {}
         }
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        let round_seconds = round_start.elapsed().as_secs_f64();
+        batch
+            .policy
+            .observe(choice, batch.rows.len(), committed_total, round_seconds);
+        if batch.deferred_rounds() >= MAX_DEFERRED {
+            self.catch_up(batch)?;
+        }
         self.retire(batch, &mut progress)?;
         Ok(progress)
+    }
+
+    /// Extends the head over the tokens of the plain rounds since its last extension (one
+    /// batched step, each row over its own deferred tokens with their recorded taps) and
+    /// replaces the roots of those rows. Rows with nothing deferred keep their roots. A drafted
+    /// round does this first by itself.
+    pub fn catch_up(&self, batch: &mut FastRunningBatch) -> Result<(), InferError> {
+        let width = batch.deferred_rounds();
+        let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
+            return Ok(());
+        };
+        let Some((dcache, roots)) = &mut caches.head else {
+            return Ok(());
+        };
+        if width == 0 {
+            batch.deferred.clear();
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let gpu = self.gpu();
+        if dcache.layout().used() + width > dcache.layout().capacity() {
+            dcache.compact(gpu)?;
+        }
+        let chunks: Vec<Vec<u32>> = batch
+            .rows
+            .iter()
+            .map(|r| r.behind.iter().map(|e| e.0).collect())
+            .collect();
+        let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+        let step = dcache.layout().prefill_step(&refs)?;
+        // The fc input of every slot, gathered round by round from the deferred taps; padding
+        // slots read the first deferred entry (they are masked out of attention).
+        let fallback = batch
+            .rows
+            .iter()
+            .find_map(|r| r.behind.first())
+            .map(|e| (e.1, e.2))
+            .expect("some row is behind");
+        let mut by_round: Vec<(Vec<i32>, Vec<i32>)> =
+            vec![Default::default(); batch.deferred.len()];
+        for (b, row) in batch.rows.iter().enumerate() {
+            for slot in 0..step.width {
+                let (round, src) = row.behind.get(slot).map_or(fallback, |e| (e.1, e.2));
+                by_round[round].0.push(src as i32);
+                by_round[round].1.push((b * step.width + slot) as i32);
+            }
+        }
+        let fc_in = draft.spec.fc_in();
+        let mut aux = gpu.scratch::<u16>(step.batch * step.width * fc_in)?;
+        for (round, (src, dst)) in by_round.iter().enumerate() {
+            if src.is_empty() {
+                continue;
+            }
+            let part = draft.fc_input(&batch.deferred[round], src)?;
+            let identity: Vec<i32> = (0..src.len() as i32).collect();
+            gpu.copy_rows_u16(
+                &part,
+                &gpu.upload(&identity)?,
+                &mut aux,
+                &gpu.upload(dst)?,
+                src.len(),
+                fc_in,
+            )?;
+        }
+        let out = draft.extend(&step, &aux, dcache)?;
+        // New roots: each behind row's output at its last deferred token.
+        let (src, dst): (Vec<i32>, Vec<i32>) = chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| !c.is_empty())
+            .map(|(b, c)| ((b * step.width + c.len() - 1) as i32, b as i32))
+            .unzip();
+        let (src, dst) = (gpu.upload(&src)?, gpu.upload(&dst)?);
+        let n = dst.len();
+        gpu.copy_rows(
+            &out.hidden.data,
+            &src,
+            &mut roots.hidden.data,
+            &dst,
+            n,
+            out.hidden.hidden,
+        )?;
+        gpu.copy_rows(
+            &out.logits.data,
+            &src,
+            &mut roots.logits.data,
+            &dst,
+            n,
+            out.logits.vocab,
+        )?;
+        gpu.synchronize()?;
+        for row in &mut batch.rows {
+            row.behind.clear();
+        }
+        batch.deferred.clear();
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Generates up to `max_new_tokens` for each prompt: all admitted at once, then rounds until
@@ -465,7 +716,12 @@ impl FastSpecEngine<'_> {
         }
         let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
         // Every round commits at least one token, so this many columns never need compaction.
-        let capacity = max_prompt + (max_new_tokens + 1) * self.round_width() + 1;
+        let width = if self.draft.is_some() {
+            cfg.num_draft_tokens
+        } else {
+            1
+        };
+        let capacity = max_prompt + (max_new_tokens + 1) * width + 1;
         let mut batch = self.new_batch(capacity);
         let requests =
             Request::for_prompts(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
@@ -578,26 +834,28 @@ impl FastSpecEngine<'_> {
     fn draft_trees(
         &self,
         draft: &CudaDraft,
+        shape: Shape,
         tokens: &[u32],
         roots: &Roots,
         dcache: &mut CudaKvCache,
     ) -> Result<Vec<DraftTree>, InferError> {
-        if self.config.topk == 1 {
-            self.draft_chains(draft, tokens, roots, dcache)
+        if shape.topk == 1 {
+            self.draft_chains(draft, shape, tokens, roots, dcache)
         } else {
-            self.draft_beams(draft, tokens, roots, dcache)
+            self.draft_beams(draft, shape, tokens, roots, dcache)
         }
     }
 
     fn draft_chains(
         &self,
         draft: &CudaDraft,
+        shape: Shape,
         root_tokens: &[u32],
         roots: &Roots,
         dcache: &mut CudaKvCache,
     ) -> Result<Vec<DraftTree>, InferError> {
         let batch = root_tokens.len();
-        let steps = self.config.num_steps.min(self.config.num_draft_tokens - 1);
+        let steps = shape.steps.min(shape.tokens - 1);
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); batch];
         let mut hidden = roots.hidden.data.clone();
         let mut next: Option<DeviceLogits> = None;
@@ -634,12 +892,13 @@ impl FastSpecEngine<'_> {
     fn draft_beams(
         &self,
         draft: &CudaDraft,
+        shape: Shape,
         tokens: &[u32],
         roots: &Roots,
         dcache: &mut CudaKvCache,
     ) -> Result<Vec<DraftTree>, InferError> {
         let gpu = self.gpu();
-        let k = self.config.topk;
+        let k = shape.topk;
         let batch = tokens.len();
         let h = draft.spec.hidden_size;
         let base_columns = dcache.layout().used();
@@ -649,7 +908,7 @@ impl FastSpecEngine<'_> {
                 .collect()
         };
         // The store: rows 0..batch are the roots' hidden states, then evaluated beams.
-        let store_rows = batch * (1 + k * self.config.num_steps);
+        let store_rows = batch * (1 + k * shape.steps);
         let mut store = gpu.scratch::<f32>(store_rows * h)?;
         let identity: Vec<i32> = (0..batch as i32).collect();
         let identity = gpu.upload(&identity)?;
@@ -668,7 +927,7 @@ impl FastSpecEngine<'_> {
         let mut searches: Vec<BeamSearch> = (0..batch).map(|_| BeamSearch::new(k)).collect();
         let (probs, ids) = roots.logits.topk(k)?;
         push_roots(&mut searches, k, &probs, &to_target(&ids));
-        for _ in 1..self.config.num_steps {
+        for _ in 1..shape.steps {
             let next = BeamStep::new(&searches);
             let width = next.width;
             // A node's hidden input is its parent's output (the root's for depth 0); padding
@@ -743,7 +1002,7 @@ impl FastSpecEngine<'_> {
         tokens
             .iter()
             .zip(&searches)
-            .map(|(&r, search)| Ok(search.build(r, self.config.num_draft_tokens)?))
+            .map(|(&r, search)| Ok(search.build(r, shape.tokens)?))
             .collect()
     }
 }

@@ -7,6 +7,7 @@ pub mod admission;
 pub mod engine;
 pub mod fast;
 pub mod plain;
+pub mod policy;
 pub mod stats;
 pub mod tree;
 pub mod verify;
@@ -19,6 +20,7 @@ pub use engine::{
 };
 pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
 pub use plain::{PlainBatch, PlainEngine};
+pub use policy::{Choice, CostTable, PolicyConfig, Shape, SpeculationPolicy};
 pub use stats::{AcceptanceStats, accept_length_se, position_se, ratio_se, share_se};
 pub use tree::{BeamSearch, BeamStep, DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};

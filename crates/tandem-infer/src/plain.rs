@@ -142,6 +142,7 @@ impl<B: Backend> PlainEngine<'_, B> {
                     tokens: Vec::new(),
                     finish: Finish::Length,
                     stats: AcceptanceStats::new(0),
+                    rounds_by_shape: Default::default(),
                 },
                 rng,
                 done: false,

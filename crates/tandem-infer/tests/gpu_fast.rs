@@ -600,3 +600,157 @@ fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
         );
     }
 }
+
+/// The speculation policy's rounds: plain rounds (no drafts, the head's extension deferred),
+/// chain and tree rounds in any order, with a row joining in the middle, give target-only
+/// greedy output; the head caught up over deferred plain rounds holds the same state as a
+/// head extended over the same tokens by a prefill (bf16 tolerance); the cost calibration
+/// measures a positive cost for every choice and the adaptive policy accepts its table.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
+    use std::collections::HashMap;
+    use tandem_infer::{Choice, PolicyConfig, Request, Shape, SpeculationPolicy};
+    let f = fixture("policy");
+    let prompts: Vec<Vec<u32>> = vec![vec![3, 14, 15, 92, 65], vec![2, 71, 82]];
+    let budget = 40;
+    let request = |i: usize, prompt: Vec<u32>| Request {
+        id: i as u64,
+        prompt,
+        max_new_tokens: budget,
+        stop_ids: vec![],
+        sampling: SamplingParams::greedy(),
+        seed: i as u64,
+    };
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            fast_target_generate(
+                &f.target,
+                std::slice::from_ref(p),
+                budget,
+                &[],
+                SamplingParams::greedy(),
+                0,
+            )
+            .unwrap()
+            .remove(0)
+            .tokens
+        })
+        .collect();
+    let engine = FastSpecEngine {
+        target: &f.target,
+        draft: Some(&f.draft),
+        taps: f.taps.clone(),
+        config: SpecConfig::chain(3),
+    };
+    let shapes = vec![
+        Shape::parse("3/1/4").unwrap(),
+        Shape::parse("3/4/8").unwrap(),
+    ];
+
+    // 1. Mixed rounds; row 1 joins after two plain rounds (so its deferred run is shorter).
+    let mut batch = engine.new_batch_with_policy(
+        256,
+        SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+    );
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut take = |progress: Vec<tandem_infer::Progress>| {
+        for p in progress {
+            tokens.entry(p.id).or_default().extend(&p.tokens);
+        }
+    };
+    take(
+        engine
+            .admit(&mut batch, vec![request(0, prompts[0].clone())])
+            .unwrap(),
+    );
+    let plan = [
+        Choice::Plain,
+        Choice::Plain,
+        Choice::Draft(0),
+        Choice::Plain,
+        Choice::Plain,
+        Choice::Plain,
+        Choice::Draft(1),
+        Choice::Draft(0),
+        Choice::Plain,
+    ];
+    for (round, &choice) in plan.iter().cycle().enumerate() {
+        if batch.is_empty() {
+            break;
+        }
+        if round == 2 {
+            take(
+                engine
+                    .admit(&mut batch, vec![request(1, prompts[1].clone())])
+                    .unwrap(),
+            );
+        }
+        batch.policy.force(choice);
+        take(engine.step(&mut batch).unwrap());
+    }
+    for (i, want) in expected.iter().enumerate() {
+        assert_eq!(
+            &tokens[&(i as u64)],
+            want,
+            "sequence {i} under mixed rounds"
+        );
+    }
+
+    // 2. Deferred extension vs a prefill over the same tokens: rows 0 and 1 decode plainly
+    //    (row 1 joins two rounds later), then the head catches up.
+    let mut batch = engine.new_batch_with_policy(
+        256,
+        SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+    );
+    let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut keep = |progress: Vec<tandem_infer::Progress>| {
+        for p in progress {
+            got.entry(p.id).or_default().extend(&p.tokens);
+        }
+    };
+    keep(
+        engine
+            .admit(&mut batch, vec![request(0, prompts[0].clone())])
+            .unwrap(),
+    );
+    for round in 0..7 {
+        if round == 2 {
+            keep(
+                engine
+                    .admit(&mut batch, vec![request(1, prompts[1].clone())])
+                    .unwrap(),
+            );
+        }
+        keep(engine.step(&mut batch).unwrap());
+    }
+    assert_eq!(batch.deferred_rounds(), 7);
+    engine.catch_up(&mut batch).unwrap();
+    assert_eq!(batch.deferred_rounds(), 0);
+    let caught_up = batch.head_roots().unwrap().expect("a head");
+    let h = caught_up.len() / 2;
+    for i in 0..2u64 {
+        // The prefill reference: prompt + every generated token but the last, whose pairing
+        // with the last tap is the root.
+        let generated = &got[&i];
+        let mut prompt = prompts[i as usize].clone();
+        prompt.extend(&generated[..generated.len() - 1]);
+        let mut fresh = engine.new_batch(256);
+        let first = engine.admit(&mut fresh, vec![request(0, prompt)]).unwrap();
+        assert_eq!(first[0].tokens, [*generated.last().unwrap()], "row {i}");
+        let reference = fresh.head_roots().unwrap().expect("a head");
+        let row = &caught_up[i as usize * h..(i as usize + 1) * h];
+        let err = rel_err(row, &reference);
+        assert!(
+            err < TOLERANCE,
+            "row {i}: caught-up root vs prefill, rel err {err}"
+        );
+    }
+
+    // 3. Calibration.
+    let costs = engine.calibrate(&shapes, &[1, 4], 256).unwrap();
+    assert_eq!(costs.seconds.len(), 3);
+    let policy = SpeculationPolicy::adaptive(shapes, costs.clone(), PolicyConfig::default());
+    assert!(policy.is_ok(), "{costs:?}");
+}

@@ -216,6 +216,7 @@ fn spec_usage(out: &SpecOutput, ids: &[u32]) -> SpecUsage {
         rounds: out.stats.rounds,
         accept_length: out.stats.accept_length(),
         per_position_acceptance: out.stats.per_position(),
+        shapes: out.rounds_by_shape.clone(),
         completion_token_ids: ids.to_vec(),
     }
 }

@@ -60,6 +60,8 @@ struct Inner {
     latency: Histogram,
     first_token: Histogram,
     acceptance: AcceptanceStats,
+    /// Rounds by draft shape, as the engine's speculation policy last reported them.
+    policy_rounds: Vec<(String, u64)>,
     /// `(time, cumulative generated tokens)` over the throughput window.
     recent: VecDeque<(Instant, u64)>,
 }
@@ -106,6 +108,7 @@ impl Metrics {
                 latency: Histogram::new(seconds.clone()),
                 first_token: Histogram::new(seconds),
                 acceptance: AcceptanceStats::new(0),
+                policy_rounds: Vec::new(),
                 recent: VecDeque::new(),
             }),
         }
@@ -151,6 +154,10 @@ impl Metrics {
     }
     pub fn first_token(&self, seconds: f64) {
         self.with(|m| m.first_token.observe(seconds));
+    }
+    /// Rounds run so far by the draft shape the speculation policy chose (`none`: no drafts).
+    pub fn set_policy_rounds(&self, rounds: Vec<(String, u64)>) {
+        self.with(|m| m.policy_rounds = rounds);
     }
     pub fn set_queue(&self, queued: usize, running: usize) {
         self.with(|m| {
@@ -210,6 +217,15 @@ impl Metrics {
             for (i, p) in m.acceptance.per_position().iter().enumerate() {
                 let _ = writeln!(out, "tandem_draft_position_acceptance{{position=\"{i}\"}} {p}");
             }
+            if !m.policy_rounds.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "# HELP tandem_policy_rounds_total Rounds by the draft shape the speculation policy chose (none: no drafts).\n# TYPE tandem_policy_rounds_total counter"
+                );
+                for (shape, n) in &m.policy_rounds {
+                    let _ = writeln!(out, "tandem_policy_rounds_total{{shape=\"{shape}\"}} {n}");
+                }
+            }
             m.latency.render(&mut out, "tandem_request_latency_seconds", "End-to-end request latency.");
             m.first_token.render(&mut out, "tandem_time_to_first_token_seconds", "Time to the first generated token.");
             out
@@ -244,6 +260,7 @@ mod tests {
         stats.record(2, 3);
         stats.record(0, 3);
         m.acceptance(&stats);
+        m.set_policy_rounds(vec![("none".into(), 7), ("3/1/4".into(), 4)]);
         let text = m.render();
         assert_eq!(value(&text, "tandem_requests_total{outcome=\"ok\"}"), 2.0);
         assert_eq!(
@@ -272,6 +289,14 @@ mod tests {
             1.0
         );
         assert_eq!(value(&text, "tandem_accept_length_mean"), 2.0);
+        assert_eq!(
+            value(&text, "tandem_policy_rounds_total{shape=\"none\"}"),
+            7.0
+        );
+        assert_eq!(
+            value(&text, "tandem_policy_rounds_total{shape=\"3/1/4\"}"),
+            4.0
+        );
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (_, v) = line.rsplit_once(' ').unwrap();
             assert!(v.parse::<f64>().is_ok(), "bad sample line {line}");

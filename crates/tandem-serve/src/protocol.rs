@@ -451,6 +451,9 @@ pub struct SpecUsage {
     pub accept_length: f64,
     /// Per draft position, the share of rounds reaching it that accepted it.
     pub per_position_acceptance: Vec<f64>,
+    /// Rounds by the draft shape the speculation policy chose (`steps/topk/tokens`, `none` for
+    /// a round without drafts).
+    pub shapes: std::collections::BTreeMap<String, u64>,
     /// The generated token ids (before stop-string truncation).
     pub completion_token_ids: Vec<u32>,
 }

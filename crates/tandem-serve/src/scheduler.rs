@@ -12,7 +12,7 @@ use tandem_cuda::{CudaDraft, CudaTarget};
 use tandem_eagle::Eagle3Draft;
 use tandem_infer::{
     FastRunningBatch, FastSpecEngine, InferError, PlainBatch, PlainEngine, Progress, Request,
-    RunningBatch, SpecConfig, SpecEngine, SpecOutput,
+    RunningBatch, SpecConfig, SpecEngine, SpecOutput, SpeculationPolicy,
 };
 use tandem_model::burn::prelude::Backend;
 use tandem_model::{TapRequest, TargetModel};
@@ -31,6 +31,11 @@ pub trait Decoder {
     fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError>;
     fn running(&self) -> usize;
     fn limits(&self) -> Limits;
+    /// Rounds run so far by draft shape (`none`: no drafts), for engines whose speculation
+    /// policy chooses the shape per round.
+    fn policy_rounds(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
 
 /// What the HTTP layer needs to validate requests before queueing them.
@@ -186,22 +191,27 @@ pub struct FastDecoder {
 
 impl FastDecoder {
     /// `taps`: the serving taps checked against the head's manifest ([`TapRequest::none`]
-    /// without a head).
+    /// without a head). `policy`: how rounds choose their draft shape (`None`: always
+    /// `config`'s).
     pub fn new(
         target: CudaTarget,
         draft: Option<CudaDraft>,
         taps: TapRequest,
         config: SpecConfig,
         context: usize,
+        policy: Option<SpeculationPolicy>,
     ) -> Result<Self, InferError> {
         config.validate()?;
-        let batch = FastSpecEngine {
+        let engine = FastSpecEngine {
             target: &target,
             draft: draft.as_ref(),
             taps: taps.clone(),
             config,
-        }
-        .new_batch(context);
+        };
+        let batch = match policy {
+            Some(policy) => engine.new_batch_with_policy(context, policy),
+            None => engine.new_batch(context),
+        };
         Ok(Self {
             target,
             draft,
@@ -240,9 +250,18 @@ impl Decoder for FastDecoder {
     fn running(&self) -> usize {
         self.batch.len()
     }
+    fn policy_rounds(&self) -> Vec<(String, u64)> {
+        match self.draft {
+            Some(_) => self.batch.policy.rounds(),
+            None => Vec::new(),
+        }
+    }
     fn limits(&self) -> Limits {
         let (round, draft_depth) = match self.draft {
-            Some(_) => (self.config.num_draft_tokens, self.config.num_steps),
+            Some(_) => (
+                self.batch.policy.max_tokens(),
+                self.batch.policy.max_steps(),
+            ),
             None => (1, 0),
         };
         Limits {
@@ -450,7 +469,10 @@ fn run_engine(
 
         if decoder.running() > 0 {
             match decoder.step() {
-                Ok(progress) => deliver(progress, &mut live, metrics),
+                Ok(progress) => {
+                    deliver(progress, &mut live, metrics);
+                    metrics.set_policy_rounds(decoder.policy_rounds());
+                }
                 Err(e) => {
                     let ids: Vec<u64> = live.keys().copied().collect();
                     fail(&ids, &e, &mut live, &mut *decoder, metrics);

@@ -1,0 +1,614 @@
+//! The speculation policy: before each round, which draft shape to run, or none.
+//!
+//! Speculation pays when the tokens a round commits per sequence outgrow what the round costs
+//! over a plain decode step. Both sides move with the batch: a verification of `n` tokens per
+//! sequence is nearly free next to a decode at batch 1 (launch bound) and costs `n` decode steps
+//! once the GPU is compute bound. So the policy keeps, per choice, the seconds a round takes at
+//! each batch size (a [`CostTable`] measured at start-up on this GPU, then corrected by the
+//! rounds it times) and, per shape, the tokens a round commits per sequence (a decayed running
+//! mean seeded optimistically, so every shape is tried before it is judged), and picks the
+//! choice with the most tokens per second. A shape must beat the plain round by a margin, so
+//! that serving with the head is never slower than serving without it.
+//!
+//! A plain round ([`Choice::Plain`]) is a target decode step; the engine defers the head's
+//! extension over its token until the next drafted round (one batched extend), so a plain
+//! round costs what target-only decoding costs.
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::engine::{InferError, SpecConfig};
+
+/// A draft shape (SGLang's `--speculative-num-steps / -eagle-topk / -num-draft-tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Shape {
+    pub steps: usize,
+    pub topk: usize,
+    /// Tokens verified per sequence, the root included.
+    pub tokens: usize,
+}
+
+impl Shape {
+    pub fn of(config: &SpecConfig) -> Self {
+        Shape {
+            steps: config.num_steps,
+            topk: config.topk,
+            tokens: config.num_draft_tokens,
+        }
+    }
+
+    /// `config` with this shape (sampling and seed kept).
+    pub fn apply(&self, config: SpecConfig) -> SpecConfig {
+        SpecConfig {
+            num_steps: self.steps,
+            topk: self.topk,
+            num_draft_tokens: self.tokens,
+            ..config
+        }
+    }
+
+    /// Parses `steps/topk/tokens`, e.g. `3/1/4` (a chain) or `6/8/48` (a tree).
+    pub fn parse(text: &str) -> Result<Self, InferError> {
+        let bad = |reason: String| InferError::Config {
+            field: "shape",
+            reason,
+        };
+        let parts: Vec<&str> = text.trim().split('/').collect();
+        let [steps, topk, tokens] = parts[..] else {
+            return Err(bad(format!(
+                "`{text}` is not steps/topk/num_draft_tokens (e.g. 3/1/4)"
+            )));
+        };
+        let number = |s: &str, what: &str| {
+            s.parse::<usize>()
+                .map_err(|_| bad(format!("`{text}`: {what} `{s}` is not a whole number")))
+        };
+        let shape = Shape {
+            steps: number(steps, "steps")?,
+            topk: number(topk, "topk")?,
+            tokens: number(tokens, "num_draft_tokens")?,
+        };
+        shape.apply(SpecConfig::chain(1)).validate()?;
+        Ok(shape)
+    }
+
+    /// Parses a comma-separated list of shapes.
+    pub fn parse_list(text: &str) -> Result<Vec<Self>, InferError> {
+        let shapes = text
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(Shape::parse)
+            .collect::<Result<Vec<_>, _>>()?;
+        if shapes.is_empty() {
+            return Err(InferError::Config {
+                field: "shape",
+                reason: "the list of draft shapes is empty".into(),
+            });
+        }
+        Ok(shapes)
+    }
+
+    /// The most tokens one round of this shape commits per sequence (all drafts and the bonus).
+    pub fn max_commit(&self) -> usize {
+        self.steps.min(self.tokens - 1) + 1
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.steps, self.topk, self.tokens)
+    }
+}
+
+/// What one round does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Choice {
+    /// A target decode step; the head is not run.
+    Plain,
+    /// Draft with shape `i` of the policy, verify, extend the head.
+    Draft(usize),
+}
+
+impl Choice {
+    /// Index into per-choice tables: 0 plain, `1 + i` shape `i`.
+    fn index(self) -> usize {
+        match self {
+            Choice::Plain => 0,
+            Choice::Draft(i) => 1 + i,
+        }
+    }
+}
+
+/// Seconds per round of each choice at a few batch sizes, linear in between.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostTable {
+    /// Batch sizes measured, ascending.
+    pub batches: Vec<usize>,
+    /// `seconds[c][k]`: a round of choice `c` (0 plain, `1 + i` shape `i`) at `batches[k]`.
+    pub seconds: Vec<Vec<f64>>,
+}
+
+impl CostTable {
+    /// Checks the table's shape: `choices` rows (plain + shapes), one column per batch size,
+    /// batch sizes ascending, every cost positive.
+    pub fn validate(&self, choices: usize) -> Result<(), InferError> {
+        let bad = |reason: String| InferError::Config {
+            field: "cost table",
+            reason,
+        };
+        if self.batches.is_empty() || self.batches.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad(format!(
+                "batch sizes {:?} must be non-empty and strictly ascending",
+                self.batches
+            )));
+        }
+        if self.seconds.len() != choices
+            || self.seconds.iter().any(|r| r.len() != self.batches.len())
+        {
+            return Err(bad(format!(
+                "expected {choices} rows of {} costs",
+                self.batches.len()
+            )));
+        }
+        if let Some(v) = self
+            .seconds
+            .iter()
+            .flatten()
+            .find(|v| !v.is_finite() || **v <= 0.0)
+        {
+            return Err(bad(format!("cost {v} is not a positive number of seconds")));
+        }
+        Ok(())
+    }
+
+    /// The cost of choice row `c` at `batch`: interpolated between measured sizes, the first
+    /// size's cost below it, extended along the last segment's slope above the last (never
+    /// below the last measured cost).
+    pub fn at(&self, c: usize, batch: usize) -> f64 {
+        let (xs, ys) = (&self.batches, &self.seconds[c]);
+        let b = batch as f64;
+        if batch <= xs[0] {
+            return ys[0];
+        }
+        if xs.len() == 1 {
+            return ys[0];
+        }
+        let k = xs.partition_point(|&x| x < batch).clamp(1, xs.len() - 1);
+        let (x0, x1) = (xs[k - 1] as f64, xs[k] as f64);
+        let (y0, y1) = (ys[k - 1], ys[k]);
+        let y = y0 + (y1 - y0) * (b - x0) / (x1 - x0);
+        if batch > *xs.last().expect("non-empty") {
+            y.max(*ys.last().expect("non-empty"))
+        } else {
+            y
+        }
+    }
+
+    /// Moves the measured size nearest `batch` (in ratio) toward what a round just took,
+    /// `seconds`, scaled to that size by the table's own curve; `rate` in (0, 1].
+    fn correct(&mut self, c: usize, batch: usize, seconds: f64, rate: f64) {
+        let predicted = self.at(c, batch);
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !positive(seconds) || !positive(predicted) {
+            return;
+        }
+        let distance = |x: usize| ((x as f64).ln() - (batch.max(1) as f64).ln()).abs();
+        let k = (0..self.batches.len())
+            .min_by(|&a, &b| distance(self.batches[a]).total_cmp(&distance(self.batches[b])))
+            .expect("non-empty");
+        // One slow round (a page fault, a graph capture) must not swing the table.
+        let ratio = (seconds / predicted).clamp(0.25, 4.0);
+        self.seconds[c][k] *= 1.0 - rate + rate * ratio;
+    }
+}
+
+/// Knobs of the adaptive policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyConfig {
+    /// A shape is chosen only when its expected tokens per second exceed the plain round's by
+    /// this fraction.
+    pub margin: f64,
+    /// After this many plain rounds in a row, one round drafts with the best shape, so the
+    /// acceptance estimates follow the prompts being served.
+    pub probe_every: u64,
+    /// Weight (in sequence-rounds) of the optimistic prior of each shape's commit length.
+    pub prior_weight: f64,
+    /// Sequence-rounds over which old acceptance observations fade (1/e).
+    pub window: f64,
+    /// How far one timed round moves the cost table.
+    pub cost_rate: f64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            margin: 0.03,
+            probe_every: 200,
+            prior_weight: 2.0,
+            window: 512.0,
+            cost_rate: 0.05,
+        }
+    }
+}
+
+/// A decayed running mean of tokens committed per sequence-round.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Mean {
+    sum: f64,
+    weight: f64,
+}
+
+impl Mean {
+    fn value(&self) -> f64 {
+        self.sum / self.weight
+    }
+    fn add(&mut self, total: f64, count: f64, window: f64) {
+        let keep = (-count / window).exp();
+        self.sum = self.sum * keep + total;
+        self.weight = self.weight * keep + count;
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Mode {
+    /// Always draft with shape 0 (benchmarks and `generate`: deterministic rounds).
+    Fixed,
+    /// Decide per round from costs and acceptance.
+    Adaptive {
+        costs: CostTable,
+        config: PolicyConfig,
+    },
+    /// One choice every round (calibration).
+    Forced(Choice),
+}
+
+/// The per-round choice of a running batch, and what it has observed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpeculationPolicy {
+    shapes: Vec<Shape>,
+    mode: Mode,
+    committed: Vec<Mean>,
+    plain_streak: u64,
+    /// Rounds run per choice (0 plain, `1 + i` shape `i`).
+    rounds: Vec<u64>,
+}
+
+impl SpeculationPolicy {
+    fn with_mode(shapes: Vec<Shape>, mode: Mode, prior_weight: f64) -> Self {
+        let committed = shapes
+            .iter()
+            .map(|s| Mean {
+                sum: prior_weight * s.max_commit() as f64,
+                weight: prior_weight,
+            })
+            .collect();
+        let rounds = vec![0; shapes.len() + 1];
+        Self {
+            shapes,
+            mode,
+            committed,
+            plain_streak: 0,
+            rounds,
+        }
+    }
+
+    /// Every round drafts with `shape`.
+    pub fn fixed(shape: Shape) -> Self {
+        Self::with_mode(vec![shape], Mode::Fixed, 1.0)
+    }
+
+    /// Chooses among `shapes` and plain rounds by `costs` (rows: plain, then the shapes).
+    pub fn adaptive(
+        shapes: Vec<Shape>,
+        costs: CostTable,
+        config: PolicyConfig,
+    ) -> Result<Self, InferError> {
+        if shapes.is_empty() {
+            return Err(InferError::Config {
+                field: "shape",
+                reason: "the adaptive policy needs at least one draft shape".into(),
+            });
+        }
+        costs.validate(shapes.len() + 1)?;
+        Ok(Self::with_mode(
+            shapes,
+            Mode::Adaptive { costs, config },
+            config.prior_weight,
+        ))
+    }
+
+    /// Every round runs `choice` (for measuring its cost).
+    pub fn forced(shapes: Vec<Shape>, choice: Choice) -> Self {
+        Self::with_mode(shapes, Mode::Forced(choice), 1.0)
+    }
+
+    /// Switches a forced policy to another choice.
+    pub fn force(&mut self, choice: Choice) {
+        self.mode = Mode::Forced(choice);
+    }
+
+    pub fn shapes(&self) -> &[Shape] {
+        &self.shapes
+    }
+
+    pub fn is_adaptive(&self) -> bool {
+        matches!(self.mode, Mode::Adaptive { .. })
+    }
+
+    /// The cost table an adaptive policy works from (with its corrections so far).
+    pub fn costs(&self) -> Option<&CostTable> {
+        match &self.mode {
+            Mode::Adaptive { costs, .. } => Some(costs),
+            _ => None,
+        }
+    }
+
+    /// The shape of `choice` (`None` for a plain round).
+    pub fn shape(&self, choice: Choice) -> Option<Shape> {
+        match choice {
+            Choice::Plain => None,
+            Choice::Draft(i) => Some(self.shapes[i]),
+        }
+    }
+
+    /// Tokens per sequence the widest round verifies.
+    pub fn max_tokens(&self) -> usize {
+        self.shapes.iter().map(|s| s.tokens).max().unwrap_or(1)
+    }
+
+    /// The deepest draft of any shape.
+    pub fn max_steps(&self) -> usize {
+        self.shapes.iter().map(|s| s.steps).max().unwrap_or(0)
+    }
+
+    /// The expected tokens committed per sequence by a round of shape `i`.
+    pub fn expected_commit(&self, i: usize) -> f64 {
+        self.committed[i].value()
+    }
+
+    /// Rounds run so far, by label (`none` for plain rounds).
+    pub fn rounds(&self) -> Vec<(String, u64)> {
+        std::iter::once("none".to_owned())
+            .chain(self.shapes.iter().map(Shape::to_string))
+            .zip(self.rounds.iter().copied())
+            .collect()
+    }
+
+    /// Expected tokens per second of each choice at `batch` (adaptive policies only): plain
+    /// first, then the shapes.
+    pub fn throughput(&self, batch: usize) -> Vec<(Choice, f64)> {
+        let Mode::Adaptive { costs, .. } = &self.mode else {
+            return Vec::new();
+        };
+        let b = batch.max(1) as f64;
+        std::iter::once((Choice::Plain, b / costs.at(0, batch)))
+            .chain((0..self.shapes.len()).map(|i| {
+                let rate = b * self.expected_commit(i) / costs.at(1 + i, batch);
+                (Choice::Draft(i), rate)
+            }))
+            .collect()
+    }
+
+    /// The choice for the next round of a batch of `batch` sequences.
+    pub fn choose(&mut self, batch: usize) -> Choice {
+        let choice = match &self.mode {
+            Mode::Fixed => Choice::Draft(0),
+            Mode::Forced(choice) => *choice,
+            Mode::Adaptive { config, .. } => {
+                let config = *config;
+                let rates = self.throughput(batch);
+                let plain = rates[0].1;
+                let (best, rate) = rates[1..]
+                    .iter()
+                    .copied()
+                    .max_by(|a, b| a.1.total_cmp(&b.1))
+                    .expect("at least one shape");
+                if rate > plain * (1.0 + config.margin)
+                    || self.plain_streak + 1 >= config.probe_every
+                {
+                    best
+                } else {
+                    Choice::Plain
+                }
+            }
+        };
+        self.plain_streak = match choice {
+            Choice::Plain => self.plain_streak + 1,
+            Choice::Draft(_) => 0,
+        };
+        self.rounds[choice.index()] += 1;
+        choice
+    }
+
+    /// What a round of `choice` did: `rows` sequences committed `committed` tokens together in
+    /// `seconds` (the round alone: drafting, verification, extension).
+    pub fn observe(&mut self, choice: Choice, rows: usize, committed: usize, seconds: f64) {
+        let Mode::Adaptive { costs, config } = &mut self.mode else {
+            return;
+        };
+        if rows == 0 {
+            return;
+        }
+        costs.correct(choice.index(), rows, seconds, config.cost_rate);
+        if let Choice::Draft(i) = choice {
+            self.committed[i].add(committed as f64, rows as f64, config.window);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(s: &str) -> Shape {
+        Shape::parse(s).unwrap()
+    }
+
+    /// A GPU like the H200 at SmolLM2 scale: a decode costs 1.5 ms flat; a round of n tokens
+    /// per sequence adds drafting and costs grow with batch * n once past ~256 tokens. Rows:
+    /// plain, the chain 3/1/4, the tree 3/4/8; `shapes` keeps the first that many shapes.
+    fn table_for(shapes: usize) -> CostTable {
+        let batches = vec![1, 8, 64];
+        let cost = |tokens: f64, draft: f64| -> Vec<f64> {
+            batches
+                .iter()
+                .map(|&b| 1.5e-3 * (1.0f64).max(b as f64 * tokens / 256.0) + draft)
+                .collect()
+        };
+        CostTable {
+            seconds: vec![cost(1.0, 0.0), cost(4.0, 0.6e-3), cost(8.0, 0.9e-3)][..=shapes].to_vec(),
+            batches,
+        }
+    }
+
+    fn table() -> CostTable {
+        table_for(2)
+    }
+
+    #[test]
+    fn shapes_parse_print_and_refuse_nonsense() {
+        let s = shape("6/8/48");
+        assert_eq!((s.steps, s.topk, s.tokens), (6, 8, 48));
+        assert_eq!(s.to_string(), "6/8/48");
+        assert_eq!(s.max_commit(), 7);
+        // A chain of 3 steps verifying 3 tokens commits at most 2 drafts + 1.
+        assert_eq!(shape("3/1/3").max_commit(), 3);
+        assert_eq!(Shape::parse_list("3/1/4, 3/4/8").unwrap().len(), 2);
+        for bad in ["3/1", "a/1/4", "3/1/4/5", "0/1/4", "3/0/4", ""] {
+            assert!(Shape::parse(bad).is_err(), "{bad} parsed");
+        }
+        assert!(Shape::parse_list(" , ").is_err());
+    }
+
+    #[test]
+    fn costs_interpolate_and_extend_along_the_last_segment() {
+        let t = CostTable {
+            batches: vec![1, 8, 64],
+            seconds: vec![vec![1.0, 2.0, 4.0]],
+        };
+        assert_eq!(t.at(0, 1), 1.0);
+        assert_eq!(t.at(0, 0), 1.0);
+        // Halfway between 8 and 64.
+        assert!((t.at(0, 36) - 3.0).abs() < 1e-12);
+        assert!((t.at(0, 4) - (1.0 + 3.0 / 7.0)).abs() < 1e-12);
+        // Past 64 along the slope 2/56 per sequence.
+        assert!((t.at(0, 120) - 6.0).abs() < 1e-12);
+        let flat = CostTable {
+            batches: vec![4],
+            seconds: vec![vec![2.0]],
+        };
+        assert_eq!(flat.at(0, 100), 2.0);
+        assert!(
+            CostTable {
+                batches: vec![8, 1],
+                seconds: vec![vec![1.0, 1.0]]
+            }
+            .validate(1)
+            .is_err()
+        );
+        assert!(t.validate(2).is_err());
+        assert!(
+            CostTable {
+                batches: vec![1],
+                seconds: vec![vec![0.0]]
+            }
+            .validate(1)
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn speculates_at_batch_1_and_decodes_plainly_when_compute_bound() {
+        let shapes = vec![shape("3/1/4"), shape("3/4/8")];
+        let mut p = SpeculationPolicy::adaptive(shapes, table(), PolicyConfig::default()).unwrap();
+        // Teach it an accept length of 2.0 for the chain and 2.4 for the tree.
+        for _ in 0..50 {
+            p.observe(Choice::Draft(0), 8, 16, 2.1e-3);
+            p.observe(Choice::Draft(1), 8, 19, 2.4e-3);
+        }
+        assert!((p.expected_commit(0) - 2.0).abs() < 0.01);
+        // Batch 1: chain 2.0/2.1 ms vs tree 2.4/2.4 ms vs plain 1/1.5 ms: the tree.
+        assert_eq!(p.choose(1), Choice::Draft(1));
+        // Batch 64: verifying 4 tokens costs 1.5 ms * 1 = 1.5 ms... 64*4/256 = 1 -> 2.1 ms for
+        // 2.0 tokens, the tree 64*8/256 = 2 -> 3.9 ms for 2.4; plain 1.5 ms for 1: the chain.
+        assert_eq!(p.choose(64), Choice::Draft(0));
+        // With an accept length of 1.2 nothing beats a plain round at 64.
+        for _ in 0..200 {
+            p.observe(Choice::Draft(0), 64, 77, 2.1e-3);
+            p.observe(Choice::Draft(1), 64, 77, 3.9e-3);
+        }
+        assert_eq!(p.choose(64), Choice::Plain);
+    }
+
+    #[test]
+    fn a_shape_within_the_margin_of_plain_rounds_is_not_taken() {
+        // Plain: 1 token in 1.5 ms; the chain: 2 tokens in 2.94 ms, 2% more tokens per second.
+        let costs = |chain: f64| CostTable {
+            batches: vec![1],
+            seconds: vec![vec![1.5e-3], vec![chain]],
+        };
+        let run = |chain: f64| {
+            let config = PolicyConfig::default();
+            let mut p =
+                SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs(chain), config).unwrap();
+            for _ in 0..2000 {
+                p.observe(Choice::Draft(0), 1, 2, chain);
+            }
+            p.choose(1)
+        };
+        assert_eq!(run(2.94e-3), Choice::Plain);
+        // 10% ahead: taken.
+        assert_eq!(run(2.70e-3), Choice::Draft(0));
+    }
+
+    #[test]
+    fn an_unseen_shape_is_tried_before_it_is_judged_and_plain_runs_probe() {
+        let shapes = vec![shape("3/1/4")];
+        let config = PolicyConfig {
+            probe_every: 10,
+            ..PolicyConfig::default()
+        };
+        let mut p = SpeculationPolicy::adaptive(shapes, table_for(1), config).unwrap();
+        // Optimistic prior (4 tokens per round): drafting wins at once.
+        assert_eq!(p.choose(8), Choice::Draft(0));
+        // Observed: it commits 1.0 per round (nothing accepted), so plain rounds follow...
+        p.observe(Choice::Draft(0), 8, 8, 2.1e-3);
+        p.observe(Choice::Draft(0), 8, 8, 2.1e-3);
+        let choices: Vec<Choice> = (0..10).map(|_| p.choose(8)).collect();
+        // ...with one probe after nine plain rounds.
+        assert!(choices[..9].iter().all(|c| *c == Choice::Plain));
+        assert_eq!(choices[9], Choice::Draft(0));
+        let rounds = p.rounds();
+        assert_eq!(rounds[0], ("none".to_owned(), 9));
+        assert_eq!(rounds[1], ("3/1/4".to_owned(), 2));
+    }
+
+    #[test]
+    fn timed_rounds_correct_the_cost_table_and_outliers_are_bounded() {
+        let shapes = vec![shape("3/1/4")];
+        let mut p =
+            SpeculationPolicy::adaptive(shapes, table_for(1), PolicyConfig::default()).unwrap();
+        let before = p.costs().unwrap().at(0, 8);
+        // Plain rounds at batch 8 measured at twice the table's cost, many times: the table
+        // converges there.
+        for _ in 0..400 {
+            p.observe(Choice::Plain, 8, 8, 2.0 * before);
+        }
+        let after = p.costs().unwrap().at(0, 8);
+        assert!((after / before - 2.0).abs() < 0.01, "{before} -> {after}");
+        // One absurd round moves it by at most rate * 3 (ratio clamped at 4).
+        let mut q = p.clone();
+        q.observe(Choice::Plain, 8, 8, 1e3);
+        let jumped = q.costs().unwrap().at(0, 8);
+        assert!(jumped / after <= 1.0 + 0.05 * 3.0 + 1e-9);
+        // Fixed and forced policies neither learn nor change their choice.
+        let mut f = SpeculationPolicy::fixed(shape("3/4/8"));
+        f.observe(Choice::Draft(0), 8, 8, 1.0);
+        assert_eq!(f.choose(64), Choice::Draft(0));
+        let mut forced = SpeculationPolicy::forced(vec![shape("3/1/4")], Choice::Plain);
+        assert_eq!(forced.choose(1), Choice::Plain);
+        forced.force(Choice::Draft(0));
+        assert_eq!(forced.choose(1), Choice::Draft(0));
+    }
+}

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# H200, issue #16 (session 13): the speculation policy. GPU tests first (both binaries, so the
+# session-12 refactor is re-run too), then MT-Bench bench at batch 1 for chain 3/1/4 and trees
+# 3/4/8 and 5/8/32 (verify and draft+extend per round next to a decode step of the target-only
+# baseline in the same run), then the serve load test (64 MT-Bench requests, 128 tokens) at
+# concurrency 1, 8, 32 and 64: target-only, speculative with the adaptive policy, and (at 32)
+# the fixed chain of earlier sessions.
+#   here:     bash scripts/gpu/policy.sh pack        # .device/a .. .device/e
+#   call 1 (carry .device/a): bash scripts/gpu/policy.sh a
+#   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/policy.sh piece b|c|d
+#   call 5 (carry .device/e): bash scripts/gpu/policy.sh start;  then: bash ... wait
+set -uo pipefail
+PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
+source "$(dirname "$0")/head_lib.sh"
+for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cublas/lib") for p in nvidia.__path__))' 2>/dev/null); do
+  [[ -d "$d" ]] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
+REQUESTS="${REQUESTS:-64}"
+MAX_TOKENS="${MAX_TOKENS:-128}"
+
+# serve_load LABEL CONCURRENCY [serve options...]: one server, a warm-up, the measured run.
+serve_load() {
+  local label=$1 concurrency=$2
+  shift 2
+  "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
+    "$@" > "$R/serve_$label.txt" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 180); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
+  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
+    --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
+  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$REQUESTS" \
+    --concurrency "$concurrency" --max-tokens "$MAX_TOKENS" --label "$label" \
+    --json "$R/load_$label.json" > "$R/load_$label.log" 2>&1
+  curl -s http://127.0.0.1:8199/metrics | grep -E "^tandem_policy_rounds_total" > "$R/metrics_$label.txt"
+  kill -TERM $pid
+  wait $pid
+  tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
+}
+
+case "$PHASE" in
+pack) pack_smollm2 ;;
+a) phase_a ;;
+piece) phase_piece "$2" ;;
+start)
+  phase_import
+  cp "$0" "$W/policy.sh"
+  setsid nohup bash "$W/policy.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
+  sleep 2
+  exec bash "$0" wait
+  ;;
+wait)
+  wait_for done
+  cat "$R/phases.txt"
+  grep -E "^test |test result|panicked" "$R"/tests-*.log | tail -40
+  cat "$R/summary.txt" 2>/dev/null
+  python3 - "$R" <<'PY'
+import json, glob, os, sys
+r = sys.argv[1]
+print("| shape | accept | spec tok/s | target tok/s | speedup | decode ms | verify ms/round | verify/decode | draft+extend ms/round | (draft+extend)/decode |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for f in sorted(glob.glob(os.path.join(r, "bench_head_*.json"))):
+    d = json.load(open(f))
+    c, t = d["config"], d["timings"]
+    rounds = d["spec_tokens"] / d["accept_length"]
+    decode = d["target_seconds"] / d["target_tokens"] * 1e3
+    verify = t["verify_s"] / rounds * 1e3
+    de = (t["draft_s"] + t["extend_s"]) / rounds * 1e3
+    print(f"| {c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} | {d['accept_length']:.3f} | {d['spec_tokens_per_second']:.1f} | "
+          f"{d['target_tokens_per_second']:.1f} | {d['speedup']:.3f} | {decode:.3f} | {verify:.3f} | {verify/decode:.2f} | {de:.3f} | {de/decode:.2f} |")
+print()
+print("| concurrency | target-only tok/s | adaptive tok/s | adaptive / target-only | adaptive tau | rounds by shape | fixed 3/1/4 tok/s |")
+print("|---|---|---|---|---|---|---|")
+for c in (1, 8, 32, 64):
+    def load(label):
+        try:
+            return json.load(open(os.path.join(r, f"load_{label}_c{c}.json")))
+        except (OSError, ValueError):
+            return None
+    base, ada, fixed = load("target-only"), load("adaptive"), load("fixed")
+    if not base or not ada:
+        print(f"| {c} | missing |"); continue
+    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
+    fx = f"{fixed['tokens_per_second']:.1f}" if fixed else ""
+    print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
+          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} |")
+PY
+  grep -h -A 9 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
+  collect results.tar.xz none
+  ;;
+pipeline)
+  cd "$W"
+  mark "pipeline start"
+  timeout 400 "$W/gpu-tests" --ignored --test-threads 1 > "$R/tests-cuda.log" 2>&1
+  echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
+  timeout 400 "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
+  echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
+  mark "tests done"
+  for s in ${SHAPES:-3/1/4 3/4/8 5/8/32}; do
+    bench "$W/head" head "$s"
+  done
+  mark "bench done"
+  for c in ${CONCURRENCIES:-1 8 32 64}; do
+    serve_load "target-only_c$c" "$c" --no-draft
+    serve_load "adaptive_c$c" "$c" --draft "$W/head"
+    mark "serve c$c done"
+  done
+  serve_load "fixed_c32" 32 --draft "$W/head" --speculation fixed --steps 3 --topk 1
+  mark "serve done"
+  touch "$R/done"
+  ;;
+esac
