@@ -84,6 +84,8 @@ for c in (1, 8, 32, 64):
     print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
           f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} |")
 PY
+  for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
+  grep -H "engine time" "$R"/serve_*.txt | sed "s|$R/||"
   grep -h -A 9 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
   collect results.tar.xz none
   ;;
@@ -106,6 +108,12 @@ pipeline)
   done
   serve_load "fixed_c32" 32 --draft "$W/head" --speculation fixed --steps 3 --topk 1
   mark "serve done"
+  # Steady state: 256 requests at the high concurrencies.
+  for c in ${LONG_CONCURRENCIES:-32 64}; do
+    REQUESTS=256 serve_load "target-only_long_c$c" "$c" --no-draft
+    REQUESTS=256 serve_load "adaptive_long_c$c" "$c" --draft "$W/head"
+  done
+  mark "long serve done"
   touch "$R/done"
   ;;
 esac

@@ -140,7 +140,8 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
                 &args.spec,
                 args.no_draft,
                 args.context,
-                policy.map(|shapes| (shapes, args.max_batch)),
+                args.max_batch,
+                policy,
             )?;
             return Ok(Box::new(decoder));
         }

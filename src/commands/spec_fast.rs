@@ -66,15 +66,16 @@ pub fn load_target(model: &ModelArgs) -> anyhow::Result<(std::sync::Arc<Gpu>, Cu
 }
 
 /// `tandem serve --device cuda`: the fast path's decoder, speculative or (`no_draft`) the
-/// target alone, with continuous batching. `adaptive`: the shapes the speculation policy
-/// chooses among and the largest batch, for the start-up cost table (batch sizes 1, 2, 4, ..
-/// up to it).
+/// target alone, with continuous batching of up to `max_batch` sequences. `adaptive`: the
+/// shapes the speculation policy chooses among (its start-up cost table is measured at batch
+/// sizes 1, 2, 4, .. up to `max_batch`).
 pub fn serve_decoder(
     model: &ModelArgs,
     spec: &SpecArgs,
     no_draft: bool,
     context: usize,
-    adaptive: Option<(Vec<tandem_infer::Shape>, usize)>,
+    max_batch: usize,
+    adaptive: Option<Vec<tandem_infer::Shape>>,
 ) -> anyhow::Result<tandem_serve::FastDecoder> {
     // Sampling and seed are per request; the engine's own are unused by the server.
     let config = spec.config(tandem_model::SamplingParams::greedy(), 0);
@@ -87,6 +88,7 @@ pub fn serve_decoder(
             config,
             context,
             None,
+            max_batch,
         )?);
     }
     let FastLoaded {
@@ -95,44 +97,36 @@ pub fn serve_decoder(
         taps,
         ..
     } = load(model, spec)?;
-    let policy = match adaptive {
-        Some((shapes, max_batch)) => {
-            let engine = FastSpecEngine {
-                target: &target,
-                draft: Some(&draft),
-                taps: taps.clone(),
-                config,
-            };
-            Some(calibrated_policy(&engine, shapes, max_batch, context)?)
-        }
-        None => None,
+    let Some(shapes) = adaptive else {
+        return Ok(tandem_serve::FastDecoder::new(
+            target,
+            Some(draft),
+            taps,
+            config,
+            context,
+            None,
+            max_batch,
+        )?);
     };
-    Ok(tandem_serve::FastDecoder::new(
+    // Rounds are plain until the costs are measured on the decoder's own caches.
+    let forced =
+        tandem_infer::SpeculationPolicy::forced(shapes.clone(), tandem_infer::Choice::Plain);
+    let mut decoder = tandem_serve::FastDecoder::new(
         target,
         Some(draft),
         taps,
         config,
         context,
-        policy,
-    )?)
-}
-
-/// The adaptive speculation policy over `shapes`, from a cost table measured now at batch
-/// sizes 1, 2, 4, .. up to `max_batch` (printed, with the choice the policy would make at each
-/// size before it has seen any acceptance).
-fn calibrated_policy(
-    engine: &FastSpecEngine,
-    shapes: Vec<tandem_infer::Shape>,
-    max_batch: usize,
-    context: usize,
-) -> anyhow::Result<tandem_infer::SpeculationPolicy> {
+        Some(forced),
+        max_batch,
+    )?;
     let mut batches: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2))
         .take_while(|&b| b < max_batch)
         .collect();
     batches.push(max_batch.max(1));
     let start = Instant::now();
-    let costs = engine
-        .calibrate(&shapes, &batches, context)
+    let costs = decoder
+        .calibrate(&batches, tandem_infer::PolicyConfig::default())
         .context("measuring the cost of each draft shape")?;
     let mut table = format!("{:>6} {:>9}", "batch", "none");
     for s in &shapes {
@@ -148,11 +142,7 @@ fn calibrated_policy(
         "speculation policy: round costs measured in {:.1}s (ms per round):\n{table}",
         start.elapsed().as_secs_f64()
     );
-    Ok(tandem_infer::SpeculationPolicy::adaptive(
-        shapes,
-        costs,
-        tandem_infer::PolicyConfig::default(),
-    )?)
+    Ok(decoder)
 }
 
 /// `tandem generate --draft --device cuda`: one prompt through the fast path's speculative loop.

@@ -25,6 +25,9 @@ pub struct CudaKvCache {
     kv_heads: usize,
     head_dim: usize,
     layout: ColumnLayout,
+    /// Sequences the buffers have room for (at least the batch): joins within it copy only the
+    /// newcomers, and the buffers keep their addresses, so captured CUDA graphs stay valid.
+    rows_allocated: usize,
 }
 
 impl std::fmt::Debug for CudaKvCache {
@@ -58,7 +61,26 @@ impl CudaKvCache {
             kv_heads,
             head_dim,
             layout: ColumnLayout::new(batch, capacity),
+            rows_allocated: batch,
         })
+    }
+
+    /// Sequences the buffers hold without reallocating.
+    pub fn rows_allocated(&self) -> usize {
+        self.rows_allocated
+    }
+
+    /// Grows the buffers to hold `rows` sequences (one reallocation now; none at later joins up
+    /// to that many). Never shrinks.
+    pub fn reserve(&mut self, gpu: &Gpu, rows: usize) -> Result<(), CudaError> {
+        if rows <= self.rows_allocated {
+            return Ok(());
+        }
+        let own = ColumnMoves::whole_rows(self.batch(), self.layout.used(), 0);
+        self.keys = self.moved(gpu, rows, &[(&self.keys, &own)])?;
+        self.values = self.moved(gpu, rows, &[(&self.values, &own)])?;
+        self.rows_allocated = rows;
+        Ok(())
     }
 
     pub fn batch(&self) -> usize {
@@ -67,7 +89,8 @@ impl CudaKvCache {
 
     /// Moves the sequences of `other` (same model and capacity, e.g. newcomers prefilled on
     /// their own) into this batch, after its current rows: what a running batch does when
-    /// requests join. Every layer gets new buffers; each sequence keeps its columns.
+    /// requests join. Within [`Self::rows_allocated`] only the newcomers' columns are copied, in
+    /// place; beyond it every layer gets new buffers. Each sequence keeps its columns.
     pub fn append(&mut self, gpu: &Gpu, other: CudaKvCache) -> Result<(), CudaError> {
         if other.keys.len() != self.keys.len()
             || (other.kv_heads, other.head_dim) != (self.kv_heads, self.head_dim)
@@ -82,6 +105,21 @@ impl CudaKvCache {
         let joined = ColumnMoves::whole_rows(theirs, other.layout.used(), mine);
         self.layout.append(other.layout.clone())?;
         let batch = mine + theirs;
+        if batch <= self.rows_allocated {
+            let capacity = self.layout.capacity();
+            let (src, dst) = joined.head_rows(self.kv_heads, capacity);
+            let (count, src, dst) = (src.len(), gpu.upload(&src)?, gpu.upload(&dst)?);
+            for (mine, theirs) in self
+                .keys
+                .iter_mut()
+                .zip(&other.keys)
+                .chain(self.values.iter_mut().zip(&other.values))
+            {
+                gpu.copy_rows_u16(theirs, &src, mine, &dst, count, self.head_dim)?;
+            }
+            return Ok(());
+        }
+        self.rows_allocated = batch;
         let sources = [(&self.keys, &own), (&other.keys, &joined)];
         let keys = self.moved(gpu, batch, &sources)?;
         let sources = [(&self.values, &own), (&other.values, &joined)];
@@ -92,18 +130,14 @@ impl CudaKvCache {
     }
 
     /// Keeps the sequences `keep` (ascending), in that order, and drops the others (finished
-    /// or cancelled): one copy however many leave. Keeping none is refused: drop the cache.
+    /// or cancelled), moving the kept columns in place. Keeping none leaves an empty batch whose
+    /// buffers wait for the next join.
     pub fn retain(&mut self, gpu: &Gpu, keep: &[usize]) -> Result<(), CudaError> {
         assert!(
-            !keep.is_empty(),
-            "drop the cache instead of keeping no sequence"
+            keep.windows(2).all(|w| w[0] < w[1]) && keep.last().is_none_or(|&b| b < self.batch())
         );
-        assert!(keep.windows(2).all(|w| w[0] < w[1]) && keep[keep.len() - 1] < self.batch());
         let moves = ColumnMoves::kept_rows(keep, self.layout.used());
-        let keys = self.moved(gpu, keep.len(), &[(&self.keys, &moves)])?;
-        let values = self.moved(gpu, keep.len(), &[(&self.values, &moves)])?;
-        self.keys = keys;
-        self.values = values;
+        self.move_in_place(gpu, &moves)?;
         for b in (0..self.batch()).rev() {
             if keep.binary_search(&b).is_err() {
                 self.layout.remove(b);
@@ -117,24 +151,47 @@ impl CudaKvCache {
     /// and departed sequences. Positions are baked into the cached keys, so attention is exact.
     pub fn compact(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
         let moves = ColumnMoves::compaction(&self.layout.compaction_plan());
-        let batch = self.batch();
-        let keys = self.moved(gpu, batch, &[(&self.keys, &moves)])?;
-        let values = self.moved(gpu, batch, &[(&self.values, &moves)])?;
-        self.keys = keys;
-        self.values = values;
+        self.move_in_place(gpu, &moves)?;
         self.layout.compact();
         Ok(())
     }
 
-    /// New per-layer buffers for `batch` sequences holding the `moves` of each source.
+    /// Carries out `moves` within the buffers (addresses kept): the columns that change place
+    /// are gathered into a staging buffer, then scattered to their destinations, so a column
+    /// that is both a source and a destination is read before it is overwritten.
+    fn move_in_place(&mut self, gpu: &Gpu, moves: &ColumnMoves) -> Result<(), CudaError> {
+        let moves = ColumnMoves(
+            moves
+                .0
+                .iter()
+                .copied()
+                .filter(|&(sb, sc, db, dc)| (sb, sc) != (db, dc))
+                .collect(),
+        );
+        if moves.0.is_empty() {
+            return Ok(());
+        }
+        let (src, dst) = moves.head_rows(self.kv_heads, self.layout.capacity());
+        let count = src.len();
+        let staged: Vec<i32> = (0..count as i32).collect();
+        let (src, dst, staged) = (gpu.upload(&src)?, gpu.upload(&dst)?, gpu.upload(&staged)?);
+        let mut staging = gpu.scratch::<u16>(count * self.head_dim)?;
+        for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            gpu.copy_rows_u16(buffer, &src, &mut staging, &staged, count, self.head_dim)?;
+            gpu.copy_rows_u16(&staging, &staged, buffer, &dst, count, self.head_dim)?;
+        }
+        Ok(())
+    }
+
+    /// New per-layer buffers for `rows` sequences holding the `moves` of each source.
     fn moved(
         &self,
         gpu: &Gpu,
-        batch: usize,
+        rows: usize,
         sources: &[(&Vec<CudaSlice<u16>>, &ColumnMoves)],
     ) -> Result<Vec<CudaSlice<u16>>, CudaError> {
         let capacity = self.layout.capacity();
-        let n = batch * self.kv_heads * capacity * self.head_dim;
+        let n = rows * self.kv_heads * capacity * self.head_dim;
         let indices = sources
             .iter()
             .map(|(_, moves)| {
@@ -161,18 +218,16 @@ impl CudaKvCache {
     }
 
     /// Every layer's keys and values on the host, `[batch, kv_heads, capacity, head_dim]` bf16
-    /// bits each (for tests and debugging).
+    /// bits each (the live sequences only; for tests and debugging).
     pub fn to_host(&self, gpu: &Gpu) -> Result<HostKv, CudaError> {
-        let keys = self
-            .keys
-            .iter()
-            .map(|k| gpu.download(k))
-            .collect::<Result<_, _>>()?;
-        let values = self
-            .values
-            .iter()
-            .map(|v| gpu.download(v))
-            .collect::<Result<_, _>>()?;
+        let n = self.batch() * self.kv_heads * self.layout.capacity() * self.head_dim;
+        let live = |buffer: &CudaSlice<u16>| -> Result<Vec<u16>, CudaError> {
+            let mut host = gpu.download(buffer)?;
+            host.truncate(n);
+            Ok(host)
+        };
+        let keys = self.keys.iter().map(live).collect::<Result<_, _>>()?;
+        let values = self.values.iter().map(live).collect::<Result<_, _>>()?;
         Ok((keys, values))
     }
 

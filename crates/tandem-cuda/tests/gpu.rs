@@ -516,6 +516,13 @@ fn topk_softmax_kernel_matches_its_reference() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn kv_cache_moves_put_every_column_where_the_layout_says() {
+    // Without reserved rows (a join reallocates) and with them (a join copies in place).
+    for reserve in [false, true] {
+        kv_cache_moves_case(reserve);
+    }
+}
+
+fn kv_cache_moves_case(reserve: bool) {
     let gpu = gpu();
     let dir = tiny_model("LlamaForCausalLM", true, 5);
     let (fast, _) = load_pair(&dir, gpu.clone()).expect("loads");
@@ -535,6 +542,10 @@ fn kv_cache_moves_put_every_column_where_the_layout_says() {
         host[layer][row * dim..(row + 1) * dim].to_vec()
     };
     let mut a = prefill(&[&[5, 6, 7], &[9]]);
+    if reserve {
+        a.reserve(&gpu, 4).expect("reserve");
+        assert_eq!(a.rows_allocated(), 4);
+    }
     let b = prefill(&[&[1, 2, 3, 4, 8]]);
     let (ak, av) = a.to_host(&gpu).expect("host");
     let (bk, bv) = b.to_host(&gpu).expect("host");

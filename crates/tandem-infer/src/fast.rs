@@ -94,6 +94,11 @@ pub struct FastRunningBatch {
     draft_capacity: usize,
     /// Which shape each round drafts with, or none.
     pub policy: SpeculationPolicy,
+    /// Sequences the caches are allocated for when they are created (0: as many as join), so
+    /// that joins, leaves and compactions up to that many move data in place, the cache buffers
+    /// keep their addresses and the CUDA graphs captured over them keep replaying (a server
+    /// sets its largest batch).
+    pub reserve_rows: usize,
     /// The taps of the plain rounds since the head was last extended (see `Row::behind`).
     deferred: Vec<tandem_model::Taps<DeviceRows>>,
     /// Time spent so far, by phase.
@@ -190,37 +195,62 @@ impl FastSpecEngine<'_> {
             capacity,
             draft_capacity: capacity + self.scratch(&policy),
             policy,
+            reserve_rows: 0,
             deferred: Vec::new(),
             timings: Timings::default(),
             compactions: 0,
         }
     }
 
-    /// Seconds per round of each choice (plain, then each of `shapes`) at each batch size in
-    /// `batches`, measured on this GPU: a batch of that many random 32-token prompts runs
-    /// [`CALIBRATION_WARM`] rounds of a choice, then the median of [`CALIBRATION_TIMED`]
-    /// timed rounds is kept. The start-up table of [`SpeculationPolicy::adaptive`].
+    /// Seconds per round of each choice of `batch`'s policy (plain, then each shape) at each
+    /// batch size in `batches`, measured on this GPU with `batch`'s own caches (so the CUDA
+    /// graphs captured on the way are the ones its serving replays): that many random 32-token
+    /// prompts join, run [`CALIBRATION_WARM`] rounds of a choice, then the median of
+    /// [`CALIBRATION_TIMED`] timed rounds is kept; then they leave. `batch` must be empty; its
+    /// policy is left as it was. The start-up table of [`SpeculationPolicy::adaptive`].
     pub fn calibrate(
         &self,
+        batch: &mut FastRunningBatch,
+        batches: &[usize],
+    ) -> Result<CostTable, InferError> {
+        let refuse = |reason: String| InferError::Config {
+            field: "policy",
+            reason,
+        };
+        if self.draft.is_none() {
+            return Err(refuse("calibrating draft shapes needs a head".into()));
+        }
+        if !batch.is_empty() {
+            return Err(refuse("calibration needs an empty batch".into()));
+        }
+        let shapes = batch.policy.shapes().to_vec();
+        let saved = std::mem::replace(
+            &mut batch.policy,
+            SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+        );
+        let result = self.measure_choices(batch, &shapes, batches);
+        // Whatever happened, the batch is left empty with its own policy.
+        for id in batch.ids() {
+            self.cancel(batch, id)?;
+        }
+        batch.policy = saved;
+        result
+    }
+
+    fn measure_choices(
+        &self,
+        batch: &mut FastRunningBatch,
         shapes: &[Shape],
         batches: &[usize],
-        capacity: usize,
     ) -> Result<CostTable, InferError> {
-        if self.draft.is_none() {
-            return Err(InferError::Config {
-                field: "policy",
-                reason: "calibrating draft shapes needs a head".into(),
-            });
-        }
         let vocab = self.target.spec.vocab_size as u64;
+        let capacity = batch.capacity;
         let choices: Vec<Choice> = (0..shapes.len())
             .map(Choice::Draft)
             .chain([Choice::Plain])
             .collect();
         let mut seconds = vec![vec![0.0; batches.len()]; shapes.len() + 1];
         for (k, &b) in batches.iter().enumerate() {
-            let policy = SpeculationPolicy::forced(shapes.to_vec(), Choice::Plain);
-            let mut batch = self.new_batch_with_policy(capacity, policy);
             let requests = (0..b as u64)
                 .map(|id| Request {
                     id,
@@ -234,13 +264,13 @@ impl FastSpecEngine<'_> {
                     seed: id,
                 })
                 .collect();
-            self.admit(&mut batch, requests)?;
+            self.admit(batch, requests)?;
             for (c, &choice) in choices.iter().enumerate() {
                 batch.policy.force(choice);
                 let mut times = Vec::with_capacity(CALIBRATION_TIMED);
                 for round in 0..CALIBRATION_WARM + CALIBRATION_TIMED {
                     let t0 = Instant::now();
-                    self.step(&mut batch)?;
+                    self.step(batch)?;
                     if round >= CALIBRATION_WARM {
                         times.push(t0.elapsed().as_secs_f64());
                     }
@@ -258,6 +288,9 @@ impl FastSpecEngine<'_> {
                 times.sort_by(f64::total_cmp);
                 let row = if c + 1 == choices.len() { 0 } else { c + 1 };
                 seconds[row][k] = times[times.len() / 2];
+            }
+            for id in batch.ids() {
+                self.cancel(batch, id)?;
             }
         }
         Ok(CostTable {
@@ -345,7 +378,14 @@ impl FastSpecEngine<'_> {
             head,
         };
         match &mut batch.caches {
-            None => batch.caches = Some(joined),
+            None => {
+                let mut joined = joined;
+                joined.target.reserve(self.gpu(), batch.reserve_rows)?;
+                if let Some((dcache, _)) = &mut joined.head {
+                    dcache.reserve(self.gpu(), batch.reserve_rows)?;
+                }
+                batch.caches = Some(joined)
+            }
             Some(caches) => self.append(caches, joined)?,
         }
         self.gpu().synchronize()?;
@@ -413,7 +453,7 @@ impl FastSpecEngine<'_> {
         let keep: Vec<usize> = (0..batch.rows.len())
             .filter(|&r| !batch.rows[r].done)
             .collect();
-        if keep.is_empty() {
+        if keep.is_empty() && batch.reserve_rows == 0 {
             batch.caches = None;
         } else if let Some(caches) = &mut batch.caches {
             let gpu = self.gpu();
@@ -427,6 +467,9 @@ impl FastSpecEngine<'_> {
             .into_iter()
             .partition(|r| r.done);
         batch.rows = kept;
+        if batch.rows.is_empty() {
+            batch.deferred.clear();
+        }
         Ok(gone)
     }
 
@@ -494,7 +537,7 @@ impl FastSpecEngine<'_> {
     pub fn step(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
         let mut progress = Vec::new();
         self.make_room(batch, &mut progress)?;
-        if batch.caches.is_none() {
+        if batch.caches.is_none() || batch.rows.is_empty() {
             return Ok(progress);
         }
         let choice = match self.draft {
@@ -783,7 +826,7 @@ impl FastSpecEngine<'_> {
         let total: usize = sources.iter().map(|(_, pick)| pick.len()).sum();
         let mut out = gpu.scratch::<f32>(total * cols)?;
         let mut at = 0;
-        for (data, pick) in sources {
+        for (data, pick) in sources.iter().filter(|(_, pick)| !pick.is_empty()) {
             let src: Vec<i32> = pick.iter().map(|&r| r as i32).collect();
             let dst: Vec<i32> = (at..at + pick.len()).map(|r| r as i32).collect();
             gpu.copy_rows(

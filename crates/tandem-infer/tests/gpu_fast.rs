@@ -540,6 +540,11 @@ fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
         };
         // 48 columns: far less than the rounds need without compaction.
         let mut batch = engine.new_batch(48);
+        // The tree and target-only runs keep their caches in buffers reserved for 8 rows
+        // (joins, leaves and compactions in place); the chain run reallocates at each join.
+        if config.topk > 1 || draft.is_none() {
+            batch.reserve_rows = 8;
+        }
         let mut streamed: HashMap<u64, Vec<u32>> = HashMap::new();
         let mut finished: HashMap<u64, Vec<u32>> = HashMap::new();
         let mut take = |progress: Vec<tandem_infer::Progress>| {
@@ -748,9 +753,30 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
         );
     }
 
-    // 3. Calibration.
-    let costs = engine.calibrate(&shapes, &[1, 4], 256).unwrap();
+    // 3. Calibration on a batch with reserved rows: it leaves the batch empty with its caches
+    //    kept, and a request served afterwards still decodes exactly.
+    let mut batch = engine.new_batch_with_policy(
+        256,
+        SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+    );
+    batch.reserve_rows = 4;
+    let costs = engine.calibrate(&mut batch, &[1, 4]).unwrap();
     assert_eq!(costs.seconds.len(), 3);
+    assert!(batch.is_empty());
+    let mut after: Vec<u32> = Vec::new();
+    for p in engine
+        .admit(&mut batch, vec![request(0, prompts[0].clone())])
+        .unwrap()
+    {
+        after.extend(&p.tokens);
+    }
+    batch.policy.force(Choice::Draft(1));
+    while !batch.is_empty() {
+        for p in engine.step(&mut batch).unwrap() {
+            after.extend(&p.tokens);
+        }
+    }
+    assert_eq!(after, expected[0], "a request after calibration");
     let policy = SpeculationPolicy::adaptive(shapes, costs.clone(), PolicyConfig::default());
     assert!(policy.is_ok(), "{costs:?}");
 }

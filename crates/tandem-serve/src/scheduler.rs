@@ -11,8 +11,8 @@ use std::thread::JoinHandle;
 use tandem_cuda::{CudaDraft, CudaTarget};
 use tandem_eagle::Eagle3Draft;
 use tandem_infer::{
-    FastRunningBatch, FastSpecEngine, InferError, PlainBatch, PlainEngine, Progress, Request,
-    RunningBatch, SpecConfig, SpecEngine, SpecOutput, SpeculationPolicy,
+    CostTable, FastRunningBatch, FastSpecEngine, InferError, PlainBatch, PlainEngine, PolicyConfig,
+    Progress, Request, RunningBatch, SpecConfig, SpecEngine, SpecOutput, SpeculationPolicy,
 };
 use tandem_model::burn::prelude::Backend;
 use tandem_model::{TapRequest, TargetModel};
@@ -35,6 +35,10 @@ pub trait Decoder {
     /// policy chooses the shape per round.
     fn policy_rounds(&self) -> Vec<(String, u64)> {
         Vec::new()
+    }
+    /// Where the engine's time went, printed when the server stops (`None`: nothing to say).
+    fn report(&self) -> Option<String> {
+        None
     }
 }
 
@@ -192,7 +196,7 @@ pub struct FastDecoder {
 impl FastDecoder {
     /// `taps`: the serving taps checked against the head's manifest ([`TapRequest::none`]
     /// without a head). `policy`: how rounds choose their draft shape (`None`: always
-    /// `config`'s).
+    /// `config`'s). `max_batch`: the caches are allocated for that many sequences at once.
     pub fn new(
         target: CudaTarget,
         draft: Option<CudaDraft>,
@@ -200,6 +204,7 @@ impl FastDecoder {
         config: SpecConfig,
         context: usize,
         policy: Option<SpeculationPolicy>,
+        max_batch: usize,
     ) -> Result<Self, InferError> {
         config.validate()?;
         let engine = FastSpecEngine {
@@ -208,10 +213,11 @@ impl FastDecoder {
             taps: taps.clone(),
             config,
         };
-        let batch = match policy {
+        let mut batch = match policy {
             Some(policy) => engine.new_batch_with_policy(context, policy),
             None => engine.new_batch(context),
         };
+        batch.reserve_rows = max_batch;
         Ok(Self {
             target,
             draft,
@@ -234,6 +240,22 @@ macro_rules! fast_engine {
     };
 }
 
+impl FastDecoder {
+    /// Measures the cost of every choice of the batch's policy (plain rounds and each draft
+    /// shape) at `batches` sizes on the decoder's own caches, so the CUDA graphs captured while
+    /// measuring are the ones serving replays, then lets the adaptive policy choose each round.
+    pub fn calibrate(
+        &mut self,
+        batches: &[usize],
+        config: PolicyConfig,
+    ) -> Result<CostTable, InferError> {
+        let shapes = self.batch.policy.shapes().to_vec();
+        let costs = fast_engine!(self).calibrate(&mut self.batch, batches)?;
+        self.batch.policy = SpeculationPolicy::adaptive(shapes, costs.clone(), config)?;
+        Ok(costs)
+    }
+}
+
 impl Decoder for FastDecoder {
     fn check(&self, request: &Request) -> Result<(), InferError> {
         fast_engine!(self).check_request(&self.batch, request)
@@ -249,6 +271,29 @@ impl Decoder for FastDecoder {
     }
     fn running(&self) -> usize {
         self.batch.len()
+    }
+    fn report(&self) -> Option<String> {
+        let t = &self.batch.timings;
+        let target = self.target.graph_stats();
+        let mut text = format!(
+            "engine time: prefill {:.2}s, draft {:.2}s, verify {:.2}s, extend {:.2}s; \
+             {} compactions; target CUDA graphs: {} captured, {} replays",
+            t.prefill_s,
+            t.draft_s,
+            t.verify_s,
+            t.extend_s,
+            self.batch.compactions,
+            target.captured,
+            target.replays
+        );
+        if let Some(draft) = &self.draft {
+            let head = draft.graph_stats();
+            text.push_str(&format!(
+                "; head: {} captured, {} replays",
+                head.captured, head.replays
+            ));
+        }
+        Some(text)
     }
     fn policy_rounds(&self) -> Vec<(String, u64)> {
         match self.draft {
@@ -480,6 +525,9 @@ fn run_engine(
             }
         }
         metrics.set_queue(jobs.len(), decoder.running());
+    }
+    if let Some(report) = decoder.report() {
+        eprintln!("tandem serve: {report}");
     }
 }
 
