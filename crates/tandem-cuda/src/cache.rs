@@ -19,6 +19,28 @@ pub(crate) struct HostStep {
     pub shape: AttentionShape,
 }
 
+impl HostStep {
+    /// The step with sequences appended up to `batch`, each a copy of sequence 0's inputs
+    /// (tokens, positions, mask): what a graph captured for `batch` sequences runs. Their keys
+    /// and values land in cache rows past the live ones (reserved, owned by no sequence), and
+    /// their outputs are dropped.
+    pub fn padded(mut self, batch: usize) -> Self {
+        let live = self.shape.batch;
+        if batch <= live {
+            return self;
+        }
+        let width = self.shape.width;
+        let mask_row = width * self.total;
+        for _ in live..batch {
+            self.tokens.extend_from_within(..width);
+            self.positions.extend_from_within(..width);
+            self.mask.extend_from_within(..mask_row);
+        }
+        self.shape.batch = batch;
+        self
+    }
+}
+
 pub struct CudaKvCache {
     pub(crate) keys: Vec<CudaSlice<u16>>,
     pub(crate) values: Vec<CudaSlice<u16>>,

@@ -18,7 +18,7 @@ use crate::cache::{CudaKvCache, HostStep};
 use crate::device::{AttentionShape, DeviceRows, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
-use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH};
+use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, graph_batch};
 use crate::weights::to_bf16_bits;
 
 /// An EAGLE-3 head in bf16 on the GPU, on top of a copy of the target's embedding.
@@ -263,11 +263,15 @@ impl CudaDraft {
             }
             .into());
         }
-        let output = if self.graphs.enabled() && step.width <= GRAPH_MAX_WIDTH {
-            self.step_graphed(&host, hidden, cache)?
+        let mut output = if self.graphs.enabled() && step.width <= GRAPH_MAX_WIDTH {
+            // Padded to a graph batch size, as the target's steps are.
+            let padded = graph_batch(step.batch, cache.rows_allocated());
+            self.step_graphed(host, padded, hidden, cache)?
         } else {
             self.step_eager(&host, hidden, cache)?
         };
+        output.hidden.batch = step.batch;
+        output.logits.rows = rows;
         cache.advance(step);
         Ok(output)
     }
@@ -294,24 +298,38 @@ impl CudaDraft {
         self.graphs.stats()
     }
 
+    /// A step from a graph captured for `padded` sequences (the live ones first; the spare
+    /// rows' hidden inputs are whatever the buffers last held, and their outputs are dropped).
     fn step_graphed(
         &self,
-        host: &HostStep,
+        host: HostStep,
+        padded: usize,
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let rows = host.shape.rows();
-        let key = GraphKey::new(gpu, host.shape, cache, 0, &[]);
+        let key = GraphKey::new(
+            gpu,
+            AttentionShape {
+                batch: padded.max(host.shape.batch),
+                ..host.shape
+            },
+            cache,
+            0,
+            &[],
+        );
         let mut graphs = self.graphs.lock();
         if !graphs.ready(&key) {
-            // A new shape or cache runs eagerly for its first steps; the next one is captured.
+            // A new shape or cache runs eagerly (unpadded) for its first steps; the next one is
+            // captured.
             drop(graphs);
-            return self.step_eager(host, hidden, cache);
+            return self.step_eager(&host, hidden, cache);
         }
+        let host = host.padded(padded);
         if !graphs.captured.contains_key(&key) {
             let mut buffers = DraftBuffers::new(self, host.shape, host.shape.capacity, None)?;
-            let graph = gpu.capture(|| self.encode(&mut buffers, cache, host, true))?;
+            let graph = gpu.capture(|| self.encode(&mut buffers, cache, &host, true))?;
             graphs.insert(
                 key.clone(),
                 CapturedStep {
@@ -322,7 +340,7 @@ impl CudaDraft {
             );
         }
         let entry = graphs.captured.get_mut(&key).expect("captured above");
-        entry.buffers.load(gpu, host)?;
+        entry.buffers.load(gpu, &host)?;
         gpu.copy_into(
             &hidden,
             &mut entry.buffers.hidden,
@@ -478,7 +496,8 @@ impl DraftBuffers {
             scalars: gpu.scratch(2)?,
             hidden: match hidden {
                 Some(hidden) => hidden,
-                None => gpu.scratch(rows * h)?,
+                // Zeros: the spare rows of a padded graph read them until a step writes them.
+                None => gpu.zeros(rows * h)?,
             },
             embeds: gpu.scratch(rows * h)?,
             normed_embeds: gpu.scratch(rows * h)?,

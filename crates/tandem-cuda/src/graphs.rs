@@ -12,7 +12,7 @@ use crate::cache::CudaKvCache;
 use crate::device::{AttentionShape, Gpu, StepGraph};
 
 /// Graphs a model keeps (step shapes times caches); the oldest goes first.
-const MAX_GRAPHS: usize = 64;
+const MAX_GRAPHS: usize = 128;
 
 /// Steps of one key that run eagerly before the next one is captured. A running batch moves
 /// its caches to new buffers whenever a request joins or leaves (a new key), so under churn a

@@ -259,6 +259,40 @@ pub struct CudaStepOutput {
     pub taps: Taps<DeviceRows>,
 }
 
+impl CudaStepOutput {
+    /// Drops the rows of sequences `batch..` (a step padded to a graph's batch size): the data
+    /// stays, the row counts every reader goes by shrink.
+    fn keep_sequences(&mut self, batch: usize, width: usize, logits_for: LogitsFor) {
+        if let Some(logits) = &mut self.logits {
+            logits.rows = match logits_for {
+                LogitsFor::All => batch * width,
+                _ => batch,
+            };
+        }
+        for tap in &mut self.taps.tensors {
+            tap.batch = batch;
+        }
+    }
+}
+
+/// Batch sizes CUDA graphs are captured for (and multiples of 64 beyond): a graphed step of
+/// another size is padded up to the next one the cache has rows for.
+const GRAPH_BATCHES: [usize; 12] = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64];
+
+/// The batch a graphed step of `batch` sequences runs at, given the rows the cache holds.
+pub(crate) fn graph_batch(batch: usize, rows_allocated: usize) -> usize {
+    let bucket = GRAPH_BATCHES
+        .iter()
+        .copied()
+        .find(|&b| b >= batch)
+        .unwrap_or_else(|| batch.div_ceil(64) * 64);
+    if bucket <= rows_allocated {
+        bucket
+    } else {
+        batch
+    }
+}
+
 impl CudaTarget {
     /// Loads `config.json` and the safetensors weights of an HF model directory onto `gpu`.
     pub fn load(dir: &Path, gpu: Arc<Gpu>) -> Result<Self, CudaError> {
@@ -336,17 +370,25 @@ impl CudaTarget {
             spec.vocab_size,
             [spec.num_heads, spec.num_kv_heads, spec.head_dim],
         )?;
-        let last: Vec<i32> = step
+        let mut last: Vec<i32> = step
             .last_real()
             .iter()
             .enumerate()
             .map(|(b, i)| (b * step.width + i.unwrap_or(0)) as i32)
             .collect();
-        let output = if self.graphs_enabled() && step.width <= GRAPH_MAX_WIDTH {
+        let mut output = if self.graphs_enabled() && step.width <= GRAPH_MAX_WIDTH {
+            // A running batch changes size at every join and leave; padded to a few sizes, its
+            // steps keep replaying the same graphs.
+            let padded = graph_batch(step.batch, cache.rows_allocated());
+            let host = host.padded(padded);
+            for b in step.batch..padded {
+                last.push((b * step.width) as i32 + last[0]);
+            }
             self.forward_graphed(&host, &last, cache, taps, logits_for)?
         } else {
             self.forward_eager(&host, &last, cache, taps, logits_for)?
         };
+        output.keep_sequences(step.batch, step.width, logits_for);
         cache.advance(step);
         Ok(output)
     }

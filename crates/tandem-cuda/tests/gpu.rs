@@ -138,6 +138,15 @@ fn graph_replay_gives_the_eager_outputs() {
     // more decode: the same logits (the same kernels with the same inputs; 1e-6 of the largest
     // logit allows cuBLAS a different reduction order inside a capture), the same greedy
     // tokens, the same taps and tap-point walk.
+    // Second case: 3 sequences in a cache reserved for 8, so graphed steps are padded to a
+    // batch of 4 (copies of sequence 0 in the spare rows) and trimmed back.
+    let two: &[&[u32]] = &[&[5, 6, 7, 8, 9], &[11, 12]];
+    let three: &[&[u32]] = &[&[5, 6, 7, 8, 9], &[11, 12], &[3, 1, 4, 1]];
+    graph_replay_case(two, 0);
+    graph_replay_case(three, 8);
+}
+
+fn graph_replay_case(prompts: &[&[u32]], reserve: usize) {
     let gpu = gpu();
     let dir = tiny_model("LlamaForCausalLM", false, 11);
     let graphed = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
@@ -145,13 +154,11 @@ fn graph_replay_gives_the_eager_outputs() {
     eager.set_graphs(false);
     let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final, TapId::Embed]);
     let mut caches = [
-        graphed.new_cache(2, 128).expect("cache"),
-        eager.new_cache(2, 128).expect("cache"),
+        graphed.new_cache(prompts.len(), 128).expect("cache"),
+        eager.new_cache(prompts.len(), 128).expect("cache"),
     ];
-    let prefill = caches[0]
-        .layout()
-        .prefill_step(&[&[5, 6, 7, 8, 9], &[11, 12]])
-        .expect("prefill");
+    caches[0].reserve(&gpu, reserve).expect("reserve");
+    let prefill = caches[0].layout().prefill_step(prompts).expect("prefill");
     let compare = |step: &tandem_model::StepInput,
                    caches: &mut [tandem_cuda::CudaKvCache; 2],
                    logits_for: LogitsFor,
@@ -165,6 +172,7 @@ fn graph_replay_gives_the_eager_outputs() {
             .forward(step, b, &taps, logits_for)
             .expect("eager step");
         let (la, lb) = (out_a.logits.expect("logits"), out_b.logits.expect("logits"));
+        assert_eq!(la.rows, lb.rows, "{label}: logits rows");
         let gap = rel_err(&la.to_host().unwrap(), &lb.to_host().unwrap());
         assert!(
             gap <= 1e-6,
@@ -183,6 +191,7 @@ fn graph_replay_gives_the_eager_outputs() {
             .zip(&out_b.taps.tensors)
             .enumerate()
         {
+            assert_eq!(ta.batch, tb.batch, "{label}: tap rows");
             let gap = rel_err(&ta.to_host().unwrap(), &tb.to_host().unwrap());
             assert!(gap <= 1e-6, "{label}: tap slot {slot} differs by {gap}");
         }

@@ -545,10 +545,12 @@ impl FastSpecEngine<'_> {
             None => Choice::Plain,
         };
         let shape = batch.policy.shape(choice);
+        // The catch-up is part of what a drafted round costs after plain ones: it is timed with
+        // the round.
+        let round_start = Instant::now();
         if shape.is_some() {
             self.catch_up(batch)?;
         }
-        let round_start = Instant::now();
         let caches = batch.caches.as_mut().expect("checked above");
         let rows = &mut batch.rows;
         let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
