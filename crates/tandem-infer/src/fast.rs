@@ -504,7 +504,12 @@ impl FastSpecEngine<'_> {
             || caches
                 .head
                 .as_ref()
-                .is_some_and(|(d, _)| d.layout().used() + width + scratch > d.layout().capacity());
+                .is_some_and(|(d, _)| d.layout().used() + width + scratch > d.layout().capacity())
+            // Attention scans every used column, so columns of rejected drafts, padding and
+            // departed sequences cost every round until they are reclaimed; reclaiming them
+            // moves each live column once.
+            || mostly_waste(target)
+            || caches.head.as_ref().is_some_and(|(d, _)| mostly_waste(d.layout()));
         let t0 = Instant::now();
         if needs_room {
             caches.target.compact(self.gpu())?;
@@ -1050,6 +1055,16 @@ impl FastSpecEngine<'_> {
             .map(|(&r, search)| Ok(search.build(r, shape.tokens)?))
             .collect()
     }
+}
+
+/// Whether a cache's used columns run well past its longest sequence (by a quarter, and at
+/// least 64 columns): the point where compacting costs less than the rounds it speeds up.
+fn mostly_waste(layout: &tandem_model::ColumnLayout) -> bool {
+    let longest = (0..layout.batch())
+        .map(|b| layout.seq_len(b))
+        .max()
+        .unwrap_or(0);
+    layout.batch() > 0 && layout.used() >= longest + (longest / 4).max(64)
 }
 
 fn commit(row: &mut Row, tokens: &[u32]) {

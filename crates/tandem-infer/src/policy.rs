@@ -377,6 +377,33 @@ impl SpeculationPolicy {
             .collect()
     }
 
+    /// One line per measured batch size: the cost of each choice now (after corrections) in
+    /// ms, and the tokens per round each shape is expected to commit (adaptive policies only).
+    pub fn summary(&self) -> String {
+        let Some(costs) = self.costs() else {
+            return String::new();
+        };
+        let commits: Vec<String> = self
+            .shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!("{s} {:.2}", self.expected_commit(i)))
+            .collect();
+        let mut text = format!("expected tokens per round: {}", commits.join(", "));
+        for (k, b) in costs.batches.iter().enumerate() {
+            let row: Vec<String> = costs
+                .seconds
+                .iter()
+                .map(|c| format!("{:.2}", c[k] * 1e3))
+                .collect();
+            text.push_str(&format!(
+                "\n  batch {b:>3}: ms per round (none, shapes) {}",
+                row.join(" ")
+            ));
+        }
+        text
+    }
+
     /// Expected tokens per second of each choice at `batch` (adaptive policies only): plain
     /// first, then the shapes.
     pub fn throughput(&self, batch: usize) -> Vec<(Choice, f64)> {

@@ -292,6 +292,12 @@ impl Decoder for FastDecoder {
                 "; head: {} captured, {} replays",
                 head.captured, head.replays
             ));
+            if self.batch.policy.is_adaptive() {
+                text.push_str(&format!(
+                    "\nspeculation policy at the end: {}",
+                    self.batch.policy.summary()
+                ));
+            }
         }
         Some(text)
     }
