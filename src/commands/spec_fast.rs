@@ -67,8 +67,8 @@ pub fn load_target(model: &ModelArgs) -> anyhow::Result<(std::sync::Arc<Gpu>, Cu
 
 /// `tandem serve --device cuda`: the fast path's decoder, speculative or (`no_draft`) the
 /// target alone, with continuous batching of up to `max_batch` sequences. `adaptive`: the
-/// shapes the speculation policy chooses among (its start-up cost table is measured at batch
-/// sizes 1, 2, 4, .. up to `max_batch`).
+/// shapes the speculation policy chooses among (its start-up cost table is measured at the
+/// CUDA graphs' batch sizes up to `max_batch`).
 pub fn serve_decoder(
     model: &ModelArgs,
     spec: &SpecArgs,
@@ -120,8 +120,12 @@ pub fn serve_decoder(
         Some(forced),
         max_batch,
     )?;
-    let mut batches: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2))
-        .take_while(|&b| b < max_batch)
+    // Every batch size the CUDA graphs are captured for (so they are all captured now, on the
+    // decoder's own caches), and the largest batch.
+    let mut batches: Vec<usize> = tandem_cuda::GRAPH_BATCHES
+        .iter()
+        .copied()
+        .filter(|&b| b < max_batch)
         .collect();
     batches.push(max_batch.max(1));
     let start = Instant::now();

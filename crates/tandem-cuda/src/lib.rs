@@ -28,7 +28,7 @@ pub use device::{AttentionShape, DeviceRows, Gpu, compile_all_kernels, nvrtc_pre
 pub use draft::{CudaDraft, DraftStepOutput};
 pub use error::CudaError;
 pub use graphs::GraphStats;
-pub use model::{CudaStepOutput, CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH};
+pub use model::{CudaStepOutput, CudaTarget, DeviceLogits, GRAPH_BATCHES, GRAPH_MAX_WIDTH};
 pub use train::{
     AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, StepCounts, TargetPieces,
     TrainStepReport,

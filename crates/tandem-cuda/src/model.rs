@@ -277,7 +277,7 @@ impl CudaStepOutput {
 
 /// Batch sizes CUDA graphs are captured for (and multiples of 64 beyond): a graphed step of
 /// another size is padded up to the next one the cache has rows for.
-const GRAPH_BATCHES: [usize; 12] = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64];
+pub const GRAPH_BATCHES: [usize; 12] = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64];
 
 /// The batch a graphed step of `batch` sequences runs at, given the rows the cache holds.
 pub(crate) fn graph_batch(batch: usize, rows_allocated: usize) -> usize {

@@ -167,6 +167,11 @@ impl FastSpecEngine<'_> {
         }
     }
 
+    /// CUDA graphs the target and the head have captured so far.
+    fn graphs_captured(&self) -> usize {
+        self.target.graph_stats().captured + self.draft.map_or(0, |d| d.graph_stats().captured)
+    }
+
     /// Head cache columns the largest draft of `policy` uses beyond the committed tokens.
     fn scratch(&self, policy: &SpeculationPolicy) -> usize {
         policy
@@ -553,6 +558,7 @@ impl FastSpecEngine<'_> {
         // The catch-up is part of what a drafted round costs after plain ones: it is timed with
         // the round.
         let round_start = Instant::now();
+        let captures_before = self.graphs_captured();
         if shape.is_some() {
             self.catch_up(batch)?;
         }
@@ -639,7 +645,10 @@ impl FastSpecEngine<'_> {
             _ => {}
         }
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
-        let round_seconds = round_start.elapsed().as_secs_f64();
+        // A round that captured a CUDA graph paid a one-time cost: its time says nothing about
+        // the next rounds.
+        let round_seconds = (self.graphs_captured() == captures_before)
+            .then(|| round_start.elapsed().as_secs_f64());
         batch
             .policy
             .observe(choice, batch.rows.len(), committed_total, round_seconds);

@@ -451,15 +451,18 @@ impl SpeculationPolicy {
     }
 
     /// What a round of `choice` did: `rows` sequences committed `committed` tokens together in
-    /// `seconds` (the round alone: drafting, verification, extension).
-    pub fn observe(&mut self, choice: Choice, rows: usize, committed: usize, seconds: f64) {
+    /// `seconds` (the round alone: drafting, verification, extension; `None` when the round's
+    /// time is not representative, e.g. it captured a CUDA graph).
+    pub fn observe(&mut self, choice: Choice, rows: usize, committed: usize, seconds: Option<f64>) {
         let Mode::Adaptive { costs, config } = &mut self.mode else {
             return;
         };
         if rows == 0 {
             return;
         }
-        costs.correct(choice.index(), rows, seconds, config.cost_rate);
+        if let Some(seconds) = seconds {
+            costs.correct(choice.index(), rows, seconds, config.cost_rate);
+        }
         if let Choice::Draft(i) = choice {
             self.committed[i].add(committed as f64, rows as f64, config.window);
         }
@@ -553,8 +556,8 @@ mod tests {
         let mut p = SpeculationPolicy::adaptive(shapes, table(), PolicyConfig::default()).unwrap();
         // Teach it an accept length of 2.0 for the chain and 2.4 for the tree.
         for _ in 0..50 {
-            p.observe(Choice::Draft(0), 8, 16, 2.1e-3);
-            p.observe(Choice::Draft(1), 8, 19, 2.4e-3);
+            p.observe(Choice::Draft(0), 8, 16, Some(2.1e-3));
+            p.observe(Choice::Draft(1), 8, 19, Some(2.4e-3));
         }
         assert!((p.expected_commit(0) - 2.0).abs() < 0.01);
         // Batch 1: chain 2.0/2.1 ms vs tree 2.4/2.4 ms vs plain 1/1.5 ms: the tree.
@@ -564,8 +567,8 @@ mod tests {
         assert_eq!(p.choose(64), Choice::Draft(0));
         // With an accept length of 1.2 nothing beats a plain round at 64.
         for _ in 0..200 {
-            p.observe(Choice::Draft(0), 64, 77, 2.1e-3);
-            p.observe(Choice::Draft(1), 64, 77, 3.9e-3);
+            p.observe(Choice::Draft(0), 64, 77, Some(2.1e-3));
+            p.observe(Choice::Draft(1), 64, 77, Some(3.9e-3));
         }
         assert_eq!(p.choose(64), Choice::Plain);
     }
@@ -582,7 +585,7 @@ mod tests {
             let mut p =
                 SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs(chain), config).unwrap();
             for _ in 0..2000 {
-                p.observe(Choice::Draft(0), 1, 2, chain);
+                p.observe(Choice::Draft(0), 1, 2, Some(chain));
             }
             p.choose(1)
         };
@@ -602,8 +605,8 @@ mod tests {
         // Optimistic prior (4 tokens per round): drafting wins at once.
         assert_eq!(p.choose(8), Choice::Draft(0));
         // Observed: it commits 1.0 per round (nothing accepted), so plain rounds follow...
-        p.observe(Choice::Draft(0), 8, 8, 2.1e-3);
-        p.observe(Choice::Draft(0), 8, 8, 2.1e-3);
+        p.observe(Choice::Draft(0), 8, 8, Some(2.1e-3));
+        p.observe(Choice::Draft(0), 8, 8, Some(2.1e-3));
         let choices: Vec<Choice> = (0..10).map(|_| p.choose(8)).collect();
         // ...with one probe after nine plain rounds.
         assert!(choices[..9].iter().all(|c| *c == Choice::Plain));
@@ -622,20 +625,20 @@ mod tests {
         // Plain rounds at batch 8 measured at twice the table's cost, many times: the table
         // converges there.
         for _ in 0..400 {
-            p.observe(Choice::Plain, 8, 8, 2.0 * before);
+            p.observe(Choice::Plain, 8, 8, Some(2.0 * before));
         }
         let after = p.costs().unwrap().at(0, 8);
         assert!((after / before - 2.0).abs() < 0.01, "{before} -> {after}");
         // One absurd round moves it by at most rate * 7 (ratio clamped at 8).
         let mut q = p.clone();
-        q.observe(Choice::Plain, 8, 8, 1e3);
+        q.observe(Choice::Plain, 8, 8, Some(1e3));
         let jumped = q.costs().unwrap().at(0, 8);
         let rate = PolicyConfig::default().cost_rate;
         assert!(jumped / after <= 1.0 + rate * 7.0 + 1e-9);
         assert!(jumped / after > 1.0 + rate * 6.0);
         // Fixed and forced policies neither learn nor change their choice.
         let mut f = SpeculationPolicy::fixed(shape("3/4/8"));
-        f.observe(Choice::Draft(0), 8, 8, 1.0);
+        f.observe(Choice::Draft(0), 8, 8, Some(1.0));
         assert_eq!(f.choose(64), Choice::Draft(0));
         let mut forced = SpeculationPolicy::forced(vec![shape("3/1/4")], Choice::Plain);
         assert_eq!(forced.choose(1), Choice::Plain);
