@@ -136,8 +136,8 @@ impl FastRunningBatch {
     }
 }
 
-/// Deferred steps (plain rounds and admissions) after which the head is extended anyway (one
-/// batched extend), so the deferred taps stay small.
+/// Plain rounds in a row after which the head is extended anyway (one batched extend), so the
+/// deferred taps stay small.
 const MAX_DEFERRED: usize = 256;
 
 /// Rounds run before timing a choice in [`FastSpecEngine::calibrate`] (the CUDA graphs of a
@@ -359,10 +359,7 @@ impl FastSpecEngine<'_> {
         // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
         // the first generated token). The chunks have the prompts' lengths, so the prefill's
         // slots line up with the extend's one for one.
-        // While the policy runs plain rounds, this extension waits with theirs for the next
-        // drafted round (so joining costs what it costs without a head).
         let t0 = Instant::now();
-        let defer = batch.policy.last_choice() == Some(Choice::Plain);
         let head = match self.draft {
             Some(draft) => {
                 let mut dcache = draft.new_cache(n, batch.draft_capacity)?;
@@ -371,46 +368,16 @@ impl FastSpecEngine<'_> {
                     .zip(&first)
                     .map(|(r, &f)| r.request.prompt[1..].iter().copied().chain([f]).collect())
                     .collect();
-                let roots = if defer {
-                    let round = batch.deferred.len();
-                    for (b, (row, chunk)) in rows.iter_mut().zip(&chunks).enumerate() {
-                        row.behind = chunk
-                            .iter()
-                            .enumerate()
-                            .map(|(t, &token)| (token, round, b * step.width + t))
-                            .collect();
-                    }
-                    let gpu = self.gpu();
-                    let (h, vocab) = (draft.spec.hidden_size, draft.vocab.draft_size());
-                    // Placeholders until the catch-up computes these rows' roots.
-                    Roots {
-                        hidden: DeviceRows {
-                            data: gpu.zeros::<f32>(n * h)?,
-                            batch: n,
-                            width: 1,
-                            hidden: h,
-                        },
-                        logits: DeviceLogits::new(
-                            gpu.zeros::<f32>(n * vocab)?,
-                            n,
-                            vocab,
-                            self.target.gpu().clone(),
-                        ),
-                    }
-                } else {
-                    let slots: Vec<Vec<usize>> = rows
-                        .iter()
-                        .map(|r| (0..r.request.prompt.len()).collect())
-                        .collect();
-                    self.draft_extend(draft, &mut dcache, &chunks, &out.taps, step.width, &slots)?
-                };
+                let slots: Vec<Vec<usize>> = rows
+                    .iter()
+                    .map(|r| (0..r.request.prompt.len()).collect())
+                    .collect();
+                let roots =
+                    self.draft_extend(draft, &mut dcache, &chunks, &out.taps, step.width, &slots)?;
                 Some((dcache, roots))
             }
             None => None,
         };
-        if defer && self.draft.is_some() {
-            batch.deferred.push(out.taps);
-        }
         let joined = FastCaches {
             target: cache,
             head,
@@ -685,7 +652,7 @@ impl FastSpecEngine<'_> {
         batch
             .policy
             .observe(choice, batch.rows.len(), committed_total, round_seconds);
-        if batch.deferred.len() >= MAX_DEFERRED {
+        if batch.deferred_rounds() >= MAX_DEFERRED {
             self.catch_up(batch)?;
         }
         self.retire(batch, &mut progress)?;
@@ -697,110 +664,89 @@ impl FastSpecEngine<'_> {
     /// replaces the roots of those rows. Rows with nothing deferred keep their roots. A drafted
     /// round does this first by itself.
     pub fn catch_up(&self, batch: &mut FastRunningBatch) -> Result<(), InferError> {
-        let t0 = Instant::now();
+        let width = batch.deferred_rounds();
         let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
             return Ok(());
         };
         let Some((dcache, roots)) = &mut caches.head else {
             return Ok(());
         };
+        if width == 0 {
+            batch.deferred.clear();
+            return Ok(());
+        }
+        let t0 = Instant::now();
         let gpu = self.gpu();
-        let fc_in = draft.spec.fc_in();
-        // Every step of a batch takes its width in columns from every row, so a long backlog
-        // (a deferred prompt) goes in pieces that fit, compacting in between.
-        let mut done = vec![0usize; batch.rows.len()];
-        loop {
-            let pending = |b: usize| batch.rows[b].behind.len() - done[b];
-            if (0..batch.rows.len()).all(|b| pending(b) == 0) {
-                break;
-            }
-            let wanted = (0..batch.rows.len()).map(pending).max().unwrap_or(0);
-            if dcache.layout().used() + wanted > dcache.layout().capacity() {
-                dcache.compact(gpu)?;
-            }
-            let room = dcache.layout().capacity() - dcache.layout().used();
-            if room == 0 {
-                return Err(InferError::Request {
-                    reason: "the head's cache has no room to catch up".into(),
-                });
-            }
-            let take: Vec<usize> = (0..batch.rows.len())
-                .map(|b| pending(b).min(room))
-                .collect();
-            let entries: Vec<&[(u32, usize, usize)]> = batch
-                .rows
-                .iter()
-                .enumerate()
-                .map(|(b, r)| &r.behind[done[b]..done[b] + take[b]])
-                .collect();
-            let chunks: Vec<Vec<u32>> = entries
-                .iter()
-                .map(|e| e.iter().map(|x| x.0).collect())
-                .collect();
-            let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
-            let step = dcache.layout().prefill_step(&refs)?;
-            // The fc input of every slot, gathered round by round from the deferred taps;
-            // padding slots read the first entry of this piece (masked out of attention).
-            let fallback = entries
-                .iter()
-                .find_map(|e| e.first())
-                .map(|e| (e.1, e.2))
-                .expect("some row has a pending token");
-            let mut by_round: Vec<(Vec<i32>, Vec<i32>)> =
-                vec![Default::default(); batch.deferred.len()];
-            for (b, e) in entries.iter().enumerate() {
-                for slot in 0..step.width {
-                    let (round, src) = e.get(slot).map_or(fallback, |x| (x.1, x.2));
-                    by_round[round].0.push(src as i32);
-                    by_round[round].1.push((b * step.width + slot) as i32);
-                }
-            }
-            let mut aux = gpu.scratch::<u16>(step.batch * step.width * fc_in)?;
-            for (round, (src, dst)) in by_round.iter().enumerate() {
-                if src.is_empty() {
-                    continue;
-                }
-                let part = draft.fc_input(&batch.deferred[round], src)?;
-                let identity: Vec<i32> = (0..src.len() as i32).collect();
-                gpu.copy_rows_u16(
-                    &part,
-                    &gpu.upload(&identity)?,
-                    &mut aux,
-                    &gpu.upload(dst)?,
-                    src.len(),
-                    fc_in,
-                )?;
-            }
-            let out = draft.extend(&step, &aux, dcache)?;
-            // New roots: each row's output at the last token of its piece.
-            let (src, dst): (Vec<i32>, Vec<i32>) = chunks
-                .iter()
-                .enumerate()
-                .filter(|(_, c)| !c.is_empty())
-                .map(|(b, c)| ((b * step.width + c.len() - 1) as i32, b as i32))
-                .unzip();
-            let (src, dst) = (gpu.upload(&src)?, gpu.upload(&dst)?);
-            let n = dst.len();
-            gpu.copy_rows(
-                &out.hidden.data,
-                &src,
-                &mut roots.hidden.data,
-                &dst,
-                n,
-                out.hidden.hidden,
-            )?;
-            gpu.copy_rows(
-                &out.logits.data,
-                &src,
-                &mut roots.logits.data,
-                &dst,
-                n,
-                out.logits.vocab,
-            )?;
-            for (d, t) in done.iter_mut().zip(&take) {
-                *d += t;
+        if dcache.layout().used() + width > dcache.layout().capacity() {
+            dcache.compact(gpu)?;
+        }
+        let chunks: Vec<Vec<u32>> = batch
+            .rows
+            .iter()
+            .map(|r| r.behind.iter().map(|e| e.0).collect())
+            .collect();
+        let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+        let step = dcache.layout().prefill_step(&refs)?;
+        // The fc input of every slot, gathered round by round from the deferred taps; padding
+        // slots read the first deferred entry (they are masked out of attention).
+        let fallback = batch
+            .rows
+            .iter()
+            .find_map(|r| r.behind.first())
+            .map(|e| (e.1, e.2))
+            .expect("some row is behind");
+        let mut by_round: Vec<(Vec<i32>, Vec<i32>)> =
+            vec![Default::default(); batch.deferred.len()];
+        for (b, row) in batch.rows.iter().enumerate() {
+            for slot in 0..step.width {
+                let (round, src) = row.behind.get(slot).map_or(fallback, |e| (e.1, e.2));
+                by_round[round].0.push(src as i32);
+                by_round[round].1.push((b * step.width + slot) as i32);
             }
         }
+        let fc_in = draft.spec.fc_in();
+        let mut aux = gpu.scratch::<u16>(step.batch * step.width * fc_in)?;
+        for (round, (src, dst)) in by_round.iter().enumerate() {
+            if src.is_empty() {
+                continue;
+            }
+            let part = draft.fc_input(&batch.deferred[round], src)?;
+            let identity: Vec<i32> = (0..src.len() as i32).collect();
+            gpu.copy_rows_u16(
+                &part,
+                &gpu.upload(&identity)?,
+                &mut aux,
+                &gpu.upload(dst)?,
+                src.len(),
+                fc_in,
+            )?;
+        }
+        let out = draft.extend(&step, &aux, dcache)?;
+        // New roots: each behind row's output at its last deferred token.
+        let (src, dst): (Vec<i32>, Vec<i32>) = chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| !c.is_empty())
+            .map(|(b, c)| ((b * step.width + c.len() - 1) as i32, b as i32))
+            .unzip();
+        let (src, dst) = (gpu.upload(&src)?, gpu.upload(&dst)?);
+        let n = dst.len();
+        gpu.copy_rows(
+            &out.hidden.data,
+            &src,
+            &mut roots.hidden.data,
+            &dst,
+            n,
+            out.hidden.hidden,
+        )?;
+        gpu.copy_rows(
+            &out.logits.data,
+            &src,
+            &mut roots.logits.data,
+            &dst,
+            n,
+            out.logits.vocab,
+        )?;
         gpu.synchronize()?;
         for row in &mut batch.rows {
             row.behind.clear();

@@ -226,7 +226,7 @@ impl Default for PolicyConfig {
     fn default() -> Self {
         Self {
             margin: 0.03,
-            probe_every: 400,
+            probe_every: 200,
             prior_weight: 2.0,
             window: 512.0,
             cost_rate: 0.2,
@@ -274,7 +274,6 @@ pub struct SpeculationPolicy {
     plain_streak: u64,
     /// Rounds run per choice (0 plain, `1 + i` shape `i`).
     rounds: Vec<u64>,
-    last: Option<Choice>,
 }
 
 impl SpeculationPolicy {
@@ -293,7 +292,6 @@ impl SpeculationPolicy {
             committed,
             plain_streak: 0,
             rounds,
-            last: None,
         }
     }
 
@@ -449,13 +447,7 @@ impl SpeculationPolicy {
             Choice::Draft(_) => 0,
         };
         self.rounds[choice.index()] += 1;
-        self.last = Some(choice);
         choice
-    }
-
-    /// The choice of the latest round (`None` before the first).
-    pub fn last_choice(&self) -> Option<Choice> {
-        self.last
     }
 
     /// What a round of `choice` did: `rows` sequences committed `committed` tokens together in

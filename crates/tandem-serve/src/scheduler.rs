@@ -252,9 +252,6 @@ impl FastDecoder {
         let shapes = self.batch.policy.shapes().to_vec();
         let costs = fast_engine!(self).calibrate(&mut self.batch, batches)?;
         self.batch.policy = SpeculationPolicy::adaptive(shapes, costs.clone(), config)?;
-        // The shutdown report is about serving.
-        self.batch.timings = Default::default();
-        self.batch.compactions = 0;
         Ok(costs)
     }
 }
