@@ -132,6 +132,11 @@ phase_piece() {
 # phase_import: joins the pieces, imports the target as $M, copies the committed head to
 # $W/head and the reference scripts next to it.
 phase_import() {
+  # A machine handed out between calls starts empty: stop here rather than wait on nothing.
+  local f
+  for f in "$T" "$W"/part-{a,b,c,d} .device/e/gguf.part; do
+    [[ -f "$f" ]] || { echo "missing $f: this machine did not get the earlier pieces; run phases a..d again" >&2; exit 3; }
+  done
   cat "$W"/part-{a,b,c,d} .device/e/gguf.part > "$W/smollm2.gguf"
   run "$T" import-gguf "$W/smollm2.gguf" "$M" | tail -1
   rm -f "$W/smollm2.gguf" "$W"/part-?
