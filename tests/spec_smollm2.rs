@@ -68,7 +68,7 @@ fn greedy_speculative_equals_target_greedy_on_mtbench() {
     ] {
         let engine = SpecEngine {
             target: &target,
-            draft: &head.draft,
+            draft: Some(&head.draft),
             taps: TapRequest::new(taps.clone()),
             config,
         };

@@ -242,7 +242,7 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
     )?;
     let engine = SpecEngine {
         target: &model,
-        draft: &head.draft,
+        draft: Some(&head.draft),
         taps: TapRequest::new(taps.clone()),
         config,
     };

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Args;
 use tandem_model::{SamplingParams, TargetTokenizer};
 use tandem_serve::scheduler::DecoderFactory;
-use tandem_serve::{AppState, Decoder, PlainDecoder, Scheduler, SchedulerConfig, SpecDecoder};
+use tandem_serve::{AppState, Decoder, Scheduler, SchedulerConfig, SpecDecoder};
 
 use super::ModelArgs;
 use super::spec::{EngineKind, SpecArgs};
@@ -151,14 +151,22 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
     with_backend!(args.model.device, |B, device| {
         if args.no_draft {
             let target = args.model.load::<B>(&device)?;
-            Ok(Box::new(PlainDecoder::new(target, args.context)) as Box<dyn Decoder>)
+            let config = args.spec.config(SamplingParams::greedy(), 0);
+            let decoder = SpecDecoder::new(
+                target,
+                None,
+                tandem_model::TapRequest::none(),
+                config,
+                args.context,
+            )?;
+            Ok(Box::new(decoder) as Box<dyn Decoder>)
         } else {
             let loaded = super::spec::load::<B>(&args.model, &args.spec, &device)?;
             // Sampling and seed are per request; the engine's own are unused by the server.
             let config = args.spec.config(SamplingParams::greedy(), 0);
             let decoder = SpecDecoder::new(
                 loaded.target,
-                loaded.head.draft,
+                Some(loaded.head.draft),
                 loaded.taps,
                 config,
                 args.context,

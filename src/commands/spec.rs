@@ -175,7 +175,7 @@ pub fn generate<B: Backend>(
     let loaded = load::<B>(model, spec, device)?;
     let engine = SpecEngine {
         target: &loaded.target,
-        draft: &loaded.head.draft,
+        draft: Some(&loaded.head.draft),
         taps: loaded.taps.clone(),
         config: spec.config(request.sampling, request.seed),
     };
@@ -328,7 +328,7 @@ fn bench_on<B: Backend>(args: &BenchArgs, device: &B::Device) -> anyhow::Result<
     let stop = loaded.tokenizer.eos_ids.clone();
     let engine = SpecEngine {
         target: &loaded.target,
-        draft: &loaded.head.draft,
+        draft: Some(&loaded.head.draft),
         taps: loaded.taps.clone(),
         config,
     };

@@ -141,11 +141,15 @@ pub struct DraftRoot<B: Backend> {
     logits: Tensor<B, 1>,
 }
 
-/// The speculative engine over a target and an EAGLE-3 head on the same device.
+/// The speculative engine over a target and an EAGLE-3 head on the same device. Without a head
+/// the same loop is target-only decoding (every round verifies its root alone: a decode step),
+/// the baseline the server and the benchmarks compare speculation against.
 pub struct SpecEngine<'a, B: Backend> {
     pub target: &'a TargetModel<B>,
-    pub draft: &'a Eagle3Draft<B>,
-    /// The serving taps, in slot order (checked against the head's manifest by the caller).
+    /// The EAGLE-3 head; `None` decodes with the target alone.
+    pub draft: Option<&'a Eagle3Draft<B>>,
+    /// The serving taps, in slot order (checked against the head's manifest by the caller;
+    /// [`TapRequest::none`] without a head).
     pub taps: TapRequest,
     pub config: SpecConfig,
 }
@@ -294,7 +298,10 @@ pub struct Progress {
 
 struct Sequence<B: Backend> {
     request: Request,
-    root: DraftRoot<B>,
+    /// The last committed token: the root of the next round's tree.
+    last: u32,
+    /// The head's state at `last` (`None` without a head).
+    root: Option<DraftRoot<B>>,
     output: SpecOutput,
     rng: rand::rngs::StdRng,
     done: bool,
@@ -305,7 +312,7 @@ struct Sequence<B: Backend> {
 /// rounds; columns freed by rejected drafts and departed sequences are reclaimed by compaction
 /// when the cache runs out of room.
 pub struct RunningBatch<B: Backend> {
-    caches: Option<(KvCache<B>, DraftCache<B>)>,
+    caches: Option<(KvCache<B>, Option<DraftCache<B>>)>,
     sequences: Vec<Sequence<B>>,
     capacity: usize,
     draft_capacity: usize,
@@ -336,7 +343,9 @@ impl<B: Backend> RunningBatch<B> {
             self.caches = None;
         } else if let Some((cache, dcache)) = &mut self.caches {
             cache.remove(row);
-            dcache.remove(row);
+            if let Some(dcache) = dcache {
+                dcache.remove(row);
+            }
         }
         self.sequences.remove(row)
     }
@@ -347,6 +356,23 @@ impl<B: Backend> SpecEngine<'_, B> {
     /// steps (rolled back every round).
     pub fn draft_scratch(&self) -> usize {
         draft_scratch(&self.config)
+    }
+
+    /// Tokens one round verifies per sequence (1 without a head).
+    fn round_width(&self) -> usize {
+        if self.draft.is_some() {
+            self.config.num_draft_tokens
+        } else {
+            1
+        }
+    }
+
+    /// The head, for the drafting functions (an error without one).
+    fn head(&self) -> Result<&Eagle3Draft<B>, InferError> {
+        self.draft.ok_or_else(|| InferError::Config {
+            field: "draft",
+            reason: "drafting needs a head; this engine decodes with the target alone".into(),
+        })
     }
 
     /// An empty running batch whose sequences may each reach `capacity` tokens.
@@ -366,7 +392,7 @@ impl<B: Backend> SpecEngine<'_, B> {
         Admission {
             capacity: batch.capacity,
             max_positions: self.target.spec.max_position_embeddings,
-            round_width: self.config.num_draft_tokens,
+            round_width: self.round_width(),
             vocab: self.target.spec.vocab_size,
         }
     }
@@ -398,7 +424,6 @@ impl<B: Backend> SpecEngine<'_, B> {
         let n = requests.len();
         let t0 = Instant::now();
         let mut cache = self.target.new_cache(n, batch.capacity);
-        let mut dcache = self.draft.new_cache(n, batch.draft_capacity);
         let refs: Vec<&[u32]> = requests.iter().map(|r| r.prompt.as_slice()).collect();
         let step = cache.prefill_step(&refs)?;
         let out = self
@@ -415,20 +440,29 @@ impl<B: Backend> SpecEngine<'_, B> {
         // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
         // the first generated token).
         let t0 = Instant::now();
-        let chunks: Vec<Vec<u32>> = requests
-            .iter()
-            .zip(&first)
-            .map(|(r, &f)| r.prompt[1..].iter().copied().chain([f]).collect())
-            .collect();
-        let aux = out.taps.concatenated().expect("the engine requests taps");
-        let roots = self.draft_extend(&mut dcache, &chunks, aux, &first)?;
+        let (dcache, roots) = match self.draft {
+            Some(draft) => {
+                let mut dcache = draft.new_cache(n, batch.draft_capacity);
+                let chunks: Vec<Vec<u32>> = requests
+                    .iter()
+                    .zip(&first)
+                    .map(|(r, &f)| r.prompt[1..].iter().copied().chain([f]).collect())
+                    .collect();
+                let aux = out.taps.concatenated().expect("the engine requests taps");
+                let roots = self.draft_extend(&mut dcache, &chunks, aux, &first)?;
+                (Some(dcache), roots.into_iter().map(Some).collect())
+            }
+            None => (None, (0..n).map(|_| None).collect::<Vec<_>>()),
+        };
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
 
         match &mut batch.caches {
             None => batch.caches = Some((cache, dcache)),
             Some((c, d)) => {
                 c.append(cache)?;
-                d.append(dcache)?;
+                if let (Some(d), Some(dcache)) = (d, dcache) {
+                    d.append(dcache)?;
+                }
             }
         }
         let mut progress = Vec::with_capacity(n);
@@ -441,10 +475,15 @@ impl<B: Backend> SpecEngine<'_, B> {
                 output: SpecOutput {
                     tokens: Vec::new(),
                     finish: Finish::Length,
-                    stats: AcceptanceStats::new(self.config.num_steps),
+                    stats: AcceptanceStats::new(if self.draft.is_some() {
+                        self.config.num_steps
+                    } else {
+                        0
+                    }),
                     rounds_by_shape: Default::default(),
                 },
                 request,
+                last: token,
                 root,
                 rng,
                 done: false,
@@ -483,11 +522,13 @@ impl<B: Backend> SpecEngine<'_, B> {
     /// Makes room for one round: compacts both caches when either would overflow, and ends the
     /// sequences that no longer fit even then (`Finish::ContextFull`).
     fn make_room(&self, batch: &mut RunningBatch<B>, progress: &mut Vec<Progress>) {
-        let width = self.config.num_draft_tokens;
+        let width = self.round_width();
         let scratch = self.draft_scratch();
         let needs_room = |batch: &RunningBatch<B>| match &batch.caches {
             Some((c, d)) => {
-                c.used() + width > c.capacity() || d.used() + width + scratch > d.capacity()
+                c.used() + width > c.capacity()
+                    || d.as_ref()
+                        .is_some_and(|d| d.used() + width + scratch > d.capacity())
             }
             None => false,
         };
@@ -497,7 +538,9 @@ impl<B: Backend> SpecEngine<'_, B> {
         let t0 = Instant::now();
         if let Some((c, d)) = &mut batch.caches {
             c.compact();
-            d.compact();
+            if let Some(d) = d {
+                d.compact();
+            }
         }
         batch.compactions += 1;
         let mut full = Vec::new();
@@ -532,12 +575,26 @@ impl<B: Backend> SpecEngine<'_, B> {
             return Ok(progress);
         };
 
-        // Draft.
+        // Draft (without a head, each tree is its root alone: a decode step).
         let t0 = Instant::now();
-        let draft_columns = dcache.used();
-        let roots: Vec<&DraftRoot<B>> = batch.sequences.iter().map(|s| &s.root).collect();
-        let trees = self.draft_trees(&roots, dcache)?;
-        dcache.rollback(draft_columns);
+        let trees = match dcache {
+            Some(dcache) => {
+                let draft_columns = dcache.used();
+                let roots: Vec<&DraftRoot<B>> = batch
+                    .sequences
+                    .iter()
+                    .map(|s| s.root.as_ref().expect("a head keeps a root per sequence"))
+                    .collect();
+                let trees = self.draft_trees(&roots, dcache)?;
+                dcache.rollback(draft_columns);
+                trees
+            }
+            None => batch
+                .sequences
+                .iter()
+                .map(|s| DraftTree::chain(s.last, &[]))
+                .collect(),
+        };
         batch.timings.draft_s += t0.elapsed().as_secs_f64();
 
         // Verify the trees with the target (one tree step for the whole batch).
@@ -603,17 +660,21 @@ impl<B: Backend> SpecEngine<'_, B> {
             let path = acc.path_with_root();
             cache.keep_only(b, verify_width, &path);
             let committed = acc.committed_tokens(tree);
-            let depth = tree.depth.iter().copied().max().unwrap_or(0);
-            seq.output.stats.record(acc.accepted.len(), depth);
+            if self.draft.is_some() {
+                let depth = tree.depth.iter().copied().max().unwrap_or(0);
+                seq.output.stats.record(acc.accepted.len(), depth);
+            }
             let before = seq.output.tokens.len();
             commit(seq, &committed);
             progress.push(Progress {
                 id: seq.request.id,
                 tokens: seq.output.tokens[before..].to_vec(),
-                accepted: Some(acc.accepted.len()),
+                // Target-only rounds draft nothing.
+                accepted: self.draft.map(|_| acc.accepted.len()),
                 finished: None,
             });
-            last_tokens.push(*committed.last().expect("bonus token"));
+            seq.last = *committed.last().expect("bonus token");
+            last_tokens.push(seq.last);
             aux_rows.push(
                 path.iter()
                     .map(|&n| b * verify_width + n)
@@ -621,11 +682,13 @@ impl<B: Backend> SpecEngine<'_, B> {
             );
             chunks.push(committed);
         }
-        let aux = out.taps.concatenated().expect("the engine requests taps");
-        let aux = gather_rows(aux, &aux_rows);
-        let roots = self.draft_extend(dcache, &chunks, aux, &last_tokens)?;
-        for (seq, root) in batch.sequences.iter_mut().zip(roots) {
-            seq.root = root;
+        if let Some(dcache) = dcache {
+            let aux = out.taps.concatenated().expect("the engine requests taps");
+            let aux = gather_rows(aux, &aux_rows);
+            let roots = self.draft_extend(dcache, &chunks, aux, &last_tokens)?;
+            for (seq, root) in batch.sequences.iter_mut().zip(roots) {
+                seq.root = Some(root);
+            }
         }
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
         self.retire(batch, &mut progress);
@@ -657,7 +720,7 @@ impl<B: Backend> SpecEngine<'_, B> {
             });
         }
         // Room for every round without compaction: each round takes at most one tree's width.
-        let width = self.config.num_draft_tokens;
+        let width = self.round_width();
         let mut batch = self.new_batch(max_prompt + (max_new_tokens + 1) * width + 1);
         let cfg = self.config;
         let requests =
@@ -694,7 +757,7 @@ impl<B: Backend> SpecEngine<'_, B> {
         } else {
             aux
         };
-        let out = self.draft.extend(&step, aux, dcache)?;
+        let out = self.head()?.extend(&step, aux, dcache)?;
         Ok(chunks
             .iter()
             .enumerate()
@@ -729,8 +792,9 @@ impl<B: Backend> SpecEngine<'_, B> {
         roots: &[&DraftRoot<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
+        let draft = self.head()?;
         let batch = roots.len();
-        let h = self.draft.spec.hidden_size;
+        let h = draft.spec.hidden_size;
         let mut hidden: Tensor<B, 3> =
             Tensor::cat(roots.iter().map(|r| r.hidden.clone()).collect(), 0).reshape([batch, 1, h]);
         let mut logits: Tensor<B, 2> =
@@ -741,7 +805,7 @@ impl<B: Backend> SpecEngine<'_, B> {
             let ids = ints(logits.clone().argmax(1));
             let tokens: Vec<u32> = ids
                 .iter()
-                .map(|&d| self.draft.vocab.to_target(d as usize))
+                .map(|&d| draft.vocab.to_target(d as usize))
                 .collect();
             for (b, &t) in tokens.iter().enumerate() {
                 drafts[b].push(t);
@@ -750,7 +814,7 @@ impl<B: Backend> SpecEngine<'_, B> {
                 break;
             }
             let step = dcache.decode_step(&tokens)?;
-            let out = self.draft.forward_step(&step, hidden, dcache)?;
+            let out = draft.forward_step(&step, hidden, dcache)?;
             let v = out.logits.dims()[2];
             logits = out.logits.reshape([batch, v]);
             hidden = out.hidden;
@@ -770,9 +834,10 @@ impl<B: Backend> SpecEngine<'_, B> {
         roots: &[&DraftRoot<B>],
         dcache: &mut DraftCache<B>,
     ) -> Result<Vec<DraftTree>, InferError> {
+        let draft = self.head()?;
         let k = self.config.topk;
         let batch = roots.len();
-        let h = self.draft.spec.hidden_size;
+        let h = draft.spec.hidden_size;
         let device = roots[0].hidden.device();
         let base_columns = dcache.used();
         let mut searches: Vec<BeamSearch> = (0..batch).map(|_| BeamSearch::new(k)).collect();
@@ -780,7 +845,7 @@ impl<B: Backend> SpecEngine<'_, B> {
         let mut outputs: Vec<Vec<Option<Tensor<B, 2>>>> = vec![Vec::new(); batch];
         let to_target = |ids: &[i64]| -> Vec<u32> {
             ids.iter()
-                .map(|&d| self.draft.vocab.to_target(d as usize))
+                .map(|&d| draft.vocab.to_target(d as usize))
                 .collect()
         };
         // Step 0 from the roots' logits.
@@ -807,7 +872,7 @@ impl<B: Backend> SpecEngine<'_, B> {
             }
             let step = dcache.tree_step(&next.trees())?;
             let hidden = Tensor::cat(hidden_rows, 0).reshape([batch, step.width, h]);
-            let out = self.draft.forward_step(&step, hidden, dcache)?;
+            let out = draft.forward_step(&step, hidden, dcache)?;
             dcache.rollback(base_columns);
             let (probs, ids) = softmax(out.logits, 2).topk_with_indices(k, 2);
             let (probs, ids) = (floats(probs), ints(ids));

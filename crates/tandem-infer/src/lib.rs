@@ -6,7 +6,6 @@
 pub mod admission;
 pub mod engine;
 pub mod fast;
-pub mod plain;
 pub mod policy;
 pub mod stats;
 pub mod tree;
@@ -19,7 +18,6 @@ pub use engine::{
     SpecEngine, SpecGenerate, SpecOutput, Timings,
 };
 pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
-pub use plain::{PlainBatch, PlainEngine};
 pub use policy::{Choice, CostTable, PolicyConfig, Shape, SpeculationPolicy};
 pub use stats::{AcceptanceStats, accept_length_se, position_se, ratio_se, share_se};
 pub use tree::{BeamSearch, BeamStep, DraftStep, DraftTree, TreeBuilder, TreeError};

@@ -40,7 +40,7 @@ fn check_greedy_equivalence(config: SpecConfig) {
     let prompts = vec![vec![3u32, 14, 15, 92, 65], vec![2u32, 71, 82]];
     let engine = SpecEngine {
         target: &target,
-        draft: &draft,
+        draft: Some(&draft),
         taps,
         config,
     };
@@ -97,7 +97,7 @@ fn deepseek_micro_batched_speculation_equals_plain_target_greedy() {
     };
     let engine = SpecEngine {
         target: &target,
-        draft: &draft,
+        draft: Some(&draft),
         taps: TapRequest::new(taps),
         config,
     };
@@ -152,7 +152,7 @@ fn partially_accepted_drafts_commit_correctly() {
     ] {
         let engine = SpecEngine {
             target: &target,
-            draft: &draft,
+            draft: Some(&draft),
             taps: taps.clone(),
             config,
         };
@@ -224,7 +224,7 @@ fn check_sampling(
     for seed in 0..draws {
         let engine = SpecEngine {
             target,
-            draft,
+            draft: Some(draft),
             taps: taps.clone(),
             config: SpecConfig {
                 seed: seed as u64,
@@ -249,7 +249,7 @@ fn bad_requests_are_refused_by_name() {
     let (target, draft, taps) = setup("bad");
     let engine = SpecEngine {
         target: &target,
-        draft: &draft,
+        draft: Some(&draft),
         taps: taps.clone(),
         config: SpecConfig::chain(3),
     };
@@ -260,7 +260,7 @@ fn bad_requests_are_refused_by_name() {
     assert!(err.contains("does not fit"), "{err}");
     let bad = SpecEngine {
         target: &target,
-        draft: &draft,
+        draft: Some(&draft),
         taps: taps.clone(),
         config: SpecConfig {
             num_draft_tokens: 9,
@@ -271,7 +271,7 @@ fn bad_requests_are_refused_by_name() {
     assert!(err.contains("num_draft_tokens"), "{err}");
     let hot = SpecEngine {
         target: &target,
-        draft: &draft,
+        draft: Some(&draft),
         taps,
         config: SpecConfig {
             sampling: SamplingParams {
@@ -295,7 +295,7 @@ fn requests_join_and_leave_a_running_batch() {
     let (target, draft, taps) = setup("running-batch");
     let engine = SpecEngine {
         target: &target,
-        draft: &draft,
+        draft: Some(&draft),
         taps,
         config: SpecConfig {
             num_steps: 3,
@@ -401,13 +401,18 @@ fn requests_join_and_leave_a_running_batch() {
     );
 }
 
-/// The target-only baseline has the same running-batch behaviour: joins, leaves, compaction,
-/// and greedy output equal to plain generation.
+/// The target-only baseline (the engine without a head) has the same running-batch behaviour:
+/// joins, leaves, compaction, and greedy output equal to plain generation.
 #[test]
 fn target_only_batch_joins_and_leaves() {
-    use tandem_infer::{Finish, PlainEngine, Request};
+    use tandem_infer::{Finish, Request};
     let (target, _, _) = setup("plain-batch");
-    let engine = PlainEngine { target: &target };
+    let engine = SpecEngine {
+        target: &target,
+        draft: None,
+        taps: TapRequest::none(),
+        config: SpecConfig::chain(3),
+    };
     let request = |id: u64, prompt: Vec<u32>, max_new_tokens: usize| Request {
         id,
         prompt,

@@ -414,9 +414,10 @@ fn walk_group<B: Backend>(
     let scratch = engine.draft_scratch();
     // Room for the longest sample plus one extend of any width; compaction reclaims the
     // padding of ragged extends when it runs out.
-    let mut dcache = engine
-        .draft
-        .new_cache(walks.len(), 2 * longest + scratch + 1);
+    let head = engine.draft.ok_or_else(|| ReplayError::HeadMismatch {
+        reason: "compare drafts offline and needs the engine's head".into(),
+    })?;
+    let mut dcache = head.new_cache(walks.len(), 2 * longest + scratch + 1);
     let mut roots = extend_walks(engine, &mut dcache, walks, aux_width, scratch)?;
     loop {
         let before = dcache.used();

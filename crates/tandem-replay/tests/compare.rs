@@ -156,7 +156,7 @@ fn compare(config: SpecConfig, serving_taps: Vec<TapId>) -> CompareReport {
     let dump = DumpReader::open(regen_dump()).unwrap();
     let engine = SpecEngine {
         target: &model,
-        draft,
+        draft: Some(draft),
         taps: TapRequest::new(trained_taps()),
         config,
     };
@@ -164,7 +164,7 @@ fn compare(config: SpecConfig, serving_taps: Vec<TapId>) -> CompareReport {
     let offline = offline_acceptance(&model, draft, &dump, STEPS, None).unwrap();
     let serving = SpecEngine {
         target: &model,
-        draft,
+        draft: Some(draft),
         taps: TapRequest::new(serving_taps),
         config,
     };
@@ -258,7 +258,7 @@ fn drafted_chain_at_every_position_equals_the_teacher_forced_chain() {
     let dump = DumpReader::open(regen_dump()).unwrap();
     let engine = SpecEngine {
         target: &model,
-        draft,
+        draft: Some(draft),
         taps: TapRequest::new(trained_taps()),
         config: SpecConfig::chain(STEPS),
     };
@@ -301,7 +301,7 @@ fn compare_runs_offline_and_online_on_a_random_head() {
     }
     let engine = SpecEngine {
         target: &model,
-        draft: &draft,
+        draft: Some(&draft),
         taps: TapRequest::new(taps.clone()),
         config: tree(),
     };
@@ -345,7 +345,7 @@ fn online_on_the_dumps_own_exchanges_is_online_on_its_prompts() {
     let taps = TapRequest::new(trained_taps());
     let engine = SpecEngine {
         target: &model,
-        draft,
+        draft: Some(draft),
         taps,
         config,
     };

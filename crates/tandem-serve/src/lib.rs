@@ -4,9 +4,8 @@
 //!   pure functions tested without a model;
 //! - [`scheduler`]: one engine thread owning the target and the head; requests join and leave
 //!   the running batch between speculative rounds, a bounded queue answers 429 when full and a
-//!   client that goes away frees its slot. The batch is a [`Decoder`]: the burn engines
-//!   ([`SpecDecoder`], [`PlainDecoder`]) or the CUDA fast path ([`FastDecoder`], with or
-//!   without a head);
+//!   client that goes away frees its slot. The batch is a [`Decoder`]: the burn engine
+//!   ([`SpecDecoder`]) or the CUDA fast path ([`FastDecoder`]), each with or without a head;
 //! - [`metrics`]: Prometheus text for `/metrics`;
 //! - [`http`]: the axum routes, streaming (SSE), stop strings and graceful shutdown.
 
@@ -19,6 +18,5 @@ pub mod text;
 pub use http::{AppState, router, serve};
 pub use metrics::Metrics;
 pub use scheduler::{
-    Decoder, Event, FastDecoder, Limits, PlainDecoder, Scheduler, SchedulerConfig, SpecDecoder,
-    SubmitError,
+    Decoder, Event, FastDecoder, Limits, Scheduler, SchedulerConfig, SpecDecoder, SubmitError,
 };

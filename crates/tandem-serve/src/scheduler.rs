@@ -11,8 +11,8 @@ use std::thread::JoinHandle;
 use tandem_cuda::{CudaDraft, CudaTarget};
 use tandem_eagle::Eagle3Draft;
 use tandem_infer::{
-    CostTable, FastRunningBatch, FastSpecEngine, InferError, PlainBatch, PlainEngine, PolicyConfig,
-    Progress, Request, RunningBatch, SpecConfig, SpecEngine, SpecOutput, SpeculationPolicy,
+    CostTable, FastRunningBatch, FastSpecEngine, InferError, PolicyConfig, Progress, Request,
+    RunningBatch, SpecConfig, SpecEngine, SpecOutput, SpeculationPolicy,
 };
 use tandem_model::burn::prelude::Backend;
 use tandem_model::{TapRequest, TargetModel};
@@ -55,19 +55,22 @@ pub struct Limits {
     pub draft_depth: usize,
 }
 
-/// The speculative engine over an owned target and head.
+/// The burn engine over an owned target and head, or the target alone (`draft: None`, the
+/// baseline `tandem serve --no-draft` runs).
 pub struct SpecDecoder<B: Backend> {
     target: TargetModel<B>,
-    draft: Eagle3Draft<B>,
+    draft: Option<Eagle3Draft<B>>,
     taps: TapRequest,
     config: SpecConfig,
     batch: RunningBatch<B>,
 }
 
 impl<B: Backend> SpecDecoder<B> {
+    /// `taps`: the serving taps checked against the head's manifest ([`TapRequest::none`]
+    /// without a head).
     pub fn new(
         target: TargetModel<B>,
-        draft: Eagle3Draft<B>,
+        draft: Option<Eagle3Draft<B>>,
         taps: TapRequest,
         config: SpecConfig,
         context: usize,
@@ -75,7 +78,7 @@ impl<B: Backend> SpecDecoder<B> {
         config.validate()?;
         let batch = SpecEngine {
             target: &target,
-            draft: &draft,
+            draft: draft.as_ref(),
             taps: taps.clone(),
             config,
         }
@@ -95,7 +98,7 @@ macro_rules! spec_engine {
     ($s:expr) => {
         SpecEngine {
             target: &$s.target,
-            draft: &$s.draft,
+            draft: $s.draft.as_ref(),
             taps: $s.taps.clone(),
             config: $s.config,
         }
@@ -119,65 +122,15 @@ impl<B: Backend> Decoder for SpecDecoder<B> {
         self.batch.len()
     }
     fn limits(&self) -> Limits {
+        let (round, draft_depth) = match self.draft {
+            Some(_) => (self.config.num_draft_tokens, self.config.num_steps),
+            None => (1, 0),
+        };
         Limits {
             context: self.batch.capacity(),
             max_prompt: spec_engine!(self).max_prompt_len(&self.batch),
-            round: self.config.num_draft_tokens,
-            draft_depth: self.config.num_steps,
-        }
-    }
-}
-
-/// The target alone (the baseline `tandem serve --no-draft` runs).
-pub struct PlainDecoder<B: Backend> {
-    target: TargetModel<B>,
-    batch: PlainBatch<B>,
-}
-
-impl<B: Backend> PlainDecoder<B> {
-    pub fn new(target: TargetModel<B>, context: usize) -> Self {
-        let batch = PlainEngine { target: &target }.new_batch(context);
-        Self { target, batch }
-    }
-}
-
-impl<B: Backend> Decoder for PlainDecoder<B> {
-    fn check(&self, request: &Request) -> Result<(), InferError> {
-        PlainEngine {
-            target: &self.target,
-        }
-        .check_request(&self.batch, request)
-    }
-    fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
-        PlainEngine {
-            target: &self.target,
-        }
-        .admit(&mut self.batch, requests)
-    }
-    fn step(&mut self) -> Result<Vec<Progress>, InferError> {
-        PlainEngine {
-            target: &self.target,
-        }
-        .step(&mut self.batch)
-    }
-    fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError> {
-        Ok(PlainEngine {
-            target: &self.target,
-        }
-        .cancel(&mut self.batch, id))
-    }
-    fn running(&self) -> usize {
-        self.batch.len()
-    }
-    fn limits(&self) -> Limits {
-        Limits {
-            context: self.batch.capacity(),
-            max_prompt: PlainEngine {
-                target: &self.target,
-            }
-            .max_prompt_len(&self.batch),
-            round: 1,
-            draft_depth: 0,
+            round,
+            draft_depth,
         }
     }
 }

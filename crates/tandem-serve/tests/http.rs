@@ -52,7 +52,7 @@ fn spec_factory(context: usize) -> DecoderFactory {
         .map_err(|e| e.to_string())?;
         let decoder = SpecDecoder::new(
             target,
-            head.draft,
+            Some(head.draft),
             TapRequest::new(taps),
             SpecConfig::chain(3),
             context,
