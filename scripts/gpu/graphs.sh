@@ -43,11 +43,7 @@ wait)
 pipeline)
   cd "$W"
   mark "pipeline start"
-  timeout 300 "$W/gpu-tests" --ignored --test-threads 1 > "$R/tests-cuda.log" 2>&1
-  echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
-  timeout 300 "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
-  echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
-  mark "tests done"
+  run_gpu_tests 300
   if [[ "${FAST_BENCH:-1}" == 1 ]]; then
     timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --new-tokens 64 \
       --repeats 3 --with-taps --json "$R/fast-bench.json" > "$R/fast-bench.md" 2> "$R/fast-bench.log"

@@ -129,6 +129,16 @@ phase_piece() {
   ls -la "$W"
 }
 
+# run_gpu_tests SECONDS: both GPU test binaries carried by `pack_smollm2`, each under a
+# timeout, their exit codes into the summary.
+run_gpu_tests() {
+  timeout "$1" "$W/gpu-tests" --ignored --test-threads 1 > "$R/tests-cuda.log" 2>&1
+  echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
+  timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
+  echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
+  mark "tests done"
+}
+
 # phase_import: joins the pieces, imports the target as $M, copies the committed head to
 # $W/head and the reference scripts next to it.
 phase_import() {

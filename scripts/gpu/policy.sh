@@ -86,18 +86,14 @@ for c in (1, 8, 32, 64):
 PY
   for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
   grep -H "engine time" "$R"/serve_*.txt | sed "s|$R/||"
-  grep -h -A 8 "policy at the end" "$R"/serve_adaptive_long_c64.txt
+  grep -h -A 16 "policy at the end" "$R"/serve_adaptive_long_c64.txt
   grep -h -A 9 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
   collect results.tar.xz none
   ;;
 pipeline)
   cd "$W"
   mark "pipeline start"
-  timeout 400 "$W/gpu-tests" --ignored --test-threads 1 > "$R/tests-cuda.log" 2>&1
-  echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
-  timeout 400 "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
-  echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
-  mark "tests done"
+  run_gpu_tests 400
   for s in ${SHAPES-3/1/4 3/4/8 5/8/32}; do
     bench "$W/head" head "$s"
   done

@@ -132,19 +132,10 @@ pub fn serve_decoder(
     let costs = decoder
         .calibrate(&batches, tandem_infer::PolicyConfig::default())
         .context("measuring the cost of each draft shape")?;
-    let mut table = format!("{:>6} {:>9}", "batch", "none");
-    for s in &shapes {
-        table.push_str(&format!(" {:>9}", s.to_string()));
-    }
-    for (k, b) in costs.batches.iter().enumerate() {
-        table.push_str(&format!("\n{b:>6}"));
-        for row in &costs.seconds {
-            table.push_str(&format!(" {:>7.3}ms", row[k] * 1e3));
-        }
-    }
     eprintln!(
-        "speculation policy: round costs measured in {:.1}s (ms per round):\n{table}",
-        start.elapsed().as_secs_f64()
+        "speculation policy: round costs measured in {:.1}s (ms per round):\n{}",
+        start.elapsed().as_secs_f64(),
+        costs.render(&shapes)
     );
     Ok(decoder)
 }

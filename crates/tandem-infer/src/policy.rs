@@ -185,6 +185,22 @@ impl CostTable {
         }
     }
 
+    /// The table as text, one line per measured batch size, ms per round, columns `none` and
+    /// each of `shapes` (the rows after plain, in order).
+    pub fn render(&self, shapes: &[Shape]) -> String {
+        let mut text = format!("{:>6} {:>9}", "batch", "none");
+        for s in shapes {
+            text.push_str(&format!(" {:>9}", s.to_string()));
+        }
+        for (k, b) in self.batches.iter().enumerate() {
+            text.push_str(&format!("\n{b:>6}"));
+            for row in &self.seconds {
+                text.push_str(&format!(" {:>7.3}ms", row[k] * 1e3));
+            }
+        }
+        text
+    }
+
     /// Moves the measured size nearest `batch` (in ratio) toward what a round just took,
     /// `seconds`, scaled to that size by the table's own curve; `rate` in (0, 1].
     fn correct(&mut self, c: usize, batch: usize, seconds: f64, rate: f64) {
@@ -377,8 +393,8 @@ impl SpeculationPolicy {
             .collect()
     }
 
-    /// One line per measured batch size: the cost of each choice now (after corrections) in
-    /// ms, and the tokens per round each shape is expected to commit (adaptive policies only).
+    /// The tokens per round each shape is expected to commit, then the cost table now (after
+    /// corrections; [`CostTable::render`]); adaptive policies only.
     pub fn summary(&self) -> String {
         let Some(costs) = self.costs() else {
             return String::new();
@@ -389,19 +405,11 @@ impl SpeculationPolicy {
             .enumerate()
             .map(|(i, s)| format!("{s} {:.2}", self.expected_commit(i)))
             .collect();
-        let mut text = format!("expected tokens per round: {}", commits.join(", "));
-        for (k, b) in costs.batches.iter().enumerate() {
-            let row: Vec<String> = costs
-                .seconds
-                .iter()
-                .map(|c| format!("{:.2}", c[k] * 1e3))
-                .collect();
-            text.push_str(&format!(
-                "\n  batch {b:>3}: ms per round (none, shapes) {}",
-                row.join(" ")
-            ));
-        }
-        text
+        format!(
+            "expected tokens per round: {}; ms per round:\n{}",
+            commits.join(", "),
+            costs.render(&self.shapes)
+        )
     }
 
     /// Expected tokens per second of each choice at `batch` (adaptive policies only): plain
@@ -511,6 +519,22 @@ mod tests {
             assert!(Shape::parse(bad).is_err(), "{bad} parsed");
         }
         assert!(Shape::parse_list(" , ").is_err());
+    }
+
+    #[test]
+    fn the_table_renders_one_line_per_batch_size_in_ms() {
+        let t = CostTable {
+            batches: vec![1, 64],
+            seconds: vec![vec![1.5e-3, 2.0e-3], vec![2.25e-3, 3.5e-3]],
+        };
+        let text = t.render(&[shape("3/1/4")]);
+        let lines: Vec<Vec<&str>> = text
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(lines[0], ["batch", "none", "3/1/4"]);
+        assert_eq!(lines[1], ["1", "1.500ms", "2.250ms"]);
+        assert_eq!(lines[2], ["64", "2.000ms", "3.500ms"]);
     }
 
     #[test]

@@ -606,6 +606,16 @@ fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
     }
 }
 
+/// Appends each request's committed tokens in `progress` to its stream in `into`.
+fn streamed(
+    into: &mut std::collections::HashMap<u64, Vec<u32>>,
+    progress: Vec<tandem_infer::Progress>,
+) {
+    for p in progress {
+        into.entry(p.id).or_default().extend(&p.tokens);
+    }
+}
+
 /// The speculation policy's rounds: plain rounds (no drafts, the head's extension deferred),
 /// chain and tree rounds in any order, with a row joining in the middle, give target-only
 /// greedy output; the head caught up over deferred plain rounds holds the same state as a
@@ -660,11 +670,7 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
         SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
     );
     let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
-    let mut take = |progress: Vec<tandem_infer::Progress>| {
-        for p in progress {
-            tokens.entry(p.id).or_default().extend(&p.tokens);
-        }
-    };
+    let mut take = |progress| streamed(&mut tokens, progress);
     take(
         engine
             .admit(&mut batch, vec![request(0, prompts[0].clone())])
@@ -710,11 +716,7 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
         SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
     );
     let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-    let mut keep = |progress: Vec<tandem_infer::Progress>| {
-        for p in progress {
-            got.entry(p.id).or_default().extend(&p.tokens);
-        }
-    };
+    let mut keep = |progress| streamed(&mut got, progress);
     keep(
         engine
             .admit(&mut batch, vec![request(0, prompts[0].clone())])
