@@ -57,8 +57,9 @@ struct Row {
     done: bool,
     /// The last committed token: the root of the next round's tree.
     last: u32,
-    /// Tokens committed by plain rounds that the head has not been extended over yet, each with
-    /// where its tap rows are: (token, index into `FastRunningBatch::deferred`, row there).
+    /// Tokens the head has not been extended over yet (committed by plain rounds, or the
+    /// prompt of a request that joined during plain rounds), each with where its tap rows are:
+    /// (token, index into `FastRunningBatch::deferred`, row there).
     behind: Vec<(u32, usize, usize)>,
 }
 
@@ -122,9 +123,19 @@ impl FastRunningBatch {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
-    /// Plain rounds whose head extension is still deferred, at most over the rows.
+    /// Tokens whose head extension is still deferred, at most over the rows (plain rounds, and
+    /// the prompts that joined during them).
     pub fn deferred_rounds(&self) -> usize {
         self.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0)
+    }
+
+    /// Tap rows held for deferred extensions (padding included).
+    fn deferred_tap_rows(&self) -> usize {
+        self.deferred
+            .iter()
+            .filter_map(|t| t.tensors.first())
+            .map(|r| r.batch * r.width)
+            .sum()
     }
     /// The head's hidden state at each row's last extended slot, `[rows, hidden]` row-major
     /// (`None` without a head): what the next round drafts from.
@@ -136,9 +147,15 @@ impl FastRunningBatch {
     }
 }
 
-/// Plain rounds in a row after which the head is extended anyway (one batched extend), so the
-/// deferred taps stay small.
+/// Deferred target steps (plain rounds, deferred joins) after which the head is extended anyway
+/// (one batched catch-up), so the deferred taps stay small...
 const MAX_DEFERRED: usize = 256;
+/// ...and deferred tap rows (tokens, padding included) after which it is too.
+const MAX_DEFERRED_TAP_ROWS: usize = 1 << 16;
+/// Columns one step of a catch-up extends each row by at most: a joining prompt deferred during
+/// plain rounds is caught up in pieces, so the head's cache (whose columns every row shares)
+/// needs room for one piece, not the whole prompt.
+const CATCH_UP_PIECE: usize = 256;
 
 /// Rounds run before timing a choice in [`FastSpecEngine::calibrate`] (the CUDA graphs of a
 /// step shape are captured at its third run) and rounds timed.
@@ -235,11 +252,18 @@ impl FastSpecEngine<'_> {
         );
         let result = self.measure_choices(batch, &shapes, batches);
         // Whatever happened, the batch is left empty with its own policy.
-        for id in batch.ids() {
-            self.cancel(batch, id)?;
-        }
+        self.cancel_all(batch)?;
         batch.policy = saved;
         result
+    }
+
+    /// Ends every sequence of `batch` at once (one move of the caches, not one per row).
+    fn cancel_all(&self, batch: &mut FastRunningBatch) -> Result<(), InferError> {
+        for row in &mut batch.rows {
+            row.done = true;
+        }
+        self.remove_done(batch)?;
+        Ok(())
     }
 
     fn measure_choices(
@@ -294,9 +318,7 @@ impl FastSpecEngine<'_> {
                 let row = if c + 1 == choices.len() { 0 } else { c + 1 };
                 seconds[row][k] = times[times.len() / 2];
             }
-            for id in batch.ids() {
-                self.cancel(batch, id)?;
-            }
+            self.cancel_all(batch)?;
         }
         Ok(CostTable {
             batches: batches.to_vec(),
@@ -358,9 +380,42 @@ impl FastSpecEngine<'_> {
 
         // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
         // the first generated token). The chunks have the prompts' lengths, so the prefill's
-        // slots line up with the extend's one for one.
+        // slots line up with the extend's one for one. During a run of plain rounds the
+        // extension is deferred like theirs (target-only serving pays only the prefill): the
+        // newcomers join the head's cache empty and catch up with the rest before the next
+        // drafted round.
         let t0 = Instant::now();
+        let defer = self.draft.is_some() && batch.policy.in_plain_run();
+        let mut deferred_taps = None;
         let head = match self.draft {
+            Some(draft) if defer => {
+                let dcache = draft.new_cache(n, batch.draft_capacity)?;
+                let gpu = self.gpu();
+                let roots = Roots {
+                    hidden: DeviceRows {
+                        data: gpu.zeros::<f32>(n * draft.spec.hidden_size)?,
+                        batch: n,
+                        width: 1,
+                        hidden: draft.spec.hidden_size,
+                    },
+                    logits: DeviceLogits::new(
+                        gpu.zeros::<f32>(n * draft.vocab.draft_size())?,
+                        n,
+                        draft.vocab.draft_size(),
+                        self.target.gpu().clone(),
+                    ),
+                };
+                let index = batch.deferred.len();
+                for (j, (row, &f)) in rows.iter_mut().zip(&first).enumerate() {
+                    let tokens = row.request.prompt[1..].iter().copied().chain([f]);
+                    row.behind = tokens
+                        .enumerate()
+                        .map(|(slot, t)| (t, index, j * step.width + slot))
+                        .collect();
+                }
+                deferred_taps = Some(out.taps);
+                Some((dcache, roots))
+            }
             Some(draft) => {
                 let mut dcache = draft.new_cache(n, batch.draft_capacity)?;
                 let chunks: Vec<Vec<u32>> = rows
@@ -392,6 +447,9 @@ impl FastSpecEngine<'_> {
                 batch.caches = Some(joined)
             }
             Some(caches) => self.append(caches, joined)?,
+        }
+        if let Some(taps) = deferred_taps {
+            batch.deferred.push(taps);
         }
         self.gpu().synchronize()?;
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
@@ -555,13 +613,18 @@ impl FastSpecEngine<'_> {
             None => Choice::Plain,
         };
         let shape = batch.policy.shape(choice);
-        // The catch-up is part of what a drafted round costs after plain ones: it is timed with
-        // the round.
+        // The catch-up after plain rounds is what switching to drafting costs, paid once per
+        // switch: the policy books it apart from the drafted round's own cost.
+        if shape.is_some() && !batch.deferred.is_empty() {
+            let t0 = Instant::now();
+            let captures_before = self.graphs_captured();
+            self.catch_up(batch)?;
+            if self.graphs_captured() == captures_before {
+                batch.policy.observe_switch(t0.elapsed().as_secs_f64());
+            }
+        }
         let round_start = Instant::now();
         let captures_before = self.graphs_captured();
-        if shape.is_some() {
-            self.catch_up(batch)?;
-        }
         let caches = batch.caches.as_mut().expect("checked above");
         let rows = &mut batch.rows;
         let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
@@ -652,65 +715,105 @@ impl FastSpecEngine<'_> {
         batch
             .policy
             .observe(choice, batch.rows.len(), committed_total, round_seconds);
-        if batch.deferred_rounds() >= MAX_DEFERRED {
+        if batch.deferred.len() >= MAX_DEFERRED
+            || batch.deferred_tap_rows() >= MAX_DEFERRED_TAP_ROWS
+        {
             self.catch_up(batch)?;
         }
         self.retire(batch, &mut progress)?;
         Ok(progress)
     }
 
-    /// Extends the head over the tokens of the plain rounds since its last extension (one
-    /// batched step, each row over its own deferred tokens with their recorded taps) and
-    /// replaces the roots of those rows. Rows with nothing deferred keep their roots. A drafted
-    /// round does this first by itself.
+    /// Extends the head over the tokens it is behind on (plain rounds since its last extension,
+    /// prompts that joined during them), each row over its own tokens with their recorded taps,
+    /// in batched steps of at most [`CATCH_UP_PIECE`] columns (compacting the head's cache when
+    /// a piece would not fit), and replaces the roots of those rows. Rows with nothing deferred
+    /// keep their roots. A drafted round does this first by itself.
     pub fn catch_up(&self, batch: &mut FastRunningBatch) -> Result<(), InferError> {
-        let width = batch.deferred_rounds();
         let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
             return Ok(());
         };
         let Some((dcache, roots)) = &mut caches.head else {
             return Ok(());
         };
-        if width == 0 {
-            batch.deferred.clear();
-            return Ok(());
-        }
         let t0 = Instant::now();
         let gpu = self.gpu();
-        if dcache.layout().used() + width > dcache.layout().capacity() {
-            dcache.compact(gpu)?;
+        let longest = batch.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0);
+        let mut done = 0;
+        while done < longest {
+            let wanted = (longest - done).min(CATCH_UP_PIECE);
+            if dcache.layout().used() + wanted > dcache.layout().capacity() {
+                dcache.compact(gpu)?;
+            }
+            let room = dcache.layout().capacity() - dcache.layout().used();
+            let width = wanted.min(room);
+            if width == 0 {
+                return Err(InferError::Config {
+                    field: "context",
+                    reason: format!(
+                        "the head's cache ({} columns) has no room to catch up on deferred \
+                         tokens even after compaction",
+                        dcache.layout().capacity()
+                    ),
+                });
+            }
+            let pieces: Vec<&[(u32, usize, usize)]> = batch
+                .rows
+                .iter()
+                .map(|r| &r.behind[done.min(r.behind.len())..(done + width).min(r.behind.len())])
+                .collect();
+            self.extend_deferred(draft, dcache, roots, &pieces, &batch.deferred)?;
+            done += width;
         }
-        let chunks: Vec<Vec<u32>> = batch
-            .rows
+        gpu.synchronize()?;
+        for row in &mut batch.rows {
+            row.behind.clear();
+        }
+        batch.deferred.clear();
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// One step of [`Self::catch_up`]: the head extended over `pieces[b]` for each row `b`
+    /// (possibly none), the fc input of each slot gathered from the deferred taps it names;
+    /// the roots of the rows with a piece become their output at its last token.
+    fn extend_deferred(
+        &self,
+        draft: &CudaDraft,
+        dcache: &mut CudaKvCache,
+        roots: &mut Roots,
+        pieces: &[&[(u32, usize, usize)]],
+        deferred: &[tandem_model::Taps<DeviceRows>],
+    ) -> Result<(), InferError> {
+        let gpu = self.gpu();
+        let chunks: Vec<Vec<u32>> = pieces
             .iter()
-            .map(|r| r.behind.iter().map(|e| e.0).collect())
+            .map(|p| p.iter().map(|e| e.0).collect())
             .collect();
         let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
         let step = dcache.layout().prefill_step(&refs)?;
-        // The fc input of every slot, gathered round by round from the deferred taps; padding
-        // slots read the first deferred entry (they are masked out of attention).
-        let fallback = batch
-            .rows
+        // The fc input of every slot, gathered deferred step by step; padding slots read the
+        // first entry of the piece (they are masked out of attention).
+        let fallback = pieces
             .iter()
-            .find_map(|r| r.behind.first())
+            .find_map(|p| p.first())
             .map(|e| (e.1, e.2))
-            .expect("some row is behind");
-        let mut by_round: Vec<(Vec<i32>, Vec<i32>)> =
-            vec![Default::default(); batch.deferred.len()];
-        for (b, row) in batch.rows.iter().enumerate() {
+            .expect("some row has a piece");
+        let mut by_source: Vec<(Vec<i32>, Vec<i32>)> = vec![Default::default(); deferred.len()];
+        for (b, piece) in pieces.iter().enumerate() {
             for slot in 0..step.width {
-                let (round, src) = row.behind.get(slot).map_or(fallback, |e| (e.1, e.2));
-                by_round[round].0.push(src as i32);
-                by_round[round].1.push((b * step.width + slot) as i32);
+                let (source, row) = piece.get(slot).map_or(fallback, |e| (e.1, e.2));
+                by_source[source].0.push(row as i32);
+                by_source[source].1.push((b * step.width + slot) as i32);
             }
         }
         let fc_in = draft.spec.fc_in();
         let mut aux = gpu.scratch::<u16>(step.batch * step.width * fc_in)?;
-        for (round, (src, dst)) in by_round.iter().enumerate() {
+        for (source, (src, dst)) in by_source.iter().enumerate() {
             if src.is_empty() {
                 continue;
             }
-            let part = draft.fc_input(&batch.deferred[round], src)?;
+            let part = draft.fc_input(&deferred[source], src)?;
             let identity: Vec<i32> = (0..src.len() as i32).collect();
             gpu.copy_rows_u16(
                 &part,
@@ -722,7 +825,7 @@ impl FastSpecEngine<'_> {
             )?;
         }
         let out = draft.extend(&step, &aux, dcache)?;
-        // New roots: each behind row's output at its last deferred token.
+        // New roots: each row's output at the last token of its piece.
         let (src, dst): (Vec<i32>, Vec<i32>) = chunks
             .iter()
             .enumerate()
@@ -747,12 +850,6 @@ impl FastSpecEngine<'_> {
             n,
             out.logits.vocab,
         )?;
-        gpu.synchronize()?;
-        for row in &mut batch.rows {
-            row.behind.clear();
-        }
-        batch.deferred.clear();
-        batch.timings.extend_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -1069,10 +1166,7 @@ impl FastSpecEngine<'_> {
 /// Whether a cache's used columns run well past its longest sequence (by a quarter, and at
 /// least 64 columns): the point where compacting costs less than the rounds it speeds up.
 fn mostly_waste(layout: &tandem_model::ColumnLayout) -> bool {
-    let longest = (0..layout.batch())
-        .map(|b| layout.seq_len(b))
-        .max()
-        .unwrap_or(0);
+    let longest = layout.longest();
     layout.batch() > 0 && layout.used() >= longest + (longest / 4).max(64)
 }
 

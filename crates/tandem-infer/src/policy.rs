@@ -11,8 +11,12 @@
 //! that serving with the head is never slower than serving without it.
 //!
 //! A plain round ([`Choice::Plain`]) is a target decode step; the engine defers the head's
-//! extension over its token until the next drafted round (one batched extend), so a plain
-//! round costs what target-only decoding costs.
+//! extension over its token (and over the prompts that join meanwhile) until the next drafted
+//! round (one batched catch-up), so a plain round costs what target-only decoding costs. The
+//! catch-up is paid once per switch from plain rounds to drafting, so it is kept apart from
+//! the per-round costs: a decayed mean of what switches cost, spread over the drafted rounds a
+//! switch is expected to open ([`PolicyConfig::switch_horizon`]), is added to a shape's cost
+//! only while the batch is decoding plainly.
 
 use std::fmt;
 
@@ -236,16 +240,20 @@ pub struct PolicyConfig {
     pub window: f64,
     /// How far one timed round moves the cost table.
     pub cost_rate: f64,
+    /// Drafted rounds over which one switch from plain rounds (the head's catch-up) is
+    /// amortised when deciding whether to switch.
+    pub switch_horizon: f64,
 }
 
 impl Default for PolicyConfig {
     fn default() -> Self {
         Self {
             margin: 0.03,
-            probe_every: 200,
+            probe_every: 400,
             prior_weight: 2.0,
             window: 512.0,
             cost_rate: 0.2,
+            switch_horizon: 16.0,
         }
     }
 }
@@ -290,6 +298,9 @@ pub struct SpeculationPolicy {
     plain_streak: u64,
     /// Rounds run per choice (0 plain, `1 + i` shape `i`).
     rounds: Vec<u64>,
+    /// Seconds one switch from plain rounds to drafting costs (the head's catch-up), a decayed
+    /// mean over the switches observed; none observed yet: free.
+    switch_seconds: Option<f64>,
 }
 
 impl SpeculationPolicy {
@@ -308,6 +319,7 @@ impl SpeculationPolicy {
             committed,
             plain_streak: 0,
             rounds,
+            switch_seconds: None,
         }
     }
 
@@ -406,22 +418,40 @@ impl SpeculationPolicy {
             .map(|(i, s)| format!("{s} {:.2}", self.expected_commit(i)))
             .collect();
         format!(
-            "expected tokens per round: {}; ms per round:\n{}",
+            "expected tokens per round: {}; a switch from plain rounds {:.3} ms; ms per round:\n{}",
             commits.join(", "),
+            self.switch_seconds() * 1e3,
             costs.render(&self.shapes)
         )
     }
 
+    /// Whether the last round was plain: the head is behind, and drafting next pays a
+    /// catch-up first (the engine defers joining prompts' head extension then too).
+    pub fn in_plain_run(&self) -> bool {
+        self.plain_streak > 0
+    }
+
+    /// What one switch from plain rounds to drafting is expected to cost, in seconds.
+    pub fn switch_seconds(&self) -> f64 {
+        self.switch_seconds.unwrap_or(0.0)
+    }
+
     /// Expected tokens per second of each choice at `batch` (adaptive policies only): plain
-    /// first, then the shapes.
+    /// first, then the shapes. During a plain run a shape's round also carries its share of
+    /// the switch ([`PolicyConfig::switch_horizon`]).
     pub fn throughput(&self, batch: usize) -> Vec<(Choice, f64)> {
-        let Mode::Adaptive { costs, .. } = &self.mode else {
+        let Mode::Adaptive { costs, config } = &self.mode else {
             return Vec::new();
         };
         let b = batch.max(1) as f64;
+        let switch = if self.in_plain_run() {
+            self.switch_seconds() / config.switch_horizon
+        } else {
+            0.0
+        };
         std::iter::once((Choice::Plain, b / costs.at(0, batch)))
             .chain((0..self.shapes.len()).map(|i| {
-                let rate = b * self.expected_commit(i) / costs.at(1 + i, batch);
+                let rate = b * self.expected_commit(i) / (costs.at(1 + i, batch) + switch);
                 (Choice::Draft(i), rate)
             }))
             .collect()
@@ -458,9 +488,23 @@ impl SpeculationPolicy {
         choice
     }
 
+    /// What a switch from plain rounds to drafting cost: `seconds` of catching the head up
+    /// (timed apart from the drafted round that follows, which [`Self::observe`] books).
+    pub fn observe_switch(&mut self, seconds: f64) {
+        if !self.is_adaptive() || !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        // Switches are rare; a short memory keeps the estimate current.
+        self.switch_seconds = Some(match self.switch_seconds {
+            Some(old) => 0.7 * old + 0.3 * seconds,
+            None => seconds,
+        });
+    }
+
     /// What a round of `choice` did: `rows` sequences committed `committed` tokens together in
-    /// `seconds` (the round alone: drafting, verification, extension; `None` when the round's
-    /// time is not representative, e.g. it captured a CUDA graph).
+    /// `seconds` (the round alone: drafting, verification, extension, without a catch-up
+    /// before it; `None` when the round's time is not representative, e.g. it captured a CUDA
+    /// graph).
     pub fn observe(&mut self, choice: Choice, rows: usize, committed: usize, seconds: Option<f64>) {
         let Mode::Adaptive { costs, config } = &mut self.mode else {
             return;
@@ -638,6 +682,44 @@ mod tests {
         let rounds = p.rounds();
         assert_eq!(rounds[0], ("none".to_owned(), 9));
         assert_eq!(rounds[1], ("3/1/4".to_owned(), 2));
+    }
+
+    #[test]
+    fn a_costly_switch_keeps_plain_runs_plain_but_not_drafted_runs() {
+        // Plain: 1 token in 1.5 ms at batch 1; the chain: 2 tokens in 2.5 ms (1.2x better).
+        let costs = CostTable {
+            batches: vec![1],
+            seconds: vec![vec![1.5e-3], vec![2.5e-3]],
+        };
+        let config = PolicyConfig {
+            probe_every: 1000,
+            ..PolicyConfig::default()
+        };
+        let mut p = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap();
+        for _ in 0..2000 {
+            p.observe(Choice::Draft(0), 1, 2, Some(2.5e-3));
+        }
+        assert_eq!(p.choose(1), Choice::Draft(0));
+        assert!(!p.in_plain_run());
+        // A switch that costs 16 ms (1 ms per drafted round over the horizon of 16): 2 tokens
+        // in 3.5 ms is worse than plain, but only while plain rounds run.
+        p.observe_switch(16e-3);
+        assert!((p.switch_seconds() - 16e-3).abs() < 1e-12);
+        assert_eq!(p.choose(1), Choice::Draft(0));
+        let mut q = p.clone();
+        q.plain_streak = 1;
+        assert!(q.in_plain_run());
+        assert_eq!(q.choose(1), Choice::Plain);
+        // Cheap switches again: the estimate follows and drafting resumes.
+        for _ in 0..20 {
+            q.observe_switch(1e-4);
+        }
+        assert!(q.switch_seconds() < 2e-4);
+        assert_eq!(q.choose(1), Choice::Draft(0));
+        // Fixed policies ignore switches.
+        let mut f = SpeculationPolicy::fixed(shape("3/1/4"));
+        f.observe_switch(1.0);
+        assert_eq!(f.switch_seconds(), 0.0);
     }
 
     #[test]

@@ -33,9 +33,14 @@ struct Fixture {
     taps: TapRequest,
 }
 
-/// A tiny target the kernels accept (head_dim 32) and a random head for it.
+/// A tiny target the kernels accept (head_dim 32, 256 positions) and a random head for it.
 fn fixture(name: &str) -> Fixture {
+    fixture_with_positions(name, 256)
+}
+
+fn fixture_with_positions(name: &str, positions: usize) -> Fixture {
     let mut config: HfConfig = tiny_config("LlamaForCausalLM", 4);
+    config.max_position_embeddings = positions;
     config.hidden_size = 128;
     config.intermediate_size = 192;
     config.vocab_size = 300;
@@ -626,7 +631,8 @@ fn streamed(
 fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
     use std::collections::HashMap;
     use tandem_infer::{Choice, PolicyConfig, Request, Shape, SpeculationPolicy};
-    let f = fixture("policy");
+    // Positions for a prompt longer than one catch-up piece (part 3).
+    let f = fixture_with_positions("policy", 1024);
     let prompts: Vec<Vec<u32>> = vec![vec![3, 14, 15, 92, 65], vec![2, 71, 82]];
     let budget = 40;
     let request = |i: usize, prompt: Vec<u32>| Request {
@@ -732,7 +738,10 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
         }
         keep(engine.step(&mut batch).unwrap());
     }
-    assert_eq!(batch.deferred_rounds(), 7);
+    // Row 0 is behind by its 7 plain rounds; row 1 joined during them, so its prompt's
+    // extension was deferred too: 3 prompt slots (the last paired with its first token) and
+    // the 5 rounds after it.
+    assert_eq!(batch.deferred_rounds(), 8);
     engine.catch_up(&mut batch).unwrap();
     assert_eq!(batch.deferred_rounds(), 0);
     let caught_up = batch.head_roots().unwrap().expect("a head");
@@ -755,7 +764,46 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
         );
     }
 
-    // 3. Calibration on a batch with reserved rows: it leaves the batch empty with its caches
+    // 3. A prompt longer than one catch-up piece (256 columns) joins during plain rounds; the
+    //    drafted rounds after it catch the head up in two pieces and still decode exactly.
+    let long: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 11) % 299 + 1).collect();
+    let long_expected = fast_target_generate(
+        &f.target,
+        std::slice::from_ref(&long),
+        budget,
+        &[],
+        SamplingParams::greedy(),
+        0,
+    )
+    .unwrap()
+    .remove(0)
+    .tokens;
+    let mut batch = engine.new_batch_with_policy(
+        1024,
+        SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+    );
+    let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut keep = |progress| streamed(&mut got, progress);
+    keep(
+        engine
+            .admit(&mut batch, vec![request(0, prompts[0].clone())])
+            .unwrap(),
+    );
+    keep(engine.step(&mut batch).unwrap());
+    keep(engine.admit(&mut batch, vec![request(1, long)]).unwrap());
+    assert_eq!(
+        batch.deferred_rounds(),
+        300,
+        "the long prompt's extension is deferred"
+    );
+    batch.policy.force(Choice::Draft(0));
+    while !batch.is_empty() {
+        keep(engine.step(&mut batch).unwrap());
+    }
+    assert_eq!(got[&0], expected[0], "row 0 beside a deferred long prompt");
+    assert_eq!(got[&1], long_expected, "a long prompt caught up in pieces");
+
+    // 4. Calibration on a batch with reserved rows: it leaves the batch empty with its caches
     //    kept, and a request served afterwards still decodes exactly.
     let mut batch = engine.new_batch_with_policy(
         256,

@@ -76,6 +76,11 @@ impl ColumnLayout {
         self.next_position[b]
     }
 
+    /// The longest sequence's length (0 for an empty batch): where compaction leaves `used`.
+    pub fn longest(&self) -> usize {
+        self.next_position.iter().copied().max().unwrap_or(0)
+    }
+
     /// A prefill step for ragged prompts (one slice per sequence; an empty slice adds nothing
     /// to that sequence). Works as a chunk after earlier steps too.
     pub fn prefill_step(&self, prompts: &[&[u32]]) -> Result<StepInput, ModelError> {
@@ -306,7 +311,7 @@ impl ColumnLayout {
 
     /// The bookkeeping after [`compact_columns`] moved every sequence to the front.
     pub fn compact(&mut self) {
-        self.used = self.next_position.iter().copied().max().unwrap_or(0);
+        self.used = self.longest();
         for (valid, &len) in self.valid.iter_mut().zip(&self.next_position) {
             *valid = (0..self.used).map(|c| c < len).collect();
         }

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# H200, issue #16: the speed table of a Llama-3.1-8B-shaped target (random bf16 weights made on
+# the GPU machine by scripts/reference/make_random_llama.py, tokenizer of SmolLM2): target-only
+# decode and the verification step of 4, 8 and 32 tokens per sequence (the token counts of the
+# shapes 3/1/4, 3/4/8 and 5/8/32) at batch 1, 8 and 32 on the fast path with CUDA graphs, next
+# to HF transformers (sdpa) stepping the same model with its KV cache, and HF generate().
+# Runs after scripts/gpu/policy.sh has imported SmolLM2 on the same machine (for $T and the
+# tokenizer):
+#   bash scripts/gpu/big_target.sh start     # then `wait` until it prints the tables
+set -uo pipefail
+PHASE="${1:?usage: $0 start|wait|pipeline}"
+source "$(dirname "$0")/head_lib.sh"
+B="$W/llama8b-random"
+case "$PHASE" in
+start)
+  [[ -x "$T" && -d "$M" ]] || { echo "missing $T or $M: run scripts/gpu/policy.sh first on this machine" >&2; exit 3; }
+  rm -f "$R/big_done"
+  cp "$0" scripts/gpu/head_lib.sh scripts/reference/make_random_llama.py \
+    scripts/reference/hf_step_bench.py scripts/reference/hf_decode_bench.py "$W/"
+  setsid nohup bash "$W/big_target.sh" pipeline > "$W/big.out" 2>&1 < /dev/null &
+  sleep 2
+  exec bash "$0" wait
+  ;;
+wait)
+  wait_for big_done
+  cat "$R/big_phases.txt" 2>/dev/null
+  tail -n 30 "$R/big_fast.log" | grep -E "^\||cold start"
+  grep -E "^\|" "$R/big_hf_steps.log"
+  grep -E "^\|" "$R/big_hf_generate.log"
+  head -30 "$R/big_ncu_summary.txt" 2>/dev/null; tail -3 "$R/big_ncu.err" 2>/dev/null
+  (cd "$R" && tar -cJf "$OUT/big_target.tar.xz" big_* 2>/dev/null)
+  ;;
+pipeline)
+  cd "$W"
+  stamp() { echo "$(date +%T) $1" | tee -a "$R/big_phases.txt"; }
+  stamp "start"
+  python3 make_random_llama.py "$B" --tokenizer-from "$M" > "$R/big_make.log" 2>&1
+  stamp "model written: $(tail -1 "$R/big_make.log")"
+  timeout 500 "$T" fast-bench --model "$B" --batch 1,8,32 --verify-widths 4,8,32 --with-taps \
+    --graphs-only --prompt-tokens 128 --new-tokens 32 --repeats 3 --json "$R/big_fast.json" \
+    > "$R/big_fast.log" 2>&1
+  stamp "fast-bench exit $?"
+  timeout 400 python3 hf_step_bench.py "$B" --batch 1,8,32 --widths 4,8,32 --attn sdpa \
+    --json "$R/big_hf_steps.json" > "$R/big_hf_steps.log" 2>&1
+  stamp "hf steps exit $?"
+  timeout 400 python3 hf_decode_bench.py "$B" --batch 1,8,32 --attn sdpa --new-tokens 32 \
+    --repeats 2 --json "$R/big_hf_generate.json" > "$R/big_hf_generate.log" 2>&1
+  stamp "hf generate exit $?"
+  # Where SmolLM2's batch-1 decode step spends its time, kernel by kernel (eager launches so
+  # ncu sees each kernel; duration only, one pass per kernel; clocks left alone).
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [[ -n "$NCU" ]]; then
+    timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
+      --launch-count 1500 "$T" fast-bench --model "$M" --batch 1 --verify-widths 4 \
+      --prompt-tokens 128 --new-tokens 16 --repeats 1 > "$R/big_ncu.csv" 2> "$R/big_ncu.err"
+    stamp "ncu exit $?"
+    python3 - "$R/big_ncu.csv" > "$R/big_ncu_summary.txt" 2>&1 <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, body = rows[0], rows[1:]
+k, g, v, u = (head.index(c) for c in ("Kernel Name", "Grid Size", "Metric Value", "Metric Unit"))
+scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+by = collections.defaultdict(list)
+for r in body:
+    by[(r[k][:60], r[g])].append(float(r[v].replace(",", "")) * scale.get(r[u], float("nan")))
+total = sum(sum(x) for x in by.values())
+print(f"{len(body)} kernels, {total:.1f} us in all (us: total, count x mean)")
+for (name, grid), xs in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]:
+    print(f"{sum(xs):10.1f} us {len(xs):6d} x {sum(xs) / len(xs):7.2f} us  grid {grid:>16}  {name}")
+PY
+  fi
+  touch "$R/big_done"
+  ;;
+esac

@@ -1,0 +1,108 @@
+"""A Llama-3.1-8B-shaped model with random bf16 weights, written as HF safetensors shards
+(`model-0000N-of-0000M.safetensors` + `model.safetensors.index.json`) and an HF config.json, for
+speed tables of a target the size users train heads for (issue #16). Made on the GPU machine
+(uploads there are limited to 64 MiB a call): the weights are drawn on the GPU with a fixed seed.
+The tokenizer files are copied from another model directory (token ids stay below its vocab).
+
+Usage: python3 make_random_llama.py OUT_DIR --tokenizer-from MODEL_DIR [--layers 32]
+"""
+import argparse
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import save_file
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tokenizer-from", required=True)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cfg = dict(LLAMA_31_8B, num_hidden_layers=args.layers)
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+
+    def rand(*shape):
+        # Small weights keep the residual stream finite through every layer in bf16.
+        return (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).cpu()
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    os.makedirs(args.out, exist_ok=True)
+    shards = [{"model.embed_tokens.weight": rand(cfg["vocab_size"], h)}]
+    for i in range(args.layers):
+        p = f"model.layers.{i}"
+        shards.append({
+            f"{p}.input_layernorm.weight": ones(h),
+            f"{p}.self_attn.q_proj.weight": rand(q, h),
+            f"{p}.self_attn.k_proj.weight": rand(kv, h),
+            f"{p}.self_attn.v_proj.weight": rand(kv, h),
+            f"{p}.self_attn.o_proj.weight": rand(h, q),
+            f"{p}.post_attention_layernorm.weight": ones(h),
+            f"{p}.mlp.gate_proj.weight": rand(inter, h),
+            f"{p}.mlp.up_proj.weight": rand(inter, h),
+            f"{p}.mlp.down_proj.weight": rand(h, inter),
+        })
+    shards.append({"model.norm.weight": ones(h), "lm_head.weight": rand(cfg["vocab_size"], h)})
+    # About 4 GB per file, as HF shards.
+    files, current, size = [], {}, 0
+    for part in shards:
+        current.update(part)
+        size += sum(t.numel() * 2 for t in part.values())
+        if size > 4e9:
+            files.append(current)
+            current, size = {}, 0
+    if current:
+        files.append(current)
+    weight_map = {}
+    for n, tensors in enumerate(files):
+        name = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
+        tmp = os.path.join(args.out, name + ".tmp")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(args.out, name))
+        weight_map.update({k: name for k in tensors})
+    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json"):
+        src = os.path.join(args.tokenizer_from, name)
+        if os.path.exists(src):
+            shutil.copy(src, args.out)
+    params = sum(t.numel() for part in files for t in part.values())
+    print(f"wrote {args.out}: {params / 1e9:.2f} B parameters in {len(files)} shards")
+
+
+if __name__ == "__main__":
+    main()
