@@ -7,6 +7,8 @@
 # Runs after scripts/gpu/policy.sh has imported SmolLM2 on the same machine (for $T and the
 # tokenizer):
 #   bash scripts/gpu/big_target.sh start     # then `wait` until it prints the tables
+# It also times SmolLM2's decode and verify steps (fast-bench, eager and graphs) and profiles
+# its batch-1 decode kernel by kernel with ncu; BIG=0 runs only that.
 set -uo pipefail
 PHASE="${1:?usage: $0 start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
@@ -24,7 +26,8 @@ start)
 wait)
   wait_for big_done
   cat "$R/big_phases.txt" 2>/dev/null
-  tail -n 30 "$R/big_fast.log" | grep -E "^\||cold start"
+  grep -E "^\||cold start" "$R/big_smol_fast.log"
+  tail -n 30 "$R/big_fast.log" 2>/dev/null | grep -E "^\||cold start"
   grep -E "^\|" "$R/big_hf_steps.log"
   grep -E "^\|" "$R/big_hf_generate.log"
   head -30 "$R/big_ncu_summary.txt" 2>/dev/null; tail -3 "$R/big_ncu.err" 2>/dev/null
@@ -34,6 +37,12 @@ pipeline)
   cd "$W"
   stamp() { echo "$(date +%T) $1" | tee -a "$R/big_phases.txt"; }
   stamp "start"
+  # SmolLM2 decode and verify steps, eager launches then graphs (the kernels' before/after).
+  timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --with-taps \
+    --prompt-tokens 128 --new-tokens 64 --repeats 3 --json "$R/big_smol_fast.json" \
+    > "$R/big_smol_fast.log" 2>&1
+  stamp "smollm2 fast-bench exit $?"
+  if [[ "${BIG:-1}" == 1 ]]; then
   python3 make_random_llama.py "$B" --tokenizer-from "$M" > "$R/big_make.log" 2>&1
   stamp "model written: $(tail -1 "$R/big_make.log")"
   timeout 500 "$T" fast-bench --model "$B" --batch 1,8,32 --verify-widths 4,8,32 --with-taps \
@@ -46,6 +55,7 @@ pipeline)
   timeout 400 python3 hf_decode_bench.py "$B" --batch 1,8,32 --attn sdpa --new-tokens 32 \
     --repeats 2 --json "$R/big_hf_generate.json" > "$R/big_hf_generate.log" 2>&1
   stamp "hf generate exit $?"
+  fi
   # Where SmolLM2's batch-1 decode step spends its time, kernel by kernel (eager launches so
   # ncu sees each kernel; duration only, one pass per kernel; clocks left alone).
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -59,7 +69,7 @@ import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 head, body = rows[0], rows[1:]
 k, g, v, u = (head.index(c) for c in ("Kernel Name", "Grid Size", "Metric Value", "Metric Unit"))
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 by = collections.defaultdict(list)
 for r in body:
     by[(r[k][:60], r[g])].append(float(r[v].replace(",", "")) * scale.get(r[u], float("nan")))

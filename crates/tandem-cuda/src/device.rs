@@ -269,6 +269,23 @@ impl Gpu {
             .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))?)
     }
 
+    /// `dst[at..at + n] = src[..n]` on the GPU.
+    pub fn copy_to_offset<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut CudaSlice<T>,
+        at: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        assert!(src.len() >= n && dst.len() >= at + n);
+        if n == 0 {
+            return Ok(());
+        }
+        Ok(self
+            .stream
+            .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(at..at + n))?)
+    }
+
     /// The device address of `buffer` (identifies the buffers a graph was captured over).
     pub(crate) fn address<T>(&self, buffer: &CudaSlice<T>) -> u64 {
         let (ptr, _record) = buffer.device_ptr(&self.stream);

@@ -58,9 +58,9 @@ struct Row {
     /// The last committed token: the root of the next round's tree.
     last: u32,
     /// Tokens the head has not been extended over yet (committed by plain rounds, or the
-    /// prompt of a request that joined during plain rounds), each with where its tap rows are:
-    /// (token, index into `FastRunningBatch::deferred`, row there).
-    behind: Vec<(u32, usize, usize)>,
+    /// prompt of a request that joined during plain rounds), each with its tap row in
+    /// `FastRunningBatch::backlog`.
+    behind: Vec<(u32, usize)>,
 }
 
 impl Row {
@@ -100,8 +100,8 @@ pub struct FastRunningBatch {
     /// keep their addresses and the CUDA graphs captured over them keep replaying (a server
     /// sets its largest batch).
     pub reserve_rows: usize,
-    /// The taps of the plain rounds since the head was last extended (see `Row::behind`).
-    deferred: Vec<tandem_model::Taps<DeviceRows>>,
+    /// The taps of the target steps whose head extension is deferred (see `Row::behind`).
+    backlog: TapBacklog,
     /// Time spent so far, by phase.
     pub timings: Timings,
     /// Compactions run so far.
@@ -129,14 +129,6 @@ impl FastRunningBatch {
         self.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0)
     }
 
-    /// Tap rows held for deferred extensions (padding included).
-    fn deferred_tap_rows(&self) -> usize {
-        self.deferred
-            .iter()
-            .filter_map(|t| t.tensors.first())
-            .map(|r| r.batch * r.width)
-            .sum()
-    }
     /// The head's hidden state at each row's last extended slot, `[rows, hidden]` row-major
     /// (`None` without a head): what the next round drafts from.
     pub fn head_roots(&self) -> Result<Option<Vec<f32>>, InferError> {
@@ -147,11 +139,79 @@ impl FastRunningBatch {
     }
 }
 
+/// The taps of deferred target steps (plain rounds, prompts joining during them), appended
+/// step after step to one buffer per tap: a catch-up then gathers the head's fc input with one
+/// call per piece, and deferring a round costs one device copy per tap. Buffers are kept (and
+/// grown by doubling) across catch-ups.
+#[derive(Default)]
+struct TapBacklog {
+    /// One `[capacity, hidden]` buffer per tap (`batch` = capacity rows, `width` 1).
+    taps: Option<tandem_model::Taps<DeviceRows>>,
+    /// Rows written since the last catch-up.
+    rows: usize,
+    /// Target steps deferred since the last catch-up.
+    steps: usize,
+}
+
+impl TapBacklog {
+    /// Appends every row of `step_taps` (all slots of the step, padding included); returns the
+    /// backlog row of the step's row 0.
+    fn push(
+        &mut self,
+        gpu: &Gpu,
+        step_taps: &tandem_model::Taps<DeviceRows>,
+    ) -> Result<usize, InferError> {
+        let incoming = step_taps.tensors.first().map_or(0, |r| r.batch * r.width);
+        let needed = self.rows + incoming;
+        let capacity = self.taps.as_ref().map_or(0, |t| t.tensors[0].batch);
+        if needed > capacity {
+            let grown = needed.max(2 * capacity).max(1024);
+            let mut tensors = Vec::with_capacity(step_taps.tensors.len());
+            for (i, src) in step_taps.tensors.iter().enumerate() {
+                let mut data = gpu.scratch::<f32>(grown * src.hidden)?;
+                if let Some(old) = &self.taps {
+                    gpu.copy_into(&old.tensors[i].data, &mut data, self.rows * src.hidden)?;
+                }
+                tensors.push(DeviceRows {
+                    data,
+                    batch: grown,
+                    width: 1,
+                    hidden: src.hidden,
+                });
+            }
+            self.taps = Some(tandem_model::Taps {
+                taps: step_taps.taps.clone(),
+                tensors,
+                visited: Vec::new(),
+            });
+        }
+        let backlog = self.taps.as_mut().expect("allocated above");
+        for (dst, src) in backlog.tensors.iter_mut().zip(&step_taps.tensors) {
+            gpu.copy_to_offset(
+                &src.data,
+                &mut dst.data,
+                self.rows * src.hidden,
+                incoming * src.hidden,
+            )?;
+        }
+        let first = self.rows;
+        self.rows = needed;
+        self.steps += 1;
+        Ok(first)
+    }
+
+    /// Forgets what was deferred (the buffers stay).
+    fn clear(&mut self) {
+        self.rows = 0;
+        self.steps = 0;
+    }
+}
+
 /// Deferred target steps (plain rounds, deferred joins) after which the head is extended anyway
 /// (one batched catch-up), so the deferred taps stay small...
 const MAX_DEFERRED: usize = 256;
 /// ...and deferred tap rows (tokens, padding included) after which it is too.
-const MAX_DEFERRED_TAP_ROWS: usize = 1 << 16;
+const MAX_DEFERRED_TAP_ROWS: usize = 1 << 15;
 /// Columns one step of a catch-up extends each row by at most: a joining prompt deferred during
 /// plain rounds is caught up in pieces, so the head's cache (whose columns every row shares)
 /// needs room for one piece, not the whole prompt.
@@ -160,6 +220,8 @@ const CATCH_UP_PIECE: usize = 256;
 /// Rounds run before timing a choice in [`FastSpecEngine::calibrate`] (the CUDA graphs of a
 /// step shape are captured at its third run) and rounds timed.
 const CALIBRATION_WARM: usize = 3;
+/// Tokens of each calibration prompt (at most a quarter of the context).
+const CALIBRATION_PROMPT: usize = 160;
 const CALIBRATION_TIMED: usize = 5;
 
 impl FastSpecEngine<'_> {
@@ -218,7 +280,7 @@ impl FastSpecEngine<'_> {
             draft_capacity: capacity + self.scratch(&policy),
             policy,
             reserve_rows: 0,
-            deferred: Vec::new(),
+            backlog: TapBacklog::default(),
             timings: Timings::default(),
             compactions: 0,
         }
@@ -226,8 +288,9 @@ impl FastSpecEngine<'_> {
 
     /// Seconds per round of each choice of `batch`'s policy (plain, then each shape) at each
     /// batch size in `batches`, measured on this GPU with `batch`'s own caches (so the CUDA
-    /// graphs captured on the way are the ones its serving replays): that many random 32-token
-    /// prompts join, run [`CALIBRATION_WARM`] rounds of a choice, then the median of
+    /// graphs captured on the way are the ones its serving replays): that many pseudo-random
+    /// prompts of [`CALIBRATION_PROMPT`] tokens join, run [`CALIBRATION_WARM`] rounds of a
+    /// choice, then the median of
     /// [`CALIBRATION_TIMED`] timed rounds is kept; then they leave. `batch` must be empty; its
     /// policy is left as it was. The start-up table of [`SpeculationPolicy::adaptive`].
     pub fn calibrate(
@@ -251,9 +314,12 @@ impl FastSpecEngine<'_> {
             SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
         );
         let result = self.measure_choices(batch, &shapes, batches);
-        // Whatever happened, the batch is left empty with its own policy.
+        // Whatever happened, the batch is left empty with its own policy, and what it reports
+        // (time by phase, compactions) starts from serving.
         self.cancel_all(batch)?;
         batch.policy = saved;
+        batch.timings = Timings::default();
+        batch.compactions = 0;
         result
     }
 
@@ -274,6 +340,9 @@ impl FastSpecEngine<'_> {
     ) -> Result<CostTable, InferError> {
         let vocab = self.target.spec.vocab_size as u64;
         let capacity = batch.capacity;
+        // Prompts about as long as served ones (attention reads every cached column, so a short
+        // calibration context under-prices every choice), leaving room for the rounds.
+        let prompt_len = CALIBRATION_PROMPT.min(capacity / 4).max(1) as u64;
         let choices: Vec<Choice> = (0..shapes.len())
             .map(Choice::Draft)
             .chain([Choice::Plain])
@@ -284,7 +353,7 @@ impl FastSpecEngine<'_> {
                 .map(|id| Request {
                     id,
                     // A fixed pseudo-random prompt per row (costs do not depend on content).
-                    prompt: (0..32u64)
+                    prompt: (0..prompt_len)
                         .map(|i| ((id * 7919 + i * 104_729 + 13) % (vocab - 1) + 1) as u32)
                         .collect(),
                     max_new_tokens: capacity,
@@ -387,6 +456,7 @@ impl FastSpecEngine<'_> {
         let t0 = Instant::now();
         let defer = self.draft.is_some() && batch.policy.in_plain_run();
         let mut deferred_taps = None;
+        let backlog_row = batch.backlog.rows;
         let head = match self.draft {
             Some(draft) if defer => {
                 let dcache = draft.new_cache(n, batch.draft_capacity)?;
@@ -405,12 +475,11 @@ impl FastSpecEngine<'_> {
                         self.target.gpu().clone(),
                     ),
                 };
-                let index = batch.deferred.len();
                 for (j, (row, &f)) in rows.iter_mut().zip(&first).enumerate() {
                     let tokens = row.request.prompt[1..].iter().copied().chain([f]);
                     row.behind = tokens
                         .enumerate()
-                        .map(|(slot, t)| (t, index, j * step.width + slot))
+                        .map(|(slot, t)| (t, backlog_row + j * step.width + slot))
                         .collect();
                 }
                 deferred_taps = Some(out.taps);
@@ -449,7 +518,8 @@ impl FastSpecEngine<'_> {
             Some(caches) => self.append(caches, joined)?,
         }
         if let Some(taps) = deferred_taps {
-            batch.deferred.push(taps);
+            let at = batch.backlog.push(self.gpu(), &taps)?;
+            debug_assert_eq!(at, backlog_row);
         }
         self.gpu().synchronize()?;
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
@@ -531,7 +601,7 @@ impl FastSpecEngine<'_> {
             .partition(|r| r.done);
         batch.rows = kept;
         if batch.rows.is_empty() {
-            batch.deferred.clear();
+            batch.backlog.clear();
         }
         Ok(gone)
     }
@@ -615,7 +685,7 @@ impl FastSpecEngine<'_> {
         let shape = batch.policy.shape(choice);
         // The catch-up after plain rounds is what switching to drafting costs, paid once per
         // switch: the policy books it apart from the drafted round's own cost.
-        if shape.is_some() && !batch.deferred.is_empty() {
+        if shape.is_some() && batch.backlog.steps > 0 {
             let t0 = Instant::now();
             let captures_before = self.graphs_captured();
             self.catch_up(batch)?;
@@ -662,7 +732,7 @@ impl FastSpecEngine<'_> {
         // plain round: later, with the next drafted round's).
         let t0 = Instant::now();
         let label = shape.map_or_else(|| "none".to_owned(), |s| s.to_string());
-        let deferred_index = batch.deferred.len();
+        let backlog_row = batch.backlog.rows;
         let mut chunks = Vec::with_capacity(rows.len());
         let mut slots = Vec::with_capacity(rows.len());
         let mut committed_total = 0;
@@ -681,7 +751,8 @@ impl FastSpecEngine<'_> {
                     let depth = tree.depth.iter().copied().max().unwrap_or(0);
                     row.output.stats.record(acc.accepted.len(), depth);
                 } else {
-                    row.behind.push((committed[0], deferred_index, b));
+                    row.behind
+                        .push((committed[0], backlog_row + b * verify_width));
                 }
                 *row.output.rounds_by_shape.entry(label.clone()).or_default() += 1;
             }
@@ -704,7 +775,9 @@ impl FastSpecEngine<'_> {
                     self.draft_extend(draft, dcache, &chunks, &out.taps, verify_width, &slots)?;
                 self.gpu().synchronize()?;
             }
-            (Some(_), Some(_), None) => batch.deferred.push(out.taps),
+            (Some(_), Some(_), None) => {
+                batch.backlog.push(self.gpu(), &out.taps)?;
+            }
             _ => {}
         }
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
@@ -715,9 +788,7 @@ impl FastSpecEngine<'_> {
         batch
             .policy
             .observe(choice, batch.rows.len(), committed_total, round_seconds);
-        if batch.deferred.len() >= MAX_DEFERRED
-            || batch.deferred_tap_rows() >= MAX_DEFERRED_TAP_ROWS
-        {
+        if batch.backlog.steps >= MAX_DEFERRED || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS {
             self.catch_up(batch)?;
         }
         self.retire(batch, &mut progress)?;
@@ -757,33 +828,34 @@ impl FastSpecEngine<'_> {
                     ),
                 });
             }
-            let pieces: Vec<&[(u32, usize, usize)]> = batch
+            let pieces: Vec<&[(u32, usize)]> = batch
                 .rows
                 .iter()
                 .map(|r| &r.behind[done.min(r.behind.len())..(done + width).min(r.behind.len())])
                 .collect();
-            self.extend_deferred(draft, dcache, roots, &pieces, &batch.deferred)?;
+            let backlog = batch.backlog.taps.as_ref().expect("rows are behind");
+            self.extend_deferred(draft, dcache, roots, &pieces, backlog)?;
             done += width;
         }
         gpu.synchronize()?;
         for row in &mut batch.rows {
             row.behind.clear();
         }
-        batch.deferred.clear();
+        batch.backlog.clear();
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 
     /// One step of [`Self::catch_up`]: the head extended over `pieces[b]` for each row `b`
-    /// (possibly none), the fc input of each slot gathered from the deferred taps it names;
-    /// the roots of the rows with a piece become their output at its last token.
+    /// (possibly none), the fc input of each slot gathered from the backlog row it names; the
+    /// roots of the rows with a piece become their output at its last token.
     fn extend_deferred(
         &self,
         draft: &CudaDraft,
         dcache: &mut CudaKvCache,
         roots: &mut Roots,
-        pieces: &[&[(u32, usize, usize)]],
-        deferred: &[tandem_model::Taps<DeviceRows>],
+        pieces: &[&[(u32, usize)]],
+        backlog: &tandem_model::Taps<DeviceRows>,
     ) -> Result<(), InferError> {
         let gpu = self.gpu();
         let chunks: Vec<Vec<u32>> = pieces
@@ -792,38 +864,20 @@ impl FastSpecEngine<'_> {
             .collect();
         let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
         let step = dcache.layout().prefill_step(&refs)?;
-        // The fc input of every slot, gathered deferred step by step; padding slots read the
-        // first entry of the piece (they are masked out of attention).
+        // The backlog row of every slot; padding slots read the first entry of the piece (they
+        // are masked out of attention).
         let fallback = pieces
             .iter()
             .find_map(|p| p.first())
-            .map(|e| (e.1, e.2))
+            .map(|e| e.1)
             .expect("some row has a piece");
-        let mut by_source: Vec<(Vec<i32>, Vec<i32>)> = vec![Default::default(); deferred.len()];
-        for (b, piece) in pieces.iter().enumerate() {
-            for slot in 0..step.width {
-                let (source, row) = piece.get(slot).map_or(fallback, |e| (e.1, e.2));
-                by_source[source].0.push(row as i32);
-                by_source[source].1.push((b * step.width + slot) as i32);
-            }
-        }
-        let fc_in = draft.spec.fc_in();
-        let mut aux = gpu.scratch::<u16>(step.batch * step.width * fc_in)?;
-        for (source, (src, dst)) in by_source.iter().enumerate() {
-            if src.is_empty() {
-                continue;
-            }
-            let part = draft.fc_input(&deferred[source], src)?;
-            let identity: Vec<i32> = (0..src.len() as i32).collect();
-            gpu.copy_rows_u16(
-                &part,
-                &gpu.upload(&identity)?,
-                &mut aux,
-                &gpu.upload(dst)?,
-                src.len(),
-                fc_in,
-            )?;
-        }
+        let tap_rows: Vec<i32> = pieces
+            .iter()
+            .flat_map(|piece| {
+                (0..step.width).map(move |slot| piece.get(slot).map_or(fallback, |e| e.1) as i32)
+            })
+            .collect();
+        let aux = draft.fc_input(backlog, &tap_rows)?;
         let out = draft.extend(&step, &aux, dcache)?;
         // New roots: each row's output at the last token of its piece.
         let (src, dst): (Vec<i32>, Vec<i32>) = chunks

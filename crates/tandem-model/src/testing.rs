@@ -63,6 +63,57 @@ pub fn tiny_config(architecture: &str, layers: usize) -> HfConfig {
     .expect("tiny config is valid")
 }
 
+/// Prefills each golden case (`case{i}.input_ids`) through `model` with every tap point and
+/// checks the logits (`case{i}.logits`) and every tap against HF's `case{i}.hidden_states`
+/// (embed, blocks 0..L-2, then the final norm's output in the last slot) to `tol` in
+/// [`rel_err`]. Block L-1's output is not in `hidden_states`; it is returned per case (host
+/// values) for callers that hold another reference for it.
+pub fn check_prefill_against_hf<B: burn::prelude::Backend>(
+    model: &crate::TargetModel<B>,
+    golden: &GoldenFile,
+    cases: usize,
+    tol: f32,
+    label: &str,
+) -> Vec<Vec<f32>> {
+    use crate::{LogitsFor, TapRequest};
+    let host = |t: burn::prelude::Tensor<B, 3>| t.into_data().to_vec::<f32>().expect("f32");
+    let (layers, hidden) = (model.spec.num_layers, model.spec.hidden_size);
+    let mut last_blocks = Vec::with_capacity(cases);
+    for case in 0..cases {
+        let ids = golden.ids(&format!("case{case}.input_ids"));
+        let n = ids.len();
+        let mut cache = model.new_cache(1, n);
+        let step = cache.prefill_step(&[&ids]).expect("a prefill step");
+        let out = model
+            .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::All)
+            .expect("a forward pass");
+        let (_, logits) = golden.f32s(&format!("case{case}.logits"));
+        let e = rel_err(&host(out.logits.expect("logits")), &logits);
+        eprintln!("{label} case{case}: logits rel err {e:.2e}");
+        assert!(e <= tol, "{label} case{case}: logits rel err {e}");
+        let (shape, states) = golden.f32s(&format!("case{case}.hidden_states"));
+        assert_eq!(shape, vec![layers + 1, n, hidden]);
+        let mut worst = 0f32;
+        for (k, tensor) in out.taps.tensors.iter().enumerate() {
+            if k == layers {
+                continue; // block L-1: its hidden_states slot holds `final`
+            }
+            let hf = if k == layers + 1 { layers } else { k };
+            let reference = &states[hf * n * hidden..(hf + 1) * n * hidden];
+            let e = rel_err(&host(tensor.clone()), reference);
+            worst = worst.max(e);
+            assert!(
+                e <= tol,
+                "{label} case{case}: tap {} vs hidden_states[{hf}]: rel err {e}",
+                out.taps.taps[k]
+            );
+        }
+        eprintln!("{label} case{case}: worst hidden-state rel err {worst:.2e}");
+        last_blocks.push(host(out.taps.tensors[layers].clone()));
+    }
+    last_blocks
+}
+
 /// Relative error of `actual` against `reference`: max |actual - reference| / max |reference|
 /// (the metric every parity check and test here states its tolerance in).
 pub fn rel_err(actual: &[f32], reference: &[f32]) -> f32 {

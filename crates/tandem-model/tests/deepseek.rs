@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::{GoldenFile, rel_err, scratch_dir, tiny_config, write_random_model};
+use tandem_model::testing::{
+    GoldenFile, check_prefill_against_hf, rel_err, scratch_dir, tiny_config, write_random_model,
+};
 use tandem_model::{Execution, KvCache, LogitsFor, StepInput, StepOutput, TapRequest, TargetModel};
 use tandem_wiring::TapId;
 
@@ -42,49 +44,19 @@ fn host(t: Tensor<B, 3>) -> Vec<f32> {
 fn check_parity(name: &str) {
     let model = load(name);
     let golden = GoldenFile::open(&fixture(name).join("golden.safetensors"));
-    let layers = model.spec.num_layers;
-    let hidden = model.spec.hidden_size;
+    let (layers, hidden) = (model.spec.num_layers, model.spec.hidden_size);
     assert_eq!(layers, 4);
-    for case in 0..2 {
-        let ids = golden.ids(&format!("case{case}.input_ids"));
-        let n = ids.len();
-        let mut cache = model.new_cache(1, n);
-        let step = cache.prefill_step(&[&ids]).unwrap();
-        let out = model
-            .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::All)
-            .unwrap();
-        let (_, logits) = golden.f32s(&format!("case{case}.logits"));
-        let e = rel_err(&host(out.logits.unwrap()), &logits);
-        eprintln!("{name} case{case}: logits rel err {e:.2e}");
-        assert!(e <= PARITY_REL, "{name} case{case}: logits rel err {e}");
-        let (shape, states) = golden.f32s(&format!("case{case}.hidden_states"));
-        assert_eq!(shape, vec![layers + 1, n, hidden]);
-        // HF hidden_states[k]: embed, then block k-1, the last one the final norm's output.
-        let mut worst = 0f32;
-        for (k, tensor) in out.taps.tensors.iter().enumerate() {
-            let hf_index = if k == layers + 1 { layers } else { k };
-            if k == layers {
-                continue; // block L-1 is not in hidden_states (its slot holds `final`)
-            }
-            let reference = &states[hf_index * n * hidden..(hf_index + 1) * n * hidden];
-            let e = rel_err(&host(tensor.clone()), reference);
-            worst = worst.max(e);
-            assert!(
-                e <= PARITY_REL,
-                "{name} case{case}: tap {} vs hidden_states[{hf_index}]: rel err {e}",
-                out.taps.taps[k]
-            );
-        }
+    let last_blocks = check_prefill_against_hf(&model, &golden, 2, PARITY_REL, name);
+    // Block L-1, which hidden_states leaves out, against the fixture's hooked block outputs.
+    for (case, last) in last_blocks.iter().enumerate() {
         let (_, blocks) = golden.f32s(&format!("case{case}.block_out"));
-        let last = &blocks[(layers - 1) * n * hidden..];
-        let e = rel_err(&host(out.taps.tensors[layers].clone()), last);
-        worst = worst.max(e);
+        let n = last.len() / hidden;
+        let e = rel_err(last, &blocks[(layers - 1) * n * hidden..]);
         assert!(
             e <= PARITY_REL,
             "{name} case{case}: block {} rel err {e}",
             layers - 1
         );
-        eprintln!("{name} case{case}: worst hidden-state rel err {worst:.2e}");
     }
 }
 

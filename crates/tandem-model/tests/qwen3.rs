@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::{GoldenFile, rel_err};
+use tandem_model::testing::{GoldenFile, check_prefill_against_hf, rel_err};
 use tandem_model::{LogitsFor, TapRequest, TargetModel};
 
 type B = CpuBackend;
@@ -42,36 +42,7 @@ fn qwen3_prefill_matches_hf_logits_and_every_hidden_state() {
         (16, 4, 48)
     );
     let golden = GoldenFile::open(&fixture().join("golden.safetensors"));
-    let (layers, hidden) = (spec.num_layers, spec.hidden_size);
-    for case in 0..2 {
-        let ids = golden.ids(&format!("case{case}.input_ids"));
-        let n = ids.len();
-        let mut cache = model.new_cache(1, n);
-        let step = cache.prefill_step(&[&ids]).unwrap();
-        let out = model
-            .forward(&step, &mut cache, &TapRequest::all(layers), LogitsFor::All)
-            .unwrap();
-        let (_, logits) = golden.f32s(&format!("case{case}.logits"));
-        let e = rel_err(&host(out.logits.unwrap()), &logits);
-        eprintln!("case{case}: logits rel err {e:.2e}");
-        assert!(e <= PARITY_REL, "case{case}: logits rel err {e}");
-        let (shape, states) = golden.f32s(&format!("case{case}.hidden_states"));
-        assert_eq!(shape, vec![layers + 1, n, hidden]);
-        // Taps: embed, block 0..L-1, final. HF hidden_states: embed, block 0..L-2, final.
-        for (k, tensor) in out.taps.tensors.iter().enumerate() {
-            if k == layers {
-                continue; // block L-1's output is not in hidden_states (its slot holds `final`)
-            }
-            let hf = if k == layers + 1 { layers } else { k };
-            let reference = &states[hf * n * hidden..(hf + 1) * n * hidden];
-            let e = rel_err(&host(tensor.clone()), reference);
-            assert!(
-                e <= PARITY_REL,
-                "case{case}: tap {} vs hidden_states[{hf}]: rel err {e}",
-                out.taps.taps[k]
-            );
-        }
-    }
+    check_prefill_against_hf(&model, &golden, 2, PARITY_REL, "qwen3");
 }
 
 #[test]
