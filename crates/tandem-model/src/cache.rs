@@ -199,34 +199,40 @@ impl ColumnLayout {
     /// as `[batch, 1, groups * width, used + width]`: 0 where visible, -inf elsewhere. The mask
     /// is repeated per query group so grouped-query attention needs no K/V copy.
     pub fn attention_mask(&self, step: &StepInput, groups: usize) -> Vec<f32> {
+        // Written once, row after row (no fill then overwrite): wide steps at large batches (a
+        // head catching up over hundreds of deferred tokens for 64 sequences) build tens of
+        // megabytes here, on the host, before every such step.
         let total = self.used + step.width;
-        let mut mask = vec![f32::NEG_INFINITY; step.batch * groups * step.width * total];
+        let mut mask = Vec::with_capacity(step.batch * groups * step.width * total);
+        let hidden = |ok: bool| if ok { 0.0 } else { f32::NEG_INFINITY };
+        let mut cached: Vec<f32> = Vec::with_capacity(self.used);
+        let mut row: Vec<f32> = vec![f32::NEG_INFINITY; step.width];
         for b in 0..step.batch {
-            for i in 0..step.width {
-                let slot = b * step.width + i;
-                let mut row = vec![f32::NEG_INFINITY; total];
-                if step.real[slot] {
-                    for (col, &ok) in self.valid[b].iter().enumerate() {
-                        if ok {
-                            row[col] = 0.0;
+            // The cached columns this sequence sees, shared by its slots.
+            cached.clear();
+            cached.extend(self.valid[b].iter().map(|&ok| hidden(ok)));
+            cached.resize(self.used, f32::NEG_INFINITY);
+            for _ in 0..groups {
+                for i in 0..step.width {
+                    let slot = b * step.width + i;
+                    if step.real[slot] {
+                        mask.extend_from_slice(&cached);
+                        let sees = &step.sees[slot * step.width..(slot + 1) * step.width];
+                        for (r, &s) in row.iter_mut().zip(sees) {
+                            *r = hidden(s);
                         }
+                        mask.extend_from_slice(&row);
+                    } else {
+                        // Padding attends to itself only, so its softmax stays finite; its
+                        // output is never read.
+                        mask.extend(std::iter::repeat_n(f32::NEG_INFINITY, self.used + i));
+                        mask.push(0.0);
+                        mask.extend(std::iter::repeat_n(f32::NEG_INFINITY, step.width - i - 1));
                     }
-                    for j in 0..step.width {
-                        if step.sees[slot * step.width + j] {
-                            row[self.used + j] = 0.0;
-                        }
-                    }
-                } else {
-                    // Padding attends to itself only, so its softmax stays finite; its output
-                    // is never read.
-                    row[self.used + i] = 0.0;
-                }
-                for g in 0..groups {
-                    let start = ((b * groups + g) * step.width + i) * total;
-                    mask[start..start + total].copy_from_slice(&row);
                 }
             }
         }
+        debug_assert_eq!(mask.len(), step.batch * groups * step.width * total);
         mask
     }
 
@@ -552,5 +558,75 @@ impl StepInput {
                     .find(|&i| self.real[b * self.width + i])
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mask as first written (one fill, then each slot's row built and copied per group):
+    /// the reference the faster builder must reproduce.
+    fn reference_mask(layout: &ColumnLayout, step: &StepInput, groups: usize) -> Vec<f32> {
+        let total = layout.used + step.width;
+        let mut mask = vec![f32::NEG_INFINITY; step.batch * groups * step.width * total];
+        for b in 0..step.batch {
+            for i in 0..step.width {
+                let slot = b * step.width + i;
+                let mut row = vec![f32::NEG_INFINITY; total];
+                if step.real[slot] {
+                    for (col, &ok) in layout.valid[b].iter().enumerate() {
+                        if ok {
+                            row[col] = 0.0;
+                        }
+                    }
+                    for j in 0..step.width {
+                        if step.sees[slot * step.width + j] {
+                            row[layout.used + j] = 0.0;
+                        }
+                    }
+                } else {
+                    row[layout.used + i] = 0.0;
+                }
+                for g in 0..groups {
+                    let start = ((b * groups + g) * step.width + i) * total;
+                    mask[start..start + total].copy_from_slice(&row);
+                }
+            }
+        }
+        mask
+    }
+
+    #[test]
+    fn the_attention_mask_matches_the_reference_for_ragged_prefills_trees_and_padding() {
+        let mut layout = ColumnLayout::new(3, 64);
+        let same = |layout: &ColumnLayout, step: &StepInput| {
+            for groups in [1, 3] {
+                let got = layout.attention_mask(step, groups);
+                let want = reference_mask(layout, step, groups);
+                assert_eq!(got.len(), want.len());
+                // NEG_INFINITY == NEG_INFINITY, so plain equality compares the patterns.
+                assert!(got == want, "groups {groups}: masks differ");
+            }
+        };
+        // A ragged prefill (sequence 1 shorter: padding slots), from an empty cache.
+        let step = layout
+            .prefill_step(&[&[1, 2, 3, 4], &[5, 6], &[7, 8, 9]])
+            .unwrap();
+        same(&layout, &step);
+        layout.advance(&step);
+        // A tree step with branching, then a rollback-free decode and a chunk with one
+        // sequence idle (an empty chunk: all padding).
+        let parents: Vec<Option<usize>> = vec![None, Some(0), Some(0), Some(1)];
+        let trees: Vec<(&[u32], &[Option<usize>])> = vec![
+            (&[1, 2, 3, 4], &parents),
+            (&[5, 6], &parents[..2]),
+            (&[7], &parents[..1]),
+        ];
+        let step = layout.tree_step(&trees).unwrap();
+        same(&layout, &step);
+        layout.advance(&step);
+        let step = layout.prefill_step(&[&[3], &[], &[4, 5]]).unwrap();
+        same(&layout, &step);
     }
 }
