@@ -7,15 +7,33 @@
 # Runs after scripts/gpu/policy.sh has imported SmolLM2 on the same machine (for $T and the
 # tokenizer):
 #   bash scripts/gpu/big_target.sh start     # then `wait` until it prints the tables
+# or alone on an empty machine, from the binary and SmolLM2's tokenizer files packed here:
+#   here:   bash scripts/gpu/big_target.sh pack       # .device/big (binary, tokenizer)
+#   device: bash scripts/gpu/big_target.sh alone      # carry [".device/big"]
 # It also times SmolLM2's decode and verify steps (fast-bench, eager and graphs) and profiles
 # its batch-1 decode kernel by kernel with ncu; BIG=0 runs only that.
 set -uo pipefail
 PHASE="${1:?usage: $0 start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
 B="$W/llama8b-random"
+TOK="$M"
+[[ -d "$M" ]] || TOK="$W/tokenizer"
 case "$PHASE" in
+pack)
+  rm -rf .device/big && mkdir -p .device/big/tokenizer
+  xz -9e -T2 -c target/release/tandem > .device/big/tandem.xz
+  cp models/SmolLM2-135M-Instruct/tokenizer*.json models/SmolLM2-135M-Instruct/config.json \
+    models/SmolLM2-135M-Instruct/generation_config.json .device/big/tokenizer/
+  du -sb .device/big
+  ;;
+alone)
+  mkdir -p "$W"
+  xz -dc .device/big/tandem.xz > "$T" && chmod +x "$T"
+  cp -r .device/big/tokenizer "$W/tokenizer"
+  exec bash "$0" start
+  ;;
 start)
-  [[ -x "$T" && -d "$M" ]] || { echo "missing $T or $M: run scripts/gpu/policy.sh first on this machine" >&2; exit 3; }
+  [[ -x "$T" && -d "$TOK" ]] || { echo "missing $T or $TOK: run scripts/gpu/policy.sh or \`alone\` first" >&2; exit 3; }
   rm -f "$R/big_done"
   cp "$0" scripts/gpu/head_lib.sh scripts/reference/make_random_llama.py \
     scripts/reference/hf_step_bench.py scripts/reference/hf_decode_bench.py "$W/"
@@ -38,12 +56,12 @@ pipeline)
   stamp() { echo "$(date +%T) $1" | tee -a "$R/big_phases.txt"; }
   stamp "start"
   # SmolLM2 decode and verify steps, eager launches then graphs (the kernels' before/after).
-  timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --with-taps \
+  [[ -d "$M" ]] && timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --with-taps \
     --prompt-tokens 128 --new-tokens 64 --repeats 3 --json "$R/big_smol_fast.json" \
     > "$R/big_smol_fast.log" 2>&1
   stamp "smollm2 fast-bench exit $?"
   if [[ "${BIG:-1}" == 1 ]]; then
-  python3 make_random_llama.py "$B" --tokenizer-from "$M" > "$R/big_make.log" 2>&1
+  python3 make_random_llama.py "$B" --tokenizer-from "$TOK" > "$R/big_make.log" 2>&1
   stamp "model written: $(tail -1 "$R/big_make.log")"
   timeout 500 "$T" fast-bench --model "$B" --batch 1,8,32 --verify-widths 4,8,32 --with-taps \
     --graphs-only --prompt-tokens 128 --new-tokens 32 --repeats 3 --json "$R/big_fast.json" \
@@ -59,7 +77,7 @@ pipeline)
   # Where SmolLM2's batch-1 decode step spends its time, kernel by kernel (eager launches so
   # ncu sees each kernel; duration only, one pass per kernel; clocks left alone).
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  if [[ -n "$NCU" ]]; then
+  if [[ -n "$NCU" && -d "$M" ]]; then
     timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
       --launch-count 1500 "$T" fast-bench --model "$M" --batch 1 --verify-widths 4 \
       --prompt-tokens 128 --new-tokens 16 --repeats 1 > "$R/big_ncu.csv" 2> "$R/big_ncu.err"
