@@ -139,6 +139,32 @@ extern "C" __global__ void rope_qkv(const float* qkv, const float* bias, const i
     }
 }
 
+// The additive attention mask `[rows, total]` (0 visible, -inf hidden) of a step, expanded on
+// the GPU from its compact parts (`tandem_model::MaskParts`, whose `expand` is the reference):
+// `valid [batch, used]` (cached columns each sequence owns), `sees [rows, width]` (the step's own
+// columns each slot sees), `real [rows]` (padding sees only its own column). Grid: rows.
+extern "C" __global__ void build_mask(const unsigned char* __restrict__ valid,
+                                      const unsigned char* __restrict__ sees,
+                                      const unsigned char* __restrict__ real,
+                                      float* __restrict__ mask, int width, int used, int total) {
+    const int r = blockIdx.x;
+    const int b = r / width;
+    const int i = r % width;
+    const bool is_real = real[r] != 0;
+    float* row = mask + (size_t)r * total;
+    for (int j = threadIdx.x; j < total; j += blockDim.x) {
+        bool visible;
+        if (!is_real) {
+            visible = j == used + i;
+        } else if (j < used) {
+            visible = valid[(size_t)b * used + j] != 0;
+        } else {
+            visible = sees[(size_t)r * width + (j - used)] != 0;
+        }
+        row[j] = visible ? 0.0f : NEG_INF;
+    }
+}
+
 // Grouped-query attention of one query row and head over the cache columns its mask allows
 // (mask `[rows, total]`: 0 visible, -inf hidden; built by `ColumnLayout::attention_mask`).
 // Each warp takes chunks of 32 columns (warps stride over the chunks): lane l scores column

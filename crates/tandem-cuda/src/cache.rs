@@ -4,7 +4,7 @@
 //! one piece of code for both paths.
 
 use cudarc::driver::CudaSlice;
-use tandem_model::{ColumnLayout, ModelError, StepInput};
+use tandem_model::{ColumnLayout, MaskParts, ModelError, StepInput};
 
 use crate::device::{AttentionShape, Gpu};
 use crate::error::CudaError;
@@ -13,7 +13,8 @@ use crate::error::CudaError;
 pub(crate) struct HostStep {
     pub tokens: Vec<u32>,
     pub positions: Vec<i32>,
-    pub mask: Vec<f32>,
+    /// The attention mask in compact parts, expanded on the GPU ([`MaskBuffers::load`]).
+    pub mask: MaskParts,
     pub col0: usize,
     pub total: usize,
     pub shape: AttentionShape,
@@ -30,14 +31,53 @@ impl HostStep {
             return self;
         }
         let width = self.shape.width;
-        let mask_row = width * self.total;
         for _ in live..batch {
             self.tokens.extend_from_within(..width);
             self.positions.extend_from_within(..width);
-            self.mask.extend_from_within(..mask_row);
         }
+        self.mask = self.mask.padded(batch);
         self.shape.batch = batch;
         self
+    }
+}
+
+/// A step's attention mask on the device: the compact parts uploaded, and the `[rows, total]`
+/// additive mask the attention kernel reads, expanded from them by `build_mask` (the host
+/// would otherwise build and upload `rows x total` f32 values: ~40 MB for a 64-sequence step
+/// of 256 tokens over 600 columns). Shared by the target's and the head's step buffers.
+pub(crate) struct MaskBuffers {
+    valid: CudaSlice<u8>,
+    sees: CudaSlice<u8>,
+    real: CudaSlice<u8>,
+    /// `[rows, total]` of the step, inside room for `[rows, mask_columns]`.
+    pub full: CudaSlice<f32>,
+}
+
+impl MaskBuffers {
+    pub fn new(gpu: &Gpu, shape: AttentionShape, mask_columns: usize) -> Result<Self, CudaError> {
+        let rows = shape.rows();
+        Ok(Self {
+            valid: gpu.scratch(shape.batch * mask_columns)?,
+            sees: gpu.scratch(rows * shape.width)?,
+            real: gpu.scratch(rows)?,
+            full: gpu.scratch(rows * mask_columns)?,
+        })
+    }
+
+    /// Uploads `parts` and expands them into `full`.
+    pub fn load(&mut self, gpu: &Gpu, parts: &MaskParts) -> Result<(), CudaError> {
+        gpu.upload_into(&parts.valid, &mut self.valid)?;
+        gpu.upload_into(&parts.sees, &mut self.sees)?;
+        gpu.upload_into(&parts.real, &mut self.real)?;
+        gpu.build_mask(
+            &self.valid,
+            &self.sees,
+            &self.real,
+            &mut self.full,
+            parts.real.len(),
+            parts.width,
+            parts.used,
+        )
     }
 }
 
@@ -283,7 +323,7 @@ impl CudaKvCache {
         Ok(HostStep {
             tokens: step.tokens.clone(),
             positions: step.positions.iter().map(|&p| p as i32).collect(),
-            mask: self.layout.attention_mask(step, 1),
+            mask: self.layout.mask_parts(step),
             col0: self.layout.used(),
             total: self.layout.used() + step.width,
             shape: AttentionShape {

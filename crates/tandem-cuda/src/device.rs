@@ -72,6 +72,7 @@ const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 struct Kernels {
     embed_rows: CudaFunction,
     add_rms_norm: CudaFunction,
+    build_mask: CudaFunction,
     rope_qkv: CudaFunction,
     head_rms_norm: CudaFunction,
     attention: CudaFunction,
@@ -157,6 +158,7 @@ impl Gpu {
         let kernels = Kernels {
             embed_rows: module.load_function("embed_rows")?,
             add_rms_norm: module.load_function("add_rms_norm")?,
+            build_mask: module.load_function("build_mask")?,
             rope_qkv: module.load_function("rope_qkv")?,
             head_rms_norm: module.load_function("head_rms_norm")?,
             attention: module.load_function("attention")?,
@@ -576,6 +578,40 @@ impl Gpu {
         };
         // SAFETY: sizes asserted above; one thread per element of a head.
         unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Expands a step's compact mask parts (already on the device: `valid [batch, used]`,
+    /// `sees [rows, width]`, `real [rows]`) into the `[rows, used + width]` additive mask the
+    /// attention kernel reads. See `build_mask` in kernels/llama.cu.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_mask(
+        &self,
+        valid: &CudaSlice<u8>,
+        sees: &CudaSlice<u8>,
+        real: &CudaSlice<u8>,
+        mask: &mut CudaSlice<f32>,
+        rows: usize,
+        width: usize,
+        used: usize,
+    ) -> Result<(), CudaError> {
+        let total = used + width;
+        assert!(rows.is_multiple_of(width.max(1)));
+        assert!(valid.len() >= rows / width.max(1) * used || used == 0);
+        assert!(sees.len() >= rows * width && real.len() >= rows);
+        assert!(mask.len() >= rows * total);
+        let (width_i, used_i, total_i) = (width as i32, used as i32, total as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.build_mask);
+        launch
+            .arg(valid)
+            .arg(sees)
+            .arg(real)
+            .arg(mask)
+            .arg(&width_i)
+            .arg(&used_i)
+            .arg(&total_i);
+        // SAFETY: sizes asserted above; one block per mask row, threads stride its columns.
+        unsafe { launch.launch(Self::rows_config(rows, 256)) }?;
         Ok(())
     }
 

@@ -14,7 +14,7 @@ use cudarc::driver::CudaSlice;
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
-use crate::cache::{CudaKvCache, HostStep};
+use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
 use crate::device::{AttentionShape, DeviceRows, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -416,7 +416,7 @@ impl CudaDraft {
             &b.q,
             &cache.keys[0],
             &cache.values[0],
-            &b.mask,
+            &b.mask.full,
             &mut b.attn,
             shape,
             total,
@@ -456,7 +456,7 @@ impl CudaDraft {
 struct DraftBuffers {
     tokens: CudaSlice<u32>,
     positions: CudaSlice<i32>,
-    mask: CudaSlice<f32>,
+    mask: MaskBuffers,
     scalars: CudaSlice<i32>,
     /// The residual stream: the step's hidden input, its output after the step.
     hidden: CudaSlice<f32>,
@@ -492,7 +492,7 @@ impl DraftBuffers {
         Ok(Self {
             tokens: gpu.scratch(rows)?,
             positions: gpu.scratch(rows)?,
-            mask: gpu.scratch(rows * mask_columns)?,
+            mask: MaskBuffers::new(gpu, shape, mask_columns)?,
             scalars: gpu.scratch(2)?,
             hidden: match hidden {
                 Some(hidden) => hidden,
@@ -517,7 +517,7 @@ impl DraftBuffers {
     fn load(&mut self, gpu: &Gpu, host: &HostStep) -> Result<(), CudaError> {
         gpu.upload_into(&host.tokens, &mut self.tokens)?;
         gpu.upload_into(&host.positions, &mut self.positions)?;
-        gpu.upload_into(&host.mask, &mut self.mask)?;
+        self.mask.load(gpu, &host.mask)?;
         gpu.upload_into(&[host.col0 as i32, host.total as i32], &mut self.scalars)
     }
 

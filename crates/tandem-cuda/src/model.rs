@@ -9,7 +9,7 @@ use tandem_model::weights::WeightFiles;
 use tandem_model::{CaptureHook, HfConfig, LogitsFor, ModelSpec, StepInput, TapRequest, Taps};
 use tandem_wiring::TapId;
 
-use crate::cache::{CudaKvCache, HostStep};
+use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
 use crate::device::{AttentionShape, DeviceRows, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -33,8 +33,7 @@ pub struct CudaTarget {
 struct StepBuffers {
     tokens: CudaSlice<u32>,
     positions: CudaSlice<i32>,
-    /// `[rows, total]` of the step, inside room for `[rows, mask_columns]`.
-    mask: CudaSlice<f32>,
+    mask: MaskBuffers,
     /// `[col0, total]` for graph replays (see `rope_qkv` in kernels/llama.cu).
     scalars: CudaSlice<i32>,
     /// `LogitsFor::Last`: the row of each sequence's last real token.
@@ -85,7 +84,7 @@ impl StepBuffers {
         Ok(Self {
             tokens: gpu.scratch(rows)?,
             positions: gpu.scratch(rows)?,
-            mask: gpu.scratch(rows * mask_columns)?,
+            mask: MaskBuffers::new(gpu, shape, mask_columns)?,
             scalars: gpu.scratch(2)?,
             last: gpu.scratch(last_rows)?,
             hidden: gpu.scratch(rows * h)?,
@@ -117,7 +116,7 @@ impl StepBuffers {
     fn load(&mut self, gpu: &Gpu, host: &HostStep, last: &[i32]) -> Result<(), CudaError> {
         gpu.upload_into(&host.tokens, &mut self.tokens)?;
         gpu.upload_into(&host.positions, &mut self.positions)?;
-        gpu.upload_into(&host.mask, &mut self.mask)?;
+        self.mask.load(gpu, &host.mask)?;
         gpu.upload_into(&[host.col0 as i32, host.total as i32], &mut self.scalars)?;
         if self.needs_last {
             gpu.upload_into(last, &mut self.last)?;
@@ -559,7 +558,7 @@ impl CudaTarget {
                 q,
                 &cache.keys[k],
                 &cache.values[k],
-                mask,
+                &mask.full,
                 attn,
                 shape,
                 total,

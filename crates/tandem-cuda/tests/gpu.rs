@@ -691,3 +691,65 @@ fn sample_kernel_draws_from_the_nucleus_distribution() {
         );
     }
 }
+
+/// `build_mask` expands a step's compact mask parts into exactly the additive mask the host
+/// builds (`ColumnLayout::attention_mask`, one group) for a ragged prefill from an empty cache,
+/// a branching tree over cached columns, a chunk with an idle (all-padding) sequence, and the
+/// same parts padded to more sequences (`MaskParts::padded`).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn build_mask_kernel_expands_the_layouts_mask() {
+    use tandem_model::{ColumnLayout, MaskParts};
+    let gpu = gpu();
+    let expand_on_gpu = |parts: &MaskParts| -> Vec<f32> {
+        let rows = parts.real.len();
+        let total = parts.used + parts.width;
+        let valid = gpu.upload(&parts.valid).unwrap();
+        let sees = gpu.upload(&parts.sees).unwrap();
+        let real = gpu.upload(&parts.real).unwrap();
+        let mut mask = gpu.zeros::<f32>(rows * total).unwrap();
+        gpu.build_mask(
+            &valid,
+            &sees,
+            &real,
+            &mut mask,
+            rows,
+            parts.width,
+            parts.used,
+        )
+        .unwrap();
+        gpu.download(&mask).unwrap()[..rows * total].to_vec()
+    };
+    let mut layout = ColumnLayout::new(3, 512);
+    let mut checked = 0;
+    let mut check = |layout: &ColumnLayout, step: &tandem_model::StepInput| {
+        let parts = layout.mask_parts(step);
+        let want = layout.attention_mask(step, 1);
+        assert!(
+            expand_on_gpu(&parts) == want,
+            "step {checked}: masks differ"
+        );
+        let padded = parts.clone().padded(5);
+        assert!(
+            expand_on_gpu(&padded) == padded.expand(),
+            "step {checked}: padded"
+        );
+        checked += 1;
+    };
+    let long: Vec<u32> = (1..300).collect();
+    let step = layout.prefill_step(&[&long, &[5, 6], &[7, 8, 9]]).unwrap();
+    check(&layout, &step);
+    layout.advance(&step);
+    let parents: Vec<Option<usize>> = vec![None, Some(0), Some(0), Some(1), Some(2)];
+    let trees: Vec<(&[u32], &[Option<usize>])> = vec![
+        (&[1, 2, 3, 4, 5], &parents),
+        (&[5, 6], &parents[..2]),
+        (&[7], &parents[..1]),
+    ];
+    let step = layout.tree_step(&trees).unwrap();
+    check(&layout, &step);
+    layout.advance(&step);
+    let step = layout.prefill_step(&[&[3], &[], &[4, 5]]).unwrap();
+    check(&layout, &step);
+    assert_eq!(checked, 3);
+}

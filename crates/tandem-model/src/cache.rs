@@ -35,6 +35,59 @@ pub struct ColumnLayout {
     next_position: Vec<usize>,
 }
 
+/// The attention mask of one step in compact parts ([`ColumnLayout::mask_parts`]): which cached
+/// columns each sequence owns, which of the step's own columns each slot sees, and which slots
+/// are real tokens. Row `r = b * width + i` of the full mask sees cached column `c < used` when
+/// `valid[b * used + c]`, step column `j` when `sees[r * width + j]`; a padding slot sees only
+/// its own column.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskParts {
+    pub used: usize,
+    pub width: usize,
+    /// `[batch, used]`, 1 = visible.
+    pub valid: Vec<u8>,
+    /// `[rows, width]`.
+    pub sees: Vec<u8>,
+    /// `[rows]`.
+    pub real: Vec<u8>,
+}
+
+impl MaskParts {
+    /// The full additive mask, `[rows, used + width]`: 0 visible, -inf hidden (what
+    /// [`ColumnLayout::attention_mask`] builds with one group).
+    pub fn expand(&self) -> Vec<f32> {
+        let total = self.used + self.width;
+        let rows = self.real.len();
+        let mut mask = Vec::with_capacity(rows * total);
+        for r in 0..rows {
+            let (b, i) = (r / self.width, r % self.width);
+            for j in 0..total {
+                let visible = if self.real[r] == 0 {
+                    j == self.used + i
+                } else if j < self.used {
+                    self.valid[b * self.used + j] != 0
+                } else {
+                    self.sees[r * self.width + j - self.used] != 0
+                };
+                mask.push(if visible { 0.0 } else { f32::NEG_INFINITY });
+            }
+        }
+        mask
+    }
+
+    /// The parts with sequences appended up to `batch`, each a copy of sequence 0's.
+    pub fn padded(mut self, batch: usize) -> Self {
+        let live = self.real.len() / self.width.max(1);
+        let (used, width) = (self.used, self.width);
+        for _ in live..batch {
+            self.valid.extend_from_within(..used);
+            self.sees.extend_from_within(..width * width);
+            self.real.extend_from_within(..width);
+        }
+        self
+    }
+}
+
 /// One forward step for a batch: `batch * width` new tokens, laid out row-major by sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepInput {
@@ -193,6 +246,25 @@ impl ColumnLayout {
             });
         }
         Ok(())
+    }
+
+    /// The attention mask of `step` (one group) in compact parts, for a device to expand
+    /// ([`MaskParts::expand`] is the reference): `rows x (used + width)` f32 values grow with the
+    /// square of a wide step, these with its width.
+    pub fn mask_parts(&self, step: &StepInput) -> MaskParts {
+        let mut valid = Vec::with_capacity(step.batch * self.used);
+        for b in 0..step.batch {
+            let owned = &self.valid[b][..self.valid[b].len().min(self.used)];
+            valid.extend(owned.iter().map(|&ok| u8::from(ok)));
+            valid.resize((b + 1) * self.used, 0);
+        }
+        MaskParts {
+            used: self.used,
+            width: step.width,
+            valid,
+            sees: step.sees.iter().map(|&s| u8::from(s)).collect(),
+            real: step.real.iter().map(|&r| u8::from(r)).collect(),
+        }
     }
 
     /// Additive attention mask for `step`, `[batch * groups * width * (used + width)]` laid out
@@ -601,6 +673,10 @@ mod tests {
     fn the_attention_mask_matches_the_reference_for_ragged_prefills_trees_and_padding() {
         let mut layout = ColumnLayout::new(3, 64);
         let same = |layout: &ColumnLayout, step: &StepInput| {
+            assert!(
+                layout.mask_parts(step).expand() == layout.attention_mask(step, 1),
+                "the compact parts expand to another mask"
+            );
             for groups in [1, 3] {
                 let got = layout.attention_mask(step, groups);
                 let want = reference_mask(layout, step, groups);
@@ -628,5 +704,16 @@ mod tests {
         layout.advance(&step);
         let step = layout.prefill_step(&[&[3], &[], &[4, 5]]).unwrap();
         same(&layout, &step);
+        // Padded to 5 sequences: the two spare ones repeat sequence 0's rows.
+        let parts = layout.mask_parts(&step);
+        let full = parts.expand();
+        let padded = parts.padded(5).expand();
+        let per_sequence = step.width * (layout.used() + step.width);
+        assert_eq!(padded.len(), 5 * per_sequence);
+        assert!(padded[..full.len()] == full[..]);
+        for spare in 3..5 {
+            let rows = &padded[spare * per_sequence..(spare + 1) * per_sequence];
+            assert!(rows == &full[..per_sequence], "spare sequence {spare}");
+        }
     }
 }
