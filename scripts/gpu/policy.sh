@@ -85,7 +85,7 @@ for c in (1, 8, 32, 64):
           f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} |")
 PY
   for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
-  grep -H "engine time" "$R"/serve_*.txt | sed "s|$R/||"
+  grep -H "engine time\|scheduler time" "$R"/serve_*.txt | sed "s|$R/||"
   grep -h -A 16 "policy at the end" "$R"/serve_adaptive_long_c64.txt
   grep -h -A 9 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
   collect results.tar.xz none

@@ -103,6 +103,10 @@ pub struct Timings {
     pub draft_s: f64,
     pub verify_s: f64,
     pub extend_s: f64,
+    /// Wall time of whole rounds and admissions (engines that record it; the phases above are
+    /// parts of it, the rest is host bookkeeping between them).
+    pub rounds_wall_s: f64,
+    pub admits_wall_s: f64,
 }
 
 impl std::ops::AddAssign for Timings {
@@ -111,6 +115,8 @@ impl std::ops::AddAssign for Timings {
         self.draft_s += other.draft_s;
         self.verify_s += other.verify_s;
         self.extend_s += other.extend_s;
+        self.rounds_wall_s += other.rounds_wall_s;
+        self.admits_wall_s += other.admits_wall_s;
     }
 }
 

@@ -425,6 +425,17 @@ impl FastSpecEngine<'_> {
         batch: &mut FastRunningBatch,
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
+        let wall = Instant::now();
+        let result = self.admit_timed(batch, requests);
+        batch.timings.admits_wall_s += wall.elapsed().as_secs_f64();
+        result
+    }
+
+    fn admit_timed(
+        &self,
+        batch: &mut FastRunningBatch,
+        requests: Vec<Request>,
+    ) -> Result<Vec<Progress>, InferError> {
         self.config.validate()?;
         self.admission(batch).check(&requests, &batch.ids())?;
         if requests.is_empty() {
@@ -673,6 +684,13 @@ impl FastSpecEngine<'_> {
     /// the batch), accept, commit, draft extend over what was accepted. Sequences that finish
     /// leave the batch.
     pub fn step(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
+        let wall = Instant::now();
+        let result = self.round(batch);
+        batch.timings.rounds_wall_s += wall.elapsed().as_secs_f64();
+        result
+    }
+
+    fn round(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
         let mut progress = Vec::new();
         self.make_room(batch, &mut progress)?;
         if batch.caches.is_none() || batch.rows.is_empty() {

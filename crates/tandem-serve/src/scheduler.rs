@@ -229,12 +229,15 @@ impl Decoder for FastDecoder {
         let t = &self.batch.timings;
         let target = self.target.graph_stats();
         let mut text = format!(
-            "engine time: prefill {:.2}s, draft {:.2}s, verify {:.2}s, extend {:.2}s; \
-             {} compactions; target CUDA graphs: {} captured, {} replays",
+            "engine time: prefill {:.2}s, draft {:.2}s, verify {:.2}s, extend {:.2}s (wall: \
+             rounds {:.2}s, admissions {:.2}s); {} compactions; target CUDA graphs: {} \
+             captured, {} replays",
             t.prefill_s,
             t.draft_s,
             t.verify_s,
             t.extend_s,
+            t.rounds_wall_s,
+            t.admits_wall_s,
             self.batch.compactions,
             target.captured,
             target.replays
@@ -404,6 +407,9 @@ fn run_engine(
 ) {
     let mut live: HashMap<u64, mpsc::UnboundedSender<Event>> = HashMap::new();
     let mut closed = false;
+    // Wall time of loop iterations with requests in flight, outside the decoder's admissions
+    // and rounds (delivery, cancellation, queue handling): reported at shutdown.
+    let mut between_rounds_s = 0.0;
     loop {
         let mut incoming = Vec::new();
         if live.is_empty() {
@@ -415,6 +421,8 @@ fn run_engine(
                 None => break,
             }
         }
+        let iteration = std::time::Instant::now();
+        let mut in_decoder = 0.0;
         while !closed && live.len() + incoming.len() < max_batch {
             match jobs.try_recv() {
                 Ok(job) => incoming.push(job),
@@ -442,7 +450,10 @@ fn run_engine(
         }
         if !admitted.is_empty() {
             let ids: Vec<u64> = admitted.iter().map(|r| r.id).collect();
-            match decoder.admit(admitted) {
+            let t0 = std::time::Instant::now();
+            let admitted = decoder.admit(admitted);
+            in_decoder += t0.elapsed().as_secs_f64();
+            match admitted {
                 Ok(progress) => deliver(progress, &mut live, metrics),
                 Err(e) => fail(&ids, &e, &mut live, &mut *decoder, metrics),
             }
@@ -472,7 +483,10 @@ fn run_engine(
         }
 
         if decoder.running() > 0 {
-            match decoder.step() {
+            let t0 = std::time::Instant::now();
+            let stepped = decoder.step();
+            in_decoder += t0.elapsed().as_secs_f64();
+            match stepped {
                 Ok(progress) => {
                     deliver(progress, &mut live, metrics);
                     metrics.set_policy_rounds(decoder.policy_rounds());
@@ -484,10 +498,12 @@ fn run_engine(
             }
         }
         metrics.set_queue(jobs.len(), decoder.running());
+        between_rounds_s += iteration.elapsed().as_secs_f64() - in_decoder;
     }
     if let Some(report) = decoder.report() {
         eprintln!("tandem serve: {report}");
     }
+    eprintln!("tandem serve: scheduler time outside the decoder: {between_rounds_s:.2}s");
 }
 
 fn deliver(
