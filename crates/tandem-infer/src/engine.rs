@@ -107,6 +107,11 @@ pub struct Timings {
     /// parts of it, the rest is host bookkeeping between them).
     pub rounds_wall_s: f64,
     pub admits_wall_s: f64,
+    /// The head's catch-ups over deferred plain rounds (fast path).
+    pub catch_up_s: f64,
+    /// Making room (compaction, sequences at the context limit) and retiring finished
+    /// sequences from the caches (fast path).
+    pub housekeeping_s: f64,
 }
 
 impl std::ops::AddAssign for Timings {
@@ -117,6 +122,8 @@ impl std::ops::AddAssign for Timings {
         self.extend_s += other.extend_s;
         self.rounds_wall_s += other.rounds_wall_s;
         self.admits_wall_s += other.admits_wall_s;
+        self.catch_up_s += other.catch_up_s;
+        self.housekeeping_s += other.housekeeping_s;
     }
 }
 

@@ -676,7 +676,7 @@ impl FastSpecEngine<'_> {
             }
         }
         self.retire(batch, progress)?;
-        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        batch.timings.housekeeping_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -809,7 +809,9 @@ impl FastSpecEngine<'_> {
         if batch.backlog.steps >= MAX_DEFERRED || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS {
             self.catch_up(batch)?;
         }
+        let t0 = Instant::now();
         self.retire(batch, &mut progress)?;
+        batch.timings.housekeeping_s += t0.elapsed().as_secs_f64();
         Ok(progress)
     }
 
@@ -860,7 +862,7 @@ impl FastSpecEngine<'_> {
             row.behind.clear();
         }
         batch.backlog.clear();
-        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        batch.timings.catch_up_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 
