@@ -26,8 +26,12 @@ enum Command {
     Taps(commands::taps::TapsArgs),
     /// Dump EAGLE-3 training data (aux hidden states through the capture hook) as Arrow shards.
     Dump(commands::dump::DumpArgs),
-    /// Summarise a dump directory: rows, tokens, taps, dtype, per-tap norm statistics.
+    /// Summarise a dump directory: rows, tokens, taps, dtype, then polars tables (per dataset,
+    /// per-tap norms overall and by position); `--export DIR` writes them as Parquet or CSV.
     DumpInfo(commands::dump::DumpInfoArgs),
+    /// The polars tables of `dump-info` over one or more dumps together (one row group per
+    /// dataset), printed and optionally exported as Parquet or CSV.
+    Stats(commands::dump::StatsArgs),
     /// Benchmark target-only decoding (TTFT, step time, tokens/s) at several batch sizes.
     BenchTarget(commands::bench::BenchTargetArgs),
     /// Compare a device (CUDA bf16) against the CPU f32 path: logits, taps, greedy tokens.
@@ -75,6 +79,7 @@ fn main() -> anyhow::Result<()> {
         Command::Taps(args) => commands::taps::run(args),
         Command::Dump(args) => commands::dump::run(args),
         Command::DumpInfo(args) => commands::dump::run_info(args),
+        Command::Stats(args) => commands::dump::run_stats(args),
         Command::BenchTarget(args) => commands::bench::run(args),
         Command::CheckDevice(args) => commands::check_device::run(args),
         Command::FastCheck(args) => commands::fast::run_check(args),

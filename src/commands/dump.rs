@@ -84,9 +84,44 @@ pub struct DumpArgs {
 pub struct DumpInfoArgs {
     /// A directory written by `tandem dump`.
     pub dir: PathBuf,
-    /// Read at most this many rows for the norm statistics.
+    #[command(flatten)]
+    pub tables: TableArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    /// Directories written by `tandem dump`.
+    #[arg(required = true)]
+    pub dirs: Vec<PathBuf>,
+    #[command(flatten)]
+    pub tables: TableArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct TableArgs {
+    /// Read at most this many rows of each dump for the statistics.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Also write the tables (datasets, norms, norms_by_position) into this directory.
+    #[arg(long)]
+    pub export: Option<PathBuf>,
+    /// Table file format of `--export`.
+    #[arg(long, default_value = "parquet", value_parser = ["parquet", "csv"])]
+    pub format: String,
+}
+
+impl TableArgs {
+    /// Computes the polars tables of `dirs`, prints them and exports them when asked.
+    fn run(&self, dirs: &[&std::path::Path]) -> anyhow::Result<()> {
+        let stats = tandem_stats::dump_stats(dirs, self.limit)?;
+        print!("{stats}");
+        if let Some(dir) = &self.export {
+            for path in stats.export(dir, &self.format)? {
+                println!("wrote {}", path.display());
+            }
+        }
+        Ok(())
+    }
 }
 
 pub fn run(args: DumpArgs) -> anyhow::Result<()> {
@@ -208,7 +243,12 @@ fn report(options: &DumpOptions, s: &tandem_dump::DumpSummary) -> anyhow::Result
 }
 
 pub fn run_info(args: DumpInfoArgs) -> anyhow::Result<()> {
-    let info = tandem_dump::dump_info(&args.dir, args.limit)?;
+    let info = tandem_dump::dump_info(&args.dir)?;
     print!("{info}");
-    Ok(())
+    args.tables.run(&[&args.dir])
+}
+
+pub fn run_stats(args: StatsArgs) -> anyhow::Result<()> {
+    let dirs: Vec<&std::path::Path> = args.dirs.iter().map(PathBuf::as_path).collect();
+    args.tables.run(&dirs)
 }

@@ -625,12 +625,35 @@ fn dump_info_reports_counts_dtype_and_per_tap_norms() {
     let data = write_dataset(&dir);
     let out = dir.join("out");
     dump(&options(tiny_model(), &data, &out)).unwrap();
-    let info = tandem_dump::dump_info(&out, None).unwrap();
+    let info = tandem_dump::dump_info(&out).unwrap();
+    let stats = tandem_stats::dump_stats(&[&out], None).unwrap();
     let rows = records(&out);
     let tokens: usize = rows.iter().map(DumpRecord::len).sum();
     assert_eq!(info.manifest.tokens as usize, tokens);
-    assert_eq!(info.taps.len(), 4, "three aux slots and the last block");
-    assert_eq!(info.taps[3].tap, TapId::Block(7));
+    let slots: Vec<String> = stats
+        .norms
+        .column("slot")
+        .unwrap()
+        .str()
+        .unwrap()
+        .iter()
+        .map(|s| s.unwrap().to_owned())
+        .collect();
+    let taps: Vec<String> = stats
+        .norms
+        .column("tap")
+        .unwrap()
+        .str()
+        .unwrap()
+        .iter()
+        .map(|s| s.unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        slots,
+        ["slot 0", "slot 1", "slot 2", "last"],
+        "three aux slots and the last block"
+    );
+    assert_eq!(taps[3], TapId::Block(7).to_string());
     // Slot 1 (block 3) by hand.
     let norms: Vec<f64> = rows
         .iter()
@@ -648,8 +671,16 @@ fn dump_info_reports_counts_dtype_and_per_tap_norms() {
         })
         .collect();
     let mean = norms.iter().sum::<f64>() / norms.len() as f64;
-    assert!((info.taps[1].norms.mean() - mean).abs() < 1e-9 * mean);
-    let text = info.to_string();
+    let polars_mean = stats
+        .norms
+        .column("norm_mean")
+        .unwrap()
+        .f64()
+        .unwrap()
+        .get(1)
+        .unwrap();
+    assert!((polars_mean - mean).abs() < 1e-9 * mean);
+    let text = format!("{info}{stats}");
     for needle in [
         "rows        6",
         "bf16 (UInt16 bit patterns)",
