@@ -630,24 +630,8 @@ fn dump_info_reports_counts_dtype_and_per_tap_norms() {
     let rows = records(&out);
     let tokens: usize = rows.iter().map(DumpRecord::len).sum();
     assert_eq!(info.manifest.tokens as usize, tokens);
-    let slots: Vec<String> = stats
-        .norms
-        .column("slot")
-        .unwrap()
-        .str()
-        .unwrap()
-        .iter()
-        .map(|s| s.unwrap().to_owned())
-        .collect();
-    let taps: Vec<String> = stats
-        .norms
-        .column("tap")
-        .unwrap()
-        .str()
-        .unwrap()
-        .iter()
-        .map(|s| s.unwrap().to_owned())
-        .collect();
+    let slots = tandem_stats::column_strings(&stats.norms, "slot").unwrap();
+    let taps = tandem_stats::column_strings(&stats.norms, "tap").unwrap();
     assert_eq!(
         slots,
         ["slot 0", "slot 1", "slot 2", "last"],
@@ -671,14 +655,7 @@ fn dump_info_reports_counts_dtype_and_per_tap_norms() {
         })
         .collect();
     let mean = norms.iter().sum::<f64>() / norms.len() as f64;
-    let polars_mean = stats
-        .norms
-        .column("norm_mean")
-        .unwrap()
-        .f64()
-        .unwrap()
-        .get(1)
-        .unwrap();
+    let polars_mean = tandem_stats::column_f64s(&stats.norms, "norm_mean").unwrap()[1];
     assert!((polars_mean - mean).abs() < 1e-9 * mean);
     let text = format!("{info}{stats}");
     for needle in [

@@ -290,9 +290,9 @@ impl FastSpecEngine<'_> {
     /// batch size in `batches`, measured on this GPU with `batch`'s own caches (so the CUDA
     /// graphs captured on the way are the ones its serving replays): that many pseudo-random
     /// prompts of [`CALIBRATION_PROMPT`] tokens join, run [`CALIBRATION_WARM`] rounds of a
-    /// choice, then the median of
-    /// [`CALIBRATION_TIMED`] timed rounds is kept; then they leave. `batch` must be empty; its
-    /// policy is left as it was. The start-up table of [`SpeculationPolicy::adaptive`].
+    /// choice, then the median of [`CALIBRATION_TIMED`] timed rounds is kept; then they leave.
+    /// `batch` must be empty; its policy is left as it was. The start-up table of
+    /// [`SpeculationPolicy::adaptive`].
     pub fn calibrate(
         &self,
         batch: &mut FastRunningBatch,
@@ -821,6 +821,7 @@ impl FastSpecEngine<'_> {
     /// a piece would not fit), and replaces the roots of those rows. Rows with nothing deferred
     /// keep their roots. A drafted round does this first by itself.
     pub fn catch_up(&self, batch: &mut FastRunningBatch) -> Result<(), InferError> {
+        let longest = batch.deferred_rounds();
         let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
             return Ok(());
         };
@@ -829,7 +830,6 @@ impl FastSpecEngine<'_> {
         };
         let t0 = Instant::now();
         let gpu = self.gpu();
-        let longest = batch.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0);
         let mut done = 0;
         while done < longest {
             let wanted = (longest - done).min(CATCH_UP_PIECE);

@@ -261,6 +261,27 @@ pub fn write_table(table: &mut DataFrame, path: &Path) -> Result<(), StatsError>
     fs::rename(&tmp, path).map_err(io)
 }
 
+/// The values of the string column `name` of `table` (nulls as empty strings).
+pub fn column_strings(table: &DataFrame, name: &str) -> Result<Vec<String>, StatsError> {
+    Ok(table
+        .column(name)?
+        .str()?
+        .iter()
+        .map(|v| v.unwrap_or_default().to_owned())
+        .collect())
+}
+
+/// The values of the numeric column `name` of `table`, as f64 (nulls as NaN).
+pub fn column_f64s(table: &DataFrame, name: &str) -> Result<Vec<f64>, StatsError> {
+    Ok(table
+        .column(name)?
+        .cast(&DataType::Float64)?
+        .f64()?
+        .iter()
+        .map(|v| v.unwrap_or(f64::NAN))
+        .collect())
+}
+
 /// A frame as aligned text, every row (floats with 3 decimals).
 pub fn render(table: &DataFrame) -> String {
     let names: Vec<String> = table

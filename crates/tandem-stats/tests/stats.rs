@@ -111,24 +111,11 @@ fn moments(values: &[f64]) -> (f64, f64) {
 }
 
 fn column_f64(df: &polars::prelude::DataFrame, name: &str) -> Vec<f64> {
-    df.column(name)
-        .unwrap()
-        .cast(&polars::prelude::DataType::Float64)
-        .unwrap()
-        .f64()
-        .unwrap()
-        .into_no_null_iter()
-        .collect()
+    tandem_stats::column_f64s(df, name).unwrap()
 }
 
 fn column_str(df: &polars::prelude::DataFrame, name: &str) -> Vec<String> {
-    df.column(name)
-        .unwrap()
-        .str()
-        .unwrap()
-        .iter()
-        .map(|v| v.unwrap().to_owned())
-        .collect()
+    tandem_stats::column_strings(df, name).unwrap()
 }
 
 #[test]
