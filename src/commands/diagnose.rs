@@ -50,6 +50,9 @@ pub struct DiagnoseArgs {
     /// Write the report as a self-contained HTML page here.
     #[arg(long)]
     pub html: Option<PathBuf>,
+    /// The table: diagnose_wirings (every wiring swept).
+    #[command(flatten)]
+    pub export: super::ExportArgs,
 }
 
 pub fn run(args: DiagnoseArgs) -> anyhow::Result<()> {
@@ -95,6 +98,7 @@ fn run_on<B: Backend>(args: &DiagnoseArgs, device: &B::Device) -> anyhow::Result
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
+    args.export.write(report.tables())?;
     if !report.consistent {
         anyhow::bail!(
             "serving the head on {} costs significant acceptance against {}; see the diagnosis",

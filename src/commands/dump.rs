@@ -102,12 +102,9 @@ pub struct TableArgs {
     /// Read at most this many rows of each dump for the statistics.
     #[arg(long)]
     pub limit: Option<usize>,
-    /// Also write the tables (datasets, norms, norms_by_position) into this directory.
-    #[arg(long)]
-    pub export: Option<PathBuf>,
-    /// Table file format of `--export`.
-    #[arg(long, default_value = "parquet", value_parser = ["parquet", "csv"])]
-    pub format: String,
+    /// The tables: datasets, norms, norms_by_position.
+    #[command(flatten)]
+    pub export: super::ExportArgs,
 }
 
 impl TableArgs {
@@ -115,8 +112,8 @@ impl TableArgs {
     fn run(&self, dirs: &[&std::path::Path]) -> anyhow::Result<()> {
         let stats = tandem_stats::dump_stats(dirs, self.limit)?;
         print!("{stats}");
-        if let Some(dir) = &self.export {
-            for path in stats.export(dir, &self.format)? {
+        if let Some(dir) = &self.export.export {
+            for path in stats.export(dir, &self.export.format)? {
                 println!("wrote {}", path.display());
             }
         }

@@ -25,6 +25,33 @@ use tandem_model::{Execution, ModelError, TargetModel};
 pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
 
 /// Options shared by every job that runs the target model.
+/// `--export DIR --format parquet|csv`: a job's polars tables written as files.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// Also write the report's tables (polars frames) into this directory.
+    #[arg(long)]
+    pub export: Option<PathBuf>,
+    /// Table file format of `--export`.
+    #[arg(long, default_value = "parquet", value_parser = ["parquet", "csv"])]
+    pub format: String,
+}
+
+impl ExportArgs {
+    /// Writes `tables` when `--export` was given, naming each file written.
+    pub fn write(
+        &self,
+        tables: Result<Vec<(&'static str, tandem_stats::DataFrame)>, tandem_stats::StatsError>,
+    ) -> anyhow::Result<()> {
+        let Some(dir) = &self.export else {
+            return Ok(());
+        };
+        for path in tandem_stats::export_tables(dir, &self.format, &tables?)? {
+            eprintln!("wrote {}", path.display());
+        }
+        Ok(())
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// HF model directory (config.json, model.safetensors, tokenizer.json).

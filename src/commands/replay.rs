@@ -171,6 +171,9 @@ pub struct CompareArgs {
     /// Write the report (with a plot) as a self-contained HTML page here.
     #[arg(long)]
     pub html: Option<PathBuf>,
+    /// The tables: compare_positions, compare_accept_length.
+    #[command(flatten)]
+    pub export: super::ExportArgs,
     /// auto (online on the CUDA fast path on --device cuda, burn on cpu), burn, or fast: the
     /// engine of the online run (auto = the one serving runs). Offline always drafts with the
     /// burn head on the dump's taps.
@@ -324,6 +327,7 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
+    args.export.write(report.tables())?;
     if report.flagged {
         anyhow::bail!("{}", report.verdict[0]);
     }

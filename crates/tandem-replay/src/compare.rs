@@ -860,17 +860,14 @@ impl CompareReport {
             self.online.tokens,
             self.online.stats.rounds
         );
-        let _ = writeln!(out, "pos  TTT acc_i  TTT chain  offline  online  gap");
-        for i in 0..s.steps {
-            let _ = writeln!(
-                out,
-                "{i:<3}  {:<9}  {:<9}  {:<7.3}  {:<6.3}  {:+.3}",
-                fmt_opt(self.offline_acc.get(i)),
-                fmt_opt(self.offline_per_position.get(i)),
-                self.drafted_per_position[i],
-                self.online_per_position[i],
-                self.gap[i]
-            );
+        // The per-position table is the report's polars frame (`positions_frame`), as exported.
+        match self.positions_frame() {
+            Ok(frame) => {
+                let _ = writeln!(out, "{}", tandem_stats::render(&frame));
+            }
+            Err(e) => {
+                let _ = writeln!(out, "(the per-position table could not be built: {e})");
+            }
         }
         let _ = writeln!(
             out,
@@ -1372,5 +1369,67 @@ mod tests {
         assert_eq!(first_turn(&ids, &mask), Some((vec![1, 2, 3], 3)));
         assert_eq!(first_turn(&ids, &[0; 10]), None, "no assistant token");
         assert_eq!(first_turn(&ids, &[1; 10]), None, "no prompt before it");
+    }
+
+    /// The report's tables are polars frames holding its numbers: drafted every round 2 of 2
+    /// (per position 1, 1; accept length 3) against online 2,2,2,2,2,1,1,0,0,0 (position 0:
+    /// 7 of 10, position 1: 5 of 7; accept length 2.2); both export as CSV and Parquet.
+    #[test]
+    fn the_tables_are_frames_of_the_reports_numbers() {
+        let r = CompareReport::new(
+            setup(2, 1, 3),
+            OfflineAcceptance::new(2),
+            drafted(&[2; 10], 2),
+            online(&[2, 2, 2, 2, 2, 1, 1, 0, 0, 0], 2),
+            GapTest::default(),
+        );
+        let positions = r.positions_frame().unwrap();
+        let column = |name| tandem_stats::column_f64s(&positions, name).unwrap();
+        assert_eq!(column("position"), [0.0, 1.0]);
+        assert_eq!(column("offline"), [1.0, 1.0]);
+        let online = column("online");
+        assert!((online[0] - 0.7).abs() < 1e-12 && (online[1] - 5.0 / 7.0).abs() < 1e-12);
+        let gap = column("gap");
+        assert!((gap[0] - 0.3).abs() < 1e-12 && (gap[1] - 2.0 / 7.0).abs() < 1e-12);
+        let (se, z) = (column("gap_se"), column("z"));
+        for i in 0..2 {
+            assert_eq!(se[i], r.gap_se[i].unwrap());
+            assert!((z[i] - gap[i] / se[i]).abs() < 1e-12);
+        }
+        let lengths = r.accept_length_frame().unwrap();
+        let length = tandem_stats::column_f64s(&lengths, "accept_length").unwrap();
+        assert_eq!(
+            tandem_stats::column_strings(&lengths, "measure").unwrap(),
+            ["offline", "online", "gap", "ttt_chain"]
+        );
+        assert!((length[0] - 3.0).abs() < 1e-12 && (length[1] - 2.2).abs() < 1e-12);
+        assert!((length[2] - 0.8).abs() < 1e-12);
+        let rounds = tandem_stats::column_f64s(&lengths, "rounds").unwrap();
+        assert_eq!(&rounds[..2], [10.0, 10.0]);
+        assert!(rounds[2].is_nan(), "the gap has no rounds: null");
+        // The terminal table prints the frame.
+        let table = r.to_table();
+        assert!(
+            table.contains("position  ttt_acc  ttt_chain  offline  online    gap"),
+            "{table}"
+        );
+        let dir =
+            std::env::temp_dir().join(format!("tandem-compare-export-{}", std::process::id()));
+        for format in ["csv", "parquet"] {
+            let written = tandem_stats::export_tables(&dir, format, &r.tables().unwrap()).unwrap();
+            assert_eq!(
+                written,
+                [
+                    dir.join(format!("compare_positions.{format}")),
+                    dir.join(format!("compare_accept_length.{format}"))
+                ]
+            );
+        }
+        let csv = std::fs::read_to_string(dir.join("compare_accept_length.csv")).unwrap();
+        assert!(
+            csv.starts_with("measure,accept_length,se,z,rounds,units,flagged\noffline,3.0,"),
+            "{csv}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

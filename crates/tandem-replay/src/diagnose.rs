@@ -999,6 +999,22 @@ impl DiagnoseReport {
         serde_json::to_string_pretty(self).expect("a report always serialises")
     }
 
+    /// The declared readings that land on the wiring ranked `rank`: `SERVING` for the one
+    /// served, `ids as <conventions>` for the others.
+    pub fn reading_tags(&self, rank: usize) -> Vec<String> {
+        self.readings
+            .iter()
+            .filter(|r| r.rank == Some(rank))
+            .map(|r| {
+                if r.reading.serving {
+                    "SERVING".to_owned()
+                } else {
+                    format!("ids as {}", names(&r.reading.conventions))
+                }
+            })
+            .collect()
+    }
+
     /// Terminal form: the header, the verdict, the declared readings and the `top` best
     /// wirings (plus any declared reading ranked below them).
     pub fn to_table(&self, top: usize) -> String {
@@ -1016,71 +1032,31 @@ impl DiagnoseReport {
             self.steps,
             self.scores.len()
         );
-        let acc_header: Vec<String> = (0..self.steps).map(|i| format!("pos{i}")).collect();
-        let header = format!(
-            "{:<5} {:<44} {:>7} {:>7} {:>6}  {}  {}",
-            "rank",
-            "wiring",
-            "accept",
-            "loss",
-            "se",
-            acc_header
-                .iter()
-                .map(|h| format!("{h:>5}"))
-                .collect::<Vec<_>>()
-                .join(" "),
-            if self.conclusive {
-                "vs best"
-            } else {
-                "vs served"
-            }
-        );
-        let _ = writeln!(out, "{header}");
-        let mut shown = 0;
-        for s in &self.scores {
-            let tags: Vec<String> = self
-                .readings
-                .iter()
-                .filter(|r| r.rank == Some(s.rank))
-                .map(|r| {
-                    if r.reading.serving {
-                        "SERVING".to_owned()
+        // The table is the polars frame of every wiring, filtered to the `top` best and the
+        // declared readings (`shown_wirings`); the export writes the unfiltered frame.
+        match self.shown_wirings(top) {
+            Ok(shown) => {
+                let _ = writeln!(
+                    out,
+                    "{}\n(loss and se against the best wiring; difference {})",
+                    tandem_stats::render(&shown),
+                    if self.conclusive {
+                        "vs the best"
                     } else {
-                        format!("ids as {}", names(&r.reading.conventions))
+                        "vs the served wiring"
                     }
-                })
-                .collect();
-            if s.rank > top && tags.is_empty() {
-                continue;
-            }
-            shown += 1;
-            let _ = writeln!(
-                out,
-                "{:<5} {:<44} {:>7.3} {:>7.3} {:>6.3}  {}  {}{}",
-                s.rank,
-                format_wiring(&s.wiring),
-                s.accept_length,
-                s.loss,
-                s.loss_se,
-                s.per_position
-                    .iter()
-                    .map(|v| format!("{v:>5.3}"))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-                s.difference,
-                if tags.is_empty() {
-                    String::new()
-                } else {
-                    format!("  <- {}", tags.join(", "))
+                );
+                if self.scores.len() > shown.height() {
+                    let _ = writeln!(
+                        out,
+                        "({} more wirings in the JSON / HTML report and the export)",
+                        self.scores.len() - shown.height()
+                    );
                 }
-            );
-        }
-        if self.scores.len() > shown {
-            let _ = writeln!(
-                out,
-                "({} more wirings in the JSON / HTML report)",
-                self.scores.len() - shown
-            );
+            }
+            Err(e) => {
+                let _ = writeln!(out, "(the wirings table could not be built: {e})");
+            }
         }
         for v in &self.verdict {
             let _ = writeln!(out, "- {v}");
@@ -1810,5 +1786,84 @@ mod tests {
         let report = DiagnoseReport::new(&options(), 8, 30, readings, None, ranked, None);
         assert!(report.likely_trained.is_none());
         assert!(report.verdict.join(" ").contains("not singled out"));
+    }
+
+    /// The wirings table is a polars frame of every score, in rank order, with the readings
+    /// that land on each; the terminal table keeps the `top` best and every declared reading,
+    /// and the CSV export holds every wiring with the same numbers.
+    #[test]
+    fn the_wirings_frame_holds_every_score_and_the_table_keeps_top_and_readings() {
+        let readings = vec![DeclaredReading {
+            source: "the head's Tandem wiring manifest".into(),
+            conventions: vec![],
+            ids: None,
+            taps: vec![TapId::Block(5), TapId::Block(9), TapId::Block(20)],
+            serving: true,
+        }];
+        let ranked = rank(vec![
+            (entry(blocks(&[5, 9, 20])), tally(40, 400)),
+            (entry(blocks(&[0, 13, 25])), tally(101, 400)),
+            (entry(blocks(&[2, 15, 27])), tally(100, 400)),
+            (entry(blocks(&[1, 14, 26])), tally(90, 400)),
+        ]);
+        let report = DiagnoseReport::new(&options(), 8, 30, readings, None, ranked, None);
+        let frame = report.wirings_frame().unwrap();
+        assert_eq!(frame.height(), 4);
+        let ranks = tandem_stats::column_f64s(&frame, "rank").unwrap();
+        assert_eq!(ranks, [1.0, 2.0, 3.0, 4.0]);
+        let lengths = tandem_stats::column_f64s(&frame, "accept_length").unwrap();
+        let losses = tandem_stats::column_f64s(&frame, "loss").unwrap();
+        // tally(c, n): c of n first drafts accepted, so accept length 1 + c / n.
+        for (i, c) in [101.0, 100.0, 90.0, 40.0].iter().enumerate() {
+            assert!(
+                (lengths[i] - (1.0 + c / 400.0)).abs() < 1e-12,
+                "{lengths:?}"
+            );
+            assert!(
+                (losses[i] - (101.0 - c) / 400.0).abs() < 1e-12,
+                "{losses:?}"
+            );
+        }
+        let pos0 = tandem_stats::column_f64s(&frame, "pos0").unwrap();
+        assert!((pos0[0] - 101.0 / 400.0).abs() < 1e-12);
+        let tags = tandem_stats::column_strings(&frame, "readings").unwrap();
+        assert_eq!(tags, ["", "", "", "SERVING"]);
+        assert_eq!(
+            tandem_stats::column_strings(&frame, "wiring").unwrap()[0],
+            "[block 0, block 13, block 25]"
+        );
+        // Top 2 and the served wiring (rank 4); `origins` is left to the export.
+        let shown = report.shown_wirings(2).unwrap();
+        assert_eq!(
+            tandem_stats::column_f64s(&shown, "rank").unwrap(),
+            [1.0, 2.0, 4.0]
+        );
+        assert!(shown.column("origins").is_err());
+        let table = report.to_table(2);
+        assert!(
+            table.contains("(1 more wirings") && table.contains("SERVING"),
+            "{table}"
+        );
+        let dir =
+            std::env::temp_dir().join(format!("tandem-diagnose-export-{}", std::process::id()));
+        let written = tandem_stats::export_tables(&dir, "csv", &report.tables().unwrap()).unwrap();
+        assert_eq!(written, [dir.join("diagnose_wirings.csv")]);
+        let csv = std::fs::read_to_string(&written[0]).unwrap();
+        let mut lines = csv.lines();
+        assert!(
+            lines
+                .next()
+                .unwrap()
+                .starts_with("rank,wiring,accept_length,loss,se,pos0,difference,readings,origins"),
+            "{csv}"
+        );
+        // The wiring is quoted (it holds commas); accept length 1 + 101/400.
+        let first = lines.next().unwrap();
+        assert!(
+            first.starts_with("1,\"[block 0, block 13, block 25]\",1.2525,0.0,"),
+            "{first}"
+        );
+        assert_eq!(csv.lines().count(), 5, "a header and every wiring: {csv}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -39,6 +39,7 @@ pub mod render;
 pub mod replay;
 pub mod report;
 pub mod score;
+pub mod tables;
 
 pub use candidate::{Candidate, CandidateValues, all_candidates, all_taps, capture_candidates};
 pub use compare::{

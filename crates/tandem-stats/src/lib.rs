@@ -18,6 +18,9 @@ use std::path::{Path, PathBuf};
 use polars::prelude::*;
 use tandem_format::{DumpReader, FormatError};
 
+/// The frame type of every table here, for callers that do not depend on polars.
+pub use polars::prelude::DataFrame;
+
 #[derive(Debug, thiserror::Error)]
 pub enum StatsError {
     #[error(transparent)]
@@ -217,21 +220,15 @@ impl DumpStats {
     /// with the extension `format` (`parquet` or `csv`); each file is written under a temporary
     /// name and renamed when complete. Returns the paths written.
     pub fn export(&self, dir: &Path, format: &str) -> Result<Vec<PathBuf>, StatsError> {
-        fs::create_dir_all(dir).map_err(|source| StatsError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        let mut written = Vec::new();
-        for (name, table) in [
-            ("datasets", &self.datasets),
-            ("norms", &self.norms),
-            ("norms_by_position", &self.norms_by_position),
-        ] {
-            let path = dir.join(format!("{name}.{format}"));
-            write_table(&mut table.clone(), &path)?;
-            written.push(path);
-        }
-        Ok(written)
+        export_tables(
+            dir,
+            format,
+            &[
+                ("datasets", self.datasets.clone()),
+                ("norms", self.norms.clone()),
+                ("norms_by_position", self.norms_by_position.clone()),
+            ],
+        )
     }
 }
 
@@ -282,12 +279,18 @@ pub fn column_f64s(table: &DataFrame, name: &str) -> Result<Vec<f64>, StatsError
         .collect())
 }
 
-/// A frame as aligned text, every row (floats with 3 decimals).
+/// A frame as aligned text, every row: floats with 3 decimals, nulls as `-`, text columns
+/// aligned left and the others right.
 pub fn render(table: &DataFrame) -> String {
     let names: Vec<String> = table
         .get_column_names()
         .iter()
         .map(|n| n.to_string())
+        .collect();
+    let left: Vec<bool> = table
+        .columns()
+        .iter()
+        .map(|c| c.dtype() == &DataType::String)
         .collect();
     let mut cells: Vec<Vec<String>> = vec![names];
     for i in 0..table.height() {
@@ -296,8 +299,10 @@ pub fn render(table: &DataFrame) -> String {
             .iter()
             .map(|c| match c.get(i) {
                 Ok(AnyValue::Float64(v)) => format!("{v:.3}"),
+                Ok(AnyValue::Float32(v)) => format!("{v:.3}"),
                 Ok(AnyValue::String(s)) => s.to_owned(),
                 Ok(AnyValue::StringOwned(s)) => s.to_string(),
+                Ok(AnyValue::Null) => "-".to_owned(),
                 Ok(v) => v.to_string(),
                 Err(_) => "?".to_owned(),
             })
@@ -312,12 +317,41 @@ pub fn render(table: &DataFrame) -> String {
         .map(|r| {
             r.iter()
                 .zip(&widths)
-                .map(|(c, w)| format!("{c:>w$}"))
+                .zip(&left)
+                .map(|((c, w), left)| {
+                    if *left {
+                        format!("{c:<w$}")
+                    } else {
+                        format!("{c:>w$}")
+                    }
+                })
                 .collect::<Vec<_>>()
                 .join("  ")
+                .trim_end()
+                .to_owned()
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Writes each `(name, table)` into `dir` as `name.format` (`parquet` or `csv`) through
+/// [`write_table`] (temporary names, renamed when complete). Returns the paths written.
+pub fn export_tables(
+    dir: &Path,
+    format: &str,
+    tables: &[(&str, DataFrame)],
+) -> Result<Vec<PathBuf>, StatsError> {
+    fs::create_dir_all(dir).map_err(|source| StatsError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut written = Vec::new();
+    for (name, table) in tables {
+        let path = dir.join(format!("{name}.{format}"));
+        write_table(&mut table.clone(), &path)?;
+        written.push(path);
+    }
+    Ok(written)
 }
 
 impl fmt::Display for DumpStats {

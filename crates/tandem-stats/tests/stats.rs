@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tandem_format::{
-    DumpManifest, DumpRecord, DumpSettings, DumpWriter, FORMAT_NAME, FORMAT_VERSION, ShardLimits,
-    StorageDtype,
+    DumpManifest, DumpRecord, DumpSettings, DumpWriter, ShardLimits, StorageDtype,
 };
 use tandem_stats::{LAST_BUCKET, dump_stats, read_frames};
 use tandem_wiring::{Job, Producer, TapId, TapPoint, TargetFingerprint, WiringManifest};
@@ -39,31 +38,15 @@ fn identity(dataset: &str) -> DumpManifest {
         StorageDtype::Bf16.as_str(),
         Producer::tandem(Job::Dump, "cpu", "test"),
     );
-    DumpManifest {
-        format: FORMAT_NAME.to_owned(),
-        format_version: FORMAT_VERSION,
+    DumpManifest::new(
         wiring,
-        hidden_size: HIDDEN,
-        num_slots: TAPS.len(),
-        last_hidden_tap: TapId::Block(3),
-        dtype: StorageDtype::Bf16,
-        compression: "zstd".to_owned(),
-        dataset: dataset.to_owned(),
-        dataset_split: None,
-        chat_template_sha256: None,
-        settings: DumpSettings {
+        StorageDtype::Bf16,
+        dataset,
+        DumpSettings {
             max_len: 2048,
             regenerate: None,
         },
-        rows: 0,
-        tokens: 0,
-        assistant_tokens: 0,
-        truncated: 0,
-        records_read: 0,
-        skipped: Default::default(),
-        complete: false,
-        shards: Vec::new(),
-    }
+    )
 }
 
 /// Rows of the given lengths whose tap values are exact in bf16 (small integers), so the norms

@@ -14,8 +14,7 @@ use burn::prelude::*;
 use burn::tensor::activation::log_softmax;
 use rand::{Rng, SeedableRng};
 use tandem_dump::{
-    DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, FORMAT_NAME, FORMAT_VERSION,
-    ShardLimits, StorageDtype,
+    DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, ShardLimits, StorageDtype,
 };
 use tandem_eagle::{Eagle3Config, Eagle3Draft, VocabMap};
 use tandem_model::backend::CpuBackend;
@@ -122,31 +121,15 @@ pub fn identity(
     if let Some(raw) = raw {
         wiring = wiring.with_raw_ids(raw);
     }
-    DumpManifest {
-        format: FORMAT_NAME.to_owned(),
-        format_version: FORMAT_VERSION,
+    DumpManifest::new(
         wiring,
-        hidden_size: slot_width,
-        num_slots: taps.len(),
-        last_hidden_tap: TapId::Block(target.num_layers - 1),
-        dtype: StorageDtype::Bf16,
-        compression: "zstd".to_owned(),
-        dataset: "fault-suite".to_owned(),
-        dataset_split: None,
-        chat_template_sha256: target.chat_template_sha256.clone(),
-        settings: DumpSettings {
+        StorageDtype::Bf16,
+        "fault-suite",
+        DumpSettings {
             max_len: 64,
             regenerate: None,
         },
-        rows: 0,
-        tokens: 0,
-        assistant_tokens: 0,
-        truncated: 0,
-        records_read: 0,
-        skipped: Default::default(),
-        complete: false,
-        shards: Vec::new(),
-    }
+    )
 }
 
 /// Writes a dump of [`sample_ids`] under `identity`; `slots(model, ids)` produces each slot's
