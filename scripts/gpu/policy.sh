@@ -53,6 +53,7 @@ wait)
   cat "$R/phases.txt"
   grep -E "^test |test result|panicked" "$R"/tests-*.log | tail -40
   cat "$R/summary.txt" 2>/dev/null
+  tail -n 4 "$R/generate_cuda.txt" 2>/dev/null
   python3 - "$R" <<'PY'
 import json, glob, os, sys
 r = sys.argv[1]
@@ -68,21 +69,23 @@ for f in sorted(glob.glob(os.path.join(r, "bench_head_*.json"))):
     print(f"| {c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} | {d['accept_length']:.3f} | {d['spec_tokens_per_second']:.1f} | "
           f"{d['target_tokens_per_second']:.1f} | {d['speedup']:.3f} | {decode:.3f} | {verify:.3f} | {verify/decode:.2f} | {de:.3f} | {de/decode:.2f} |")
 print()
-print("| concurrency | target-only tok/s | adaptive tok/s | adaptive / target-only | adaptive tau | rounds by shape | fixed 3/1/4 tok/s |")
-print("|---|---|---|---|---|---|---|")
+print("| concurrency | target-only tok/s | adaptive tok/s | adaptive / target-only | adaptive tau | rounds by shape | fixed 3/1/4 tok/s | tail-16 catch-up tok/s (ratio, tau) |")
+print("|---|---|---|---|---|---|---|---|")
 for c in (1, 8, 32, 64):
     def load(label):
         try:
             return json.load(open(os.path.join(r, f"load_{label}_c{c}.json")))
         except (OSError, ValueError):
             return None
-    base, ada, fixed = load("target-only"), load("adaptive"), load("fixed")
+    base, ada, fixed, tail = load("target-only"), load("adaptive"), load("fixed"), load("tail16")
     if not base or not ada:
         print(f"| {c} | missing |"); continue
     shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
     fx = f"{fixed['tokens_per_second']:.1f}" if fixed else ""
+    tl = (f"{tail['tokens_per_second']:.1f} ({tail['tokens_per_second'] / base['tokens_per_second']:.3f}, "
+          f"{tail['accept_length']:.3f})") if tail else ""
     print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
-          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} |")
+          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} | {tl} |")
 PY
   for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
   grep -H "engine time\|scheduler time" "$R"/serve_*.txt | sed "s|$R/||"
@@ -94,6 +97,10 @@ pipeline)
   cd "$W"
   mark "pipeline start"
   run_gpu_tests 400
+  # Issue #17 papercut: the target alone on the fast path from a default build.
+  timeout 120 "$T" generate --model "$M" --device cuda --chat --prompt "Name three colours." \
+    --max-tokens 24 > "$R/generate_cuda.txt" 2>&1
+  echo "generate --device cuda (no head): exit $?" | tee -a "$R/summary.txt"
   for s in ${SHAPES-3/1/4 3/4/8 5/8/32}; do
     bench "$W/head" head "$s"
   done
@@ -104,6 +111,10 @@ pipeline)
     mark "serve c$c done"
   done
   serve_load "fixed_c32" 32 --draft "$W/head" --speculation fixed --steps 3 --topk 1
+  # Experiment (session 15): catch-ups extend the head over the last 16 deferred tokens only.
+  for c in ${TAIL_CONCURRENCIES-8 32 64}; do
+    TANDEM_CATCH_UP_TAIL=16 serve_load "tail16_c$c" "$c" --draft "$W/head"
+  done
   mark "serve done"
   # Steady state: 256 requests at the high concurrencies.
   for c in ${LONG_CONCURRENCIES:-32 64}; do

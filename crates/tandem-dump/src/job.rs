@@ -11,14 +11,10 @@ use tandem_model::burn::prelude::*;
 use tandem_model::{
     ChatMessage, Execution, SamplingParams, TapRequest, TargetModel, TargetTokenizer,
 };
-use tandem_wiring::{
-    Job, Producer, TapId, TapPoint, TapSpec, TargetFingerprint, WiringManifest, sha256_hex,
-};
+use tandem_wiring::{Job, Producer, TapId, TapPoint, TapSpec, TargetFingerprint, WiringManifest};
 
 use crate::error::DumpError;
-use crate::manifest::{
-    DumpManifest, DumpSettings, FORMAT_NAME, FORMAT_VERSION, GenerationSettings, StorageDtype,
-};
+use crate::manifest::{DumpManifest, DumpSettings, GenerationSettings, StorageDtype};
 use crate::mask::{MaskedTokens, SampleSkip, tokenize_conversation};
 use crate::reader::DumpRecord;
 use crate::regen::{RegenStats, regenerate};
@@ -218,7 +214,6 @@ pub fn dump_identity(
                 .to_owned(),
         });
     }
-    let hidden_size = target.hidden_size;
     let mut wiring = WiringManifest::new(
         target,
         taps.clone(),
@@ -231,29 +226,16 @@ pub fn dump_identity(
     }
     wiring.validate()?;
     Ok(DumpManifest {
-        format: FORMAT_NAME.to_owned(),
-        format_version: FORMAT_VERSION,
-        wiring,
-        hidden_size,
-        num_slots: taps.len(),
-        last_hidden_tap: TapId::Block(layers - 1),
-        dtype: options.dtype,
-        compression: "zstd".to_owned(),
-        dataset: options.dataset.clone(),
         dataset_split: split.map(|s| s.to_string()),
-        chat_template_sha256: Some(sha256_hex(template.as_bytes())),
-        settings: DumpSettings {
-            max_len: options.max_len,
-            regenerate: options.regenerate,
-        },
-        rows: 0,
-        tokens: 0,
-        assistant_tokens: 0,
-        truncated: 0,
-        records_read: 0,
-        skipped: BTreeMap::new(),
-        complete: false,
-        shards: Vec::new(),
+        ..DumpManifest::new(
+            wiring,
+            options.dtype,
+            options.dataset.clone(),
+            DumpSettings {
+                max_len: options.max_len,
+                regenerate: options.regenerate,
+            },
+        )
     })
 }
 

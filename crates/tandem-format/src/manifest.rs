@@ -167,6 +167,40 @@ pub struct DumpManifest {
 }
 
 impl DumpManifest {
+    /// A manifest with no rows yet for taps `wiring` stored as `dtype`: one slot per tap of the
+    /// target's width, `last_hidden` from the last block, zstd, the chat template the wiring's
+    /// fingerprint names. The writer fills in the counts and shards.
+    pub fn new(
+        wiring: tandem_wiring::WiringManifest,
+        dtype: StorageDtype,
+        dataset: impl Into<String>,
+        settings: DumpSettings,
+    ) -> Self {
+        let target = &wiring.target;
+        DumpManifest {
+            format: FORMAT_NAME.to_owned(),
+            format_version: FORMAT_VERSION,
+            hidden_size: target.hidden_size,
+            num_slots: wiring.taps.len(),
+            last_hidden_tap: TapId::Block(target.num_layers.saturating_sub(1)),
+            dtype,
+            compression: "zstd".to_owned(),
+            dataset: dataset.into(),
+            dataset_split: None,
+            chat_template_sha256: target.chat_template_sha256.clone(),
+            settings,
+            rows: 0,
+            tokens: 0,
+            assistant_tokens: 0,
+            truncated: 0,
+            records_read: 0,
+            skipped: BTreeMap::new(),
+            complete: false,
+            shards: Vec::new(),
+            wiring,
+        }
+    }
+
     /// Width of one token's `aux_hidden` row: `num_slots * hidden_size`.
     pub fn aux_width(&self) -> usize {
         self.num_slots * self.hidden_size

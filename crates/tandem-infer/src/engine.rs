@@ -112,6 +112,11 @@ pub struct Timings {
     /// Making room (compaction, sequences at the context limit) and retiring finished
     /// sequences from the caches (fast path).
     pub housekeeping_s: f64,
+    /// Parts of `housekeeping_s`: cache compaction (both caches), the head cache's row
+    /// removal and the head roots' gather when sequences leave (fast path).
+    pub compact_s: f64,
+    pub head_retain_s: f64,
+    pub head_roots_s: f64,
 }
 
 impl std::ops::AddAssign for Timings {
@@ -124,6 +129,9 @@ impl std::ops::AddAssign for Timings {
         self.admits_wall_s += other.admits_wall_s;
         self.catch_up_s += other.catch_up_s;
         self.housekeeping_s += other.housekeeping_s;
+        self.compact_s += other.compact_s;
+        self.head_retain_s += other.head_retain_s;
+        self.head_roots_s += other.head_roots_s;
     }
 }
 

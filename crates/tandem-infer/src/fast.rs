@@ -217,6 +217,18 @@ const MAX_DEFERRED_TAP_ROWS: usize = 1 << 15;
 /// needs room for one piece, not the whole prompt.
 const CATCH_UP_PIECE: usize = 256;
 
+/// `TANDEM_CATCH_UP_TAIL`: deferred tokens per row a catch-up extends the head over (the
+/// last ones), or all of them when unset (see [`FastSpecEngine::catch_up`]).
+fn catch_up_tail() -> Option<usize> {
+    static TAIL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *TAIL.get_or_init(|| {
+        std::env::var("TANDEM_CATCH_UP_TAIL")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|k| *k > 0)
+    })
+}
+
 /// Rounds run before timing a choice in [`FastSpecEngine::calibrate`] (the CUDA graphs of a
 /// step shape are captured at its third run) and rounds timed.
 const CALIBRATION_WARM: usize = 3;
@@ -603,8 +615,12 @@ impl FastSpecEngine<'_> {
             let gpu = self.gpu();
             caches.target.retain(gpu, &keep)?;
             if let Some((dcache, roots)) = &mut caches.head {
+                let t0 = Instant::now();
                 dcache.retain(gpu, &keep)?;
+                let t1 = Instant::now();
                 *roots = self.concat_roots(&[(&*roots, keep.clone())])?;
+                batch.timings.head_retain_s += (t1 - t0).as_secs_f64();
+                batch.timings.head_roots_s += t1.elapsed().as_secs_f64();
             }
         }
         let (gone, kept): (Vec<Row>, Vec<Row>) = std::mem::take(&mut batch.rows)
@@ -661,6 +677,7 @@ impl FastSpecEngine<'_> {
                 dcache.compact(self.gpu())?;
             }
             batch.compactions += 1;
+            batch.timings.compact_s += t0.elapsed().as_secs_f64();
         }
         let limit = batch.capacity.min(self.target.spec.max_position_embeddings);
         for (b, row) in batch.rows.iter_mut().enumerate() {
@@ -821,7 +838,22 @@ impl FastSpecEngine<'_> {
     /// a piece would not fit), and replaces the roots of those rows. Rows with nothing deferred
     /// keep their roots. A drafted round does this first by itself.
     pub fn catch_up(&self, batch: &mut FastRunningBatch) -> Result<(), InferError> {
-        let longest = batch.deferred_rounds();
+        // Experimental (TANDEM_CATCH_UP_TAIL=K): extend each row over its last K deferred
+        // tokens only. The head's cache then has a gap and its positions lag the target's;
+        // outputs stay exact (verification decides), acceptance may drop, and a switch from
+        // plain rounds costs one piece of K columns instead of the whole run.
+        let skip: Vec<usize> = batch
+            .rows
+            .iter()
+            .map(|r| catch_up_tail().map_or(0, |k| r.behind.len().saturating_sub(k)))
+            .collect();
+        let longest = batch
+            .rows
+            .iter()
+            .zip(&skip)
+            .map(|(r, s)| r.behind.len() - s)
+            .max()
+            .unwrap_or(0);
         let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
             return Ok(());
         };
@@ -851,7 +883,11 @@ impl FastSpecEngine<'_> {
             let pieces: Vec<&[(u32, usize)]> = batch
                 .rows
                 .iter()
-                .map(|r| &r.behind[done.min(r.behind.len())..(done + width).min(r.behind.len())])
+                .zip(&skip)
+                .map(|(r, s)| {
+                    let behind = &r.behind[*s..];
+                    &behind[done.min(behind.len())..(done + width).min(behind.len())]
+                })
                 .collect();
             let backlog = batch.backlog.taps.as_ref().expect("rows are behind");
             self.extend_deferred(draft, dcache, roots, &pieces, backlog)?;

@@ -230,14 +230,18 @@ impl Decoder for FastDecoder {
         let target = self.target.graph_stats();
         let mut text = format!(
             "engine time: prefill {:.2}s, draft {:.2}s, verify {:.2}s, extend {:.2}s, catch-up \
-             {:.2}s, housekeeping {:.2}s (wall: rounds {:.2}s, admissions {:.2}s); {} \
-             compactions; target CUDA graphs: {} captured, {} replays",
+             {:.2}s, housekeeping {:.2}s (compaction {:.2}s, head rows {:.2}s, head roots \
+             {:.2}s) (wall: rounds {:.2}s, admissions {:.2}s); {} compactions; target CUDA \
+             graphs: {} captured, {} replays",
             t.prefill_s,
             t.draft_s,
             t.verify_s,
             t.extend_s,
             t.catch_up_s,
             t.housekeeping_s,
+            t.compact_s,
+            t.head_retain_s,
+            t.head_roots_s,
             t.rounds_wall_s,
             t.admits_wall_s,
             self.batch.compactions,

@@ -16,8 +16,7 @@ use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::TensorData;
 use rand::{Rng, SeedableRng};
 use tandem_dump::{
-    DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, FORMAT_NAME, FORMAT_VERSION,
-    ShardLimits, StorageDtype,
+    DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, ShardLimits, StorageDtype,
 };
 use tandem_eagle::{Eagle3Draft, VocabMap, load_pretrained};
 use tandem_model::{
@@ -152,7 +151,6 @@ fn capture(model: &TargetModel<B>, seqs: &[(Vec<u32>, Vec<u8>)]) -> Vec<(Vec<f32
 /// A dump manifest as `tandem dump` writes it (no chat template: the rows are token ids).
 fn identity(model_dir: &Path, execution_path: &str) -> DumpManifest {
     let target = fingerprint(model_dir, false).unwrap();
-    let last = TapId::Block(target.num_layers - 1);
     let wiring = WiringManifest::new(
         target,
         TAPS.to_vec(),
@@ -161,29 +159,16 @@ fn identity(model_dir: &Path, execution_path: &str) -> DumpManifest {
         Producer::tandem(Job::Dump, "cpu", execution_path),
     );
     DumpManifest {
-        format: FORMAT_NAME.to_owned(),
-        format_version: FORMAT_VERSION,
-        wiring,
-        hidden_size: HIDDEN,
-        num_slots: TAPS.len(),
-        last_hidden_tap: last,
-        dtype: StorageDtype::Bf16,
-        compression: "zstd".to_owned(),
-        dataset: "deepseek-fixture-ids".to_owned(),
-        dataset_split: None,
         chat_template_sha256: None,
-        settings: DumpSettings {
-            max_len: 256,
-            regenerate: None,
-        },
-        rows: 0,
-        tokens: 0,
-        assistant_tokens: 0,
-        truncated: 0,
-        records_read: 0,
-        skipped: Default::default(),
-        complete: false,
-        shards: Vec::new(),
+        ..DumpManifest::new(
+            wiring,
+            StorageDtype::Bf16,
+            "deepseek-fixture-ids",
+            DumpSettings {
+                max_len: 256,
+                regenerate: None,
+            },
+        )
     }
 }
 
