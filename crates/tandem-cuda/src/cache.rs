@@ -191,20 +191,22 @@ impl CudaKvCache {
         Ok(())
     }
 
-    /// Keeps the sequences `keep` (ascending), in that order, and drops the others (finished
-    /// or cancelled), moving the kept columns in place. Keeping none leaves an empty batch whose
-    /// buffers wait for the next join.
+    /// Keeps the sequences `keep` (distinct, in any order: sequence `keep[i]` becomes row `i`)
+    /// and drops the others (finished or cancelled), moving only the rows that change place, in
+    /// place. Keeping none leaves an empty batch whose buffers wait for the next join. With
+    /// [`tandem_model::fill_order`] only the rows that fill a departed row's place move.
     pub fn retain(&mut self, gpu: &Gpu, keep: &[usize]) -> Result<(), CudaError> {
-        assert!(
-            keep.windows(2).all(|w| w[0] < w[1]) && keep.last().is_none_or(|&b| b < self.batch())
-        );
+        let mut seen = vec![false; self.batch()];
+        for &b in keep {
+            assert!(
+                b < seen.len() && !seen[b],
+                "retain: {keep:?} is not a set of rows"
+            );
+            seen[b] = true;
+        }
         let moves = ColumnMoves::kept_rows(keep, self.layout.used());
         self.move_in_place(gpu, &moves)?;
-        for b in (0..self.batch()).rev() {
-            if keep.binary_search(&b).is_err() {
-                self.layout.remove(b);
-            }
-        }
+        self.layout.select(keep);
         Ok(())
     }
 

@@ -35,6 +35,28 @@ pub struct ColumnLayout {
     next_position: Vec<usize>,
 }
 
+/// The order in which a batch keeps its rows when the rows `gone` leave: every departed row
+/// that is not at the end is refilled by the last surviving row, so at most `gone.len()` rows
+/// change place (instead of every row after the first departure, as keeping the order would).
+/// Returns `keep` for a retain: the row that moves into place `i` is `keep[i]`.
+pub fn fill_order(rows: usize, gone: &[bool]) -> Vec<usize> {
+    assert_eq!(gone.len(), rows);
+    let mut keep: Vec<usize> = (0..rows).collect();
+    let mut end = rows;
+    let mut i = 0;
+    while i < end {
+        if gone[keep[i]] {
+            // Take the last row; if it is gone too, drop it and look again.
+            end -= 1;
+            keep.swap(i, end);
+        } else {
+            i += 1;
+        }
+    }
+    keep.truncate(end);
+    keep
+}
+
 /// The attention mask of one step in compact parts ([`ColumnLayout::mask_parts`]): which cached
 /// columns each sequence owns, which of the step's own columns each slot sees, and which slots
 /// are real tokens. Row `r = b * width + i` of the full mask sees cached column `c < used` when
@@ -369,6 +391,18 @@ impl ColumnLayout {
     }
 
     /// Drops sequence `b`; the rows after it move up by one.
+    /// Keeps the sequences `keep` (distinct), sequence `keep[i]` becoming row `i`.
+    pub fn select(&mut self, keep: &[usize]) {
+        self.valid = keep
+            .iter()
+            .map(|&b| std::mem::take(&mut self.valid[b]))
+            .collect();
+        self.next_position = keep.iter().map(|&b| self.next_position[b]).collect();
+        if self.valid.is_empty() {
+            self.used = 0;
+        }
+    }
+
     pub fn remove(&mut self, b: usize) {
         self.valid.remove(b);
         self.next_position.remove(b);
@@ -715,5 +749,42 @@ mod tests {
             let rows = &padded[spare * per_sequence..(spare + 1) * per_sequence];
             assert!(rows == &full[..per_sequence], "spare sequence {spare}");
         }
+    }
+
+    /// Departed rows are refilled from the end; survivors before the first departure keep
+    /// their place, and `select` carries each survivor's columns and position along.
+    #[test]
+    fn fill_order_moves_only_rows_that_refill_departed_places() {
+        let order = |gone: &[bool]| fill_order(gone.len(), gone);
+        assert_eq!(order(&[false, true, false, false, false]), [0, 4, 2, 3]);
+        assert_eq!(order(&[false, true, false, false, true]), [0, 3, 2]);
+        assert_eq!(order(&[true, true, false]), [2]);
+        assert_eq!(order(&[false, false, true]), [0, 1]);
+        assert_eq!(order(&[true, true]), Vec::<usize>::new());
+        assert_eq!(order(&[false, false]), [0, 1]);
+        // Every survivor exactly once, and a survivor moves only into a departed place.
+        let gone = [true, false, true, false, false, true, false, true];
+        let keep = order(&gone);
+        let mut sorted = keep.clone();
+        sorted.sort();
+        assert_eq!(sorted, [1, 3, 4, 6]);
+        for (i, &b) in keep.iter().enumerate() {
+            assert!(
+                b == i || gone[i],
+                "row {b} moved into place {i}, which was live"
+            );
+        }
+        let mut layout = ColumnLayout::new(4, 16);
+        let prompts: [&[u32]; 4] = [&[1], &[1, 2], &[1, 2, 3], &[1, 2, 3, 4]];
+        let step = layout.prefill_step(&prompts).unwrap();
+        layout.advance(&step);
+        let keep = fill_order(4, &[false, true, false, false]);
+        layout.select(&keep);
+        assert_eq!(layout.batch(), 3);
+        assert_eq!(
+            (0..3).map(|b| layout.seq_len(b)).collect::<Vec<_>>(),
+            [1, 4, 3],
+            "the fourth sequence now sits in the second row"
+        );
     }
 }

@@ -17,7 +17,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use burn;
-pub use cache::{ColumnLayout, KvCache, MaskParts, StepInput};
+pub use cache::{ColumnLayout, KvCache, MaskParts, StepInput, fill_order};
 pub use capture::{CaptureHook, CapturedTaps, TapRequest, Taps};
 pub use capture_target::CaptureTarget;
 pub use config::{Family, HfConfig, MlaSpec, ModelSpec, MoeSpec};

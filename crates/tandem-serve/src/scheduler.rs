@@ -231,8 +231,8 @@ impl Decoder for FastDecoder {
         let mut text = format!(
             "engine time: prefill {:.2}s, draft {:.2}s, verify {:.2}s, extend {:.2}s, catch-up \
              {:.2}s, housekeeping {:.2}s (compaction {:.2}s, head rows {:.2}s, head roots \
-             {:.2}s) (wall: rounds {:.2}s, admissions {:.2}s); {} compactions; target CUDA \
-             graphs: {} captured, {} replays",
+             {:.2}s) (wall: rounds {:.2}s, admissions {:.2}s); {} compactions, {} retirements; \
+             target CUDA graphs: {} captured, {} replays",
             t.prefill_s,
             t.draft_s,
             t.verify_s,
@@ -245,6 +245,7 @@ impl Decoder for FastDecoder {
             t.rounds_wall_s,
             t.admits_wall_s,
             self.batch.compactions,
+            self.batch.retirements,
             target.captured,
             target.replays
         );
