@@ -307,6 +307,10 @@ pub struct SpeculationPolicy {
     /// plain rounds ended.
     drafted_streak: u64,
     drafted_run: Option<f64>,
+    /// Whether the current drafted round was chosen only to probe (every `probe_every` plain
+    /// rounds), not because drafting was expected to pay: a run that ends as a probe says
+    /// nothing about how long a worthwhile drafted run lasts, so it is not counted.
+    probing: bool,
 }
 
 impl SpeculationPolicy {
@@ -328,6 +332,7 @@ impl SpeculationPolicy {
             switch_seconds: None,
             drafted_streak: 0,
             drafted_run: None,
+            probing: false,
         }
     }
 
@@ -491,9 +496,9 @@ impl SpeculationPolicy {
                     .copied()
                     .max_by(|a, b| a.1.total_cmp(&b.1))
                     .expect("at least one shape");
-                if rate > plain * (1.0 + config.margin)
-                    || self.plain_streak + 1 >= config.probe_every
-                {
+                let on_merit = rate > plain * (1.0 + config.margin);
+                if on_merit || self.plain_streak + 1 >= config.probe_every {
+                    self.probing = !on_merit;
                     best
                 } else {
                     Choice::Plain
@@ -508,6 +513,9 @@ impl SpeculationPolicy {
     fn track(&mut self, choice: Choice) {
         if self.is_adaptive() {
             match choice {
+                Choice::Plain if self.drafted_streak > 0 && self.probing => {
+                    self.drafted_streak = 0;
+                }
                 Choice::Plain if self.drafted_streak > 0 => {
                     let run = self.drafted_streak as f64;
                     // Runs are few; a short memory keeps the horizon current.
@@ -798,6 +806,20 @@ mod tests {
         }
         r.plain_streak = 1;
         assert_eq!(r.choose(1), Choice::Plain, "1 ms per one-round run is not");
+        // Probes (a drafted round forced every `probe_every` plain rounds) that end the next
+        // round are not drafted runs: they leave the horizon where it was. Session 15 on the
+        // H200: counting them shrank the horizon at c=8 until the switch looked too dear to
+        // ever draft again (1.04x target-only, against 1.22x all-chain in the run before).
+        let dear = CostTable {
+            batches: vec![1],
+            seconds: vec![vec![1.5e-3], vec![10e-3]],
+        };
+        let mut probed = SpeculationPolicy::adaptive(vec![shape("3/1/4")], dear, config).unwrap();
+        probed.plain_streak = config.probe_every;
+        let horizon = probed.switch_horizon();
+        assert_eq!(probed.choose(1), Choice::Draft(0), "a probe, not on merit");
+        assert_eq!(probed.choose(1), Choice::Plain);
+        assert_eq!(probed.switch_horizon(), horizon, "the probe is not a run");
         // Fixed policies ignore switches.
         let mut f = SpeculationPolicy::fixed(shape("3/1/4"));
         f.observe_switch(1.0);
