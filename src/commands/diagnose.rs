@@ -98,7 +98,7 @@ fn run_on<B: Backend>(args: &DiagnoseArgs, device: &B::Device) -> anyhow::Result
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
-    args.export.write(report.tables())?;
+    args.export.write(|| report.tables())?;
     if !report.consistent {
         anyhow::bail!(
             "serving the head on {} costs significant acceptance against {}; see the diagnosis",

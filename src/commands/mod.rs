@@ -24,7 +24,6 @@ use tandem_model::{Execution, ModelError, TargetModel};
 /// Where the default model lives after `scripts/fetch_smollm2.sh`.
 pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
 
-/// Options shared by every job that runs the target model.
 /// `--export DIR --format parquet|csv`: a job's polars tables written as files.
 #[derive(Args, Debug)]
 pub struct ExportArgs {
@@ -37,21 +36,25 @@ pub struct ExportArgs {
 }
 
 impl ExportArgs {
-    /// Writes `tables` when `--export` was given, naming each file written.
+    /// Builds the tables and writes them when `--export` was given, naming each file written.
     pub fn write(
         &self,
-        tables: Result<Vec<(&'static str, tandem_stats::DataFrame)>, tandem_stats::StatsError>,
+        tables: impl FnOnce() -> Result<
+            Vec<(&'static str, tandem_stats::DataFrame)>,
+            tandem_stats::StatsError,
+        >,
     ) -> anyhow::Result<()> {
         let Some(dir) = &self.export else {
             return Ok(());
         };
-        for path in tandem_stats::export_tables(dir, &self.format, &tables?)? {
+        for path in tandem_stats::export_tables(dir, &self.format, &tables()?)? {
             eprintln!("wrote {}", path.display());
         }
         Ok(())
     }
 }
 
+/// Options shared by every job that runs the target model.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// HF model directory (config.json, model.safetensors, tokenizer.json).

@@ -327,7 +327,7 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
-    args.export.write(report.tables())?;
+    args.export.write(|| report.tables())?;
     if report.flagged {
         anyhow::bail!("{}", report.verdict[0]);
     }

@@ -854,18 +854,15 @@ impl FastSpecEngine<'_> {
         // tokens only. The head's cache then has a gap and its positions lag the target's;
         // outputs stay exact (verification decides), acceptance may drop, and a switch from
         // plain rounds costs one piece of K columns instead of the whole run.
-        let skip: Vec<usize> = batch
+        let behind: Vec<&[(u32, usize)]> = batch
             .rows
             .iter()
-            .map(|r| catch_up_tail().map_or(0, |k| r.behind.len().saturating_sub(k)))
+            .map(|r| {
+                let skip = catch_up_tail().map_or(0, |k| r.behind.len().saturating_sub(k));
+                &r.behind[skip..]
+            })
             .collect();
-        let longest = batch
-            .rows
-            .iter()
-            .zip(&skip)
-            .map(|(r, s)| r.behind.len() - s)
-            .max()
-            .unwrap_or(0);
+        let longest = behind.iter().map(|b| b.len()).max().unwrap_or(0);
         let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
             return Ok(());
         };
@@ -892,14 +889,9 @@ impl FastSpecEngine<'_> {
                     ),
                 });
             }
-            let pieces: Vec<&[(u32, usize)]> = batch
-                .rows
+            let pieces: Vec<&[(u32, usize)]> = behind
                 .iter()
-                .zip(&skip)
-                .map(|(r, s)| {
-                    let behind = &r.behind[*s..];
-                    &behind[done.min(behind.len())..(done + width).min(behind.len())]
-                })
+                .map(|b| &b[done.min(b.len())..(done + width).min(b.len())])
                 .collect();
             let backlog = batch.backlog.taps.as_ref().expect("rows are behind");
             self.extend_deferred(draft, dcache, roots, &pieces, backlog)?;
