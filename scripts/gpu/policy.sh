@@ -23,7 +23,7 @@ serve_load() {
   local label=$1 concurrency=$2
   shift 2
   "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
-    "$@" > "$R/serve_$label.txt" 2>&1 &
+    --round-log "$R/rounds_$label.csv" "$@" > "$R/serve_$label.txt" 2>&1 &
   local pid=$!
   for _ in $(seq 1 180); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
   "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
@@ -90,7 +90,28 @@ PY
   for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
   grep -H "engine time\|scheduler time" "$R"/serve_*.txt | sed "s|$R/||"
   grep -h -A 16 "policy at the end" "$R"/serve_adaptive_long_c64.txt
-  grep -h -A 9 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
+  grep -h -A 20 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
+  python3 - "$R" <<'PY'
+import json, glob, os, sys
+r = sys.argv[1]
+print("| prompt tokens | step | batch | rows kernel ms | grouped kernel ms | grouped / rows |")
+print("|---|---|---|---|---|---|")
+for p in (128, 512):
+    try:
+        rows = {(x["step"], x["width"], x["batch"], x["taps"]): x for x in json.load(open(os.path.join(r, f"fast_bench_rows_p{p}.json")))}
+        grouped = json.load(open(os.path.join(r, f"fast_bench_grouped_p{p}.json")))
+    except (OSError, ValueError) as e:
+        print(f"| {p} | missing ({e}) |"); continue
+    for g in grouped:
+        if g["taps"] == 0:
+            continue
+        b = rows.get((g["step"], g["width"], g["batch"], g["taps"]))
+        if b:
+            name = "decode" if g["step"] == "decode" else f"verify {g['width']}"
+            print(f"| {p} | {name} | {g['batch']} | {b['step_ms_median']:.3f} | {g['step_ms_median']:.3f} | {g['step_ms_median'] / b['step_ms_median']:.2f} |")
+    print(f"| {p} | prefill (TTFT) | 32 | {rows[('decode', 1, 32, 3)]['ttft_ms_median']:.1f} | "
+          f"{[g for g in grouped if g['step'] == 'decode' and g['batch'] == 32 and g['taps'] == 3][0]['ttft_ms_median']:.1f} | |")
+PY
   collect results.tar.xz none
   ;;
 pipeline)
@@ -105,6 +126,17 @@ pipeline)
     bench "$W/head" head "$s"
   done
   mark "bench done"
+  # Session 16: how decode and verify costs grow with the context every row's attention reads
+  # (the policy's start-up table is measured at one context; serving runs at others).
+  # The grouped attention kernel against the row kernel it replaces (TANDEM_ATTENTION=rows).
+  for p in ${CONTEXTS-128 512}; do
+    for kernel in rows grouped; do
+      TANDEM_ATTENTION=$kernel timeout 200 "$T" fast-bench --model "$M" --batch 1,8,32 \
+        --verify-widths 4,8 --with-taps --graphs-only --prompt-tokens "$p" --new-tokens 32 \
+        --repeats 3 --json "$R/fast_bench_${kernel}_p$p.json" > "$R/fast_bench_${kernel}_p$p.md" 2>&1
+    done
+  done
+  mark "fast-bench done"
   for c in ${CONCURRENCIES:-1 8 32 64}; do
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"

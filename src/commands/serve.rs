@@ -1,6 +1,7 @@
 //! `tandem serve`: loads the target and the head on the engine thread (the wiring manifest is
 //! checked there and a mismatch refuses to start), then serves the OpenAI API with axum.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -54,6 +55,10 @@ pub struct ServeArgs {
     /// The shapes the adaptive policy chooses among, steps/topk/num_draft_tokens.
     #[arg(long, default_value = "3/1/4,3/4/8,6/8/48")]
     pub policy_shapes: String,
+    /// Write every round and admission of the fast path (batch size, context, choice, time by
+    /// phase, the policy's prediction) as CSV to this file when the server stops.
+    #[arg(long)]
+    pub round_log: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -135,7 +140,7 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
                 ),
                 _ => None,
             };
-            let decoder = super::spec_fast::serve_decoder(
+            let mut decoder = super::spec_fast::serve_decoder(
                 &args.model,
                 &args.spec,
                 args.no_draft,
@@ -143,6 +148,9 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
                 args.max_batch,
                 policy,
             )?;
+            if let Some(path) = &args.round_log {
+                decoder.log_rounds(path.clone());
+            }
             return Ok(Box::new(decoder));
         }
         EngineKind::Fast => anyhow::bail!("--engine fast runs on the GPU: pass --device cuda"),

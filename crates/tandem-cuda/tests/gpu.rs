@@ -486,6 +486,120 @@ fn rope_cache_write_and_attention_kernels_match_their_references() {
     }
 }
 
+/// The grouped attention kernel (one block per sequence, tile of slots and KV head) against
+/// the reference and against the row kernel, over shapes that exercise what the tiling and the
+/// chunking could get wrong: decode over several 32-column chunks with whole chunks hidden, a
+/// width that leaves a partial last tile, groups of 4 and 6 at head_dim 128, and a causal
+/// prefill whose early tiles see only the first chunk.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn grouped_attention_matches_the_reference_and_the_row_kernel() {
+    use tandem_cuda::{AttentionKernel, AttentionShape};
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let bf = |b: u16| half::bf16::from_bits(b).to_f32();
+    // (batch, width, heads, kv_heads, head_dim, cached columns before the step, causal)
+    let cases = [
+        (3, 1, 9, 3, 64, 300, false),
+        (2, 7, 9, 3, 64, 90, false),
+        (2, 4, 32, 8, 128, 70, false),
+        (2, 5, 12, 2, 128, 40, false),
+        (2, 37, 9, 3, 64, 0, true),
+        (1, 1, 4, 2, 32, 33, false),
+    ];
+    for (batch, width, heads, kv_heads, head_dim, used, causal) in cases {
+        let shape = AttentionShape {
+            batch,
+            width,
+            heads,
+            kv_heads,
+            head_dim,
+            capacity: used + width + 3,
+        };
+        let total = used + width;
+        let rows = shape.rows();
+        let q: Vec<f32> = (0..rows * heads * head_dim)
+            .map(|_| rng.random_range(-1.5..1.5))
+            .collect();
+        let cache_len = batch * kv_heads * shape.capacity * head_dim;
+        let mut random_bf16 = || {
+            (0..cache_len)
+                .map(|_| half::bf16::from_f32(rng.random_range(-2.0..2.0)).to_bits())
+                .collect::<Vec<u16>>()
+        };
+        let (k, v) = (random_bf16(), random_bf16());
+        // Cached columns: a random half visible, except columns 64..128 hidden from every row
+        // (whole chunks the kernel must skip); the step's own columns: causal among the slots.
+        let mut visible = vec![vec![false; total]; rows];
+        for (r, row) in visible.iter_mut().enumerate() {
+            let i = r % width;
+            for (c, seen) in row.iter_mut().enumerate() {
+                *seen = if c < used {
+                    !(64..128).contains(&c) && rng.random_bool(0.5)
+                } else {
+                    let slot = c - used;
+                    slot == i || (slot < i && (causal || rng.random_bool(0.7)))
+                };
+            }
+        }
+        let mask: Vec<f32> = visible
+            .iter()
+            .flatten()
+            .map(|&v| if v { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let (q_dev, k_dev, v_dev, mask_dev) = (
+            gpu.upload(&q).unwrap(),
+            gpu.upload(&k).unwrap(),
+            gpu.upload(&v).unwrap(),
+            gpu.upload(&mask).unwrap(),
+        );
+        let run = |kernel| {
+            let mut out = gpu.zeros::<u16>(rows * heads * head_dim).unwrap();
+            gpu.attention_with(
+                kernel, &q_dev, &k_dev, &v_dev, &mask_dev, &mut out, shape, total, None,
+            )
+            .unwrap();
+            let out: Vec<f32> = gpu.download(&out).unwrap().into_iter().map(bf).collect();
+            out
+        };
+        let (grouped, by_rows) = (run(AttentionKernel::Grouped), run(AttentionKernel::Rows));
+        let at =
+            |b: usize, h: usize, c: usize| ((b * kv_heads + h) * shape.capacity + c) * head_dim;
+        let case = format!("batch {batch} width {width} heads {heads}/{kv_heads} dim {head_dim}");
+        for (r, seen) in visible.iter().enumerate() {
+            let b = r / width;
+            for h in 0..heads {
+                let kvh = h / (heads / kv_heads);
+                let column = |cache: &[u16], c: usize| {
+                    cache[at(b, kvh, c)..at(b, kvh, c) + head_dim]
+                        .iter()
+                        .map(|&x| bf(x))
+                        .collect::<Vec<f32>>()
+                };
+                let ks: Vec<Vec<f32>> = (0..total).map(|c| column(&k, c)).collect();
+                let vs: Vec<Vec<f32>> = (0..total).map(|c| column(&v, c)).collect();
+                let o = (r * heads + h) * head_dim;
+                let expected = reference::attention(&q[o..o + head_dim], &ks, &vs, seen);
+                // Stored in bf16: one rounding (2^-8 relative) plus f32 summation order.
+                let close = |got: &[f32], want: &[f32]| {
+                    got.iter()
+                        .zip(want)
+                        .all(|(a, e)| (a - e).abs() <= e.abs() * 8e-3 + 1e-3)
+                };
+                let got = &grouped[o..o + head_dim];
+                assert!(
+                    close(got, &expected),
+                    "{case}: row {r} head {h}: {got:?} vs {expected:?}"
+                );
+                assert!(
+                    close(got, &by_rows[o..o + head_dim]),
+                    "{case}: row {r} head {h}: grouped and row kernels differ"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn topk_softmax_kernel_matches_its_reference() {

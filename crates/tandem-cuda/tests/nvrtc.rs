@@ -15,7 +15,14 @@ fn every_kernel_source_compiles_with_nvrtc() {
         return;
     }
     match tandem_cuda::compile_all_kernels() {
-        Ok(sources) => assert_eq!(sources, ["kernels/llama.cu", "kernels/train.cu"]),
+        Ok(sources) => assert_eq!(
+            sources,
+            [
+                "kernels/llama.cu",
+                "kernels/train.cu",
+                "kernels/attention.cu"
+            ]
+        ),
         Err(e) => panic!("{e}"),
     }
 }

@@ -29,6 +29,7 @@ use crate::engine::{
 };
 use crate::policy::{Choice, CostTable, Shape, SpeculationPolicy};
 use crate::stats::AcceptanceStats;
+use crate::trace::RoundRecord;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
 
@@ -37,6 +38,15 @@ use crate::verify::{Acceptance, verify_greedy, verify_sampling};
 struct Roots {
     hidden: DeviceRows,
     logits: DeviceLogits,
+}
+
+/// What a round chose, for its [`RoundRecord`].
+struct Chosen {
+    rows: usize,
+    label: String,
+    committed: usize,
+    /// The policy's predicted seconds of the choice and of a plain round.
+    predicted: (f64, f64),
 }
 
 /// The speculative engine over the fast path's target and head (same GPU).
@@ -109,6 +119,8 @@ pub struct FastRunningBatch {
     /// Times finished sequences were removed from the caches (one per round in which any
     /// finished).
     pub retirements: usize,
+    /// Every round and admission since [`FastRunningBatch::record_rounds`] (off: `None`).
+    trace: Option<(Instant, Vec<RoundRecord>)>,
 }
 
 impl FastRunningBatch {
@@ -130,6 +142,36 @@ impl FastRunningBatch {
     /// the prompts that joined during them).
     pub fn deferred_rounds(&self) -> usize {
         self.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0)
+    }
+
+    /// Starts (again) recording every round and admission ([`RoundRecord`]).
+    pub fn record_rounds(&mut self) {
+        self.trace = Some((Instant::now(), Vec::new()));
+    }
+
+    /// The rounds and admissions recorded so far (empty when not recording).
+    pub fn round_records(&self) -> &[RoundRecord] {
+        self.trace.as_ref().map_or(&[], |(_, r)| r.as_slice())
+    }
+
+    fn record(&mut self, started: Instant, record: impl FnOnce(f64) -> RoundRecord) {
+        if let Some((origin, records)) = &mut self.trace {
+            records.push(record((started - *origin).as_secs_f64()));
+        }
+    }
+
+    /// Used target columns, the longest sequence and used head columns (zeros without caches).
+    fn columns(&self) -> (usize, usize, usize) {
+        let Some(caches) = &self.caches else {
+            return (0, 0, 0);
+        };
+        let layout = caches.target.layout();
+        let longest = (0..self.rows.len())
+            .map(|b| layout.seq_len(b))
+            .max()
+            .unwrap_or(0);
+        let head = caches.head.as_ref().map_or(0, |(d, _)| d.layout().used());
+        (layout.used(), longest, head)
     }
 
     /// The head's hidden state at each row's last extended slot, `[rows, hidden]` row-major
@@ -235,8 +277,9 @@ fn catch_up_tail() -> Option<usize> {
 /// Rounds run before timing a choice in [`FastSpecEngine::calibrate`] (the CUDA graphs of a
 /// step shape are captured at its third run) and rounds timed.
 const CALIBRATION_WARM: usize = 3;
-/// Tokens of each calibration prompt (at most a quarter of the context).
-const CALIBRATION_PROMPT: usize = 160;
+/// Tokens of each calibration prompt at the two contexts measured (at most an eighth and a
+/// quarter of the context): serving contexts span them, and costs are linear in between.
+const CALIBRATION_PROMPTS: [usize; 2] = [128, 512];
 const CALIBRATION_TIMED: usize = 5;
 
 impl FastSpecEngine<'_> {
@@ -299,16 +342,17 @@ impl FastSpecEngine<'_> {
             timings: Timings::default(),
             compactions: 0,
             retirements: 0,
+            trace: None,
         }
     }
 
     /// Seconds per round of each choice of `batch`'s policy (plain, then each shape) at each
-    /// batch size in `batches`, measured on this GPU with `batch`'s own caches (so the CUDA
-    /// graphs captured on the way are the ones its serving replays): that many pseudo-random
-    /// prompts of [`CALIBRATION_PROMPT`] tokens join, run [`CALIBRATION_WARM`] rounds of a
-    /// choice, then the median of [`CALIBRATION_TIMED`] timed rounds is kept; then they leave.
-    /// `batch` must be empty; its policy is left as it was. The start-up table of
-    /// [`SpeculationPolicy::adaptive`].
+    /// batch size in `batches` and two contexts, measured on this GPU with `batch`'s own caches
+    /// (so the CUDA graphs captured on the way are the ones its serving replays): that many
+    /// pseudo-random prompts of [`CALIBRATION_PROMPTS`] tokens join, run [`CALIBRATION_WARM`]
+    /// rounds of a choice, then the median of [`CALIBRATION_TIMED`] timed rounds is kept with
+    /// the mean used columns they ran at; then they leave. `batch` must be empty; its policy is
+    /// left as it was. The start-up table of [`SpeculationPolicy::adaptive`].
     pub fn calibrate(
         &self,
         batch: &mut FastRunningBatch,
@@ -336,6 +380,9 @@ impl FastSpecEngine<'_> {
         batch.policy = saved;
         batch.timings = Timings::default();
         batch.compactions = 0;
+        if batch.trace.is_some() {
+            batch.record_rounds();
+        }
         result
     }
 
@@ -354,16 +401,42 @@ impl FastSpecEngine<'_> {
         shapes: &[Shape],
         batches: &[usize],
     ) -> Result<CostTable, InferError> {
+        let capacity = batch.capacity;
+        // Attention reads every used column, so costs grow with the context, the wide steps'
+        // fastest: two contexts (leaving room for the rounds), or one when the cache is small.
+        let low = CALIBRATION_PROMPTS[0].min(capacity / 8).max(1);
+        let high = CALIBRATION_PROMPTS[1].min(capacity / 4);
+        let (low_seconds, low_columns) = self.measure_at(batch, shapes, batches, low)?;
+        if high < 2 * low {
+            return Ok(CostTable::flat(batches.to_vec(), low_seconds));
+        }
+        let (high_seconds, high_columns) = self.measure_at(batch, shapes, batches, high)?;
+        Ok(CostTable::from_two_contexts(
+            batches.to_vec(),
+            (&low_seconds, &low_columns),
+            (&high_seconds, &high_columns),
+        ))
+    }
+
+    /// [`Self::measure_choices`] at prompts of `prompt_len` tokens: seconds per round and the
+    /// mean used target columns, each `[choice][batch size]` (row 0 plain).
+    #[allow(clippy::type_complexity)]
+    fn measure_at(
+        &self,
+        batch: &mut FastRunningBatch,
+        shapes: &[Shape],
+        batches: &[usize],
+        prompt_len: usize,
+    ) -> Result<(Vec<Vec<f64>>, Vec<Vec<f64>>), InferError> {
         let vocab = self.target.spec.vocab_size as u64;
         let capacity = batch.capacity;
-        // Prompts about as long as served ones (attention reads every cached column, so a short
-        // calibration context under-prices every choice), leaving room for the rounds.
-        let prompt_len = CALIBRATION_PROMPT.min(capacity / 4).max(1) as u64;
+        let prompt_len = prompt_len as u64;
         let choices: Vec<Choice> = (0..shapes.len())
             .map(Choice::Draft)
             .chain([Choice::Plain])
             .collect();
         let mut seconds = vec![vec![0.0; batches.len()]; shapes.len() + 1];
+        let mut columns = vec![vec![0.0; batches.len()]; shapes.len() + 1];
         for (k, &b) in batches.iter().enumerate() {
             let requests = (0..b as u64)
                 .map(|id| Request {
@@ -382,11 +455,14 @@ impl FastSpecEngine<'_> {
             for (c, &choice) in choices.iter().enumerate() {
                 batch.policy.force(choice);
                 let mut times = Vec::with_capacity(CALIBRATION_TIMED);
+                let mut used = 0.0;
                 for round in 0..CALIBRATION_WARM + CALIBRATION_TIMED {
+                    let before = batch.columns().0;
                     let t0 = Instant::now();
                     self.step(batch)?;
                     if round >= CALIBRATION_WARM {
                         times.push(t0.elapsed().as_secs_f64());
+                        used += before as f64 / CALIBRATION_TIMED as f64;
                     }
                 }
                 if batch.len() != b {
@@ -402,13 +478,11 @@ impl FastSpecEngine<'_> {
                 times.sort_by(f64::total_cmp);
                 let row = if c + 1 == choices.len() { 0 } else { c + 1 };
                 seconds[row][k] = times[times.len() / 2];
+                columns[row][k] = used;
             }
             self.cancel_all(batch)?;
         }
-        Ok(CostTable {
-            batches: batches.to_vec(),
-            seconds,
-        })
+        Ok((seconds, columns))
     }
 
     /// The admission rules of `batch` under this engine (shared by every engine).
@@ -442,8 +516,37 @@ impl FastSpecEngine<'_> {
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
         let wall = Instant::now();
+        let (rows, tokens) = (
+            requests.len(),
+            requests.iter().map(|r| r.prompt.len()).sum::<usize>(),
+        );
+        let before = (batch.timings, batch.columns(), self.graphs_captured());
+        let deferred = self.draft.is_some() && batch.policy.in_plain_run();
         let result = self.admit_timed(batch, requests);
-        batch.timings.admits_wall_s += wall.elapsed().as_secs_f64();
+        let seconds = wall.elapsed().as_secs_f64();
+        batch.timings.admits_wall_s += seconds;
+        let (t, (target_columns, longest, head_columns), captured) = before;
+        let after = batch.timings;
+        let captured = self.graphs_captured() - captured;
+        batch.record(wall, |at_s| RoundRecord {
+            at_s,
+            kind: "admit",
+            rows,
+            target_columns,
+            longest,
+            head_columns,
+            choice: if deferred { "deferred" } else { "extended" }.into(),
+            tokens,
+            draft_s: 0.0,
+            verify_s: after.prefill_s - t.prefill_s,
+            extend_s: after.extend_s - t.extend_s,
+            catch_up_s: 0.0,
+            housekeeping_s: after.housekeeping_s - t.housekeeping_s,
+            wall_s: seconds,
+            captured,
+            predicted_s: f64::NAN,
+            predicted_plain_s: f64::NAN,
+        });
         result
     }
 
@@ -714,21 +817,59 @@ impl FastSpecEngine<'_> {
     /// leave the batch.
     pub fn step(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
         let wall = Instant::now();
-        let result = self.round(batch);
-        batch.timings.rounds_wall_s += wall.elapsed().as_secs_f64();
+        let before = (batch.timings, batch.columns(), self.graphs_captured());
+        let mut chosen = None;
+        let result = self.round(batch, &mut chosen);
+        let seconds = wall.elapsed().as_secs_f64();
+        batch.timings.rounds_wall_s += seconds;
+        if let Some(chosen) = chosen {
+            let (t, (target_columns, longest, head_columns), captured) = before;
+            let after = batch.timings;
+            let captured = self.graphs_captured() - captured;
+            batch.record(wall, |at_s| RoundRecord {
+                at_s,
+                kind: "round",
+                rows: chosen.rows,
+                target_columns,
+                longest,
+                head_columns,
+                choice: chosen.label,
+                tokens: chosen.committed,
+                draft_s: after.draft_s - t.draft_s,
+                verify_s: after.verify_s - t.verify_s,
+                extend_s: after.extend_s - t.extend_s,
+                catch_up_s: after.catch_up_s - t.catch_up_s,
+                housekeeping_s: after.housekeeping_s - t.housekeeping_s,
+                wall_s: seconds,
+                captured,
+                predicted_s: chosen.predicted.0,
+                predicted_plain_s: chosen.predicted.1,
+            });
+        }
         result
     }
 
-    fn round(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
+    fn round(
+        &self,
+        batch: &mut FastRunningBatch,
+        chosen: &mut Option<Chosen>,
+    ) -> Result<Vec<Progress>, InferError> {
         let mut progress = Vec::new();
         self.make_room(batch, &mut progress)?;
         if batch.caches.is_none() || batch.rows.is_empty() {
             return Ok(progress);
         }
+        // Every row's attention reads every used column of the target's cache: the context the
+        // round is priced at.
+        let columns = batch.columns().0;
         let choice = match self.draft {
-            Some(_) => batch.policy.choose(batch.rows.len()),
+            Some(_) => batch.policy.choose(batch.rows.len(), columns),
             None => Choice::Plain,
         };
+        let predicted = batch.policy.costs().map_or((f64::NAN, f64::NAN), |c| {
+            let b = batch.rows.len();
+            (c.at(choice.index(), b, columns), c.at(0, b, columns))
+        });
         let shape = batch.policy.shape(choice);
         // The catch-up after plain rounds is what switching to drafting costs, paid once per
         // switch: the policy books it apart from the drafted round's own cost.
@@ -832,9 +973,19 @@ impl FastSpecEngine<'_> {
         // the next rounds.
         let round_seconds = (self.graphs_captured() == captures_before)
             .then(|| round_start.elapsed().as_secs_f64());
-        batch
-            .policy
-            .observe(choice, batch.rows.len(), committed_total, round_seconds);
+        *chosen = Some(Chosen {
+            rows: batch.rows.len(),
+            label,
+            committed: committed_total,
+            predicted,
+        });
+        batch.policy.observe(
+            choice,
+            batch.rows.len(),
+            columns,
+            committed_total,
+            round_seconds,
+        );
         if batch.backlog.steps >= MAX_DEFERRED || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS {
             self.catch_up(batch)?;
         }

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod fast;
 pub mod policy;
 pub mod stats;
+pub mod trace;
 pub mod tree;
 pub mod verify;
 pub mod wiring;
@@ -20,5 +21,6 @@ pub use engine::{
 pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
 pub use policy::{Choice, CostTable, PolicyConfig, Shape, SpeculationPolicy};
 pub use stats::{AcceptanceStats, accept_length_se, position_se, ratio_se, share_se};
+pub use trace::RoundRecord;
 pub use tree::{BeamSearch, BeamStep, DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};

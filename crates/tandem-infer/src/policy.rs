@@ -116,7 +116,7 @@ pub enum Choice {
 
 impl Choice {
     /// Index into per-choice tables: 0 plain, `1 + i` shape `i`.
-    fn index(self) -> usize {
+    pub fn index(self) -> usize {
         match self {
             Choice::Plain => 0,
             Choice::Draft(i) => 1 + i,
@@ -124,16 +124,77 @@ impl Choice {
     }
 }
 
-/// Seconds per round of each choice at a few batch sizes, linear in between.
+/// Seconds per round of each choice at a few batch sizes (linear in between) and, when
+/// measured at two contexts, per used column of the target's cache: every row's attention reads
+/// every used column, and a wide step reads them for each of its slots, so the context moves
+/// the choices apart. Session 16 on the H200 (fast-bench, batch 32): a decode step 1.29 ms at
+/// 128 prompt tokens and 1.83 ms at 512, verifying 4 tokens 2.10 ms and 3.61 ms; a table
+/// measured at one context priced drafted rounds at short contexts against plain rounds at long
+/// ones.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CostTable {
     /// Batch sizes measured, ascending.
     pub batches: Vec<usize>,
-    /// `seconds[c][k]`: a round of choice `c` (0 plain, `1 + i` shape `i`) at `batches[k]`.
+    /// `seconds[c][k]`: a round of choice `c` (0 plain, `1 + i` shape `i`) at `batches[k]`
+    /// with `columns[0]` used columns.
     pub seconds: Vec<Vec<f64>>,
+    /// The used columns of the contexts measured, ascending (one: costs do not depend on it).
+    pub columns: Vec<usize>,
+    /// `per_column[c][k]`: seconds each used column past `columns[0]` adds (empty with one
+    /// context).
+    pub per_column: Vec<Vec<f64>>,
 }
 
 impl CostTable {
+    /// A table whose costs do not depend on the context.
+    pub fn flat(batches: Vec<usize>, seconds: Vec<Vec<f64>>) -> Self {
+        Self {
+            batches,
+            seconds,
+            columns: vec![0],
+            per_column: Vec::new(),
+        }
+    }
+
+    /// A table from measurements at two contexts: `low[c][k]` seconds at `low_columns[c][k]`
+    /// used columns and `high[c][k]` at `high_columns[c][k]` (each measurement's own mean);
+    /// costs are linear in the columns in between and beyond, never falling with more columns.
+    pub fn from_two_contexts(
+        batches: Vec<usize>,
+        low: (&[Vec<f64>], &[Vec<f64>]),
+        high: (&[Vec<f64>], &[Vec<f64>]),
+    ) -> Self {
+        let (low_seconds, low_columns) = low;
+        let (high_seconds, high_columns) = high;
+        let mean = |c: &[Vec<f64>]| {
+            let all: Vec<f64> = c.iter().flatten().copied().collect();
+            all.iter().sum::<f64>() / all.len().max(1) as f64
+        };
+        let reference = mean(low_columns).round().max(0.0);
+        let top = mean(high_columns).round().max(reference + 1.0);
+        let mut seconds = low_seconds.to_vec();
+        let mut per_column = low_seconds.to_vec();
+        for c in 0..low_seconds.len() {
+            for k in 0..batches.len() {
+                let (x0, y0) = (low_columns[c][k], low_seconds[c][k]);
+                let (x1, y1) = (high_columns[c][k], high_seconds[c][k]);
+                let slope = if x1 > x0 {
+                    ((y1 - y0) / (x1 - x0)).max(0.0)
+                } else {
+                    0.0
+                };
+                per_column[c][k] = slope;
+                seconds[c][k] = (y0 + slope * (reference - x0)).max(0.5 * y0);
+            }
+        }
+        Self {
+            batches,
+            seconds,
+            columns: vec![reference as usize, top as usize],
+            per_column,
+        }
+    }
+
     /// Checks the table's shape: `choices` rows (plain + shapes), one column per batch size,
     /// batch sizes ascending, every cost positive.
     pub fn validate(&self, choices: usize) -> Result<(), InferError> {
@@ -163,14 +224,53 @@ impl CostTable {
         {
             return Err(bad(format!("cost {v} is not a positive number of seconds")));
         }
+        if self.columns.is_empty() || self.columns.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad(format!(
+                "contexts {:?} must be non-empty and strictly ascending",
+                self.columns
+            )));
+        }
+        if !self.per_column.is_empty()
+            && (self.per_column.len() != choices
+                || self
+                    .per_column
+                    .iter()
+                    .any(|r| r.len() != self.batches.len()))
+        {
+            return Err(bad(format!(
+                "expected {choices} rows of {} per-column costs",
+                self.batches.len()
+            )));
+        }
+        if let Some(v) = self
+            .per_column
+            .iter()
+            .flatten()
+            .find(|v| !v.is_finite() || **v < 0.0)
+        {
+            return Err(bad(format!(
+                "per-column cost {v} is not a non-negative number"
+            )));
+        }
         Ok(())
     }
 
-    /// The cost of choice row `c` at `batch`: interpolated between measured sizes, the first
-    /// size's cost below it, extended along the last segment's slope above the last (never
-    /// below the last measured cost).
-    pub fn at(&self, c: usize, batch: usize) -> f64 {
-        let (xs, ys) = (&self.batches, &self.seconds[c]);
+    /// The cost of choice row `c` at `batch` with `columns` used columns: the cost at the
+    /// reference context, interpolated between measured sizes, the first size's cost below
+    /// it, extended along the last segment's slope above the last (never below the last
+    /// measured cost); plus the per-column cost (interpolated the same way, flat past the last
+    /// size) times the columns past the reference (fewer: less, at most by half).
+    pub fn at(&self, c: usize, batch: usize, columns: usize) -> f64 {
+        let base = Self::along_batches(&self.batches, &self.seconds[c], batch);
+        if self.per_column.is_empty() {
+            return base;
+        }
+        let last = *self.batches.last().expect("non-empty");
+        let slope = Self::along_batches(&self.batches, &self.per_column[c], batch.min(last));
+        (base + slope * (columns as f64 - self.columns[0] as f64)).max(0.5 * base)
+    }
+
+    fn along_batches(xs: &[usize], ys: &[f64], batch: usize) -> f64 {
         let b = batch as f64;
         if batch <= xs[0] {
             return ys[0];
@@ -190,25 +290,45 @@ impl CostTable {
     }
 
     /// The table as text, one line per measured batch size, ms per round, columns `none` and
-    /// each of `shapes` (the rows after plain, in order).
+    /// each of `shapes` (the rows after plain, in order); with two contexts, one block per
+    /// context, each headed by its used columns.
     pub fn render(&self, shapes: &[Shape]) -> String {
-        let mut text = format!("{:>6} {:>9}", "batch", "none");
-        for s in shapes {
-            text.push_str(&format!(" {:>9}", s.to_string()));
-        }
-        for (k, b) in self.batches.iter().enumerate() {
-            text.push_str(&format!("\n{b:>6}"));
-            for row in &self.seconds {
-                text.push_str(&format!(" {:>7.3}ms", row[k] * 1e3));
+        let contexts: &[usize] = if self.per_column.is_empty() {
+            &self.columns[..1]
+        } else {
+            &self.columns
+        };
+        let mut blocks = Vec::new();
+        for &columns in contexts {
+            let mut text = String::new();
+            if !self.per_column.is_empty() {
+                text.push_str(&format!("at {columns} used columns:\n"));
             }
+            text.push_str(&format!("{:>6} {:>9}", "batch", "none"));
+            for s in shapes {
+                text.push_str(&format!(" {:>9}", s.to_string()));
+            }
+            for (k, b) in self.batches.iter().enumerate() {
+                text.push_str(&format!("\n{b:>6}"));
+                for c in 0..self.seconds.len() {
+                    let cost = if self.per_column.is_empty() {
+                        self.seconds[c][k]
+                    } else {
+                        self.at(c, *b, columns)
+                    };
+                    text.push_str(&format!(" {:>7.3}ms", cost * 1e3));
+                }
+            }
+            blocks.push(text);
         }
-        text
+        blocks.join("\n")
     }
 
-    /// Moves the measured size nearest `batch` (in ratio) toward what a round just took,
-    /// `seconds`, scaled to that size by the table's own curve; `rate` in (0, 1].
-    fn correct(&mut self, c: usize, batch: usize, seconds: f64, rate: f64) {
-        let predicted = self.at(c, batch);
+    /// Moves the measured size nearest `batch` (in ratio) toward what a round with `columns`
+    /// used columns just took, `seconds`, scaled to that size and context by the table's own
+    /// curves (the cost and its per-column part by the same factor); `rate` in (0, 1].
+    fn correct(&mut self, c: usize, batch: usize, columns: usize, seconds: f64, rate: f64) {
+        let predicted = self.at(c, batch, columns);
         let positive = |v: f64| v.is_finite() && v > 0.0;
         if !positive(seconds) || !positive(predicted) {
             return;
@@ -221,7 +341,11 @@ impl CostTable {
         // batch sizes, deferred extensions), so the table follows timed rounds quickly; one
         // absurd round (a page fault) is bounded.
         let ratio = (seconds / predicted).clamp(0.25, 8.0);
-        self.seconds[c][k] *= 1.0 - rate + rate * ratio;
+        let factor = 1.0 - rate + rate * ratio;
+        self.seconds[c][k] *= factor;
+        if let Some(row) = self.per_column.get_mut(c) {
+            row[k] *= factor;
+        }
     }
 }
 
@@ -461,10 +585,10 @@ impl SpeculationPolicy {
         }
     }
 
-    /// Expected tokens per second of each choice at `batch` (adaptive policies only): plain
-    /// first, then the shapes. During a plain run a shape's round also carries its share of
-    /// the switch ([`Self::switch_horizon`]).
-    pub fn throughput(&self, batch: usize) -> Vec<(Choice, f64)> {
+    /// Expected tokens per second of each choice at `batch` with `columns` used columns
+    /// (adaptive policies only): plain first, then the shapes. During a plain run a shape's
+    /// round also carries its share of the switch ([`Self::switch_horizon`]).
+    pub fn throughput(&self, batch: usize, columns: usize) -> Vec<(Choice, f64)> {
         let Mode::Adaptive { costs, .. } = &self.mode else {
             return Vec::new();
         };
@@ -474,22 +598,23 @@ impl SpeculationPolicy {
         } else {
             0.0
         };
-        std::iter::once((Choice::Plain, b / costs.at(0, batch)))
+        std::iter::once((Choice::Plain, b / costs.at(0, batch, columns)))
             .chain((0..self.shapes.len()).map(|i| {
-                let rate = b * self.expected_commit(i) / (costs.at(1 + i, batch) + switch);
+                let rate = b * self.expected_commit(i) / (costs.at(1 + i, batch, columns) + switch);
                 (Choice::Draft(i), rate)
             }))
             .collect()
     }
 
-    /// The choice for the next round of a batch of `batch` sequences.
-    pub fn choose(&mut self, batch: usize) -> Choice {
+    /// The choice for the next round of a batch of `batch` sequences whose target cache has
+    /// `columns` used columns.
+    pub fn choose(&mut self, batch: usize, columns: usize) -> Choice {
         let choice = match &self.mode {
             Mode::Fixed => Choice::Draft(0),
             Mode::Forced(choice) => *choice,
             Mode::Adaptive { config, .. } => {
                 let config = *config;
-                let rates = self.throughput(batch);
+                let rates = self.throughput(batch, columns);
                 let plain = rates[0].1;
                 let (best, rate) = rates[1..]
                     .iter()
@@ -549,11 +674,18 @@ impl SpeculationPolicy {
         });
     }
 
-    /// What a round of `choice` did: `rows` sequences committed `committed` tokens together in
-    /// `seconds` (the round alone: drafting, verification, extension, without a catch-up
-    /// before it; `None` when the round's time is not representative, e.g. it captured a CUDA
-    /// graph).
-    pub fn observe(&mut self, choice: Choice, rows: usize, committed: usize, seconds: Option<f64>) {
+    /// What a round of `choice` did: `rows` sequences over `columns` used columns committed
+    /// `committed` tokens together in `seconds` (the round alone: drafting, verification,
+    /// extension, without a catch-up before it; `None` when the round's time is not
+    /// representative, e.g. it captured a CUDA graph).
+    pub fn observe(
+        &mut self,
+        choice: Choice,
+        rows: usize,
+        columns: usize,
+        committed: usize,
+        seconds: Option<f64>,
+    ) {
         let Mode::Adaptive { costs, config } = &mut self.mode else {
             return;
         };
@@ -561,7 +693,7 @@ impl SpeculationPolicy {
             return;
         }
         if let Some(seconds) = seconds {
-            costs.correct(choice.index(), rows, seconds, config.cost_rate);
+            costs.correct(choice.index(), rows, columns, seconds, config.cost_rate);
         }
         if let Choice::Draft(i) = choice {
             self.committed[i].add(committed as f64, rows as f64, config.window);
@@ -588,10 +720,9 @@ mod tests {
                 .map(|&b| 1.5e-3 * (1.0f64).max(b as f64 * tokens / 256.0) + draft)
                 .collect()
         };
-        CostTable {
-            seconds: vec![cost(1.0, 0.0), cost(4.0, 0.6e-3), cost(8.0, 0.9e-3)][..=shapes].to_vec(),
-            batches,
-        }
+        let seconds =
+            vec![cost(1.0, 0.0), cost(4.0, 0.6e-3), cost(8.0, 0.9e-3)][..=shapes].to_vec();
+        CostTable::flat(batches, seconds)
     }
 
     fn table() -> CostTable {
@@ -627,10 +758,10 @@ mod tests {
 
     #[test]
     fn the_table_renders_one_line_per_batch_size_in_ms() {
-        let t = CostTable {
-            batches: vec![1, 64],
-            seconds: vec![vec![1.5e-3, 2.0e-3], vec![2.25e-3, 3.5e-3]],
-        };
+        let t = CostTable::flat(
+            vec![1, 64],
+            vec![vec![1.5e-3, 2.0e-3], vec![2.25e-3, 3.5e-3]],
+        );
         let text = t.render(&[shape("3/1/4")]);
         let lines: Vec<Vec<&str>> = text
             .lines()
@@ -643,38 +774,26 @@ mod tests {
 
     #[test]
     fn costs_interpolate_and_extend_along_the_last_segment() {
-        let t = CostTable {
-            batches: vec![1, 8, 64],
-            seconds: vec![vec![1.0, 2.0, 4.0]],
-        };
-        assert_eq!(t.at(0, 1), 1.0);
-        assert_eq!(t.at(0, 0), 1.0);
+        let t = CostTable::flat(vec![1, 8, 64], vec![vec![1.0, 2.0, 4.0]]);
+        assert_eq!(t.at(0, 1, 0), 1.0);
+        assert_eq!(t.at(0, 0, 0), 1.0);
         // Halfway between 8 and 64.
-        assert!((t.at(0, 36) - 3.0).abs() < 1e-12);
-        assert!((t.at(0, 4) - (1.0 + 3.0 / 7.0)).abs() < 1e-12);
+        assert!((t.at(0, 36, 0) - 3.0).abs() < 1e-12);
+        assert!((t.at(0, 4, 0) - (1.0 + 3.0 / 7.0)).abs() < 1e-12);
         // Past 64 along the slope 2/56 per sequence.
-        assert!((t.at(0, 120) - 6.0).abs() < 1e-12);
-        let flat = CostTable {
-            batches: vec![4],
-            seconds: vec![vec![2.0]],
-        };
-        assert_eq!(flat.at(0, 100), 2.0);
+        assert!((t.at(0, 120, 0) - 6.0).abs() < 1e-12);
+        let flat = CostTable::flat(vec![4], vec![vec![2.0]]);
+        assert_eq!(flat.at(0, 100, 0), 2.0);
         assert!(
-            CostTable {
-                batches: vec![8, 1],
-                seconds: vec![vec![1.0, 1.0]]
-            }
-            .validate(1)
-            .is_err()
+            CostTable::flat(vec![8, 1], vec![vec![1.0, 1.0]])
+                .validate(1)
+                .is_err()
         );
         assert!(t.validate(2).is_err());
         assert!(
-            CostTable {
-                batches: vec![1],
-                seconds: vec![vec![0.0]]
-            }
-            .validate(1)
-            .is_err()
+            CostTable::flat(vec![1], vec![vec![0.0]])
+                .validate(1)
+                .is_err()
         );
     }
 
@@ -684,38 +803,35 @@ mod tests {
         let mut p = SpeculationPolicy::adaptive(shapes, table(), PolicyConfig::default()).unwrap();
         // Teach it an accept length of 2.0 for the chain and 2.4 for the tree.
         for _ in 0..50 {
-            p.observe(Choice::Draft(0), 8, 16, Some(2.1e-3));
-            p.observe(Choice::Draft(1), 8, 19, Some(2.4e-3));
+            p.observe(Choice::Draft(0), 8, 0, 16, Some(2.1e-3));
+            p.observe(Choice::Draft(1), 8, 0, 19, Some(2.4e-3));
         }
         assert!((p.expected_commit(0) - 2.0).abs() < 0.01);
         // Batch 1: chain 2.0/2.1 ms vs tree 2.4/2.4 ms vs plain 1/1.5 ms: the tree.
-        assert_eq!(p.choose(1), Choice::Draft(1));
+        assert_eq!(p.choose(1, 0), Choice::Draft(1));
         // Batch 64: verifying 4 tokens costs 1.5 ms * 1 = 1.5 ms... 64*4/256 = 1 -> 2.1 ms for
         // 2.0 tokens, the tree 64*8/256 = 2 -> 3.9 ms for 2.4; plain 1.5 ms for 1: the chain.
-        assert_eq!(p.choose(64), Choice::Draft(0));
+        assert_eq!(p.choose(64, 0), Choice::Draft(0));
         // With an accept length of 1.2 nothing beats a plain round at 64.
         for _ in 0..200 {
-            p.observe(Choice::Draft(0), 64, 77, Some(2.1e-3));
-            p.observe(Choice::Draft(1), 64, 77, Some(3.9e-3));
+            p.observe(Choice::Draft(0), 64, 0, 77, Some(2.1e-3));
+            p.observe(Choice::Draft(1), 64, 0, 77, Some(3.9e-3));
         }
-        assert_eq!(p.choose(64), Choice::Plain);
+        assert_eq!(p.choose(64, 0), Choice::Plain);
     }
 
     #[test]
     fn a_shape_within_the_margin_of_plain_rounds_is_not_taken() {
         // Plain: 1 token in 1.5 ms; the chain: 2 tokens in 2.94 ms, 2% more tokens per second.
-        let costs = |chain: f64| CostTable {
-            batches: vec![1],
-            seconds: vec![vec![1.5e-3], vec![chain]],
-        };
+        let costs = |chain: f64| CostTable::flat(vec![1], vec![vec![1.5e-3], vec![chain]]);
         let run = |chain: f64| {
             let config = PolicyConfig::default();
             let mut p =
                 SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs(chain), config).unwrap();
             for _ in 0..2000 {
-                p.observe(Choice::Draft(0), 1, 2, Some(chain));
+                p.observe(Choice::Draft(0), 1, 0, 2, Some(chain));
             }
-            p.choose(1)
+            p.choose(1, 0)
         };
         assert_eq!(run(2.94e-3), Choice::Plain);
         // 10% ahead: taken.
@@ -731,11 +847,11 @@ mod tests {
         };
         let mut p = SpeculationPolicy::adaptive(shapes, table_for(1), config).unwrap();
         // Optimistic prior (4 tokens per round): drafting wins at once.
-        assert_eq!(p.choose(8), Choice::Draft(0));
+        assert_eq!(p.choose(8, 0), Choice::Draft(0));
         // Observed: it commits 1.0 per round (nothing accepted), so plain rounds follow...
-        p.observe(Choice::Draft(0), 8, 8, Some(2.1e-3));
-        p.observe(Choice::Draft(0), 8, 8, Some(2.1e-3));
-        let choices: Vec<Choice> = (0..10).map(|_| p.choose(8)).collect();
+        p.observe(Choice::Draft(0), 8, 0, 8, Some(2.1e-3));
+        p.observe(Choice::Draft(0), 8, 0, 8, Some(2.1e-3));
+        let choices: Vec<Choice> = (0..10).map(|_| p.choose(8, 0)).collect();
         // ...with one probe after nine plain rounds.
         assert!(choices[..9].iter().all(|c| *c == Choice::Plain));
         assert_eq!(choices[9], Choice::Draft(0));
@@ -747,35 +863,32 @@ mod tests {
     #[test]
     fn a_costly_switch_keeps_plain_runs_plain_but_not_drafted_runs() {
         // Plain: 1 token in 1.5 ms at batch 1; the chain: 2 tokens in 2.5 ms (1.2x better).
-        let costs = CostTable {
-            batches: vec![1],
-            seconds: vec![vec![1.5e-3], vec![2.5e-3]],
-        };
+        let costs = CostTable::flat(vec![1], vec![vec![1.5e-3], vec![2.5e-3]]);
         let config = PolicyConfig {
             probe_every: 1000,
             ..PolicyConfig::default()
         };
         let mut p = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap();
         for _ in 0..2000 {
-            p.observe(Choice::Draft(0), 1, 2, Some(2.5e-3));
+            p.observe(Choice::Draft(0), 1, 0, 2, Some(2.5e-3));
         }
-        assert_eq!(p.choose(1), Choice::Draft(0));
+        assert_eq!(p.choose(1, 0), Choice::Draft(0));
         assert!(!p.in_plain_run());
         // A switch that costs 16 ms (1 ms per drafted round over the horizon of 16): 2 tokens
         // in 3.5 ms is worse than plain, but only while plain rounds run.
         p.observe_switch(16e-3);
         assert!((p.switch_seconds() - 16e-3).abs() < 1e-12);
-        assert_eq!(p.choose(1), Choice::Draft(0));
+        assert_eq!(p.choose(1, 0), Choice::Draft(0));
         let mut q = p.clone();
         q.plain_streak = 1;
         assert!(q.in_plain_run());
-        assert_eq!(q.choose(1), Choice::Plain);
+        assert_eq!(q.choose(1, 0), Choice::Plain);
         // Cheap switches again: the estimate follows and drafting resumes.
         for _ in 0..20 {
             q.observe_switch(1e-4);
         }
         assert!(q.switch_seconds() < 2e-4);
-        assert_eq!(q.choose(1), Choice::Draft(0));
+        assert_eq!(q.choose(1, 0), Choice::Draft(0));
         // Drafted runs of one round between plain runs: the switch is then spread over one
         // round, not 16, and the same cheap switch (0.1 ms) keeps a 1.2x-better chain plain
         // only once it costs more than the chain's edge.
@@ -796,7 +909,7 @@ mod tests {
         );
         r.plain_streak = 1;
         assert_eq!(
-            r.choose(1),
+            r.choose(1, 0),
             Choice::Draft(0),
             "0.1 ms per round is within the edge"
         );
@@ -805,20 +918,25 @@ mod tests {
             r.observe_switch(1e-3);
         }
         r.plain_streak = 1;
-        assert_eq!(r.choose(1), Choice::Plain, "1 ms per one-round run is not");
+        assert_eq!(
+            r.choose(1, 0),
+            Choice::Plain,
+            "1 ms per one-round run is not"
+        );
         // Probes (a drafted round forced every `probe_every` plain rounds) that end the next
         // round are not drafted runs: they leave the horizon where it was. Session 15 on the
         // H200: counting them shrank the horizon at c=8 until the switch looked too dear to
         // ever draft again (1.04x target-only, against 1.22x all-chain in the run before).
-        let dear = CostTable {
-            batches: vec![1],
-            seconds: vec![vec![1.5e-3], vec![10e-3]],
-        };
+        let dear = CostTable::flat(vec![1], vec![vec![1.5e-3], vec![10e-3]]);
         let mut probed = SpeculationPolicy::adaptive(vec![shape("3/1/4")], dear, config).unwrap();
         probed.plain_streak = config.probe_every;
         let horizon = probed.switch_horizon();
-        assert_eq!(probed.choose(1), Choice::Draft(0), "a probe, not on merit");
-        assert_eq!(probed.choose(1), Choice::Plain);
+        assert_eq!(
+            probed.choose(1, 0),
+            Choice::Draft(0),
+            "a probe, not on merit"
+        );
+        assert_eq!(probed.choose(1, 0), Choice::Plain);
         assert_eq!(probed.switch_horizon(), horizon, "the probe is not a run");
         // Fixed policies ignore switches.
         let mut f = SpeculationPolicy::fixed(shape("3/1/4"));
@@ -831,28 +949,86 @@ mod tests {
         let shapes = vec![shape("3/1/4")];
         let mut p =
             SpeculationPolicy::adaptive(shapes, table_for(1), PolicyConfig::default()).unwrap();
-        let before = p.costs().unwrap().at(0, 8);
+        let before = p.costs().unwrap().at(0, 8, 0);
         // Plain rounds at batch 8 measured at twice the table's cost, many times: the table
         // converges there.
         for _ in 0..400 {
-            p.observe(Choice::Plain, 8, 8, Some(2.0 * before));
+            p.observe(Choice::Plain, 8, 0, 8, Some(2.0 * before));
         }
-        let after = p.costs().unwrap().at(0, 8);
+        let after = p.costs().unwrap().at(0, 8, 0);
         assert!((after / before - 2.0).abs() < 0.01, "{before} -> {after}");
         // One absurd round moves it by at most rate * 7 (ratio clamped at 8).
         let mut q = p.clone();
-        q.observe(Choice::Plain, 8, 8, Some(1e3));
-        let jumped = q.costs().unwrap().at(0, 8);
+        q.observe(Choice::Plain, 8, 0, 8, Some(1e3));
+        let jumped = q.costs().unwrap().at(0, 8, 0);
         let rate = PolicyConfig::default().cost_rate;
         assert!(jumped / after <= 1.0 + rate * 7.0 + 1e-9);
         assert!(jumped / after > 1.0 + rate * 6.0);
         // Fixed and forced policies neither learn nor change their choice.
         let mut f = SpeculationPolicy::fixed(shape("3/4/8"));
-        f.observe(Choice::Draft(0), 8, 8, Some(1.0));
-        assert_eq!(f.choose(64), Choice::Draft(0));
+        f.observe(Choice::Draft(0), 8, 0, 8, Some(1.0));
+        assert_eq!(f.choose(64, 0), Choice::Draft(0));
         let mut forced = SpeculationPolicy::forced(vec![shape("3/1/4")], Choice::Plain);
-        assert_eq!(forced.choose(1), Choice::Plain);
+        assert_eq!(forced.choose(1, 0), Choice::Plain);
         forced.force(Choice::Draft(0));
-        assert_eq!(forced.choose(1), Choice::Draft(0));
+        assert_eq!(forced.choose(1, 0), Choice::Draft(0));
+    }
+
+    #[test]
+    fn two_contexts_price_each_round_at_its_own_context() {
+        // Near session 16's fast-bench at batch 32 (ms): plain 1.29 at 160 columns and 1.83 at
+        // 540; a chain round (verify 4 + head) 2.4 and 4.3.
+        let low = (
+            vec![vec![1.29e-3], vec![2.4e-3]],
+            vec![vec![160.0], vec![170.0]],
+        );
+        let high = (
+            vec![vec![1.83e-3], vec![4.3e-3]],
+            vec![vec![540.0], vec![550.0]],
+        );
+        let t = CostTable::from_two_contexts(vec![32], (&low.0, &low.1), (&high.0, &high.1));
+        t.validate(2).unwrap();
+        assert_eq!(t.columns, vec![165, 545]);
+        // Each measurement is reproduced at its own context...
+        assert!((t.at(0, 32, 160) - 1.29e-3).abs() < 1e-9);
+        assert!((t.at(1, 32, 550) - 4.3e-3).abs() < 1e-9);
+        // ...and linear in between and beyond; fewer columns save at most half.
+        let mid = t.at(1, 32, 360);
+        assert!(
+            (mid - (2.4e-3 + 1.9e-3 * 190.0 / 380.0)).abs() < 1e-9,
+            "{mid}"
+        );
+        assert!(t.at(0, 32, 0) >= 0.5 * t.at(0, 32, 165));
+        // A chain committing 2.06 tokens per row: worth it at 170 columns (2.06 / 2.4 vs 1 /
+        // 1.29 tokens per ms), not at 550 (2.06 / 4.3 vs 1 / 1.83).
+        let config = PolicyConfig {
+            prior_weight: 1e-9,
+            ..PolicyConfig::default()
+        };
+        let mut p = SpeculationPolicy::adaptive(vec![shape("3/1/4")], t.clone(), config).unwrap();
+        p.observe(Choice::Draft(0), 32, 170, 66, None);
+        assert!((p.expected_commit(0) - 66.0 / 32.0).abs() < 1e-6);
+        assert_eq!(p.choose(32, 170), Choice::Draft(0));
+        assert_eq!(p.choose(32, 550), Choice::Plain);
+        // A timed round scales the cost and its per-column part together: the prediction at
+        // another context moves by the same factor.
+        let before = (t.at(1, 32, 200), t.at(1, 32, 500));
+        let mut q = SpeculationPolicy::adaptive(vec![shape("3/1/4")], t, config).unwrap();
+        q.observe(Choice::Draft(0), 32, 200, 66, Some(1.1 * before.0));
+        let after = q.costs().unwrap();
+        let factors = (
+            after.at(1, 32, 200) / before.0,
+            after.at(1, 32, 500) / before.1,
+        );
+        assert!((factors.0 - factors.1).abs() < 1e-9, "{factors:?}");
+        assert!(factors.0 > 1.0);
+        // Two contexts render one block each.
+        let text = after.render(&[shape("3/1/4")]);
+        assert!(text.starts_with("at 165 used columns:"), "{text}");
+        assert!(text.contains("at 545 used columns:"), "{text}");
+        // A per-column row that does not match the table is refused.
+        let mut bad = after.clone();
+        bad.per_column.pop();
+        assert!(bad.validate(2).is_err());
     }
 }

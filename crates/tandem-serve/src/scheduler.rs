@@ -144,6 +144,8 @@ pub struct FastDecoder {
     taps: tandem_model::TapRequest,
     config: SpecConfig,
     batch: FastRunningBatch,
+    /// Where [`Decoder::report`] writes the record of every round (`--round-log`).
+    round_log: Option<std::path::PathBuf>,
 }
 
 impl FastDecoder {
@@ -177,7 +179,24 @@ impl FastDecoder {
             taps,
             config,
             batch,
+            round_log: None,
         })
+    }
+
+    /// Records every round and admission from now on (calibration's are dropped) and writes
+    /// them as CSV to `path` when the server stops ([`tandem_infer::RoundRecord`]).
+    pub fn log_rounds(&mut self, path: std::path::PathBuf) {
+        self.batch.record_rounds();
+        self.round_log = Some(path);
+    }
+
+    /// Writes the round log, whole or not at all (a temporary name, then renamed).
+    fn write_round_log(&self, path: &std::path::Path) -> std::io::Result<usize> {
+        let records = self.batch.round_records();
+        let partial = path.with_extension("csv.partial");
+        std::fs::write(&partial, tandem_infer::trace::to_csv(records))?;
+        std::fs::rename(&partial, path)?;
+        Ok(records.len())
     }
 }
 
@@ -260,6 +279,15 @@ impl Decoder for FastDecoder {
                     "\nspeculation policy at the end: {}",
                     self.batch.policy.summary()
                 ));
+            }
+        }
+        if let Some(path) = &self.round_log {
+            match self.write_round_log(path) {
+                Ok(n) => text.push_str(&format!("\nround log: {n} records in {}", path.display())),
+                Err(e) => text.push_str(&format!(
+                    "\nround log: could not write {}: {e}",
+                    path.display()
+                )),
             }
         }
         Some(text)
