@@ -91,27 +91,6 @@ PY
   grep -H "engine time\|scheduler time" "$R"/serve_*.txt | sed "s|$R/||"
   grep -h -A 16 "policy at the end" "$R"/serve_adaptive_long_c64.txt
   grep -h -A 20 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
-  python3 - "$R" <<'PY'
-import json, glob, os, sys
-r = sys.argv[1]
-print("| prompt tokens | step | batch | rows kernel ms | grouped kernel ms | grouped / rows |")
-print("|---|---|---|---|---|---|")
-for p in (128, 512):
-    try:
-        rows = {(x["step"], x["width"], x["batch"], x["taps"]): x for x in json.load(open(os.path.join(r, f"fast_bench_rows_p{p}.json")))}
-        grouped = json.load(open(os.path.join(r, f"fast_bench_grouped_p{p}.json")))
-    except (OSError, ValueError) as e:
-        print(f"| {p} | missing ({e}) |"); continue
-    for g in grouped:
-        if g["taps"] == 0:
-            continue
-        b = rows.get((g["step"], g["width"], g["batch"], g["taps"]))
-        if b:
-            name = "decode" if g["step"] == "decode" else f"verify {g['width']}"
-            print(f"| {p} | {name} | {g['batch']} | {b['step_ms_median']:.3f} | {g['step_ms_median']:.3f} | {g['step_ms_median'] / b['step_ms_median']:.2f} |")
-    print(f"| {p} | prefill (TTFT) | 32 | {rows[('decode', 1, 32, 3)]['ttft_ms_median']:.1f} | "
-          f"{[g for g in grouped if g['step'] == 'decode' and g['batch'] == 32 and g['taps'] == 3][0]['ttft_ms_median']:.1f} | |")
-PY
   collect results.tar.xz none
   ;;
 pipeline)
@@ -128,13 +107,10 @@ pipeline)
   mark "bench done"
   # Session 16: how decode and verify costs grow with the context every row's attention reads
   # (the policy's start-up table is measured at one context; serving runs at others).
-  # The grouped attention kernel against the row kernel it replaces (TANDEM_ATTENTION=rows).
   for p in ${CONTEXTS-128 512}; do
-    for kernel in rows grouped; do
-      TANDEM_ATTENTION=$kernel timeout 200 "$T" fast-bench --model "$M" --batch 1,8,32 \
-        --verify-widths 4,8 --with-taps --graphs-only --prompt-tokens "$p" --new-tokens 32 \
-        --repeats 3 --json "$R/fast_bench_${kernel}_p$p.json" > "$R/fast_bench_${kernel}_p$p.md" 2>&1
-    done
+    timeout 200 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --with-taps \
+      --graphs-only --prompt-tokens "$p" --new-tokens 32 --repeats 3 \
+      --json "$R/fast_bench_p$p.json" > "$R/fast_bench_p$p.md" 2>&1
   done
   mark "fast-bench done"
   for c in ${CONCURRENCIES:-1 8 32 64}; do

@@ -24,9 +24,6 @@ use crate::error::CudaError;
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
-/// The grouped-query attention kernel, compiled per (group, head_dim / 32) on first use.
-const ATTENTION_SOURCE: &str = include_str!("../../../kernels/attention.cu");
-
 /// The helpers every kernel source uses (bf16 conversions, block reductions, block argmax).
 const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
 
@@ -41,43 +38,6 @@ pub(crate) fn compile_source(source: &str, name: &str) -> Result<Ptx, CudaError>
             ..Default::default()
         },
     )?)
-}
-
-/// Compiles `kernels/attention.cu` for `group` query heads per KV head and `head_dim`.
-fn compile_grouped_attention(group: usize, head_dim: usize) -> Result<Ptx, CudaError> {
-    Ok(compile_ptx_with_opts(
-        format!("{COMMON_SOURCE}\n#line 1 \"attention.cu\"\n{ATTENTION_SOURCE}"),
-        CompileOptions {
-            name: Some("attention.cu".into()),
-            options: vec![
-                format!("-DATTN_GROUP={group}"),
-                format!("-DATTN_DIMS={}", head_dim / 32),
-            ],
-            ..Default::default()
-        },
-    )?)
-}
-
-/// Whether `attention_grouped` serves a model shape: a tile holds at least one slot's group,
-/// and a lane holds at most 4 of each query's dims.
-fn grouped_attention_fits(group: usize, head_dim: usize) -> bool {
-    (1..=GROUPED_QUERIES).contains(&group)
-        && head_dim.is_multiple_of(32)
-        && (32..=128).contains(&head_dim)
-}
-
-/// Queries one block of `attention_grouped` scores (`ATTN_GROUP_MAX` in kernels/attention.cu).
-const GROUPED_QUERIES: usize = 16;
-
-/// Which attention kernel a step uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionKernel {
-    /// `attention`: one block per (query row, head); every row and head reads its columns.
-    Rows,
-    /// `attention_grouped`: one block per (sequence, tile of slots, KV head); the group's heads
-    /// and the tile's slots share each column read. The default where the shape fits
-    /// (`TANDEM_ATTENTION=rows` forces `Rows`, for same-run comparisons).
-    Grouped,
 }
 
 /// Whether libnvrtc can be loaded. Compiling the kernels needs it; a GPU it does not.
@@ -99,16 +59,7 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     }
     compile_source(KERNEL_SOURCE, "llama.cu")?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
-    // The shapes served today: SmolLM2 (9/3 heads, 64 dims), Llama-3.1-8B (32/8, 128), Qwen2.5
-    // 1.5B (12/2, 128), a single-query group.
-    for (group, head_dim) in [(3, 64), (4, 128), (6, 128), (1, 32)] {
-        compile_grouped_attention(group, head_dim)?;
-    }
-    Ok(vec![
-        "kernels/llama.cu",
-        "kernels/train.cu",
-        "kernels/attention.cu",
-    ])
+    Ok(vec!["kernels/llama.cu", "kernels/train.cu"])
 }
 
 /// Threads per block of the attention kernel (8 warps, each taking 32 cache columns at a time).
@@ -144,11 +95,6 @@ pub struct Gpu {
     /// cuBLAS's workspace: owned here so it outlives every graph that captured a matmul.
     _blas_workspace: CudaSlice<u8>,
     kernels: Kernels,
-    /// `attention_grouped` by (group, head_dim), compiled on a shape's first attention step
-    /// (always eager: graphs are captured from the third step of a shape on).
-    grouped_attention: std::sync::Mutex<std::collections::HashMap<(usize, usize), CudaFunction>>,
-    /// The attention kernel steps use where the shape allows (`TANDEM_ATTENTION=rows`: `Rows`).
-    attention_default: AttentionKernel,
     /// Whether models on this GPU start with CUDA graphs on (`TANDEM_CUDA_GRAPHS=0`: off).
     graphs_default: bool,
 }
@@ -231,11 +177,6 @@ impl Gpu {
             blas,
             _blas_workspace: blas_workspace,
             kernels,
-            grouped_attention: Default::default(),
-            attention_default: match std::env::var("TANDEM_ATTENTION").as_deref() {
-                Ok("rows") => AttentionKernel::Rows,
-                _ => AttentionKernel::Grouped,
-            },
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
@@ -687,34 +628,6 @@ impl Gpu {
         total: usize,
         step_scalars: Option<&CudaSlice<i32>>,
     ) -> Result<(), CudaError> {
-        self.attention_with(
-            self.attention_default,
-            q,
-            k_cache,
-            v_cache,
-            mask,
-            out,
-            shape,
-            total,
-            step_scalars,
-        )
-    }
-
-    /// [`Self::attention`] with `kernel` where the shape allows it (`Grouped` falls back to
-    /// `Rows` for groups over 16 query heads or head_dim over 128).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_with(
-        &self,
-        kernel: AttentionKernel,
-        q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<u16>,
-        v_cache: &CudaSlice<u16>,
-        mask: &CudaSlice<f32>,
-        out: &mut CudaSlice<u16>,
-        shape: AttentionShape,
-        total: usize,
-        step_scalars: Option<&CudaSlice<i32>>,
-    ) -> Result<(), CudaError> {
         let s = shape;
         assert!(
             s.head_dim.is_multiple_of(32) && s.head_dim <= 256,
@@ -737,29 +650,7 @@ impl Gpu {
             s.capacity as i32,
             total as i32,
         );
-        let group = s.heads / s.kv_heads;
-        let grouped =
-            kernel == AttentionKernel::Grouped && grouped_attention_fits(group, s.head_dim);
-        let function = if grouped {
-            let mut compiled = self
-                .grouped_attention
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            match compiled.get(&(group, s.head_dim)) {
-                Some(f) => f.clone(),
-                None => {
-                    let module = self
-                        .ctx
-                        .load_module(compile_grouped_attention(group, s.head_dim)?)?;
-                    let f = module.load_function("attention_grouped")?;
-                    compiled.insert((group, s.head_dim), f.clone());
-                    f
-                }
-            }
-        } else {
-            self.kernels.attention.clone()
-        };
-        let mut launch = self.stream.launch_builder(&function);
+        let mut launch = self.stream.launch_builder(&self.kernels.attention);
         launch
             .arg(q)
             .arg(k_cache)
@@ -777,30 +668,13 @@ impl Gpu {
             Some(scalars) => launch.arg(scalars),
             None => launch.arg(&NULL),
         };
-        let cfg = if grouped {
-            let tile = GROUPED_QUERIES / group;
-            let warps = (ATTENTION_THREADS / 32) as usize;
-            let floats = 2 * GROUPED_QUERIES * s.head_dim + warps * GROUPED_QUERIES * 34;
-            LaunchConfig {
-                grid_dim: (
-                    (s.batch * s.width.div_ceil(tile)) as u32,
-                    s.kv_heads as u32,
-                    1,
-                ),
-                block_dim: (ATTENTION_THREADS, 1, 1),
-                shared_mem_bytes: (floats * 4) as u32,
-            }
-        } else {
-            LaunchConfig {
-                grid_dim: (s.rows() as u32, s.heads as u32, 1),
-                block_dim: (ATTENTION_THREADS, 1, 1),
-                shared_mem_bytes: (ATTENTION_THREADS / 32 + 1) * s.head_dim as u32 * 4,
-            }
+        let cfg = LaunchConfig {
+            grid_dim: (s.rows() as u32, s.heads as u32, 1),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: (ATTENTION_THREADS / 32 + 1) * s.head_dim as u32 * 4,
         };
-        // SAFETY: sizes asserted above; dynamic shared memory is what each kernel's comment asks
-        // for (`attention`: (warps + 1) * head_dim floats; `attention_grouped`: the `floats`
-        // above, for the head_dim it was compiled for); the caches are whole allocations, so
-        // key rows are 16-byte aligned (head_dim % 32 == 0).
+        // SAFETY: sizes asserted above; dynamic shared memory holds (warps + 1) * head_dim floats;
+        // the caches are whole allocations, so key rows are 16-byte aligned (head_dim % 32 == 0).
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }

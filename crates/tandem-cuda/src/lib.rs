@@ -24,9 +24,7 @@ mod weights;
 
 pub use cache::{ColumnMoves, CudaKvCache, HostKv};
 pub use cudarc::driver::CudaSlice;
-pub use device::{
-    AttentionKernel, AttentionShape, DeviceRows, Gpu, compile_all_kernels, nvrtc_present,
-};
+pub use device::{AttentionShape, DeviceRows, Gpu, compile_all_kernels, nvrtc_present};
 pub use draft::{CudaDraft, DraftStepOutput};
 pub use error::CudaError;
 pub use graphs::GraphStats;
