@@ -237,13 +237,16 @@ impl CudaKvCache {
         }
         let (src, dst) = moves.head_rows(self.kv_heads, self.layout.capacity());
         let count = src.len();
-        let staged: Vec<i32> = (0..count as i32).collect();
-        let (src, dst, staged) = (gpu.upload(&src)?, gpu.upload(&dst)?, gpu.upload(&staged)?);
-        let mut staging = gpu.scratch::<u16>(count * self.head_dim)?;
-        for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            gpu.copy_rows_u16(buffer, &src, &mut staging, &staged, count, self.head_dim)?;
-            gpu.copy_rows_u16(&staging, &staged, buffer, &dst, count, self.head_dim)?;
-        }
+        let (src, dst) = (gpu.upload(&src)?, gpu.upload(&dst)?);
+        // Every layer's keys and values in two launches (two per buffer before: 120 for
+        // SmolLM2, ~0.5 ms per retirement).
+        gpu.move_rows_u16(
+            self.keys.iter_mut().chain(self.values.iter_mut()),
+            &src,
+            &dst,
+            count,
+            self.head_dim,
+        )?;
         Ok(())
     }
 

@@ -82,6 +82,7 @@ struct Kernels {
     sample_rows: CudaFunction,
     copy_rows: CudaFunction,
     copy_rows_u16: CudaFunction,
+    move_rows_u16: CudaFunction,
     rows_to_bf16: CudaFunction,
     topk_softmax: CudaFunction,
 }
@@ -168,6 +169,7 @@ impl Gpu {
             sample_rows: module.load_function("sample_rows")?,
             copy_rows: module.load_function("copy_rows")?,
             copy_rows_u16: module.load_function("copy_rows_u16")?,
+            move_rows_u16: module.load_function("move_rows_u16")?,
             rows_to_bf16: module.load_function("rows_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
         };
@@ -774,6 +776,58 @@ impl Gpu {
         // SAFETY: the cache moves build the row indices from both caches' shapes
         // (`cache::row_moves`, unit-tested); index array sizes asserted.
         unsafe { launch.launch(Self::rows_config(count, 64)) }?;
+        Ok(())
+    }
+
+    /// Moves rows `src_rows[k] -> dst_rows[k]` (`width` values each) inside every buffer of
+    /// `buffers` (each long enough for every row index, as `copy_rows_u16` asks), all in two
+    /// launches through a staging buffer, so sources are read before any destination is
+    /// written (moves may overlap: compaction shifts columns within a row).
+    pub fn move_rows_u16<'a>(
+        &self,
+        buffers: impl IntoIterator<Item = &'a mut CudaSlice<u16>>,
+        src_rows: &CudaSlice<i32>,
+        dst_rows: &CudaSlice<i32>,
+        count: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        assert!(src_rows.len() >= count && dst_rows.len() >= count);
+        let buffers: Vec<&'a mut CudaSlice<u16>> = buffers.into_iter().collect();
+        if count == 0 || buffers.is_empty() {
+            return Ok(());
+        }
+        let addresses: Vec<u64> = buffers
+            .iter()
+            .map(|b| {
+                let (ptr, _record) = b.device_ptr(&self.stream);
+                ptr
+            })
+            .collect();
+        let addresses = self.upload(&addresses)?;
+        let mut staging = self.scratch::<u16>(buffers.len() * count * width)?;
+        let (count_i, width_i) = (count as i32, width as i32);
+        for phase in [0i32, 1] {
+            let mut launch = self.stream.launch_builder(&self.kernels.move_rows_u16);
+            launch
+                .arg(&addresses)
+                .arg(src_rows)
+                .arg(dst_rows)
+                .arg(&mut staging)
+                .arg(&count_i)
+                .arg(&width_i)
+                .arg(&phase);
+            let cfg = LaunchConfig {
+                grid_dim: (count as u32, buffers.len() as u32, 1),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `addresses` are live buffers of this stream, borrowed mutably here until
+            // the launches are queued (stream order keeps later work behind them); the row
+            // indices come from the cache's moves (`ColumnMoves::head_rows`, unit-tested) over
+            // the buffers' own shape; the staging buffer holds buffers * count * width values.
+            unsafe { launch.launch(cfg) }?;
+        }
+        drop(buffers);
         Ok(())
     }
 
