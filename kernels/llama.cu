@@ -473,24 +473,28 @@ extern "C" __global__ void copy_rows_u16(const unsigned short* src, const int* s
     }
 }
 
-// The same moves in every buffer of a KV cache at once (each layer's keys and values, all of
-// one shape, addresses in `buffers`): phase 0 gathers staging[buffer][k] = buffer[src_rows[k]],
-// phase 1 scatters buffer[dst_rows[k]] = staging[buffer][k], so a row that is both a source and
-// a destination is read before it is overwritten. Two launches per move instead of two per
-// buffer: a retirement at c=32 launched 120 copies (~0.5 ms) for SmolLM2's 30 layers.
+// The same moves for every buffer of a KV cache at once (each layer's keys and values, all of
+// one shape; buffer addresses in `sources` and `destinations`, which may be the same buffers):
+// phase 0 gathers staging[buffer][k] = sources[buffer][src_rows[k]], phase 1 scatters
+// destinations[buffer][dst_rows[k]] = staging[buffer][k], so a row that is both a source and a
+// destination is read before it is overwritten. Two launches per move instead of one or two
+// per buffer: a retirement at c=32 launched 120 copies (~0.5 ms) for SmolLM2's 30 layers.
 // Grid: (count, buffers).
-extern "C" __global__ void move_rows_u16(const unsigned long long* buffers, const int* src_rows,
-                                         const int* dst_rows, unsigned short* staging, int count,
-                                         int width, int phase) {
-    unsigned short* buffer = reinterpret_cast<unsigned short*>(buffers[blockIdx.y]);
+extern "C" __global__ void move_rows_u16(const unsigned long long* sources,
+                                         const unsigned long long* destinations,
+                                         const int* src_rows, const int* dst_rows,
+                                         unsigned short* staging, int count, int width,
+                                         int phase) {
     unsigned short* stage = staging + ((size_t)blockIdx.y * count + blockIdx.x) * width;
     if (phase == 0) {
-        const unsigned short* s = buffer + (size_t)src_rows[blockIdx.x] * width;
+        const unsigned short* s = reinterpret_cast<const unsigned short*>(sources[blockIdx.y]) +
+                                  (size_t)src_rows[blockIdx.x] * width;
         for (int i = threadIdx.x; i < width; i += blockDim.x) {
             stage[i] = s[i];
         }
     } else {
-        unsigned short* d = buffer + (size_t)dst_rows[blockIdx.x] * width;
+        unsigned short* d = reinterpret_cast<unsigned short*>(destinations[blockIdx.y]) +
+                            (size_t)dst_rows[blockIdx.x] * width;
         for (int i = threadIdx.x; i < width; i += blockDim.x) {
             d[i] = stage[i];
         }

@@ -171,14 +171,12 @@ impl CudaKvCache {
             let capacity = self.layout.capacity();
             let (src, dst) = joined.head_rows(self.kv_heads, capacity);
             let (count, src, dst) = (src.len(), gpu.upload(&src)?, gpu.upload(&dst)?);
-            for (mine, theirs) in self
+            let pairs = other
                 .keys
-                .iter_mut()
-                .zip(&other.keys)
-                .chain(self.values.iter_mut().zip(&other.values))
-            {
-                gpu.copy_rows_u16(theirs, &src, mine, &dst, count, self.head_dim)?;
-            }
+                .iter()
+                .zip(self.keys.iter_mut())
+                .chain(other.values.iter().zip(self.values.iter_mut()));
+            gpu.copy_rows_u16_each(pairs, &src, &dst, count, self.head_dim)?;
             return Ok(());
         }
         self.rows_allocated = batch;

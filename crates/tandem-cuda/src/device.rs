@@ -791,25 +791,54 @@ impl Gpu {
         count: usize,
         width: usize,
     ) -> Result<(), CudaError> {
-        assert!(src_rows.len() >= count && dst_rows.len() >= count);
         let buffers: Vec<&'a mut CudaSlice<u16>> = buffers.into_iter().collect();
-        if count == 0 || buffers.is_empty() {
+        let addresses: Vec<u64> = buffers.iter().map(|b| self.address(&**b)).collect();
+        self.launch_row_moves(&addresses, &addresses, src_rows, dst_rows, count, width)?;
+        drop(buffers);
+        Ok(())
+    }
+
+    /// Copies rows `sources[i][src_rows[k]] -> destinations[i][dst_rows[k]]` for every pair of
+    /// buffers `i` (each long enough for every row index), all in two launches.
+    pub fn copy_rows_u16_each<'a>(
+        &self,
+        pairs: impl IntoIterator<Item = (&'a CudaSlice<u16>, &'a mut CudaSlice<u16>)>,
+        src_rows: &CudaSlice<i32>,
+        dst_rows: &CudaSlice<i32>,
+        count: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        let pairs: Vec<(&'a CudaSlice<u16>, &'a mut CudaSlice<u16>)> = pairs.into_iter().collect();
+        let sources: Vec<u64> = pairs.iter().map(|(s, _)| self.address(*s)).collect();
+        let destinations: Vec<u64> = pairs.iter().map(|(_, d)| self.address(&**d)).collect();
+        self.launch_row_moves(&sources, &destinations, src_rows, dst_rows, count, width)?;
+        drop(pairs);
+        Ok(())
+    }
+
+    /// The two launches of `move_rows_u16` (kernels/llama.cu) over buffer addresses.
+    fn launch_row_moves(
+        &self,
+        sources: &[u64],
+        destinations: &[u64],
+        src_rows: &CudaSlice<i32>,
+        dst_rows: &CudaSlice<i32>,
+        count: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        assert!(src_rows.len() >= count && dst_rows.len() >= count);
+        assert_eq!(sources.len(), destinations.len());
+        if count == 0 || sources.is_empty() {
             return Ok(());
         }
-        let addresses: Vec<u64> = buffers
-            .iter()
-            .map(|b| {
-                let (ptr, _record) = b.device_ptr(&self.stream);
-                ptr
-            })
-            .collect();
-        let addresses = self.upload(&addresses)?;
-        let mut staging = self.scratch::<u16>(buffers.len() * count * width)?;
+        let (sources_dev, destinations_dev) = (self.upload(sources)?, self.upload(destinations)?);
+        let mut staging = self.scratch::<u16>(sources.len() * count * width)?;
         let (count_i, width_i) = (count as i32, width as i32);
         for phase in [0i32, 1] {
             let mut launch = self.stream.launch_builder(&self.kernels.move_rows_u16);
             launch
-                .arg(&addresses)
+                .arg(&sources_dev)
+                .arg(&destinations_dev)
                 .arg(src_rows)
                 .arg(dst_rows)
                 .arg(&mut staging)
@@ -817,17 +846,17 @@ impl Gpu {
                 .arg(&width_i)
                 .arg(&phase);
             let cfg = LaunchConfig {
-                grid_dim: (count as u32, buffers.len() as u32, 1),
+                grid_dim: (count as u32, sources.len() as u32, 1),
                 block_dim: (64, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: `addresses` are live buffers of this stream, borrowed mutably here until
-            // the launches are queued (stream order keeps later work behind them); the row
-            // indices come from the cache's moves (`ColumnMoves::head_rows`, unit-tested) over
-            // the buffers' own shape; the staging buffer holds buffers * count * width values.
+            // SAFETY: the addresses are of live buffers of this stream, which the public
+            // wrappers borrow (destinations mutably) until the launches are queued (stream order
+            // keeps later work behind them); the row indices come from the cache's moves
+            // (`ColumnMoves::head_rows`, unit-tested) over the buffers' own shape; the staging
+            // buffer holds buffers * count * width values.
             unsafe { launch.launch(cfg) }?;
         }
-        drop(buffers);
         Ok(())
     }
 
