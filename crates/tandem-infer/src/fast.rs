@@ -873,8 +873,9 @@ impl FastSpecEngine<'_> {
         // Every row's attention reads every used column of the target's cache: the context the
         // round is priced at.
         let columns = batch.columns().0;
+        let deferred = batch.deferred_rounds();
         let choice = match self.draft {
-            Some(_) => batch.policy.choose(batch.rows.len(), columns),
+            Some(_) => batch.policy.choose(batch.rows.len(), columns, deferred),
             None => Choice::Plain,
         };
         let predicted = batch.policy.costs().map_or((f64::NAN, f64::NAN), |c| {
@@ -889,7 +890,9 @@ impl FastSpecEngine<'_> {
             let captures_before = self.graphs_captured();
             self.catch_up(batch)?;
             if self.graphs_captured() == captures_before {
-                batch.policy.observe_switch(t0.elapsed().as_secs_f64());
+                batch
+                    .policy
+                    .observe_switch(t0.elapsed().as_secs_f64(), deferred);
             }
         }
         let round_start = Instant::now();

@@ -14,9 +14,13 @@
 //! extension over its token (and over the prompts that join meanwhile) until the next drafted
 //! round (one batched catch-up), so a plain round costs what target-only decoding costs. The
 //! catch-up is paid once per switch from plain rounds to drafting, so it is kept apart from
-//! the per-round costs: a decayed mean of what switches cost, spread over the drafted rounds a
-//! switch is expected to open ([`PolicyConfig::switch_horizon`]), is added to a shape's cost
-//! only while the batch is decoding plainly.
+//! the per-round costs: what the pending catch-up would cost (a decayed mean of the seconds
+//! per deferred step that switches took, times the steps deferred now), spread over the
+//! drafted rounds a switch is expected to open ([`PolicyConfig::switch_horizon`]), is added to
+//! a shape's cost only while the batch is decoding plainly. Pricing the switch by the steps
+//! deferred now, not by what past switches cost, keeps a long plain run (whose catch-up was
+//! dear) from pricing the next switch after a short one as dear: session 16 at c=8 stayed in
+//! plain rounds for ~80 rounds after the warm-up's 15 ms catch-up.
 
 use std::fmt;
 
@@ -424,9 +428,10 @@ pub struct SpeculationPolicy {
     plain_streak: u64,
     /// Rounds run per choice (0 plain, `1 + i` shape `i`).
     rounds: Vec<u64>,
-    /// Seconds one switch from plain rounds to drafting costs (the head's catch-up), a decayed
-    /// mean over the switches observed; none observed yet: free.
-    switch_seconds: Option<f64>,
+    /// Seconds a switch from plain rounds to drafting costs per deferred step (the head's
+    /// catch-up over that many tokens of the longest row), a decayed mean over the switches
+    /// observed; none observed yet: free.
+    catch_up_per_step: Option<f64>,
     /// Drafted rounds in a row so far, and the decayed mean length of the drafted runs that
     /// plain rounds ended.
     drafted_streak: u64,
@@ -453,7 +458,7 @@ impl SpeculationPolicy {
             committed,
             plain_streak: 0,
             rounds,
-            switch_seconds: None,
+            catch_up_per_step: None,
             drafted_streak: 0,
             drafted_run: None,
             probing: false,
@@ -555,10 +560,10 @@ impl SpeculationPolicy {
             .map(|(i, s)| format!("{s} {:.2}", self.expected_commit(i)))
             .collect();
         format!(
-            "expected tokens per round: {}; a switch from plain rounds {:.3} ms over {:.1} \
-             drafted rounds; ms per round:\n{}",
+            "expected tokens per round: {}; a switch from plain rounds {:.3} ms per deferred \
+             step, over {:.1} drafted rounds; ms per round:\n{}",
             commits.join(", "),
-            self.switch_seconds() * 1e3,
+            self.switch_seconds(1) * 1e3,
             self.switch_horizon(),
             costs.render(&self.shapes)
         )
@@ -570,9 +575,10 @@ impl SpeculationPolicy {
         self.plain_streak > 0
     }
 
-    /// What one switch from plain rounds to drafting is expected to cost, in seconds.
-    pub fn switch_seconds(&self) -> f64 {
-        self.switch_seconds.unwrap_or(0.0)
+    /// What a switch from plain rounds to drafting is expected to cost, in seconds, with
+    /// `deferred` steps to catch up on.
+    pub fn switch_seconds(&self, deferred: usize) -> f64 {
+        self.catch_up_per_step.unwrap_or(0.0) * deferred as f64
     }
 
     /// Drafted rounds one switch is amortised over: the mean length of the drafted runs seen
@@ -585,16 +591,17 @@ impl SpeculationPolicy {
         }
     }
 
-    /// Expected tokens per second of each choice at `batch` with `columns` used columns
-    /// (adaptive policies only): plain first, then the shapes. During a plain run a shape's
-    /// round also carries its share of the switch ([`Self::switch_horizon`]).
-    pub fn throughput(&self, batch: usize, columns: usize) -> Vec<(Choice, f64)> {
+    /// Expected tokens per second of each choice at `batch` with `columns` used columns and
+    /// `deferred` steps the head is behind (adaptive policies only): plain first, then the
+    /// shapes. During a plain run a shape's round also carries its share of the switch
+    /// ([`Self::switch_horizon`]).
+    pub fn throughput(&self, batch: usize, columns: usize, deferred: usize) -> Vec<(Choice, f64)> {
         let Mode::Adaptive { costs, .. } = &self.mode else {
             return Vec::new();
         };
         let b = batch.max(1) as f64;
         let switch = if self.in_plain_run() {
-            self.switch_seconds() / self.switch_horizon()
+            self.switch_seconds(deferred) / self.switch_horizon()
         } else {
             0.0
         };
@@ -607,14 +614,15 @@ impl SpeculationPolicy {
     }
 
     /// The choice for the next round of a batch of `batch` sequences whose target cache has
-    /// `columns` used columns.
-    pub fn choose(&mut self, batch: usize, columns: usize) -> Choice {
+    /// `columns` used columns and whose head is `deferred` steps behind (the longest row's
+    /// tokens a switch would catch up on).
+    pub fn choose(&mut self, batch: usize, columns: usize, deferred: usize) -> Choice {
         let choice = match &self.mode {
             Mode::Fixed => Choice::Draft(0),
             Mode::Forced(choice) => *choice,
             Mode::Adaptive { config, .. } => {
                 let config = *config;
-                let rates = self.throughput(batch, columns);
+                let rates = self.throughput(batch, columns, deferred);
                 let plain = rates[0].1;
                 let (best, rate) = rates[1..]
                     .iter()
@@ -662,15 +670,17 @@ impl SpeculationPolicy {
     }
 
     /// What a switch from plain rounds to drafting cost: `seconds` of catching the head up
-    /// (timed apart from the drafted round that follows, which [`Self::observe`] books).
-    pub fn observe_switch(&mut self, seconds: f64) {
+    /// over `deferred` steps (timed apart from the drafted round that follows, which
+    /// [`Self::observe`] books).
+    pub fn observe_switch(&mut self, seconds: f64, deferred: usize) {
         if !self.is_adaptive() || !seconds.is_finite() || seconds < 0.0 {
             return;
         }
+        let per_step = seconds / deferred.max(1) as f64;
         // Switches are rare; a short memory keeps the estimate current.
-        self.switch_seconds = Some(match self.switch_seconds {
-            Some(old) => 0.7 * old + 0.3 * seconds,
-            None => seconds,
+        self.catch_up_per_step = Some(match self.catch_up_per_step {
+            Some(old) => 0.7 * old + 0.3 * per_step,
+            None => per_step,
         });
     }
 
@@ -808,16 +818,16 @@ mod tests {
         }
         assert!((p.expected_commit(0) - 2.0).abs() < 0.01);
         // Batch 1: chain 2.0/2.1 ms vs tree 2.4/2.4 ms vs plain 1/1.5 ms: the tree.
-        assert_eq!(p.choose(1, 0), Choice::Draft(1));
+        assert_eq!(p.choose(1, 0, 0), Choice::Draft(1));
         // Batch 64: verifying 4 tokens costs 1.5 ms * 1 = 1.5 ms... 64*4/256 = 1 -> 2.1 ms for
         // 2.0 tokens, the tree 64*8/256 = 2 -> 3.9 ms for 2.4; plain 1.5 ms for 1: the chain.
-        assert_eq!(p.choose(64, 0), Choice::Draft(0));
+        assert_eq!(p.choose(64, 0, 0), Choice::Draft(0));
         // With an accept length of 1.2 nothing beats a plain round at 64.
         for _ in 0..200 {
             p.observe(Choice::Draft(0), 64, 0, 77, Some(2.1e-3));
             p.observe(Choice::Draft(1), 64, 0, 77, Some(3.9e-3));
         }
-        assert_eq!(p.choose(64, 0), Choice::Plain);
+        assert_eq!(p.choose(64, 0, 0), Choice::Plain);
     }
 
     #[test]
@@ -831,7 +841,7 @@ mod tests {
             for _ in 0..2000 {
                 p.observe(Choice::Draft(0), 1, 0, 2, Some(chain));
             }
-            p.choose(1, 0)
+            p.choose(1, 0, 0)
         };
         assert_eq!(run(2.94e-3), Choice::Plain);
         // 10% ahead: taken.
@@ -847,11 +857,11 @@ mod tests {
         };
         let mut p = SpeculationPolicy::adaptive(shapes, table_for(1), config).unwrap();
         // Optimistic prior (4 tokens per round): drafting wins at once.
-        assert_eq!(p.choose(8, 0), Choice::Draft(0));
+        assert_eq!(p.choose(8, 0, 0), Choice::Draft(0));
         // Observed: it commits 1.0 per round (nothing accepted), so plain rounds follow...
         p.observe(Choice::Draft(0), 8, 0, 8, Some(2.1e-3));
         p.observe(Choice::Draft(0), 8, 0, 8, Some(2.1e-3));
-        let choices: Vec<Choice> = (0..10).map(|_| p.choose(8, 0)).collect();
+        let choices: Vec<Choice> = (0..10).map(|_| p.choose(8, 0, 0)).collect();
         // ...with one probe after nine plain rounds.
         assert!(choices[..9].iter().all(|c| *c == Choice::Plain));
         assert_eq!(choices[9], Choice::Draft(0));
@@ -872,23 +882,30 @@ mod tests {
         for _ in 0..2000 {
             p.observe(Choice::Draft(0), 1, 0, 2, Some(2.5e-3));
         }
-        assert_eq!(p.choose(1, 0), Choice::Draft(0));
+        assert_eq!(p.choose(1, 0, 0), Choice::Draft(0));
         assert!(!p.in_plain_run());
-        // A switch that costs 16 ms (1 ms per drafted round over the horizon of 16): 2 tokens
-        // in 3.5 ms is worse than plain, but only while plain rounds run.
-        p.observe_switch(16e-3);
-        assert!((p.switch_seconds() - 16e-3).abs() < 1e-12);
-        assert_eq!(p.choose(1, 0), Choice::Draft(0));
+        // A switch that cost 16 ms over 16 deferred steps (1 ms per step): with 16 steps to
+        // catch up on, 1 ms per drafted round over the horizon of 16, and 2 tokens in 3.5 ms
+        // is worse than plain, but only while plain rounds run.
+        p.observe_switch(16e-3, 16);
+        assert!((p.switch_seconds(16) - 16e-3).abs() < 1e-12);
+        assert_eq!(p.choose(1, 0, 0), Choice::Draft(0));
         let mut q = p.clone();
         q.plain_streak = 1;
         assert!(q.in_plain_run());
-        assert_eq!(q.choose(1, 0), Choice::Plain);
+        assert_eq!(q.choose(1, 0, 16), Choice::Plain);
+        // After a short plain run the catch-up is short, and so is the switch's price: 2
+        // steps, 0.125 ms per drafted round, and the chain pays again.
+        let mut short = p.clone();
+        short.plain_streak = 1;
+        assert_eq!(short.choose(1, 0, 2), Choice::Draft(0));
         // Cheap switches again: the estimate follows and drafting resumes.
         for _ in 0..20 {
-            q.observe_switch(1e-4);
+            q.observe_switch(1e-4, 16);
         }
-        assert!(q.switch_seconds() < 2e-4);
-        assert_eq!(q.choose(1, 0), Choice::Draft(0));
+        assert!(q.switch_seconds(16) < 2e-4);
+        q.plain_streak = 1;
+        assert_eq!(q.choose(1, 0, 16), Choice::Draft(0));
         // Drafted runs of one round between plain runs: the switch is then spread over one
         // round, not 16, and the same cheap switch (0.1 ms) keeps a 1.2x-better chain plain
         // only once it costs more than the chain's edge.
@@ -909,17 +926,16 @@ mod tests {
         );
         r.plain_streak = 1;
         assert_eq!(
-            r.choose(1, 0),
+            r.choose(1, 0, 16),
             Choice::Draft(0),
             "0.1 ms per round is within the edge"
         );
-        r.observe_switch(1e-3);
-        for _ in 0..20 {
-            r.observe_switch(1e-3);
+        for _ in 0..21 {
+            r.observe_switch(1e-3, 1);
         }
         r.plain_streak = 1;
         assert_eq!(
-            r.choose(1, 0),
+            r.choose(1, 0, 1),
             Choice::Plain,
             "1 ms per one-round run is not"
         );
@@ -932,16 +948,16 @@ mod tests {
         probed.plain_streak = config.probe_every;
         let horizon = probed.switch_horizon();
         assert_eq!(
-            probed.choose(1, 0),
+            probed.choose(1, 0, 0),
             Choice::Draft(0),
             "a probe, not on merit"
         );
-        assert_eq!(probed.choose(1, 0), Choice::Plain);
+        assert_eq!(probed.choose(1, 0, 0), Choice::Plain);
         assert_eq!(probed.switch_horizon(), horizon, "the probe is not a run");
         // Fixed policies ignore switches.
         let mut f = SpeculationPolicy::fixed(shape("3/1/4"));
-        f.observe_switch(1.0);
-        assert_eq!(f.switch_seconds(), 0.0);
+        f.observe_switch(1.0, 1);
+        assert_eq!(f.switch_seconds(5), 0.0);
     }
 
     #[test]
@@ -967,11 +983,11 @@ mod tests {
         // Fixed and forced policies neither learn nor change their choice.
         let mut f = SpeculationPolicy::fixed(shape("3/4/8"));
         f.observe(Choice::Draft(0), 8, 0, 8, Some(1.0));
-        assert_eq!(f.choose(64, 0), Choice::Draft(0));
+        assert_eq!(f.choose(64, 0, 0), Choice::Draft(0));
         let mut forced = SpeculationPolicy::forced(vec![shape("3/1/4")], Choice::Plain);
-        assert_eq!(forced.choose(1, 0), Choice::Plain);
+        assert_eq!(forced.choose(1, 0, 0), Choice::Plain);
         forced.force(Choice::Draft(0));
-        assert_eq!(forced.choose(1, 0), Choice::Draft(0));
+        assert_eq!(forced.choose(1, 0, 0), Choice::Draft(0));
     }
 
     #[test]
@@ -1008,8 +1024,8 @@ mod tests {
         let mut p = SpeculationPolicy::adaptive(vec![shape("3/1/4")], t.clone(), config).unwrap();
         p.observe(Choice::Draft(0), 32, 170, 66, None);
         assert!((p.expected_commit(0) - 66.0 / 32.0).abs() < 1e-6);
-        assert_eq!(p.choose(32, 170), Choice::Draft(0));
-        assert_eq!(p.choose(32, 550), Choice::Plain);
+        assert_eq!(p.choose(32, 170, 0), Choice::Draft(0));
+        assert_eq!(p.choose(32, 550, 0), Choice::Plain);
         // A timed round scales the cost and its per-column part together: the prediction at
         // another context moves by the same factor.
         let before = (t.at(1, 32, 200), t.at(1, 32, 500));
