@@ -121,6 +121,8 @@ pub struct FastRunningBatch {
     pub retirements: usize,
     /// Every round and admission since [`FastRunningBatch::record_rounds`] (off: `None`).
     trace: Option<(Instant, Vec<RoundRecord>)>,
+    /// The last admission's cache allocation and prefill layout, seconds (for its record).
+    last_setup_s: f64,
 }
 
 impl FastRunningBatch {
@@ -343,6 +345,7 @@ impl FastSpecEngine<'_> {
             compactions: 0,
             retirements: 0,
             trace: None,
+            last_setup_s: 0.0,
         }
     }
 
@@ -516,6 +519,7 @@ impl FastSpecEngine<'_> {
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
         let wall = Instant::now();
+        let queued_s = self.drain_when_recording(batch)?;
         let (rows, tokens) = (
             requests.len(),
             requests.iter().map(|r| r.prompt.len()).sum::<usize>(),
@@ -528,6 +532,7 @@ impl FastSpecEngine<'_> {
         let (t, (target_columns, longest, head_columns), captured) = before;
         let after = batch.timings;
         let captured = self.graphs_captured() - captured;
+        let setup_s = batch.last_setup_s;
         batch.record(wall, |at_s| RoundRecord {
             at_s,
             kind: "admit",
@@ -543,11 +548,24 @@ impl FastSpecEngine<'_> {
             catch_up_s: 0.0,
             housekeeping_s: after.housekeeping_s - t.housekeeping_s,
             wall_s: seconds,
+            queued_s,
+            setup_s,
             captured,
             predicted_s: f64::NAN,
             predicted_plain_s: f64::NAN,
         });
         result
+    }
+
+    /// While recording, waits for the GPU work queued before this call and says how long that
+    /// took (0 when not recording: serving keeps its overlap).
+    fn drain_when_recording(&self, batch: &FastRunningBatch) -> Result<f64, InferError> {
+        if batch.trace.is_none() {
+            return Ok(0.0);
+        }
+        let t0 = Instant::now();
+        self.gpu().synchronize()?;
+        Ok(t0.elapsed().as_secs_f64())
     }
 
     fn admit_timed(
@@ -571,6 +589,7 @@ impl FastSpecEngine<'_> {
         let mut cache = self.target.new_cache(n, batch.capacity)?;
         let refs: Vec<&[u32]> = rows.iter().map(|r| r.request.prompt.as_slice()).collect();
         let step = cache.layout().prefill_step(&refs)?;
+        batch.last_setup_s = t0.elapsed().as_secs_f64();
         let out = self
             .target
             .forward(&step, &mut cache, &self.taps, LogitsFor::Last)?;
@@ -828,6 +847,7 @@ impl FastSpecEngine<'_> {
     /// leave the batch.
     pub fn step(&self, batch: &mut FastRunningBatch) -> Result<Vec<Progress>, InferError> {
         let wall = Instant::now();
+        let queued_s = self.drain_when_recording(batch)?;
         let before = (batch.timings, batch.columns(), self.graphs_captured());
         let mut chosen = None;
         let result = self.round(batch, &mut chosen);
@@ -852,6 +872,8 @@ impl FastSpecEngine<'_> {
                 catch_up_s: after.catch_up_s - t.catch_up_s,
                 housekeeping_s: after.housekeeping_s - t.housekeeping_s,
                 wall_s: seconds,
+                queued_s,
+                setup_s: 0.0,
                 captured,
                 predicted_s: chosen.predicted.0,
                 predicted_plain_s: chosen.predicted.1,

@@ -33,6 +33,12 @@ pub struct RoundRecord {
     pub housekeeping_s: f64,
     /// The whole call.
     pub wall_s: f64,
+    /// GPU work queued before the call (the previous call's asynchronous tail), drained first
+    /// while recording so that the phases above are the call's own.
+    pub queued_s: f64,
+    /// Admissions: allocating the newcomers' target cache and laying out their prefill (part of
+    /// `verify_s`, the prefill).
+    pub setup_s: f64,
     /// CUDA graphs captured during the call.
     pub captured: usize,
     /// What the policy's table said the choice would cost, and a plain round (adaptive
@@ -43,13 +49,13 @@ pub struct RoundRecord {
 
 impl RoundRecord {
     pub const CSV_HEADER: &'static str = "at_s,kind,rows,target_columns,longest,head_columns,\
-choice,tokens,draft_s,verify_s,extend_s,catch_up_s,housekeeping_s,wall_s,captured,predicted_s,\
-predicted_plain_s";
+choice,tokens,draft_s,verify_s,extend_s,catch_up_s,housekeeping_s,wall_s,queued_s,setup_s,\
+captured,predicted_s,predicted_plain_s";
 
     fn csv_line(&self, out: &mut String) {
         let _ = writeln!(
             out,
-            "{:.6},{},{},{},{},{},{},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{},{:.6},{:.6}",
+            "{:.6},{},{},{},{},{},{},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{},{:.6},{:.6}",
             self.at_s,
             self.kind,
             self.rows,
@@ -64,6 +70,8 @@ predicted_plain_s";
             self.catch_up_s,
             self.housekeeping_s,
             self.wall_s,
+            self.queued_s,
+            self.setup_s,
             self.captured,
             self.predicted_s,
             self.predicted_plain_s
@@ -103,6 +111,8 @@ mod tests {
             catch_up_s: 0.0,
             housekeeping_s: 1e-5,
             wall_s: 2.8e-3,
+            queued_s: 1e-5,
+            setup_s: 0.0,
             captured: 1,
             predicted_s: f64::NAN,
             predicted_plain_s: 1.7e-3,
@@ -117,7 +127,7 @@ mod tests {
             assert_eq!(fields[6], "3/1/4");
             assert_eq!(fields[2].parse::<usize>().unwrap(), 32);
             assert!((fields[9].parse::<f64>().unwrap() - 2e-3).abs() < 1e-9);
-            assert_eq!(fields[15], "NaN");
+            assert_eq!(fields[17], "NaN");
         }
     }
 }
