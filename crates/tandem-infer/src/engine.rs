@@ -100,6 +100,9 @@ pub enum Finish {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Timings {
     pub prefill_s: f64,
+    /// Part of `prefill_s`: allocating the newcomers' target cache and laying out their
+    /// prefill (fast path).
+    pub prefill_setup_s: f64,
     pub draft_s: f64,
     pub verify_s: f64,
     pub extend_s: f64,
@@ -122,6 +125,7 @@ pub struct Timings {
 impl std::ops::AddAssign for Timings {
     fn add_assign(&mut self, other: Self) {
         self.prefill_s += other.prefill_s;
+        self.prefill_setup_s += other.prefill_setup_s;
         self.draft_s += other.draft_s;
         self.verify_s += other.verify_s;
         self.extend_s += other.extend_s;

@@ -121,8 +121,6 @@ pub struct FastRunningBatch {
     pub retirements: usize,
     /// Every round and admission since [`FastRunningBatch::record_rounds`] (off: `None`).
     trace: Option<(Instant, Vec<RoundRecord>)>,
-    /// The last admission's cache allocation and prefill layout, seconds (for its record).
-    last_setup_s: f64,
 }
 
 impl FastRunningBatch {
@@ -168,12 +166,8 @@ impl FastRunningBatch {
             return (0, 0, 0);
         };
         let layout = caches.target.layout();
-        let longest = (0..self.rows.len())
-            .map(|b| layout.seq_len(b))
-            .max()
-            .unwrap_or(0);
         let head = caches.head.as_ref().map_or(0, |(d, _)| d.layout().used());
-        (layout.used(), longest, head)
+        (layout.used(), layout.longest(), head)
     }
 
     /// The head's hidden state at each row's last extended slot, `[rows, hidden]` row-major
@@ -345,7 +339,6 @@ impl FastSpecEngine<'_> {
             compactions: 0,
             retirements: 0,
             trace: None,
-            last_setup_s: 0.0,
         }
     }
 
@@ -532,7 +525,6 @@ impl FastSpecEngine<'_> {
         let (t, (target_columns, longest, head_columns), captured) = before;
         let after = batch.timings;
         let captured = self.graphs_captured() - captured;
-        let setup_s = batch.last_setup_s;
         batch.record(wall, |at_s| RoundRecord {
             at_s,
             kind: "admit",
@@ -549,7 +541,7 @@ impl FastSpecEngine<'_> {
             housekeeping_s: after.housekeeping_s - t.housekeeping_s,
             wall_s: seconds,
             queued_s,
-            setup_s,
+            setup_s: after.prefill_setup_s - t.prefill_setup_s,
             captured,
             predicted_s: f64::NAN,
             predicted_plain_s: f64::NAN,
@@ -589,7 +581,7 @@ impl FastSpecEngine<'_> {
         let mut cache = self.target.new_cache(n, batch.capacity)?;
         let refs: Vec<&[u32]> = rows.iter().map(|r| r.request.prompt.as_slice()).collect();
         let step = cache.layout().prefill_step(&refs)?;
-        batch.last_setup_s = t0.elapsed().as_secs_f64();
+        batch.timings.prefill_setup_s += t0.elapsed().as_secs_f64();
         let out = self
             .target
             .forward(&step, &mut cache, &self.taps, LogitsFor::Last)?;
@@ -812,15 +804,11 @@ impl FastSpecEngine<'_> {
             && batch.policy.in_plain_run()
             && some_waste(caches.target.layout());
         let t0 = Instant::now();
-        if needs_room {
+        if needs_room || plain_waste {
             caches.target.compact(self.gpu())?;
-            if let Some((dcache, _)) = &mut caches.head {
+            if let (true, Some((dcache, _))) = (needs_room, &mut caches.head) {
                 dcache.compact(self.gpu())?;
             }
-            batch.compactions += 1;
-            batch.timings.compact_s += t0.elapsed().as_secs_f64();
-        } else if plain_waste {
-            caches.target.compact(self.gpu())?;
             batch.compactions += 1;
             batch.timings.compact_s += t0.elapsed().as_secs_f64();
         }
@@ -1464,18 +1452,23 @@ impl FastSpecEngine<'_> {
     }
 }
 
+/// Whether a cache's used columns run past its longest sequence by `1 / fraction` of it and
+/// at least `floor` columns.
+fn waste_past(layout: &tandem_model::ColumnLayout, fraction: usize, floor: usize) -> bool {
+    let longest = layout.longest();
+    layout.batch() > 0 && layout.used() >= longest + (longest / fraction).max(floor)
+}
+
 /// Whether a cache's used columns run well past its longest sequence (by a quarter, and at
 /// least 64 columns): the point where compacting costs less than the rounds it speeds up.
 fn mostly_waste(layout: &tandem_model::ColumnLayout) -> bool {
-    let longest = layout.longest();
-    layout.batch() > 0 && layout.used() >= longest + (longest / 4).max(64)
+    waste_past(layout, 4, 64)
 }
 
 /// Whether a cache holds waste worth reclaiming before a run of rounds that adds none (an
 /// eighth of its longest sequence, and at least 16 columns).
 fn some_waste(layout: &tandem_model::ColumnLayout) -> bool {
-    let longest = layout.longest();
-    layout.batch() > 0 && layout.used() >= longest + (longest / 8).max(16)
+    waste_past(layout, 8, 16)
 }
 
 fn commit(row: &mut Row, tokens: &[u32]) {

@@ -200,61 +200,49 @@ impl CostTable {
     }
 
     /// Checks the table's shape: `choices` rows (plain + shapes), one column per batch size,
-    /// batch sizes ascending, every cost positive.
+    /// batch sizes and contexts ascending, every cost positive, every per-column cost (if any)
+    /// non-negative.
     pub fn validate(&self, choices: usize) -> Result<(), InferError> {
         let bad = |reason: String| InferError::Config {
             field: "cost table",
             reason,
         };
-        if self.batches.is_empty() || self.batches.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(bad(format!(
-                "batch sizes {:?} must be non-empty and strictly ascending",
-                self.batches
-            )));
-        }
-        if self.seconds.len() != choices
-            || self.seconds.iter().any(|r| r.len() != self.batches.len())
-        {
-            return Err(bad(format!(
-                "expected {choices} rows of {} costs",
-                self.batches.len()
-            )));
-        }
-        if let Some(v) = self
-            .seconds
-            .iter()
-            .flatten()
-            .find(|v| !v.is_finite() || **v <= 0.0)
-        {
-            return Err(bad(format!("cost {v} is not a positive number of seconds")));
-        }
-        if self.columns.is_empty() || self.columns.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(bad(format!(
-                "contexts {:?} must be non-empty and strictly ascending",
-                self.columns
-            )));
-        }
-        if !self.per_column.is_empty()
-            && (self.per_column.len() != choices
-                || self
-                    .per_column
-                    .iter()
-                    .any(|r| r.len() != self.batches.len()))
-        {
-            return Err(bad(format!(
-                "expected {choices} rows of {} per-column costs",
-                self.batches.len()
-            )));
-        }
-        if let Some(v) = self
-            .per_column
-            .iter()
-            .flatten()
-            .find(|v| !v.is_finite() || **v < 0.0)
-        {
-            return Err(bad(format!(
-                "per-column cost {v} is not a non-negative number"
-            )));
+        let ascending = |what: &str, values: &[usize]| {
+            if values.is_empty() || values.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(bad(format!(
+                    "{what} {values:?} must be non-empty and strictly ascending"
+                )));
+            }
+            Ok(())
+        };
+        // `rows`: one row per choice and one value per batch size, each `ok`.
+        let per_choice = |what: &str, rows: &[Vec<f64>], ok: fn(f64) -> bool, must: &str| {
+            if rows.len() != choices || rows.iter().any(|r| r.len() != self.batches.len()) {
+                return Err(bad(format!(
+                    "expected {choices} rows of {} {what}s",
+                    self.batches.len()
+                )));
+            }
+            match rows.iter().flatten().find(|v| !v.is_finite() || !ok(**v)) {
+                Some(v) => Err(bad(format!("{what} {v} is not {must}"))),
+                None => Ok(()),
+            }
+        };
+        ascending("batch sizes", &self.batches)?;
+        per_choice(
+            "cost",
+            &self.seconds,
+            |v| v > 0.0,
+            "a positive number of seconds",
+        )?;
+        ascending("contexts", &self.columns)?;
+        if !self.per_column.is_empty() {
+            per_choice(
+                "per-column cost",
+                &self.per_column,
+                |v| v >= 0.0,
+                "a non-negative number",
+            )?;
         }
         Ok(())
     }

@@ -390,7 +390,6 @@ impl ColumnLayout {
         Ok(())
     }
 
-    /// Drops sequence `b`; the rows after it move up by one.
     /// Keeps the sequences `keep` (distinct), sequence `keep[i]` becoming row `i`.
     pub fn select(&mut self, keep: &[usize]) {
         self.valid = keep
@@ -403,6 +402,7 @@ impl ColumnLayout {
         }
     }
 
+    /// Drops sequence `b`; the rows after it move up by one.
     pub fn remove(&mut self, b: usize) {
         self.valid.remove(b);
         self.next_position.remove(b);
