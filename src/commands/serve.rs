@@ -166,6 +166,8 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
                 tandem_model::TapRequest::none(),
                 config,
                 args.context,
+                None,
+                0,
             )?;
             Ok(Box::new(decoder) as Box<dyn Decoder>)
         } else {
@@ -178,6 +180,8 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
                 loaded.taps,
                 config,
                 args.context,
+                None,
+                0,
             )?;
             Ok(Box::new(decoder) as Box<dyn Decoder>)
         }

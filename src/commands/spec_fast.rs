@@ -233,12 +233,13 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
         },
         |chunk, first| {
             let engine = FastSpecEngine {
+                target: engine.target,
+                draft: engine.draft,
+                taps: engine.taps.clone(),
                 config: tandem_infer::SpecConfig {
                     seed: seed_of(first),
                     ..config
                 },
-                taps: engine.taps.clone(),
-                ..engine
             };
             Ok(engine.generate(chunk, args.max_new_tokens, &stop)?)
         },

@@ -4,6 +4,8 @@
 //! that decides correctness is unit-tested on tiny hand-made cases.
 
 pub mod admission;
+pub mod backend;
+pub mod driver;
 pub mod engine;
 pub mod fast;
 pub mod policy;
@@ -14,9 +16,11 @@ pub mod verify;
 pub mod wiring;
 
 pub use admission::Admission;
+pub use backend::SpecBackend;
+pub use driver::{Engine, Roots, RunningBatch};
 pub use engine::{
-    BatchOutput, DraftRoot, Finish, InferError, Progress, Request, RunningBatch, SpecConfig,
-    SpecEngine, SpecGenerate, SpecOutput, Timings,
+    BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecEngine, SpecGenerate,
+    SpecOutput, Timings,
 };
 pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
 pub use policy::{Choice, CostTable, PolicyConfig, Shape, SpeculationPolicy};

@@ -352,7 +352,10 @@ fn requests_join_and_leave_a_running_batch() {
     for _ in 0..2 {
         record(engine.step(&mut batch).unwrap());
     }
-    let cancelled = engine.cancel(&mut batch, 1).expect("request 1 is running");
+    let cancelled = engine
+        .cancel(&mut batch, 1)
+        .unwrap()
+        .expect("request 1 is running");
     assert!(!cancelled.tokens.is_empty());
     record(
         engine

@@ -554,6 +554,11 @@ impl<B: Backend> KvCache<B> {
     pub fn layout(&self) -> &ColumnLayout {
         &self.layout
     }
+    /// The bookkeeping, for callers that mark accepted paths and roll back scratch columns
+    /// themselves (the speculative driver does so for every backend's caches).
+    pub fn layout_mut(&mut self) -> &mut ColumnLayout {
+        &mut self.layout
+    }
     pub fn batch(&self) -> usize {
         self.layout.batch()
     }
@@ -629,6 +634,23 @@ impl<B: Backend> KvCache<B> {
         self.layout.remove(b);
         for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
             *t = remove_row(t.clone(), b);
+        }
+    }
+
+    /// Keeps the sequences `keep` (distinct, at least one), sequence `keep[i]` becoming row `i`.
+    pub fn retain(&mut self, keep: &[usize]) {
+        assert!(
+            !keep.is_empty(),
+            "drop the cache instead of keeping no sequence"
+        );
+        self.layout.select(keep);
+        let index: Vec<i64> = keep.iter().map(|&b| b as i64).collect();
+        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let rows = Tensor::<B, 1, Int>::from_data(
+                TensorData::new(index.clone(), [index.len()]),
+                &t.device(),
+            );
+            *t = t.clone().select(0, rows);
         }
     }
 

@@ -7,7 +7,7 @@
 //! Offline comes in two views:
 //!
 //! - drafted ([`drafted_acceptance`]), the one compared with online: the engine's own draft
-//!   extend and tree drafting ([`SpecEngine::draft_extend`], [`SpecEngine::draft_trees`]) fed
+//!   extend and tree drafting ([`Engine::draft_extend`], [`Engine::draft_trees`], the driver's code on every backend) fed
 //!   the recorded aux states up to slot `t` instead of live taps, each tree walked by the
 //!   engine's [`verify_greedy`] with the target's greedy tokens ([`node_targets`]), at the
 //!   positions serving's rounds would start from ([`next_draft_slot`]). On the target's own
@@ -35,9 +35,9 @@ use serde::Serialize;
 use tandem_dump::DumpReader;
 use tandem_eagle::{DraftCache, Eagle3Draft};
 use tandem_infer::{
-    AcceptanceStats, DraftRoot, DraftTree, SpecEngine, SpecGenerate, verify_greedy,
+    AcceptanceStats, DraftTree, Roots, Shape, SpecEngine, SpecGenerate, verify_greedy,
 };
-use tandem_model::TargetModel;
+use tandem_model::{Taps, TargetModel};
 // The standard errors live with the acceptance statistics; compare's API keeps offering them.
 pub use tandem_infer::stats::{accept_length_se, position_se, ratio_se, share_se};
 use tandem_wiring::{WiringManifest, check};
@@ -311,8 +311,8 @@ struct Walk {
     stats: AcceptanceStats,
 }
 
-/// Drafts trees with `engine`'s own code ([`SpecEngine::draft_extend`],
-/// [`SpecEngine::draft_trees`], its `config`: steps, topk, num_draft_tokens) from the head fed
+/// Drafts trees with `engine`'s own code ([`tandem_infer::Engine::draft_extend`],
+/// [`tandem_infer::Engine::draft_trees`], its `config`: steps, topk, num_draft_tokens) from the head fed
 /// the dump's recorded aux states instead of live taps, on the first `max_samples` samples,
 /// and walks each tree with the target's greedy tokens ([`node_targets`], the argmax of the
 /// target's logits recomputed from the dumped last hidden state) through the engine's
@@ -418,11 +418,12 @@ fn walk_group<B: Backend>(
         reason: "compare drafts offline and needs the engine's head".into(),
     })?;
     let mut dcache = head.new_cache(walks.len(), 2 * longest + scratch + 1);
-    let mut roots = extend_walks(engine, &mut dcache, walks, aux_width, scratch)?;
+    let shape = Shape::of(&engine.config);
+    let mut roots = extend_walks(engine, head, &mut dcache, walks, aux_width, scratch)?;
     loop {
         let before = dcache.used();
-        let refs: Vec<&DraftRoot<B>> = roots.iter().collect();
-        let trees = engine.draft_trees(&refs, &mut dcache)?;
+        let tokens: Vec<u32> = walks.iter().map(|w| w.ids[w.slot + 1]).collect();
+        let trees = engine.draft_trees(head, shape, &tokens, &roots, &mut dcache)?;
         dcache.rollback(before);
         let mut finished = Vec::new();
         for (row, (walk, tree)) in walks.iter_mut().zip(&trees).enumerate() {
@@ -449,7 +450,7 @@ fn walk_group<B: Backend>(
             let walk = walks.remove(row);
             per_sample.push(walk.stats);
         }
-        roots = extend_walks(engine, &mut dcache, walks, aux_width, scratch)?;
+        roots = extend_walks(engine, head, &mut dcache, walks, aux_width, scratch)?;
     }
 }
 
@@ -457,11 +458,12 @@ fn walk_group<B: Backend>(
 /// paired with token `s + 1`, as the engine pairs live taps); returns the new roots.
 fn extend_walks<B: Backend>(
     engine: &SpecEngine<'_, B>,
+    head: &Eagle3Draft<B>,
     dcache: &mut DraftCache<B>,
     walks: &mut [Walk],
     aux_width: usize,
     scratch: usize,
-) -> Result<Vec<DraftRoot<B>>, ReplayError> {
+) -> Result<Roots<TargetModel<B>>, ReplayError> {
     let chunks: Vec<Vec<u32>> = walks
         .iter()
         .map(|w| w.ids[w.extended + 1..=w.slot + 1].to_vec())
@@ -479,8 +481,14 @@ fn extend_walks<B: Backend>(
         TensorData::new(aux, [walks.len(), width, aux_width]),
         &engine.target.device().clone(),
     );
-    let last_tokens: Vec<u32> = walks.iter().map(|w| w.ids[w.slot + 1]).collect();
-    let roots = engine.draft_extend(dcache, &chunks, aux, &last_tokens)?;
+    // The recorded aux states stand in for a target step's taps (already concatenated).
+    let taps = Taps {
+        taps: Vec::new(),
+        tensors: vec![aux],
+        visited: Vec::new(),
+    };
+    let slots: Vec<Vec<usize>> = chunks.iter().map(|c| (0..c.len()).collect()).collect();
+    let roots = engine.draft_extend(head, dcache, &chunks, &taps, width, &slots)?;
     for walk in walks.iter_mut() {
         walk.extended = walk.slot + 1;
     }

@@ -4,8 +4,8 @@
 //!   pure functions tested without a model;
 //! - [`scheduler`]: one engine thread owning the target and the head; requests join and leave
 //!   the running batch between speculative rounds, a bounded queue answers 429 when full and a
-//!   client that goes away frees its slot. The batch is a [`Decoder`]: the burn engine
-//!   ([`SpecDecoder`]) or the CUDA fast path ([`FastDecoder`]), each with or without a head;
+//!   client that goes away frees its slot. The batch is a [`Decoder`]: the one driver on burn
+//!   ([`SpecDecoder`]) or on the CUDA fast path ([`FastDecoder`]), each with or without a head;
 //! - [`metrics`]: Prometheus text for `/metrics`;
 //! - [`http`]: the axum routes, streaming (SSE), stop strings and graceful shutdown.
 
@@ -18,5 +18,6 @@ pub mod text;
 pub use http::{AppState, router, serve};
 pub use metrics::Metrics;
 pub use scheduler::{
-    Decoder, Event, FastDecoder, Limits, Scheduler, SchedulerConfig, SpecDecoder, SubmitError,
+    Decoder, EngineDecoder, Event, FastDecoder, Limits, Scheduler, SchedulerConfig, SpecDecoder,
+    SubmitError,
 };

@@ -8,13 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
-use tandem_cuda::{CudaDraft, CudaTarget};
-use tandem_eagle::Eagle3Draft;
+use tandem_cuda::CudaTarget;
 use tandem_infer::{
-    CostTable, FastRunningBatch, FastSpecEngine, InferError, PolicyConfig, Progress, Request,
-    RunningBatch, SpecConfig, SpecEngine, SpecOutput, SpeculationPolicy,
+    CostTable, Engine, InferError, PolicyConfig, Progress, Request, RunningBatch, SpecBackend,
+    SpecConfig, SpecOutput, SpeculationPolicy,
 };
-use tandem_model::burn::prelude::Backend;
 use tandem_model::{TapRequest, TargetModel};
 use tokio::sync::mpsc;
 
@@ -55,106 +53,48 @@ pub struct Limits {
     pub draft_depth: usize,
 }
 
-/// The burn engine over an owned target and head, or the target alone (`draft: None`, the
-/// baseline `tandem serve --no-draft` runs).
-pub struct SpecDecoder<B: Backend> {
-    target: TargetModel<B>,
-    draft: Option<Eagle3Draft<B>>,
+/// The target, its head and the serving settings a decoder owns; [`Model::engine`] borrows
+/// them as the driver's [`Engine`] (apart from the batch, which rounds change).
+struct Model<T: SpecBackend> {
+    target: T,
+    draft: Option<T::Head>,
     taps: TapRequest,
     config: SpecConfig,
-    batch: RunningBatch<B>,
 }
 
-impl<B: Backend> SpecDecoder<B> {
-    /// `taps`: the serving taps checked against the head's manifest ([`TapRequest::none`]
-    /// without a head).
-    pub fn new(
-        target: TargetModel<B>,
-        draft: Option<Eagle3Draft<B>>,
-        taps: TapRequest,
-        config: SpecConfig,
-        context: usize,
-    ) -> Result<Self, InferError> {
-        config.validate()?;
-        let batch = SpecEngine {
-            target: &target,
-            draft: draft.as_ref(),
-            taps: taps.clone(),
-            config,
-        }
-        .new_batch(context);
-        Ok(Self {
-            target,
-            draft,
-            taps,
-            config,
-            batch,
-        })
-    }
-}
-
-/// Builds the engine over the decoder's fields without borrowing the batch.
-macro_rules! spec_engine {
-    ($s:expr) => {
-        SpecEngine {
-            target: &$s.target,
-            draft: $s.draft.as_ref(),
-            taps: $s.taps.clone(),
-            config: $s.config,
-        }
-    };
-}
-
-impl<B: Backend> Decoder for SpecDecoder<B> {
-    fn check(&self, request: &Request) -> Result<(), InferError> {
-        spec_engine!(self).check_request(&self.batch, request)
-    }
-    fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
-        spec_engine!(self).admit(&mut self.batch, requests)
-    }
-    fn step(&mut self) -> Result<Vec<Progress>, InferError> {
-        spec_engine!(self).step(&mut self.batch)
-    }
-    fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError> {
-        Ok(spec_engine!(self).cancel(&mut self.batch, id))
-    }
-    fn running(&self) -> usize {
-        self.batch.len()
-    }
-    fn limits(&self) -> Limits {
-        let (round, draft_depth) = match self.draft {
-            Some(_) => (self.config.num_draft_tokens, self.config.num_steps),
-            None => (1, 0),
-        };
-        Limits {
-            context: self.batch.capacity(),
-            max_prompt: spec_engine!(self).max_prompt_len(&self.batch),
-            round,
-            draft_depth,
+impl<T: SpecBackend> Model<T> {
+    fn engine(&self) -> Engine<'_, T> {
+        Engine {
+            target: &self.target,
+            draft: self.draft.as_ref(),
+            taps: self.taps.clone(),
+            config: self.config,
         }
     }
 }
 
-/// The CUDA fast path ([`FastSpecEngine`]): the speculative loop over an owned target and
-/// head, or the target alone (`draft: None`, the `--no-draft` baseline), with continuous
-/// batching.
-pub struct FastDecoder {
-    target: CudaTarget,
-    draft: Option<CudaDraft>,
-    taps: tandem_model::TapRequest,
-    config: SpecConfig,
-    batch: FastRunningBatch,
+/// The speculative driver over an owned target and head on any backend, or the target alone
+/// (`draft: None`, the baseline `tandem serve --no-draft` runs), with continuous batching.
+pub struct EngineDecoder<T: SpecBackend> {
+    model: Model<T>,
+    batch: RunningBatch<T>,
     /// Where [`Decoder::report`] writes the record of every round (`--round-log`).
     round_log: Option<std::path::PathBuf>,
 }
 
-impl FastDecoder {
+/// The burn engine's decoder (CPU in tests).
+pub type SpecDecoder<B> = EngineDecoder<TargetModel<B>>;
+/// The CUDA fast path's decoder (serving on the GPU).
+pub type FastDecoder = EngineDecoder<CudaTarget>;
+
+impl<T: SpecBackend> EngineDecoder<T> {
     /// `taps`: the serving taps checked against the head's manifest ([`TapRequest::none`]
     /// without a head). `policy`: how rounds choose their draft shape (`None`: always
-    /// `config`'s). `max_batch`: the caches are allocated for that many sequences at once.
+    /// `config`'s). `max_batch`: the caches are allocated for that many sequences at once (0:
+    /// as many as join).
     pub fn new(
-        target: CudaTarget,
-        draft: Option<CudaDraft>,
+        target: T,
+        draft: Option<T::Head>,
         taps: TapRequest,
         config: SpecConfig,
         context: usize,
@@ -162,22 +102,20 @@ impl FastDecoder {
         max_batch: usize,
     ) -> Result<Self, InferError> {
         config.validate()?;
-        let engine = FastSpecEngine {
-            target: &target,
-            draft: draft.as_ref(),
-            taps: taps.clone(),
+        let model = Model {
+            target,
+            draft,
+            taps,
             config,
         };
+        let engine = model.engine();
         let mut batch = match policy {
             Some(policy) => engine.new_batch_with_policy(context, policy),
             None => engine.new_batch(context),
         };
         batch.reserve_rows = max_batch;
         Ok(Self {
-            target,
-            draft,
-            taps,
-            config,
+            model,
             batch,
             round_log: None,
         })
@@ -198,21 +136,7 @@ impl FastDecoder {
         std::fs::rename(&partial, path)?;
         Ok(records.len())
     }
-}
 
-/// [`spec_engine!`] for the fast path.
-macro_rules! fast_engine {
-    ($s:expr) => {
-        FastSpecEngine {
-            target: &$s.target,
-            draft: $s.draft.as_ref(),
-            taps: $s.taps.clone(),
-            config: $s.config,
-        }
-    };
-}
-
-impl FastDecoder {
     /// Measures the cost of every choice of the batch's policy (plain rounds and each draft
     /// shape) at `batches` sizes on the decoder's own caches, so the CUDA graphs captured while
     /// measuring are the ones serving replays, then lets the adaptive policy choose each round.
@@ -222,36 +146,34 @@ impl FastDecoder {
         config: PolicyConfig,
     ) -> Result<CostTable, InferError> {
         let shapes = self.batch.policy.shapes().to_vec();
-        let costs = fast_engine!(self).calibrate(&mut self.batch, batches)?;
+        let costs = self.model.engine().calibrate(&mut self.batch, batches)?;
         self.batch.policy = SpeculationPolicy::adaptive(shapes, costs.clone(), config)?;
         Ok(costs)
     }
 }
 
-impl Decoder for FastDecoder {
+impl<T: SpecBackend> Decoder for EngineDecoder<T> {
     fn check(&self, request: &Request) -> Result<(), InferError> {
-        fast_engine!(self).check_request(&self.batch, request)
+        self.model.engine().check_request(&self.batch, request)
     }
     fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
-        fast_engine!(self).admit(&mut self.batch, requests)
+        self.model.engine().admit(&mut self.batch, requests)
     }
     fn step(&mut self) -> Result<Vec<Progress>, InferError> {
-        fast_engine!(self).step(&mut self.batch)
+        self.model.engine().step(&mut self.batch)
     }
     fn cancel(&mut self, id: u64) -> Result<Option<SpecOutput>, InferError> {
-        fast_engine!(self).cancel(&mut self.batch, id)
+        self.model.engine().cancel(&mut self.batch, id)
     }
     fn running(&self) -> usize {
         self.batch.len()
     }
     fn report(&self) -> Option<String> {
         let t = &self.batch.timings;
-        let target = self.target.graph_stats();
         let mut text = format!(
             "engine time: prefill {:.2}s, draft {:.2}s, verify {:.2}s, extend {:.2}s, catch-up \
              {:.2}s, housekeeping {:.2}s (compaction {:.2}s, head rows {:.2}s, head roots \
-             {:.2}s) (wall: rounds {:.2}s, admissions {:.2}s); {} compactions, {} retirements; \
-             target CUDA graphs: {} captured, {} replays",
+             {:.2}s) (wall: rounds {:.2}s, admissions {:.2}s); {} compactions, {} retirements",
             t.prefill_s,
             t.draft_s,
             t.verify_s,
@@ -265,21 +187,15 @@ impl Decoder for FastDecoder {
             t.admits_wall_s,
             self.batch.compactions,
             self.batch.retirements,
-            target.captured,
-            target.replays
         );
-        if let Some(draft) = &self.draft {
-            let head = draft.graph_stats();
+        if let Some(graphs) = self.model.target.graph_report(self.model.draft.as_ref()) {
+            text.push_str(&format!("; {graphs}"));
+        }
+        if self.model.draft.is_some() && self.batch.policy.is_adaptive() {
             text.push_str(&format!(
-                "; head: {} captured, {} replays",
-                head.captured, head.replays
+                "\nspeculation policy at the end: {}",
+                self.batch.policy.summary()
             ));
-            if self.batch.policy.is_adaptive() {
-                text.push_str(&format!(
-                    "\nspeculation policy at the end: {}",
-                    self.batch.policy.summary()
-                ));
-            }
         }
         if let Some(path) = &self.round_log {
             match self.write_round_log(path) {
@@ -293,13 +209,13 @@ impl Decoder for FastDecoder {
         Some(text)
     }
     fn policy_rounds(&self) -> Vec<(String, u64)> {
-        match self.draft {
+        match self.model.draft {
             Some(_) => self.batch.policy.rounds(),
             None => Vec::new(),
         }
     }
     fn limits(&self) -> Limits {
-        let (round, draft_depth) = match self.draft {
+        let (round, draft_depth) = match self.model.draft {
             Some(_) => (
                 self.batch.policy.max_tokens(),
                 self.batch.policy.max_steps(),
@@ -308,7 +224,7 @@ impl Decoder for FastDecoder {
         };
         Limits {
             context: self.batch.capacity(),
-            max_prompt: fast_engine!(self).max_prompt_len(&self.batch),
+            max_prompt: self.model.engine().max_prompt_len(&self.batch),
             round,
             draft_depth,
         }

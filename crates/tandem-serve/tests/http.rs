@@ -56,6 +56,8 @@ fn spec_factory(context: usize) -> DecoderFactory {
             TapRequest::new(taps),
             SpecConfig::chain(3),
             context,
+            None,
+            0,
         )
         .map_err(|e| e.to_string())?;
         Ok(Box::new(decoder) as Box<dyn Decoder>)

@@ -1,0 +1,261 @@
+//! The CUDA fast path as a [`SpecBackend`]: [`CudaTarget`] verifies, [`CudaDraft`] drafts,
+//! rows are f32 device matrices, gathers are `copy_rows` launches (one per source), greedy
+//! tokens and the head's top-k are computed on the GPU and only they come back.
+
+use tandem_cuda::{CudaDraft, CudaKvCache, CudaSlice, CudaTarget, DeviceLogits, DeviceRows, Gpu};
+use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
+
+use super::SpecBackend;
+use crate::engine::InferError;
+
+/// Rows `picks[j] = (source, row)` of `[_, cols]` f32 device matrices, as a new
+/// `[picks.len(), cols]` matrix: one `copy_rows` launch per source used.
+fn gather_f32(
+    gpu: &Gpu,
+    sources: &[&CudaSlice<f32>],
+    picks: &[(usize, usize)],
+    cols: usize,
+) -> Result<CudaSlice<f32>, InferError> {
+    let mut out = gpu.scratch::<f32>(picks.len().max(1) * cols)?;
+    for (s, data) in sources.iter().enumerate() {
+        let (src, dst): (Vec<i32>, Vec<i32>) = picks
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.0 == s)
+            .map(|(j, p)| (p.1 as i32, j as i32))
+            .unzip();
+        if src.is_empty() {
+            continue;
+        }
+        gpu.copy_rows(
+            data,
+            &gpu.upload(&src)?,
+            &mut out,
+            &gpu.upload(&dst)?,
+            src.len(),
+            cols,
+        )?;
+    }
+    Ok(out)
+}
+
+impl SpecBackend for CudaTarget {
+    type Head = CudaDraft;
+    type Cache = CudaKvCache;
+    type Rows = DeviceRows;
+    type Logits = DeviceLogits;
+
+    fn vocab_size(&self) -> usize {
+        self.spec.vocab_size
+    }
+    fn max_positions(&self) -> usize {
+        self.spec.max_position_embeddings
+    }
+    fn layout(cache: &CudaKvCache) -> &ColumnLayout {
+        cache.layout()
+    }
+    fn layout_mut(cache: &mut CudaKvCache) -> &mut ColumnLayout {
+        cache.layout_mut()
+    }
+    fn new_cache(&self, rows: usize, capacity: usize) -> Result<CudaKvCache, InferError> {
+        Ok(CudaTarget::new_cache(self, rows, capacity)?)
+    }
+    fn forward(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> Result<(DeviceLogits, Taps<DeviceRows>), InferError> {
+        let out = CudaTarget::forward(self, step, cache, taps, logits_for)?;
+        let logits = out.logits.ok_or_else(|| InferError::Config {
+            field: "logits",
+            reason: "the driver's target steps ask for logits".into(),
+        })?;
+        Ok((logits, out.taps))
+    }
+
+    fn logit_rows(logits: &DeviceLogits) -> usize {
+        logits.rows
+    }
+    fn argmax(&self, logits: &DeviceLogits) -> Result<Vec<u32>, InferError> {
+        Ok(logits.argmax()?)
+    }
+    fn logits_to_host(&self, logits: &DeviceLogits) -> Result<Vec<f32>, InferError> {
+        Ok(logits.to_host()?)
+    }
+    fn softmax_topk(
+        &self,
+        logits: &DeviceLogits,
+        k: usize,
+    ) -> Result<(Vec<f32>, Vec<u32>), InferError> {
+        Ok(logits.topk(k)?)
+    }
+
+    fn head_dims(head: &CudaDraft) -> (usize, usize) {
+        (head.spec.hidden_size, head.vocab.draft_size())
+    }
+    fn to_target(head: &CudaDraft, id: u32) -> u32 {
+        head.vocab.to_target(id as usize)
+    }
+    fn new_head_cache(
+        &self,
+        head: &CudaDraft,
+        rows: usize,
+        capacity: usize,
+    ) -> Result<CudaKvCache, InferError> {
+        Ok(head.new_cache(rows, capacity)?)
+    }
+    fn head_extend(
+        &self,
+        head: &CudaDraft,
+        cache: &mut CudaKvCache,
+        step: &StepInput,
+        taps: &Taps<DeviceRows>,
+        tap_rows: &[usize],
+    ) -> Result<(DeviceRows, DeviceLogits), InferError> {
+        let rows: Vec<i32> = tap_rows.iter().map(|&r| r as i32).collect();
+        let aux = head.fc_input(taps, &rows)?;
+        let out = head.extend(step, &aux, cache)?;
+        Ok((out.hidden, out.logits))
+    }
+    fn head_step(
+        &self,
+        head: &CudaDraft,
+        cache: &mut CudaKvCache,
+        step: &StepInput,
+        hidden: DeviceRows,
+    ) -> Result<(DeviceRows, DeviceLogits), InferError> {
+        let out = head.forward_step(step, hidden.data, cache)?;
+        Ok((out.hidden, out.logits))
+    }
+
+    fn gather_rows(
+        &self,
+        sources: &[&DeviceRows],
+        picks: &[(usize, usize)],
+    ) -> Result<DeviceRows, InferError> {
+        let hidden = sources[0].hidden;
+        let data: Vec<&CudaSlice<f32>> = sources.iter().map(|r| &r.data).collect();
+        Ok(DeviceRows {
+            data: gather_f32(self.gpu(), &data, picks, hidden)?,
+            batch: picks.len(),
+            width: 1,
+            hidden,
+        })
+    }
+    fn gather_logits(
+        &self,
+        sources: &[&DeviceLogits],
+        picks: &[(usize, usize)],
+    ) -> Result<DeviceLogits, InferError> {
+        let vocab = sources[0].vocab;
+        let data: Vec<&CudaSlice<f32>> = sources.iter().map(|l| &l.data).collect();
+        Ok(DeviceLogits::new(
+            gather_f32(self.gpu(), &data, picks, vocab)?,
+            picks.len(),
+            vocab,
+            self.gpu().clone(),
+        ))
+    }
+    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, InferError> {
+        Ok(rows.to_host()?)
+    }
+    fn zero_rows(&self, rows: usize, width: usize) -> Result<DeviceRows, InferError> {
+        Ok(DeviceRows {
+            data: self.gpu().zeros::<f32>(rows * width)?,
+            batch: rows,
+            width: 1,
+            hidden: width,
+        })
+    }
+    fn zero_logits(&self, rows: usize, vocab: usize) -> Result<DeviceLogits, InferError> {
+        Ok(DeviceLogits::new(
+            self.gpu().zeros::<f32>(rows * vocab)?,
+            rows,
+            vocab,
+            self.gpu().clone(),
+        ))
+    }
+    /// One buffer per tap, grown by doubling (at least 1,024 rows) and kept across catch-ups:
+    /// deferring a round costs one device copy per tap.
+    fn backlog_push(
+        &self,
+        backlog: &mut Option<Taps<DeviceRows>>,
+        at: usize,
+        step: &Taps<DeviceRows>,
+    ) -> Result<(), InferError> {
+        let gpu = self.gpu();
+        let incoming = Self::tap_rows(step);
+        let needed = at + incoming;
+        let capacity = backlog.as_ref().map_or(0, |t| t.tensors[0].batch);
+        if needed > capacity {
+            let grown = needed.max(2 * capacity).max(1024);
+            let mut tensors = Vec::with_capacity(step.tensors.len());
+            for (i, src) in step.tensors.iter().enumerate() {
+                let mut data = gpu.scratch::<f32>(grown * src.hidden)?;
+                if let Some(old) = backlog.as_ref() {
+                    gpu.copy_into(&old.tensors[i].data, &mut data, at * src.hidden)?;
+                }
+                tensors.push(DeviceRows {
+                    data,
+                    batch: grown,
+                    width: 1,
+                    hidden: src.hidden,
+                });
+            }
+            *backlog = Some(Taps {
+                taps: step.taps.clone(),
+                tensors,
+                visited: Vec::new(),
+            });
+        }
+        let buffers = backlog.as_mut().expect("allocated above");
+        for (dst, src) in buffers.tensors.iter_mut().zip(&step.tensors) {
+            gpu.copy_to_offset(
+                &src.data,
+                &mut dst.data,
+                at * src.hidden,
+                incoming * src.hidden,
+            )?;
+        }
+        Ok(())
+    }
+    fn tap_rows(taps: &Taps<DeviceRows>) -> usize {
+        taps.tensors.first().map_or(0, |r| r.batch * r.width)
+    }
+
+    fn reserve(&self, cache: &mut CudaKvCache, rows: usize) -> Result<(), InferError> {
+        Ok(cache.reserve(self.gpu(), rows)?)
+    }
+    fn append(&self, cache: &mut CudaKvCache, other: CudaKvCache) -> Result<(), InferError> {
+        Ok(cache.append(self.gpu(), other)?)
+    }
+    fn retain(&self, cache: &mut CudaKvCache, keep: &[usize]) -> Result<(), InferError> {
+        Ok(cache.retain(self.gpu(), keep)?)
+    }
+    fn compact(&self, cache: &mut CudaKvCache) -> Result<(), InferError> {
+        Ok(cache.compact(self.gpu())?)
+    }
+    fn synchronize(&self) -> Result<(), InferError> {
+        Ok(self.gpu().synchronize()?)
+    }
+    fn graphs_captured(&self, head: Option<&CudaDraft>) -> usize {
+        self.graph_stats().captured + head.map_or(0, |d| d.graph_stats().captured)
+    }
+    fn graph_report(&self, head: Option<&CudaDraft>) -> Option<String> {
+        let target = self.graph_stats();
+        let mut text = format!(
+            "target CUDA graphs: {} captured, {} replays",
+            target.captured, target.replays
+        );
+        if let Some(head) = head {
+            let head = head.graph_stats();
+            text.push_str(&format!(
+                "; head: {} captured, {} replays",
+                head.captured, head.replays
+            ));
+        }
+        Some(text)
+    }
+}

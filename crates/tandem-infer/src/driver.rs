@@ -1,0 +1,1438 @@
+//! The speculative driver, written once over a [`SpecBackend`]: admission (target prefill with
+//! taps, first token, head extend over the prompt), rounds (draft a tree per sequence, verify
+//! all trees in one target step, accept, commit, extend the head over what was accepted),
+//! the speculation policy's plain rounds and the deferred head extension they leave behind,
+//! making room (compaction, the context limit), retirement and cancellation. Everything that
+//! decides correctness is shared host code: the SGLang tree ([`BeamSearch`],
+//! [`DraftTree`]), greedy and rejection-sampling verification ([`verify_greedy`],
+//! [`verify_sampling`]), acceptance statistics and the commit rule. Without a head the same
+//! loop is target-only decoding (every round verifies its root alone: a decode step), the
+//! baseline `tandem serve --no-draft` and the benchmarks run.
+//!
+//! The head reads the target's hidden states only through the capture hook's taps of each
+//! target step (prefill and tree verification), like the dump job.
+//!
+//! Alignment (facts section 2): the draft slot at position `t` pairs the target's aux state at
+//! `t` with the token at `t + 1`; its output predicts the token at `t + 2`.
+//!
+//! Batching is continuous: requests join ([`Engine::admit`], prefilled on their own and
+//! appended) and leave (finished or cancelled) between rounds, and the caches are compacted
+//! when they run out of columns or mostly hold waste. The backends are burn
+//! ([`crate::SpecEngine`]) and the CUDA fast path ([`crate::FastSpecEngine`]).
+
+use std::time::Instant;
+
+use rand::SeedableRng;
+use tandem_model::sampling::{SamplingParams, distribution, sample_from};
+use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
+
+use crate::admission::Admission;
+use crate::backend::SpecBackend;
+use crate::engine::{
+    BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecGenerate, SpecOutput,
+    Timings, commit_tokens, draft_scratch, run_to_completion,
+};
+use crate::policy::{Choice, CostTable, Shape, SpeculationPolicy};
+use crate::stats::AcceptanceStats;
+use crate::trace::RoundRecord;
+use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
+use crate::verify::{Acceptance, verify_greedy, verify_sampling};
+
+/// The head's state of each row between rounds: its output at the row's last committed slot
+/// (`hidden: [rows, H]`, `logits: [rows, draft_vocab]`), from which the next round drafts.
+pub struct Roots<T: SpecBackend> {
+    pub hidden: T::Rows,
+    pub logits: T::Logits,
+}
+
+/// What a round chose, for its [`RoundRecord`].
+struct Chosen {
+    rows: usize,
+    label: String,
+    committed: usize,
+    /// The policy's predicted seconds of the choice and of a plain round.
+    predicted: (f64, f64),
+}
+
+/// The speculative engine over a target and an EAGLE-3 head on the same device. Without a head
+/// the same loop is target-only decoding.
+pub struct Engine<'a, T: SpecBackend> {
+    pub target: &'a T,
+    /// The EAGLE-3 head; `None` decodes with the target alone.
+    pub draft: Option<&'a T::Head>,
+    /// The serving taps, in slot order (checked against the head's manifest by the caller;
+    /// [`TapRequest::none`] without a head).
+    pub taps: TapRequest,
+    pub config: SpecConfig,
+}
+
+pub(crate) struct Row {
+    pub(crate) request: Request,
+    pub(crate) output: SpecOutput,
+    rng: rand::rngs::StdRng,
+    pub(crate) done: bool,
+    /// The last committed token: the root of the next round's tree.
+    last: u32,
+    /// Tokens the head has not been extended over yet (committed by plain rounds, or the
+    /// prompt of a request that joined during plain rounds), each with its tap row in
+    /// `RunningBatch::backlog`.
+    behind: Vec<(u32, usize)>,
+}
+
+impl Row {
+    pub(crate) fn new(request: Request, draft_steps: usize) -> Self {
+        Row {
+            rng: rand::rngs::StdRng::seed_from_u64(request.seed),
+            request,
+            output: SpecOutput {
+                tokens: Vec::new(),
+                finish: Finish::Length,
+                stats: AcceptanceStats::new(draft_steps),
+                rounds_by_shape: Default::default(),
+            },
+            done: false,
+            last: 0,
+            behind: Vec::new(),
+        }
+    }
+}
+
+/// The target's cache, and the head's cache and roots, for the rows of a batch.
+struct Caches<T: SpecBackend> {
+    target: T::Cache,
+    head: Option<(T::Cache, Roots<T>)>,
+}
+
+/// The sequences decoding together (one row each in every cache).
+pub struct RunningBatch<T: SpecBackend> {
+    caches: Option<Caches<T>>,
+    rows: Vec<Row>,
+    capacity: usize,
+    draft_capacity: usize,
+    /// Which shape each round drafts with, or none.
+    pub policy: SpeculationPolicy,
+    /// Sequences the caches are allocated for when they are created (0: as many as join), so
+    /// that joins, leaves and compactions up to that many move data in place, the cache buffers
+    /// keep their addresses and the CUDA graphs captured over them keep replaying (a server
+    /// sets its largest batch).
+    pub reserve_rows: usize,
+    /// The taps of the target steps whose head extension is deferred (see `Row::behind`).
+    backlog: TapBacklog<T>,
+    /// Time spent so far, by phase.
+    pub timings: Timings,
+    /// Compactions run so far.
+    pub compactions: usize,
+    /// Times finished sequences were removed from the caches (one per round in which any
+    /// finished).
+    pub retirements: usize,
+    /// Every round and admission since [`RunningBatch::record_rounds`] (off: `None`).
+    trace: Option<(Instant, Vec<RoundRecord>)>,
+}
+
+impl<T: SpecBackend> RunningBatch<T> {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+    /// Ids of the running requests, in row order.
+    pub fn ids(&self) -> Vec<u64> {
+        self.rows.iter().map(|r| r.request.id).collect()
+    }
+    /// Token columns of the target cache (the longest context a sequence can reach).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Tokens whose head extension is still deferred, at most over the rows (plain rounds, and
+    /// the prompts that joined during them).
+    pub fn deferred_rounds(&self) -> usize {
+        self.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0)
+    }
+
+    /// Starts (again) recording every round and admission ([`RoundRecord`]).
+    pub fn record_rounds(&mut self) {
+        self.trace = Some((Instant::now(), Vec::new()));
+    }
+
+    /// The rounds and admissions recorded so far (empty when not recording).
+    pub fn round_records(&self) -> &[RoundRecord] {
+        self.trace.as_ref().map_or(&[], |(_, r)| r.as_slice())
+    }
+
+    fn record(&mut self, started: Instant, record: impl FnOnce(f64) -> RoundRecord) {
+        if let Some((origin, records)) = &mut self.trace {
+            records.push(record((started - *origin).as_secs_f64()));
+        }
+    }
+
+    /// Used target columns, the longest sequence and used head columns (zeros without caches).
+    fn columns(&self) -> (usize, usize, usize) {
+        let Some(caches) = &self.caches else {
+            return (0, 0, 0);
+        };
+        let layout = T::layout(&caches.target);
+        let head = caches.head.as_ref().map_or(0, |(d, _)| T::layout(d).used());
+        (layout.used(), layout.longest(), head)
+    }
+}
+
+/// The taps of deferred target steps (plain rounds, prompts joining during them), appended
+/// step after step to one buffer per tap ([`SpecBackend::backlog_push`]): a catch-up then
+/// gathers the head's fc input with one call per piece.
+struct TapBacklog<T: SpecBackend> {
+    /// One `[capacity, hidden]` buffer per tap.
+    taps: Option<Taps<T::Rows>>,
+    /// Rows written since the last catch-up.
+    rows: usize,
+    /// Target steps deferred since the last catch-up.
+    steps: usize,
+}
+
+impl<T: SpecBackend> TapBacklog<T> {
+    fn new() -> Self {
+        Self {
+            taps: None,
+            rows: 0,
+            steps: 0,
+        }
+    }
+
+    /// Appends every row of `step_taps` (all slots of the step, padding included); returns the
+    /// backlog row of the step's row 0.
+    fn push(&mut self, target: &T, step_taps: &Taps<T::Rows>) -> Result<usize, InferError> {
+        target.backlog_push(&mut self.taps, self.rows, step_taps)?;
+        let first = self.rows;
+        self.rows += T::tap_rows(step_taps);
+        self.steps += 1;
+        Ok(first)
+    }
+
+    /// Forgets what was deferred (the buffers stay).
+    fn clear(&mut self) {
+        self.rows = 0;
+        self.steps = 0;
+    }
+}
+
+/// Deferred target steps (plain rounds, deferred joins) after which the head is extended anyway
+/// (one batched catch-up), so the deferred taps stay small...
+const MAX_DEFERRED: usize = 256;
+/// ...and deferred tap rows (tokens, padding included) after which it is too.
+const MAX_DEFERRED_TAP_ROWS: usize = 1 << 15;
+/// Columns one step of a catch-up extends each row by at most: a joining prompt deferred during
+/// plain rounds is caught up in pieces, so the head's cache (whose columns every row shares)
+/// needs room for one piece, not the whole prompt.
+const CATCH_UP_PIECE: usize = 256;
+
+/// `TANDEM_CATCH_UP_TAIL`: deferred tokens per row a catch-up extends the head over (the
+/// last ones), or all of them when unset (see [`Engine::catch_up`]).
+fn catch_up_tail() -> Option<usize> {
+    static TAIL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *TAIL.get_or_init(|| {
+        std::env::var("TANDEM_CATCH_UP_TAIL")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|k| *k > 0)
+    })
+}
+
+/// Rounds run before timing a choice in [`Engine::calibrate`] (the CUDA graphs of a
+/// step shape are captured at its third run) and rounds timed.
+const CALIBRATION_WARM: usize = 3;
+/// Tokens of each calibration prompt at the two contexts measured (at most an eighth and a
+/// quarter of the context): serving contexts span them, and costs are linear in between.
+const CALIBRATION_PROMPTS: [usize; 2] = [128, 512];
+const CALIBRATION_TIMED: usize = 5;
+
+impl<T: SpecBackend> Engine<'_, T> {
+    /// Tokens the widest round of `batch` verifies per sequence (1 without a head).
+    fn round_width(&self, batch: &RunningBatch<T>) -> usize {
+        if self.draft.is_some() {
+            batch.policy.max_tokens()
+        } else {
+            1
+        }
+    }
+
+    fn draft_steps(&self, batch: &RunningBatch<T>) -> usize {
+        if self.draft.is_some() {
+            batch.policy.max_steps()
+        } else {
+            0
+        }
+    }
+
+    /// Step graphs the target and the head have captured so far.
+    fn graphs_captured(&self) -> usize {
+        self.target.graphs_captured(self.draft)
+    }
+
+    /// Extra head-cache columns a round of the engine's configured shape may use beyond the
+    /// target's: the scratch of the draft steps (rolled back every round).
+    pub fn draft_scratch(&self) -> usize {
+        draft_scratch(&self.config)
+    }
+
+    /// The head's hidden state at each row's last extended slot, `[rows, hidden]` row-major
+    /// (`None` without a head): what the next round drafts from.
+    pub fn head_roots(&self, batch: &RunningBatch<T>) -> Result<Option<Vec<f32>>, InferError> {
+        match batch.caches.as_ref().and_then(|c| c.head.as_ref()) {
+            Some((_, roots)) => Ok(Some(self.target.rows_to_host(&roots.hidden)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Head cache columns the largest draft of `policy` uses beyond the committed tokens.
+    fn scratch(&self, policy: &SpeculationPolicy) -> usize {
+        policy
+            .shapes()
+            .iter()
+            .map(|s| draft_scratch(&s.apply(self.config)))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// An empty running batch whose sequences may each reach `capacity` tokens; every round
+    /// drafts with the engine's configured shape.
+    pub fn new_batch(&self, capacity: usize) -> RunningBatch<T> {
+        self.new_batch_with_policy(capacity, SpeculationPolicy::fixed(Shape::of(&self.config)))
+    }
+
+    /// An empty running batch whose rounds are chosen by `policy`.
+    pub fn new_batch_with_policy(
+        &self,
+        capacity: usize,
+        policy: SpeculationPolicy,
+    ) -> RunningBatch<T> {
+        RunningBatch {
+            caches: None,
+            rows: Vec::new(),
+            capacity,
+            draft_capacity: capacity + self.scratch(&policy),
+            policy,
+            reserve_rows: 0,
+            backlog: TapBacklog::new(),
+            timings: Timings::default(),
+            compactions: 0,
+            retirements: 0,
+            trace: None,
+        }
+    }
+
+    /// Seconds per round of each choice of `batch`'s policy (plain, then each shape) at each
+    /// batch size in `batches` and two contexts, measured on this GPU with `batch`'s own caches
+    /// (so the CUDA graphs captured on the way are the ones its serving replays): that many
+    /// pseudo-random prompts of [`CALIBRATION_PROMPTS`] tokens join, run [`CALIBRATION_WARM`]
+    /// rounds of a choice, then the median of [`CALIBRATION_TIMED`] timed rounds is kept with
+    /// the mean used columns they ran at; then they leave. `batch` must be empty; its policy is
+    /// left as it was. The start-up table of [`SpeculationPolicy::adaptive`].
+    pub fn calibrate(
+        &self,
+        batch: &mut RunningBatch<T>,
+        batches: &[usize],
+    ) -> Result<CostTable, InferError> {
+        let refuse = |reason: String| InferError::Config {
+            field: "policy",
+            reason,
+        };
+        if self.draft.is_none() {
+            return Err(refuse("calibrating draft shapes needs a head".into()));
+        }
+        if !batch.is_empty() {
+            return Err(refuse("calibration needs an empty batch".into()));
+        }
+        let shapes = batch.policy.shapes().to_vec();
+        let saved = std::mem::replace(
+            &mut batch.policy,
+            SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+        );
+        let result = self.measure_choices(batch, &shapes, batches);
+        // Whatever happened, the batch is left empty with its own policy, and what it reports
+        // (time by phase, compactions) starts from serving.
+        self.cancel_all(batch)?;
+        batch.policy = saved;
+        batch.timings = Timings::default();
+        batch.compactions = 0;
+        if batch.trace.is_some() {
+            batch.record_rounds();
+        }
+        result
+    }
+
+    /// Ends every sequence of `batch` at once (one move of the caches, not one per row).
+    fn cancel_all(&self, batch: &mut RunningBatch<T>) -> Result<(), InferError> {
+        for row in &mut batch.rows {
+            row.done = true;
+        }
+        self.remove_done(batch)?;
+        Ok(())
+    }
+
+    fn measure_choices(
+        &self,
+        batch: &mut RunningBatch<T>,
+        shapes: &[Shape],
+        batches: &[usize],
+    ) -> Result<CostTable, InferError> {
+        let capacity = batch.capacity;
+        // Attention reads every used column, so costs grow with the context, the wide steps'
+        // fastest: two contexts (leaving room for the rounds), or one when the cache is small.
+        let low = CALIBRATION_PROMPTS[0].min(capacity / 8).max(1);
+        let high = CALIBRATION_PROMPTS[1].min(capacity / 4);
+        let (low_seconds, low_columns) = self.measure_at(batch, shapes, batches, low)?;
+        if high < 2 * low {
+            return Ok(CostTable::flat(batches.to_vec(), low_seconds));
+        }
+        let (high_seconds, high_columns) = self.measure_at(batch, shapes, batches, high)?;
+        Ok(CostTable::from_two_contexts(
+            batches.to_vec(),
+            (&low_seconds, &low_columns),
+            (&high_seconds, &high_columns),
+        ))
+    }
+
+    /// [`Self::measure_choices`] at prompts of `prompt_len` tokens: seconds per round and the
+    /// mean used target columns, each `[choice][batch size]` (row 0 plain).
+    #[allow(clippy::type_complexity)]
+    fn measure_at(
+        &self,
+        batch: &mut RunningBatch<T>,
+        shapes: &[Shape],
+        batches: &[usize],
+        prompt_len: usize,
+    ) -> Result<(Vec<Vec<f64>>, Vec<Vec<f64>>), InferError> {
+        let vocab = self.target.vocab_size() as u64;
+        let capacity = batch.capacity;
+        let prompt_len = prompt_len as u64;
+        let choices: Vec<Choice> = (0..shapes.len())
+            .map(Choice::Draft)
+            .chain([Choice::Plain])
+            .collect();
+        let mut seconds = vec![vec![0.0; batches.len()]; shapes.len() + 1];
+        let mut columns = vec![vec![0.0; batches.len()]; shapes.len() + 1];
+        for (k, &b) in batches.iter().enumerate() {
+            let requests = (0..b as u64)
+                .map(|id| Request {
+                    id,
+                    // A fixed pseudo-random prompt per row (costs do not depend on content).
+                    prompt: (0..prompt_len)
+                        .map(|i| ((id * 7919 + i * 104_729 + 13) % (vocab - 1) + 1) as u32)
+                        .collect(),
+                    max_new_tokens: capacity,
+                    stop_ids: Vec::new(),
+                    sampling: SamplingParams::greedy(),
+                    seed: id,
+                })
+                .collect();
+            self.admit(batch, requests)?;
+            for (c, &choice) in choices.iter().enumerate() {
+                batch.policy.force(choice);
+                let mut times = Vec::with_capacity(CALIBRATION_TIMED);
+                let mut used = 0.0;
+                for round in 0..CALIBRATION_WARM + CALIBRATION_TIMED {
+                    let before = batch.columns().0;
+                    let t0 = Instant::now();
+                    self.step(batch)?;
+                    if round >= CALIBRATION_WARM {
+                        times.push(t0.elapsed().as_secs_f64());
+                        used += before as f64 / CALIBRATION_TIMED as f64;
+                    }
+                }
+                if batch.len() != b {
+                    return Err(InferError::Config {
+                        field: "policy",
+                        reason: format!(
+                            "calibration at batch {b} lost rows ({} left): the context {capacity} \
+                             is too short to calibrate",
+                            batch.len()
+                        ),
+                    });
+                }
+                times.sort_by(f64::total_cmp);
+                let row = if c + 1 == choices.len() { 0 } else { c + 1 };
+                seconds[row][k] = times[times.len() / 2];
+                columns[row][k] = used;
+            }
+            self.cancel_all(batch)?;
+        }
+        Ok((seconds, columns))
+    }
+
+    /// The admission rules of `batch` under this engine (shared by every engine).
+    pub fn admission(&self, batch: &RunningBatch<T>) -> Admission {
+        Admission {
+            capacity: batch.capacity,
+            max_positions: self.target.max_positions(),
+            round_width: self.round_width(batch),
+            vocab: self.target.vocab_size(),
+        }
+    }
+
+    /// The longest prompt `batch` accepts: one round must still fit after it, in the cache and
+    /// in the model's positions.
+    pub fn max_prompt_len(&self, batch: &RunningBatch<T>) -> usize {
+        self.admission(batch).max_prompt_len()
+    }
+
+    /// Checks a request against the engine and the batch before anything runs.
+    pub fn check_request(&self, batch: &RunningBatch<T>, r: &Request) -> Result<(), InferError> {
+        self.admission(batch)
+            .check(std::slice::from_ref(r), &batch.ids())
+    }
+
+    /// Prefills `requests` on their own (target prefill with taps, first token, draft extend)
+    /// and moves them into the running batch. Requests are all checked first: one bad request
+    /// refuses the call and changes nothing.
+    pub fn admit(
+        &self,
+        batch: &mut RunningBatch<T>,
+        requests: Vec<Request>,
+    ) -> Result<Vec<Progress>, InferError> {
+        let wall = Instant::now();
+        let queued_s = self.drain_when_recording(batch)?;
+        let (rows, tokens) = (
+            requests.len(),
+            requests.iter().map(|r| r.prompt.len()).sum::<usize>(),
+        );
+        let before = (batch.timings, batch.columns(), self.graphs_captured());
+        let deferred = self.draft.is_some() && batch.policy.in_plain_run();
+        let result = self.admit_timed(batch, requests);
+        let seconds = wall.elapsed().as_secs_f64();
+        batch.timings.admits_wall_s += seconds;
+        let (t, (target_columns, longest, head_columns), captured) = before;
+        let after = batch.timings;
+        let captured = self.graphs_captured() - captured;
+        batch.record(wall, |at_s| RoundRecord {
+            at_s,
+            kind: "admit",
+            rows,
+            target_columns,
+            longest,
+            head_columns,
+            choice: if deferred { "deferred" } else { "extended" }.into(),
+            tokens,
+            draft_s: 0.0,
+            verify_s: after.prefill_s - t.prefill_s,
+            extend_s: after.extend_s - t.extend_s,
+            catch_up_s: 0.0,
+            housekeeping_s: after.housekeeping_s - t.housekeeping_s,
+            wall_s: seconds,
+            queued_s,
+            setup_s: after.prefill_setup_s - t.prefill_setup_s,
+            captured,
+            predicted_s: f64::NAN,
+            predicted_plain_s: f64::NAN,
+        });
+        result
+    }
+
+    /// While recording, waits for the GPU work queued before this call and says how long that
+    /// took (0 when not recording: serving keeps its overlap).
+    fn drain_when_recording(&self, batch: &RunningBatch<T>) -> Result<f64, InferError> {
+        if batch.trace.is_none() {
+            return Ok(0.0);
+        }
+        let t0 = Instant::now();
+        self.target.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    fn admit_timed(
+        &self,
+        batch: &mut RunningBatch<T>,
+        requests: Vec<Request>,
+    ) -> Result<Vec<Progress>, InferError> {
+        self.config.validate()?;
+        self.admission(batch).check(&requests, &batch.ids())?;
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = requests.len();
+        let mut rows: Vec<Row> = requests
+            .into_iter()
+            .map(|r| Row::new(r, self.draft_steps(batch)))
+            .collect();
+
+        // Target prefill (with taps when there is a head), first token.
+        let t0 = Instant::now();
+        let mut cache = self.target.new_cache(n, batch.capacity)?;
+        let refs: Vec<&[u32]> = rows.iter().map(|r| r.request.prompt.as_slice()).collect();
+        let step = T::layout(&cache).prefill_step(&refs)?;
+        batch.timings.prefill_setup_s += t0.elapsed().as_secs_f64();
+        let (logits, step_taps) =
+            self.target
+                .forward(&step, &mut cache, &self.taps, LogitsFor::Last)?;
+        let first = pick(self.target, &logits, &mut rows)?;
+        batch.timings.prefill_s += t0.elapsed().as_secs_f64();
+
+        // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
+        // the first generated token). The chunks have the prompts' lengths, so the prefill's
+        // slots line up with the extend's one for one. During a run of plain rounds the
+        // extension is deferred like theirs (target-only serving pays only the prefill): the
+        // newcomers join the head's cache empty and catch up with the rest before the next
+        // drafted round.
+        let t0 = Instant::now();
+        let defer = self.draft.is_some() && batch.policy.in_plain_run();
+        let mut deferred_taps = None;
+        let backlog_row = batch.backlog.rows;
+        let head = match self.draft {
+            Some(draft) if defer => {
+                let dcache = self.target.new_head_cache(draft, n, batch.draft_capacity)?;
+                let (hidden, vocab) = T::head_dims(draft);
+                let roots = Roots {
+                    hidden: self.target.zero_rows(n, hidden)?,
+                    logits: self.target.zero_logits(n, vocab)?,
+                };
+                for (j, (row, &f)) in rows.iter_mut().zip(&first).enumerate() {
+                    let tokens = row.request.prompt[1..].iter().copied().chain([f]);
+                    row.behind = tokens
+                        .enumerate()
+                        .map(|(slot, t)| (t, backlog_row + j * step.width + slot))
+                        .collect();
+                }
+                deferred_taps = Some(step_taps);
+                Some((dcache, roots))
+            }
+            Some(draft) => {
+                let mut dcache = self.target.new_head_cache(draft, n, batch.draft_capacity)?;
+                let chunks: Vec<Vec<u32>> = rows
+                    .iter()
+                    .zip(&first)
+                    .map(|(r, &f)| r.request.prompt[1..].iter().copied().chain([f]).collect())
+                    .collect();
+                let slots: Vec<Vec<usize>> = rows
+                    .iter()
+                    .map(|r| (0..r.request.prompt.len()).collect())
+                    .collect();
+                let roots =
+                    self.draft_extend(draft, &mut dcache, &chunks, &step_taps, step.width, &slots)?;
+                Some((dcache, roots))
+            }
+            None => None,
+        };
+        let joined = Caches::<T> {
+            target: cache,
+            head,
+        };
+        match &mut batch.caches {
+            None => {
+                let mut joined = joined;
+                self.target
+                    .reserve(&mut joined.target, batch.reserve_rows)?;
+                if let Some((dcache, _)) = &mut joined.head {
+                    self.target.reserve(dcache, batch.reserve_rows)?;
+                }
+                batch.caches = Some(joined)
+            }
+            Some(caches) => self.append(caches, joined)?,
+        }
+        if let Some(taps) = deferred_taps {
+            let at = batch.backlog.push(self.target, &taps)?;
+            debug_assert_eq!(at, backlog_row);
+        }
+        self.target.synchronize()?;
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+
+        let mut progress = Vec::with_capacity(n);
+        for (mut row, &token) in rows.into_iter().zip(&first) {
+            row.last = token;
+            commit(&mut row, &[token]);
+            progress.push(Progress {
+                id: row.request.id,
+                tokens: row.output.tokens.clone(),
+                accepted: None,
+                finished: None,
+            });
+            batch.rows.push(row);
+        }
+        self.retire(batch, &mut progress)?;
+        Ok(progress)
+    }
+
+    /// Removes a request from the batch (a client went away); its output so far is returned.
+    pub fn cancel(
+        &self,
+        batch: &mut RunningBatch<T>,
+        id: u64,
+    ) -> Result<Option<SpecOutput>, InferError> {
+        let Some(row) = batch.rows.iter().position(|r| r.request.id == id) else {
+            return Ok(None);
+        };
+        batch.rows[row].done = true;
+        let mut gone = self.remove_done(batch)?;
+        Ok(gone.pop().map(|r| r.output))
+    }
+
+    /// Moves `joined`'s rows after `caches`' rows.
+    fn append(&self, caches: &mut Caches<T>, joined: Caches<T>) -> Result<(), InferError> {
+        self.target.append(&mut caches.target, joined.target)?;
+        if let (Some((dcache, roots)), Some((jcache, jroots))) = (&mut caches.head, joined.head) {
+            let (mine, theirs) = (T::layout(dcache).batch(), T::layout(&jcache).batch());
+            self.target.append(dcache, jcache)?;
+            let picks: Vec<(usize, usize)> = (0..mine)
+                .map(|r| (0, r))
+                .chain((0..theirs).map(|r| (1, r)))
+                .collect();
+            *roots = self.gather_roots(&[&*roots, &jroots], &picks)?;
+        }
+        Ok(())
+    }
+
+    /// New roots, row `j` being row `picks[j].1` of `sources[picks[j].0]`.
+    fn gather_roots(
+        &self,
+        sources: &[&Roots<T>],
+        picks: &[(usize, usize)],
+    ) -> Result<Roots<T>, InferError> {
+        let hidden: Vec<&T::Rows> = sources.iter().map(|r| &r.hidden).collect();
+        let logits: Vec<&T::Logits> = sources.iter().map(|r| &r.logits).collect();
+        Ok(Roots {
+            hidden: self.target.gather_rows(&hidden, picks)?,
+            logits: self.target.gather_logits(&logits, picks)?,
+        })
+    }
+
+    /// Takes the rows marked done out of the batch (and its caches), in row order.
+    fn remove_done(&self, batch: &mut RunningBatch<T>) -> Result<Vec<Row>, InferError> {
+        if !batch.rows.iter().any(|r| r.done) {
+            return Ok(Vec::new());
+        }
+        batch.retirements += 1;
+        // Departed rows are refilled from the end of the batch, so only those rows move in the
+        // caches (keeping the order moved every row after the first departure: at c=64 the
+        // adaptive server, whose sequences finish in different rounds, spent 0.7 s doing so).
+        let gone: Vec<bool> = batch.rows.iter().map(|r| r.done).collect();
+        let keep = tandem_model::fill_order(gone.len(), &gone);
+        if keep.is_empty() && batch.reserve_rows == 0 {
+            batch.caches = None;
+        } else if let Some(caches) = &mut batch.caches {
+            self.target.retain(&mut caches.target, &keep)?;
+            if let Some((dcache, roots)) = &mut caches.head {
+                let t0 = Instant::now();
+                self.target.retain(dcache, &keep)?;
+                let t1 = Instant::now();
+                let picks: Vec<(usize, usize)> = keep.iter().map(|&r| (0, r)).collect();
+                *roots = self.gather_roots(&[&*roots], &picks)?;
+                batch.timings.head_retain_s += (t1 - t0).as_secs_f64();
+                batch.timings.head_roots_s += t1.elapsed().as_secs_f64();
+            }
+        }
+        let mut rows: Vec<Option<Row>> = std::mem::take(&mut batch.rows)
+            .into_iter()
+            .map(Some)
+            .collect();
+        batch.rows = keep
+            .iter()
+            .map(|&b| rows[b].take().expect("keep names each row once"))
+            .collect();
+        let gone: Vec<Row> = rows.into_iter().flatten().collect();
+        if batch.rows.is_empty() {
+            batch.backlog.clear();
+        }
+        Ok(gone)
+    }
+
+    /// Moves finished sequences out of the batch, filling in their `finished` output.
+    fn retire(
+        &self,
+        batch: &mut RunningBatch<T>,
+        progress: &mut [Progress],
+    ) -> Result<(), InferError> {
+        for row in self.remove_done(batch)? {
+            if let Some(p) = progress.iter_mut().find(|p| p.id == row.request.id) {
+                p.finished = Some(row.output);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes room for one round: compacts the caches when either would overflow, and ends the
+    /// sequences that no longer fit the cache or the model's positions (`Finish::ContextFull`).
+    fn make_room(
+        &self,
+        batch: &mut RunningBatch<T>,
+        progress: &mut Vec<Progress>,
+    ) -> Result<(), InferError> {
+        let width = self.round_width(batch);
+        let scratch = self.scratch(&batch.policy);
+        let Some(caches) = &mut batch.caches else {
+            return Ok(());
+        };
+        let target = T::layout(&caches.target);
+        let needs_room = target.used() + width > target.capacity()
+            || caches
+                .head
+                .as_ref()
+                .is_some_and(|(d, _)| T::layout(d).used() + width + scratch > T::layout(d).capacity())
+            // Attention scans every used column, so columns of rejected drafts, padding and
+            // departed sequences cost every round until they are reclaimed; reclaiming them
+            // moves each live column once.
+            || mostly_waste(target)
+            || caches.head.as_ref().is_some_and(|(d, _)| mostly_waste(T::layout(d)));
+        // A plain run after drafted rounds keeps the target's waste (rejected drafts) for all
+        // its rounds, which add none: reclaimed at once, it stops costing (session 16 at c=32:
+        // plain rounds at 418 used columns against target-only's 297, 1.59 vs 1.50 ms). The
+        // head's cache is not read during a plain run.
+        let plain_waste = self.draft.is_some()
+            && batch.policy.in_plain_run()
+            && some_waste(T::layout(&caches.target));
+        let t0 = Instant::now();
+        if needs_room || plain_waste {
+            self.target.compact(&mut caches.target)?;
+            if let (true, Some((dcache, _))) = (needs_room, &mut caches.head) {
+                self.target.compact(dcache)?;
+            }
+            batch.compactions += 1;
+            batch.timings.compact_s += t0.elapsed().as_secs_f64();
+        }
+        let limit = batch.capacity.min(self.target.max_positions());
+        for (b, row) in batch.rows.iter_mut().enumerate() {
+            if T::layout(&caches.target).seq_len(b) + width > limit {
+                row.output.finish = Finish::ContextFull;
+                row.done = true;
+                progress.push(Progress {
+                    id: row.request.id,
+                    tokens: Vec::new(),
+                    accepted: None,
+                    finished: None,
+                });
+            }
+        }
+        self.retire(batch, progress)?;
+        batch.timings.housekeeping_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// One round for every running sequence: draft, verify with the target (one tree step for
+    /// the batch), accept, commit, draft extend over what was accepted. Sequences that finish
+    /// leave the batch.
+    pub fn step(&self, batch: &mut RunningBatch<T>) -> Result<Vec<Progress>, InferError> {
+        let wall = Instant::now();
+        let queued_s = self.drain_when_recording(batch)?;
+        let before = (batch.timings, batch.columns(), self.graphs_captured());
+        let mut chosen = None;
+        let result = self.round(batch, &mut chosen);
+        let seconds = wall.elapsed().as_secs_f64();
+        batch.timings.rounds_wall_s += seconds;
+        if let Some(chosen) = chosen {
+            let (t, (target_columns, longest, head_columns), captured) = before;
+            let after = batch.timings;
+            let captured = self.graphs_captured() - captured;
+            batch.record(wall, |at_s| RoundRecord {
+                at_s,
+                kind: "round",
+                rows: chosen.rows,
+                target_columns,
+                longest,
+                head_columns,
+                choice: chosen.label,
+                tokens: chosen.committed,
+                draft_s: after.draft_s - t.draft_s,
+                verify_s: after.verify_s - t.verify_s,
+                extend_s: after.extend_s - t.extend_s,
+                catch_up_s: after.catch_up_s - t.catch_up_s,
+                housekeeping_s: after.housekeeping_s - t.housekeeping_s,
+                wall_s: seconds,
+                queued_s,
+                setup_s: 0.0,
+                captured,
+                predicted_s: chosen.predicted.0,
+                predicted_plain_s: chosen.predicted.1,
+            });
+        }
+        result
+    }
+
+    fn round(
+        &self,
+        batch: &mut RunningBatch<T>,
+        chosen: &mut Option<Chosen>,
+    ) -> Result<Vec<Progress>, InferError> {
+        let mut progress = Vec::new();
+        self.make_room(batch, &mut progress)?;
+        if batch.caches.is_none() || batch.rows.is_empty() {
+            return Ok(progress);
+        }
+        // Every row's attention reads every used column of the target's cache: the context the
+        // round is priced at.
+        let columns = batch.columns().0;
+        let deferred = batch.deferred_rounds();
+        let choice = match self.draft {
+            Some(_) => batch.policy.choose(batch.rows.len(), columns, deferred),
+            None => Choice::Plain,
+        };
+        let predicted = batch.policy.costs().map_or((f64::NAN, f64::NAN), |c| {
+            let b = batch.rows.len();
+            (c.at(choice.index(), b, columns), c.at(0, b, columns))
+        });
+        let shape = batch.policy.shape(choice);
+        // The catch-up after plain rounds is what switching to drafting costs, paid once per
+        // switch: the policy books it apart from the drafted round's own cost.
+        if shape.is_some() && batch.backlog.steps > 0 {
+            let t0 = Instant::now();
+            let captures_before = self.graphs_captured();
+            self.catch_up(batch)?;
+            if self.graphs_captured() == captures_before {
+                batch
+                    .policy
+                    .observe_switch(t0.elapsed().as_secs_f64(), deferred);
+            }
+        }
+        let round_start = Instant::now();
+        let captures_before = self.graphs_captured();
+        let caches = batch.caches.as_mut().expect("checked above");
+        let rows = &mut batch.rows;
+        let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
+
+        // Draft (the head's scratch columns are rolled back afterwards).
+        let t0 = Instant::now();
+        let trees = match (self.draft, &mut caches.head, shape) {
+            (Some(draft), Some((dcache, head_roots)), Some(shape)) => {
+                let draft_columns = T::layout(dcache).used();
+                let trees = self.draft_trees(draft, shape, &roots, head_roots, dcache)?;
+                T::layout_mut(dcache).rollback(draft_columns);
+                trees
+            }
+            _ => roots.iter().map(|&t| DraftTree::chain(t, &[])).collect(),
+        };
+        batch.timings.draft_s += t0.elapsed().as_secs_f64();
+
+        // Verify all trees in one target step.
+        let t0 = Instant::now();
+        let tree_refs: Vec<(&[u32], &[Option<usize>])> = trees
+            .iter()
+            .map(|t| (t.tokens.as_slice(), t.parents.as_slice()))
+            .collect();
+        let step = T::layout(&caches.target).tree_step(&tree_refs)?;
+        let verify_width = step.width;
+        let (logits, step_taps) =
+            self.target
+                .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?;
+        let acceptances = verify_rows(self.target, &trees, &logits, verify_width, rows)?;
+        batch.timings.verify_s += t0.elapsed().as_secs_f64();
+
+        // Commit the accepted path in the target cache, record statistics, and extend the
+        // head over the committed tokens with the taps of the verification step (after a
+        // plain round: later, with the next drafted round's).
+        let t0 = Instant::now();
+        let label = shape.map_or_else(|| "none".to_owned(), |s| s.to_string());
+        let backlog_row = batch.backlog.rows;
+        let mut chunks = Vec::with_capacity(rows.len());
+        let mut slots = Vec::with_capacity(rows.len());
+        let mut committed_total = 0;
+        for (b, ((tree, acc), row)) in trees
+            .iter()
+            .zip(&acceptances)
+            .zip(rows.iter_mut())
+            .enumerate()
+        {
+            let path = acc.path_with_root();
+            T::layout_mut(&mut caches.target).keep_only(b, verify_width, &path);
+            let committed = acc.committed_tokens(tree);
+            committed_total += committed.len();
+            if self.draft.is_some() {
+                if shape.is_some() {
+                    let depth = tree.depth.iter().copied().max().unwrap_or(0);
+                    row.output.stats.record(acc.accepted.len(), depth);
+                } else {
+                    row.behind
+                        .push((committed[0], backlog_row + b * verify_width));
+                }
+                *row.output.rounds_by_shape.entry(label.clone()).or_default() += 1;
+            }
+            let before = row.output.tokens.len();
+            commit(row, &committed);
+            progress.push(Progress {
+                id: row.request.id,
+                tokens: row.output.tokens[before..].to_vec(),
+                // Rounds without drafts report none (as the target-only baseline does).
+                accepted: shape.map(|_| acc.accepted.len()),
+                finished: None,
+            });
+            row.last = *committed.last().expect("bonus token");
+            slots.push(path);
+            chunks.push(committed);
+        }
+        match (self.draft, &mut caches.head, shape) {
+            (Some(draft), Some((dcache, head_roots)), Some(_)) => {
+                *head_roots =
+                    self.draft_extend(draft, dcache, &chunks, &step_taps, verify_width, &slots)?;
+                self.target.synchronize()?;
+            }
+            (Some(_), Some(_), None) => {
+                batch.backlog.push(self.target, &step_taps)?;
+            }
+            _ => {}
+        }
+        batch.timings.extend_s += t0.elapsed().as_secs_f64();
+        // A round that captured a CUDA graph paid a one-time cost: its time says nothing about
+        // the next rounds.
+        let round_seconds = (self.graphs_captured() == captures_before)
+            .then(|| round_start.elapsed().as_secs_f64());
+        *chosen = Some(Chosen {
+            rows: batch.rows.len(),
+            label,
+            committed: committed_total,
+            predicted,
+        });
+        batch.policy.observe(
+            choice,
+            batch.rows.len(),
+            columns,
+            committed_total,
+            round_seconds,
+        );
+        if batch.backlog.steps >= MAX_DEFERRED || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS {
+            self.catch_up(batch)?;
+        }
+        let t0 = Instant::now();
+        self.retire(batch, &mut progress)?;
+        batch.timings.housekeeping_s += t0.elapsed().as_secs_f64();
+        Ok(progress)
+    }
+
+    /// Extends the head over the tokens it is behind on (plain rounds since its last extension,
+    /// prompts that joined during them), each row over its own tokens with their recorded taps,
+    /// in batched steps of at most [`CATCH_UP_PIECE`] columns (compacting the head's cache when
+    /// a piece would not fit), and replaces the roots of those rows. Rows with nothing deferred
+    /// keep their roots. A drafted round does this first by itself.
+    pub fn catch_up(&self, batch: &mut RunningBatch<T>) -> Result<(), InferError> {
+        // Experimental (TANDEM_CATCH_UP_TAIL=K): extend each row over its last K deferred
+        // tokens only. The head's cache then has a gap and its positions lag the target's;
+        // outputs stay exact (verification decides), acceptance may drop, and a switch from
+        // plain rounds costs one piece of K columns instead of the whole run.
+        let behind: Vec<&[(u32, usize)]> = batch
+            .rows
+            .iter()
+            .map(|r| {
+                let skip = catch_up_tail().map_or(0, |k| r.behind.len().saturating_sub(k));
+                &r.behind[skip..]
+            })
+            .collect();
+        let longest = behind.iter().map(|b| b.len()).max().unwrap_or(0);
+        let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
+            return Ok(());
+        };
+        let Some((dcache, roots)) = &mut caches.head else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let mut done = 0;
+        while done < longest {
+            let wanted = (longest - done).min(CATCH_UP_PIECE);
+            if T::layout(dcache).used() + wanted > T::layout(dcache).capacity() {
+                self.target.compact(dcache)?;
+            }
+            let room = T::layout(dcache).capacity() - T::layout(dcache).used();
+            let width = wanted.min(room);
+            if width == 0 {
+                return Err(InferError::Config {
+                    field: "context",
+                    reason: format!(
+                        "the head's cache ({} columns) has no room to catch up on deferred \
+                         tokens even after compaction",
+                        T::layout(dcache).capacity()
+                    ),
+                });
+            }
+            let pieces: Vec<&[(u32, usize)]> = behind
+                .iter()
+                .map(|b| &b[done.min(b.len())..(done + width).min(b.len())])
+                .collect();
+            let backlog = batch.backlog.taps.as_ref().expect("rows are behind");
+            self.extend_deferred(draft, dcache, roots, &pieces, backlog)?;
+            done += width;
+        }
+        self.target.synchronize()?;
+        for row in &mut batch.rows {
+            row.behind.clear();
+        }
+        batch.backlog.clear();
+        batch.timings.catch_up_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// One step of [`Self::catch_up`]: the head extended over `pieces[b]` for each row `b`
+    /// (possibly none), the fc input of each slot gathered from the backlog row it names; the
+    /// roots of the rows with a piece become their output at its last token.
+    fn extend_deferred(
+        &self,
+        draft: &T::Head,
+        dcache: &mut T::Cache,
+        roots: &mut Roots<T>,
+        pieces: &[&[(u32, usize)]],
+        backlog: &Taps<T::Rows>,
+    ) -> Result<(), InferError> {
+        let chunks: Vec<Vec<u32>> = pieces
+            .iter()
+            .map(|p| p.iter().map(|e| e.0).collect())
+            .collect();
+        let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+        let step = T::layout(dcache).prefill_step(&refs)?;
+        // The backlog row of every slot; padding slots read the first entry of the piece (they
+        // are masked out of attention).
+        let fallback = pieces
+            .iter()
+            .find_map(|p| p.first())
+            .map(|e| e.1)
+            .expect("some row has a piece");
+        let tap_rows: Vec<usize> = pieces
+            .iter()
+            .flat_map(|piece| {
+                (0..step.width).map(move |slot| piece.get(slot).map_or(fallback, |e| e.1))
+            })
+            .collect();
+        let (hidden, logits) = self
+            .target
+            .head_extend(draft, dcache, &step, backlog, &tap_rows)?;
+        // New roots: each row's output at the last token of its piece, or its old root.
+        let picks: Vec<(usize, usize)> = chunks
+            .iter()
+            .enumerate()
+            .map(|(b, c)| match c.len() {
+                0 => (0, b),
+                n => (1, b * step.width + n - 1),
+            })
+            .collect();
+        let out = Roots { hidden, logits };
+        *roots = self.gather_roots(&[&*roots, &out], &picks)?;
+        Ok(())
+    }
+
+    /// Generates up to `max_new_tokens` for each prompt: all admitted at once, then rounds until
+    /// every sequence has finished (finished ones leave the batch). Greedy output equals
+    /// target-only greedy output (up to bf16 near-ties on the fast path); sampled output
+    /// follows the target distribution exactly. Sequence `i` samples from its own stream seeded
+    /// `config.seed + i`.
+    pub fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+    ) -> Result<BatchOutput, InferError> {
+        let cfg = self.config;
+        cfg.validate()?;
+        if prompts.is_empty() {
+            return Err(InferError::Request {
+                reason: "no prompts to generate from".into(),
+            });
+        }
+        let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let limit = self.target.max_positions();
+        if max_prompt + 1 > limit {
+            return Err(InferError::Request {
+                reason: format!(
+                    "a prompt of {max_prompt} tokens does not fit the context of {limit}"
+                ),
+            });
+        }
+        // Every round commits at least one token, so this many columns never need compaction.
+        let width = if self.draft.is_some() {
+            cfg.num_draft_tokens
+        } else {
+            1
+        };
+        let capacity = max_prompt + (max_new_tokens + 1) * width + 1;
+        let mut batch = self.new_batch(capacity);
+        let requests =
+            Request::for_prompts(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
+        let sequences = run_to_completion(
+            &mut batch,
+            requests,
+            |b, r| self.admit(b, r),
+            |b| self.step(b),
+            RunningBatch::is_empty,
+        )?;
+        Ok(BatchOutput {
+            sequences,
+            timings: batch.timings,
+        })
+    }
+
+    /// Draft extend over per-sequence chunks: `chunks[b][j]` pairs with the tap row
+    /// `b * step_width + slots[b][j]` of the target step that produced `taps`. Returns each
+    /// sequence's root (the head's output at its last chunk slot). Public so offline
+    /// evaluation (`tandem compare`) drafts from recorded taps through the code serving runs.
+    pub fn draft_extend(
+        &self,
+        draft: &T::Head,
+        dcache: &mut T::Cache,
+        chunks: &[Vec<u32>],
+        taps: &Taps<T::Rows>,
+        step_width: usize,
+        slots: &[Vec<usize>],
+    ) -> Result<Roots<T>, InferError> {
+        let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+        let step = T::layout(dcache).prefill_step(&refs)?;
+        // Padding slots read their sequence's first row (they are masked out of attention).
+        let mut tap_rows = Vec::with_capacity(step.batch * step.width);
+        for (b, s) in slots.iter().enumerate() {
+            for i in 0..step.width {
+                tap_rows.push(b * step_width + *s.get(i).unwrap_or(&s[0]));
+            }
+        }
+        let (hidden, logits) = self
+            .target
+            .head_extend(draft, dcache, &step, taps, &tap_rows)?;
+        let last: Vec<(usize, usize)> = chunks
+            .iter()
+            .enumerate()
+            .map(|(b, c)| (0, b * step.width + c.len() - 1))
+            .collect();
+        self.gather_roots(&[&Roots { hidden, logits }], &last)
+    }
+
+    /// Each sequence's draft tree from its root (`tokens[b]`, the head's state `roots` row
+    /// `b`): a chain for topk 1, SGLang's beam tree otherwise. Draft-step keys are written to
+    /// `dcache`; the caller rolls them back.
+    pub fn draft_trees(
+        &self,
+        draft: &T::Head,
+        shape: Shape,
+        tokens: &[u32],
+        roots: &Roots<T>,
+        dcache: &mut T::Cache,
+    ) -> Result<Vec<DraftTree>, InferError> {
+        if shape.topk == 1 {
+            self.draft_chains(draft, shape, tokens, roots, dcache)
+        } else {
+            self.draft_beams(draft, shape, tokens, roots, dcache)
+        }
+    }
+
+    fn draft_chains(
+        &self,
+        draft: &T::Head,
+        shape: Shape,
+        root_tokens: &[u32],
+        roots: &Roots<T>,
+        dcache: &mut T::Cache,
+    ) -> Result<Vec<DraftTree>, InferError> {
+        let batch = root_tokens.len();
+        let steps = shape.steps.min(shape.tokens - 1);
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); batch];
+        let mut next: Option<(T::Rows, T::Logits)> = None;
+        for s in 0..steps {
+            let logits = next.as_ref().map_or(&roots.logits, |n| &n.1);
+            let tokens: Vec<u32> = self
+                .target
+                .argmax(logits)?
+                .into_iter()
+                .map(|d| T::to_target(draft, d))
+                .collect();
+            for (b, &t) in tokens.iter().enumerate() {
+                drafts[b].push(t);
+            }
+            if s + 1 == steps {
+                break;
+            }
+            let step = T::layout(dcache).decode_step(&tokens)?;
+            let hidden = match next.take() {
+                Some((hidden, _)) => hidden,
+                None => {
+                    let all: Vec<(usize, usize)> = (0..batch).map(|b| (0, b)).collect();
+                    self.target.gather_rows(&[&roots.hidden], &all)?
+                }
+            };
+            next = Some(self.target.head_step(draft, dcache, &step, hidden)?);
+        }
+        Ok(root_tokens
+            .iter()
+            .zip(drafts)
+            .map(|(&r, d)| DraftTree::chain(r, &d))
+            .collect())
+    }
+
+    /// Tree drafting with topk > 1 ([`BeamSearch`]): each draft step re-runs the beams with
+    /// their ancestors in one tree step of the head (rolled back). A node's hidden input is its
+    /// parent's output, gathered from the roots and the earlier steps' outputs on the device;
+    /// the top-k of each row is computed there too and only `k` probabilities and ids per row
+    /// come back to the host.
+    fn draft_beams(
+        &self,
+        draft: &T::Head,
+        shape: Shape,
+        tokens: &[u32],
+        roots: &Roots<T>,
+        dcache: &mut T::Cache,
+    ) -> Result<Vec<DraftTree>, InferError> {
+        let k = shape.topk;
+        let batch = tokens.len();
+        let base_columns = T::layout(dcache).used();
+        let to_target =
+            |ids: &[u32]| -> Vec<u32> { ids.iter().map(|&d| T::to_target(draft, d)).collect() };
+        // Outputs of the draft steps so far; source 0 of a gather is the roots' hidden states.
+        let mut outputs: Vec<T::Rows> = Vec::with_capacity(shape.steps);
+        // Where each evaluated node's output is, `(source, row)`, by node index.
+        let mut node_at: Vec<Vec<Option<(usize, usize)>>> = vec![Vec::new(); batch];
+
+        let mut searches: Vec<BeamSearch> = (0..batch).map(|_| BeamSearch::new(k)).collect();
+        let (probs, ids) = self.target.softmax_topk(&roots.logits, k)?;
+        push_roots(&mut searches, k, &probs, &to_target(&ids));
+        for _ in 1..shape.steps {
+            let next = BeamStep::new(&searches);
+            let width = next.width;
+            // A node's hidden input is its parent's output (the root's for depth 0); padding
+            // slots read the root (masked).
+            let mut picks = Vec::with_capacity(batch * width);
+            for (b, frontier) in next.frontiers.iter().enumerate() {
+                for i in 0..width {
+                    picks.push(match frontier.get(i).and_then(|&n| searches[b].parent(n)) {
+                        Some(p) => node_at[b][p].expect("parents are evaluated first"),
+                        None => (0, b),
+                    });
+                }
+            }
+            let step: StepInput = T::layout(dcache).tree_step(&next.trees())?;
+            let sources: Vec<&T::Rows> = std::iter::once(&roots.hidden)
+                .chain(outputs.iter())
+                .collect();
+            let hidden = self.target.gather_rows(&sources, &picks)?;
+            let (out_hidden, out_logits) = self.target.head_step(draft, dcache, &step, hidden)?;
+            T::layout_mut(dcache).rollback(base_columns);
+
+            // The beams' rows: where their outputs are, and their top-k to the tree.
+            let source = outputs.len() + 1;
+            let mut beam_rows = Vec::new();
+            for (b, search) in searches.iter().enumerate() {
+                for &beam in search.beams() {
+                    let row = b * step.width + next.slot(b, beam);
+                    if node_at[b].len() <= beam {
+                        node_at[b].resize(beam + 1, None);
+                    }
+                    node_at[b][beam] = Some((source, row));
+                    beam_rows.push(row);
+                }
+            }
+            outputs.push(out_hidden);
+            let (probs, ids) = self.target.softmax_topk(&out_logits, k)?;
+            let mut at = 0;
+            for search in searches.iter_mut() {
+                let n = search.beams().len();
+                let rows = &beam_rows[at..at + n];
+                let beam_probs: Vec<Vec<f32>> = rows
+                    .iter()
+                    .map(|&r| probs[r * k..(r + 1) * k].to_vec())
+                    .collect();
+                let beam_tokens: Vec<Vec<u32>> = rows
+                    .iter()
+                    .map(|&r| to_target(&ids[r * k..(r + 1) * k]))
+                    .collect();
+                search.push(&beam_probs, &beam_tokens);
+                at += n;
+            }
+        }
+        tokens
+            .iter()
+            .zip(&searches)
+            .map(|(&r, search)| Ok(search.build(r, shape.tokens)?))
+            .collect()
+    }
+}
+
+/// Whether a cache's used columns run past its longest sequence by `1 / fraction` of it and
+/// at least `floor` columns.
+fn waste_past(layout: &ColumnLayout, fraction: usize, floor: usize) -> bool {
+    let longest = layout.longest();
+    layout.batch() > 0 && layout.used() >= longest + (longest / fraction).max(floor)
+}
+
+/// Whether a cache's used columns run well past its longest sequence (by a quarter, and at
+/// least 64 columns): the point where compacting costs less than the rounds it speeds up.
+fn mostly_waste(layout: &ColumnLayout) -> bool {
+    waste_past(layout, 4, 64)
+}
+
+/// Whether a cache holds waste worth reclaiming before a run of rounds that adds none (an
+/// eighth of its longest sequence, and at least 16 columns).
+fn some_waste(layout: &ColumnLayout) -> bool {
+    waste_past(layout, 8, 16)
+}
+
+pub(crate) fn commit(row: &mut Row, tokens: &[u32]) {
+    commit_tokens(&row.request, &mut row.output, &mut row.done, tokens);
+}
+
+/// The first token of each row from target logits `[batch, vocab]`: argmax on the device for
+/// greedy rows, the row's own sampling stream otherwise.
+pub(crate) fn pick<T: SpecBackend>(
+    target: &T,
+    logits: &T::Logits,
+    rows: &mut [Row],
+) -> Result<Vec<u32>, InferError> {
+    let argmax = target.argmax(logits)?;
+    let host = rows
+        .iter()
+        .any(|r| !r.request.sampling.is_greedy())
+        .then(|| target.logits_to_host(logits))
+        .transpose()?;
+    let v = target.vocab_size();
+    Ok(rows
+        .iter_mut()
+        .enumerate()
+        .map(|(i, row)| match &host {
+            Some(host) if !row.request.sampling.is_greedy() => sample_from(
+                &distribution(&host[i * v..(i + 1) * v], &row.request.sampling),
+                &mut row.rng,
+            ) as u32,
+            _ => argmax[i],
+        })
+        .collect())
+}
+
+/// Acceptance of each row's tree from the verification logits `[batch * width, vocab]`.
+fn verify_rows<T: SpecBackend>(
+    target: &T,
+    trees: &[DraftTree],
+    logits: &T::Logits,
+    width: usize,
+    rows: &mut [Row],
+) -> Result<Vec<Acceptance>, InferError> {
+    let greedy = |r: &Row| r.request.sampling.is_greedy();
+    let argmax = rows
+        .iter()
+        .any(greedy)
+        .then(|| target.argmax(logits))
+        .transpose()?;
+    let host = (!rows.iter().all(greedy))
+        .then(|| target.logits_to_host(logits))
+        .transpose()?;
+    let vocab = target.vocab_size();
+    Ok(trees
+        .iter()
+        .zip(rows.iter_mut())
+        .enumerate()
+        .map(|(b, (tree, row))| match (&argmax, &host) {
+            (Some(argmax), _) if row.request.sampling.is_greedy() => {
+                verify_greedy(tree, &argmax[b * width..b * width + tree.len()])
+            }
+            (_, Some(host)) => {
+                let params: SamplingParams = row.request.sampling;
+                verify_sampling(
+                    tree,
+                    |node| {
+                        let at = (b * width + node) * vocab;
+                        distribution(&host[at..at + vocab], &params)
+                    },
+                    &mut row.rng,
+                )
+            }
+            _ => unreachable!("argmax is computed for greedy rows, host logits for the rest"),
+        })
+        .collect())
+}
+
+impl<T: SpecBackend> SpecGenerate for Engine<'_, T> {
+    fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+    ) -> Result<BatchOutput, InferError> {
+        Engine::generate(self, prompts, max_new_tokens, stop_ids)
+    }
+    fn config(&self) -> SpecConfig {
+        self.config
+    }
+}
