@@ -354,6 +354,11 @@ pub struct PolicyConfig {
     pub prior_weight: f64,
     /// Sequence-rounds over which old acceptance observations fade (1/e).
     pub window: f64,
+    /// Sequence-rounds of other shapes over which an unchosen shape's estimate returns to its
+    /// optimistic prior (1/e), so a shape judged on a few early rounds (the warm-up's short
+    /// prompts) is tried again later instead of never (session 16, c=8: the chain's estimate
+    /// stayed at 1.62 tokens from the warm-up while it committed ~2.08 when run).
+    pub revisit: f64,
     /// How far one timed round moves the cost table.
     pub cost_rate: f64,
     /// Drafted rounds over which one switch from plain rounds (the head's catch-up) is
@@ -370,6 +375,7 @@ impl Default for PolicyConfig {
             probe_every: 400,
             prior_weight: 2.0,
             window: 512.0,
+            revisit: 1024.0,
             cost_rate: 0.2,
             switch_horizon: 16.0,
         }
@@ -392,6 +398,12 @@ impl Mean {
         self.sum = self.sum * keep + total;
         self.weight = self.weight * keep + count;
     }
+    /// Moves what was observed back toward `prior` (the mean before any observation): the
+    /// observations keep the share `keep`.
+    fn fade_toward(&mut self, prior: Mean, keep: f64) {
+        self.sum = prior.sum + (self.sum - prior.sum) * keep;
+        self.weight = prior.weight + (self.weight - prior.weight) * keep;
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -413,6 +425,8 @@ pub struct SpeculationPolicy {
     shapes: Vec<Shape>,
     mode: Mode,
     committed: Vec<Mean>,
+    /// Each shape's optimistic prior (what `committed` starts from).
+    priors: Vec<Mean>,
     plain_streak: u64,
     /// Rounds run per choice (0 plain, `1 + i` shape `i`).
     rounds: Vec<u64>,
@@ -432,7 +446,7 @@ pub struct SpeculationPolicy {
 
 impl SpeculationPolicy {
     fn with_mode(shapes: Vec<Shape>, mode: Mode, prior_weight: f64) -> Self {
-        let committed = shapes
+        let priors: Vec<Mean> = shapes
             .iter()
             .map(|s| Mean {
                 sum: prior_weight * s.max_commit() as f64,
@@ -443,7 +457,8 @@ impl SpeculationPolicy {
         Self {
             shapes,
             mode,
-            committed,
+            committed: priors.clone(),
+            priors,
             plain_streak: 0,
             rounds,
             catch_up_per_step: None,
@@ -695,6 +710,12 @@ impl SpeculationPolicy {
         }
         if let Choice::Draft(i) = choice {
             self.committed[i].add(committed as f64, rows as f64, config.window);
+            let keep = (-(rows as f64) / config.revisit).exp();
+            for (j, (mean, prior)) in self.committed.iter_mut().zip(&self.priors).enumerate() {
+                if j != i {
+                    mean.fade_toward(*prior, keep);
+                }
+            }
         }
     }
 }
@@ -856,6 +877,55 @@ mod tests {
         let rounds = p.rounds();
         assert_eq!(rounds[0], ("none".to_owned(), 9));
         assert_eq!(rounds[1], ("3/1/4".to_owned(), 2));
+    }
+
+    #[test]
+    fn a_shape_judged_early_is_revisited_while_another_runs() {
+        // The chain and the tree cost the same here, so the better estimate wins.
+        let costs = CostTable::flat(
+            vec![8],
+            vec![vec![1.5e-3], vec![2.5e-3], vec![2.5e-3]],
+        );
+        let config = PolicyConfig {
+            probe_every: 1000,
+            ..PolicyConfig::default()
+        };
+        let mut p = SpeculationPolicy::adaptive(
+            vec![shape("3/1/4"), shape("3/4/8")],
+            costs,
+            config,
+        )
+        .unwrap();
+        // Early rounds judge the chain at 1.5 tokens per round and the tree at 2.5: the tree
+        // runs.
+        for _ in 0..4 {
+            p.observe(Choice::Draft(0), 8, 0, 12, None);
+        }
+        for _ in 0..4 {
+            p.observe(Choice::Draft(1), 8, 0, 20, None);
+        }
+        // (The prior's 2 sequence-rounds at 4 tokens weigh in: (8 + 48) / 34.)
+        let early = p.expected_commit(0);
+        assert!((early - 56.0 / 34.0).abs() < 0.05, "{early}");
+        assert_eq!(p.choose(8, 0, 0), Choice::Draft(1));
+        // The tree keeps committing 2.5 while it runs; the chain's estimate drifts back toward
+        // its prior (4 tokens) until it is worth trying again, the tree's own estimate stays.
+        let mut rounds = 0;
+        while p.choose(8, 0, 0) == Choice::Draft(1) {
+            p.observe(Choice::Draft(1), 8, 0, 20, None);
+            rounds += 1;
+            assert!(rounds < 1000, "the chain is never revisited");
+        }
+        assert!((p.expected_commit(1) - 2.5).abs() < 0.01);
+        assert!(p.expected_commit(0) > 2.5);
+        // Rounds of the other shape fade it: 1 - 1/e of the way back after `revisit`
+        // sequence-rounds, so a few hundred rounds at batch 8, not a few.
+        assert!(rounds > 50, "{rounds}");
+        // Observed again at 1.5, the chain is judged on its rounds at once.
+        for _ in 0..8 {
+            p.observe(Choice::Draft(0), 8, 0, 12, None);
+        }
+        assert_eq!(p.choose(8, 0, 0), Choice::Draft(1));
     }
 
     #[test]
