@@ -86,12 +86,12 @@ for c in (1, 8, 32, 64):
           f"{tail['accept_length']:.3f})") if tail else ""
     print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
           f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} | {tl} |")
-for f in sorted(glob.glob(os.path.join(r, "load_adaptive_c32_r*.json"))):
-    run = f.rsplit("_r", 1)[1].split(".")[0]
+for f in sorted(glob.glob(os.path.join(r, "load_adaptive_c*_r*.json"))):
+    c, run = os.path.basename(f)[len("load_adaptive_c"):-len(".json")].split("_r")
     ada = json.load(open(f))
-    base = json.load(open(os.path.join(r, f"load_target-only_c32_r{run}.json")))
+    base = json.load(open(os.path.join(r, f"load_target-only_c{c}_r{run}.json")))
     shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
-    print(f"| 32 (repeat {run}) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
+    print(f"| {c} (repeat {run}) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
           f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | | |")
 PY
   for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
@@ -125,11 +125,13 @@ pipeline)
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
     mark "serve c$c done"
   done
-  # Session 17: more same-run pairs at c=32, where the ratio sits near the 0.98 bar and one
-  # pair does not resolve 2%.
-  for i in $(seq 1 "${C32_REPEATS:-0}"); do
-    serve_load "target-only_c32_r$i" 32 --no-draft
-    serve_load "adaptive_c32_r$i" 32 --draft "$W/head"
+  # Session 17: more same-run pairs at the concurrencies REPEAT_AT (default 32), where the
+  # ratio sits near the 0.98 bar and one pair does not resolve 2%.
+  for i in $(seq 1 "${REPEATS:-0}"); do
+    for c in ${REPEAT_AT:-32}; do
+      serve_load "target-only_c${c}_r$i" "$c" --no-draft
+      serve_load "adaptive_c${c}_r$i" "$c" --draft "$W/head"
+    done
   done
   [[ -n "${FIXED-1}" ]] && serve_load "fixed_c32" 32 --draft "$W/head" --speculation fixed --steps 3 --topk 1
   # Experiment (session 15): catch-ups extend the head over the last 16 deferred tokens only.

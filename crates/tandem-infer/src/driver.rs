@@ -380,20 +380,31 @@ impl<T: SpecBackend> Engine<'_, T> {
         // fastest: two contexts (leaving room for the rounds), or one when the cache is small.
         let low = CALIBRATION_PROMPTS[0].min(capacity / 8).max(1);
         let high = CALIBRATION_PROMPTS[1].min(capacity / 4);
-        let (low_seconds, low_columns) = self.measure_at(batch, shapes, batches, low)?;
-        if high < 2 * low {
-            return Ok(CostTable::flat(batches.to_vec(), low_seconds));
-        }
-        let (high_seconds, high_columns) = self.measure_at(batch, shapes, batches, high)?;
-        Ok(CostTable::from_two_contexts(
-            batches.to_vec(),
-            (&low_seconds, &low_columns),
-            (&high_seconds, &high_columns),
-        ))
+        let mut switches = Vec::new();
+        let (low_seconds, low_columns) =
+            self.measure_at(batch, shapes, batches, low, &mut switches)?;
+        let mut table = if high < 2 * low {
+            CostTable::flat(batches.to_vec(), low_seconds)
+        } else {
+            let (high_seconds, high_columns) =
+                self.measure_at(batch, shapes, batches, high, &mut switches)?;
+            CostTable::from_two_contexts(
+                batches.to_vec(),
+                (&low_seconds, &low_columns),
+                (&high_seconds, &high_columns),
+            )
+        };
+        // The median over batch sizes and contexts: a catch-up's cost per step falls with the
+        // steps deferred (each piece has a fixed part), so the short runs measured here price
+        // long ones high, and the policy's own switches correct it.
+        switches.sort_by(f64::total_cmp);
+        table.switch_per_step = switches.get(switches.len() / 2).copied();
+        Ok(table)
     }
 
     /// [`Self::measure_choices`] at prompts of `prompt_len` tokens: seconds per round and the
-    /// mean used target columns, each `[choice][batch size]` (row 0 plain).
+    /// mean used target columns, each `[choice][batch size]` (row 0 plain); the seconds per
+    /// deferred step of the catch-up after each size's plain rounds are pushed to `switches`.
     #[allow(clippy::type_complexity)]
     fn measure_at(
         &self,
@@ -401,6 +412,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         shapes: &[Shape],
         batches: &[usize],
         prompt_len: usize,
+        switches: &mut Vec<f64>,
     ) -> Result<(Vec<Vec<f64>>, Vec<Vec<f64>>), InferError> {
         let vocab = self.target.vocab_size() as u64;
         let capacity = batch.capacity;
@@ -454,6 +466,13 @@ impl<T: SpecBackend> Engine<'_, T> {
                 seconds[row][k] = times[times.len() / 2];
                 columns[row][k] = used;
             }
+            // The plain rounds (measured last) left the head behind: what catching up costs.
+            let deferred = batch.deferred_rounds();
+            if deferred > 0 {
+                let t0 = Instant::now();
+                self.catch_up(batch)?;
+                switches.push(t0.elapsed().as_secs_f64() / deferred as f64);
+            }
             self.cancel_all(batch)?;
         }
         Ok((seconds, columns))
@@ -496,8 +515,8 @@ impl<T: SpecBackend> Engine<'_, T> {
             requests.iter().map(|r| r.prompt.len()).sum::<usize>(),
         );
         let before = (batch.timings, batch.columns(), self.graphs_captured());
-        let deferred = self.draft.is_some() && batch.policy.in_plain_run();
-        let result = self.admit_timed(batch, requests);
+        let deferred = self.defers_joins(batch, &requests);
+        let result = self.admit_timed(batch, requests, deferred);
         let seconds = wall.elapsed().as_secs_f64();
         batch.timings.admits_wall_s += seconds;
         let (t, (target_columns, longest, head_columns), captured) = before;
@@ -538,10 +557,30 @@ impl<T: SpecBackend> Engine<'_, T> {
         Ok(t0.elapsed().as_secs_f64())
     }
 
+    /// Whether `requests` joining `batch` defer their head extension: during a run of plain
+    /// rounds (target-only serving pays only the prefill), and when the policy expects the
+    /// batch they make to run plain rounds (at c=32 the first wave's extension, 9-17 ms over
+    /// ~2,600-4,900 prompt tokens, preceded nothing but plain rounds). A drafted round catches
+    /// them up first, so deferring is never wrong, only a guess about when to pay.
+    fn defers_joins(&self, batch: &RunningBatch<T>, requests: &[Request]) -> bool {
+        if self.draft.is_none() {
+            return false;
+        }
+        let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
+        let columns = batch.columns().0.max(longest);
+        batch.policy.in_plain_run()
+            || batch.policy.expects_plain(
+                batch.rows.len() + requests.len(),
+                columns,
+                batch.deferred_rounds(),
+            )
+    }
+
     fn admit_timed(
         &self,
         batch: &mut RunningBatch<T>,
         requests: Vec<Request>,
+        defer: bool,
     ) -> Result<Vec<Progress>, InferError> {
         self.config.validate()?;
         self.admission(batch).check(&requests, &batch.ids())?;
@@ -568,12 +607,10 @@ impl<T: SpecBackend> Engine<'_, T> {
 
         // Draft extend over the prompt: slot t pairs aux_t with token t+1 (the last slot with
         // the first generated token). The chunks have the prompts' lengths, so the prefill's
-        // slots line up with the extend's one for one. During a run of plain rounds the
-        // extension is deferred like theirs (target-only serving pays only the prefill): the
-        // newcomers join the head's cache empty and catch up with the rest before the next
-        // drafted round.
+        // slots line up with the extend's one for one. When plain rounds run or are expected
+        // ([`Self::defers_joins`]) the extension is deferred like theirs: the newcomers join
+        // the head's cache empty and catch up with the rest before the next drafted round.
         let t0 = Instant::now();
-        let defer = self.draft.is_some() && batch.policy.in_plain_run();
         let mut deferred_taps = None;
         let backlog_row = batch.backlog.rows;
         let head = match self.draft {

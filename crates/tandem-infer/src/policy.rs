@@ -147,6 +147,12 @@ pub struct CostTable {
     /// `per_column[c][k]`: seconds each used column past `columns[0]` adds (empty with one
     /// context).
     pub per_column: Vec<Vec<f64>>,
+    /// Seconds the head's catch-up after plain rounds took per deferred step, measured with
+    /// the table (`None`: not measured): the adaptive policy's price of a switch until it has
+    /// timed switches of its own. Unpriced, the first switch of a server looked free, and at
+    /// c=32 the batch draining at the end of a run switched for one drafted round behind an
+    /// 8 ms catch-up (session 17).
+    pub switch_per_step: Option<f64>,
 }
 
 impl CostTable {
@@ -157,6 +163,7 @@ impl CostTable {
             seconds,
             columns: vec![0],
             per_column: Vec::new(),
+            switch_per_step: None,
         }
     }
 
@@ -196,6 +203,7 @@ impl CostTable {
             seconds,
             columns: vec![reference as usize, top as usize],
             per_column,
+            switch_per_step: None,
         }
     }
 
@@ -236,6 +244,11 @@ impl CostTable {
             "a positive number of seconds",
         )?;
         ascending("contexts", &self.columns)?;
+        if let Some(v) = self.switch_per_step.filter(|v| !v.is_finite() || *v < 0.0) {
+            return Err(bad(format!(
+                "a switch's cost per deferred step {v} is not a non-negative number of seconds"
+            )));
+        }
         if !self.per_column.is_empty() {
             per_choice(
                 "per-column cost",
@@ -486,11 +499,14 @@ impl SpeculationPolicy {
             });
         }
         costs.validate(shapes.len() + 1)?;
-        Ok(Self::with_mode(
+        let switch_per_step = costs.switch_per_step;
+        let mut policy = Self::with_mode(
             shapes,
             Mode::Adaptive { costs, config },
             config.prior_weight,
-        ))
+        );
+        policy.catch_up_per_step = switch_per_step;
+        Ok(policy)
     }
 
     /// Every round runs `choice` (for measuring its cost).
@@ -576,6 +592,21 @@ impl SpeculationPolicy {
     /// catch-up first (the engine defers joining prompts' head extension then too).
     pub fn in_plain_run(&self) -> bool {
         self.plain_streak > 0
+    }
+
+    /// Whether the costs and estimates alone (no probe) make the next round of `batch`
+    /// sequences at `columns` used columns, the head `deferred` steps behind, a plain one
+    /// (adaptive policies only; the others: never). Prompts joining such a batch defer their
+    /// head extension: if a drafted round comes anyway, its catch-up extends them.
+    pub fn expects_plain(&self, batch: usize, columns: usize, deferred: usize) -> bool {
+        let Mode::Adaptive { config, .. } = &self.mode else {
+            return false;
+        };
+        let rates = self.throughput(batch, columns, deferred);
+        let plain = rates[0].1;
+        !rates[1..]
+            .iter()
+            .any(|(_, rate)| *rate > plain * (1.0 + config.margin))
     }
 
     /// What a switch from plain rounds to drafting is expected to cost, in seconds, with
@@ -882,20 +913,14 @@ mod tests {
     #[test]
     fn a_shape_judged_early_is_revisited_while_another_runs() {
         // The chain and the tree cost the same here, so the better estimate wins.
-        let costs = CostTable::flat(
-            vec![8],
-            vec![vec![1.5e-3], vec![2.5e-3], vec![2.5e-3]],
-        );
+        let costs = CostTable::flat(vec![8], vec![vec![1.5e-3], vec![2.5e-3], vec![2.5e-3]]);
         let config = PolicyConfig {
             probe_every: 1000,
             ..PolicyConfig::default()
         };
-        let mut p = SpeculationPolicy::adaptive(
-            vec![shape("3/1/4"), shape("3/4/8")],
-            costs,
-            config,
-        )
-        .unwrap();
+        let mut p =
+            SpeculationPolicy::adaptive(vec![shape("3/1/4"), shape("3/4/8")], costs, config)
+                .unwrap();
         // Early rounds judge the chain at 1.5 tokens per round and the tree at 2.5: the tree
         // runs.
         for _ in 0..4 {
@@ -926,6 +951,50 @@ mod tests {
             p.observe(Choice::Draft(0), 8, 0, 12, None);
         }
         assert_eq!(p.choose(8, 0, 0), Choice::Draft(1));
+    }
+
+    #[test]
+    fn a_measured_switch_prices_the_first_switch_and_joins_defer_where_plain_is_expected() {
+        // Plain: 1.5 ms per round at batch 1; the chain 2.5 ms (commits up to 4).
+        let mut costs = CostTable::flat(vec![1], vec![vec![1.5e-3], vec![2.5e-3]]);
+        costs.switch_per_step = Some(1e-3);
+        let config = PolicyConfig {
+            probe_every: 1000,
+            ..PolicyConfig::default()
+        };
+        let mut p =
+            SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs.clone(), config).unwrap();
+        // The table's switch price holds before any switch is observed.
+        assert!((p.switch_seconds(10) - 10e-3).abs() < 1e-12);
+        // Drafting is expected to pay here (prior: 4 tokens per 2.5 ms)...
+        assert!(!p.expects_plain(1, 0, 0));
+        assert_eq!(p.choose(1, 0, 0), Choice::Draft(0));
+        // ...until it commits one token per round: then plain rounds are expected, and asking
+        // changes nothing (no round is counted).
+        for _ in 0..100 {
+            p.observe(Choice::Draft(0), 1, 0, 1, None);
+        }
+        let before = p.rounds();
+        assert!(p.expects_plain(1, 0, 0));
+        assert_eq!(p.rounds(), before);
+        // A chain committing 2 tokens per round pays (2 per 2.5 ms against 1 per 1.5)...
+        let mut q =
+            SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs.clone(), config).unwrap();
+        for _ in 0..1000 {
+            q.observe(Choice::Draft(0), 1, 0, 2, None);
+        }
+        assert!(!q.expects_plain(1, 0, 0));
+        // ...but once plain rounds run, a switch 160 steps behind costs 160 ms over 16 drafted
+        // rounds, and joins defer; with nothing deferred it pays again.
+        q.choose_recorded(Choice::Plain);
+        assert!(q.expects_plain(1, 0, 160));
+        assert!(!q.expects_plain(1, 0, 0));
+        // Fixed and forced policies never expect plain rounds for joins.
+        assert!(!SpeculationPolicy::fixed(shape("3/1/4")).expects_plain(1, 0, 0));
+        // A negative price is refused by name.
+        costs.switch_per_step = Some(-1.0);
+        let err = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap_err();
+        assert!(err.to_string().contains("per deferred step"), "{err}");
     }
 
     #[test]

@@ -470,3 +470,76 @@ fn target_only_batch_joins_and_leaves() {
     assert_eq!(finished[&2].finish, Finish::ContextFull);
     assert_eq!(finished[&0].tokens.len(), 10);
 }
+
+/// The speculation policy on burn (the one driver gives every backend its plain rounds, the
+/// deferred head extension and the calibration): the measured table prices a switch, prompts
+/// joining a batch that is expected to run plain rounds defer their head extension, and with
+/// probes forcing drafted rounds (and their catch-ups) in between, greedy output still equals
+/// target-only greedy output token for token.
+#[test]
+fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
+    use tandem_infer::{Choice, CostTable, PolicyConfig, Request, Shape, SpeculationPolicy};
+
+    let (target, draft, taps) = setup("adaptive");
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    let shapes = vec![Shape::parse("3/1/4").unwrap()];
+    let mut batch = engine.new_batch_with_policy(
+        256,
+        SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+    );
+    let measured = engine.calibrate(&mut batch, &[1, 2]).unwrap();
+    assert!(batch.is_empty());
+    assert_eq!(measured.columns.len(), 2, "two contexts measured");
+    let switch = measured.switch_per_step.expect("a catch-up was timed");
+    assert!(switch > 0.0 && switch < 1.0, "{switch}");
+
+    // Drafting priced far above plain rounds: every round is plain but for a probe every
+    // fourth, which catches the head up first.
+    let costly = CostTable::flat(vec![1, 4], vec![vec![1e-3, 1e-3], vec![1.0, 1.0]]);
+    let config = PolicyConfig {
+        probe_every: 4,
+        ..PolicyConfig::default()
+    };
+    batch.policy = SpeculationPolicy::adaptive(shapes, costly, config).unwrap();
+    let prompts = [vec![3u32, 14, 15, 92, 65], vec![2u32, 71, 82]];
+    let requests: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            id: i as u64,
+            prompt: p.clone(),
+            max_new_tokens: 20,
+            stop_ids: Vec::new(),
+            sampling: SamplingParams::greedy(),
+            seed: 0,
+        })
+        .collect();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut keep = |progress: Vec<tandem_infer::Progress>| {
+        for p in progress {
+            tokens[p.id as usize].extend(&p.tokens);
+        }
+    };
+    keep(engine.admit(&mut batch, requests).unwrap());
+    // Both prompts wait for a catch-up: every prompt token but the first, and the first
+    // generated token.
+    assert_eq!(batch.deferred_rounds(), 5);
+    while !batch.is_empty() {
+        keep(engine.step(&mut batch).unwrap());
+    }
+    let rounds = batch.policy.rounds();
+    assert!(
+        rounds.iter().any(|(l, n)| l == "none" && *n > 0)
+            && rounds.iter().any(|(l, n)| l == "3/1/4" && *n > 0),
+        "{rounds:?}"
+    );
+    for (i, prompt) in prompts.iter().enumerate() {
+        let expected = target_greedy(&target, prompt, 20, &[]).unwrap();
+        assert_eq!(tokens[i], expected, "prompt {i}");
+    }
+}
