@@ -326,6 +326,12 @@ impl CostTable {
             }
             blocks.push(text);
         }
+        if let Some(per_step) = self.switch_per_step {
+            blocks.push(format!(
+                "a switch from plain rounds: {:.4} ms per deferred step",
+                per_step * 1e3
+            ));
+        }
         blocks.join("\n")
     }
 
