@@ -378,6 +378,13 @@ pub struct PolicyConfig {
     /// prompts) is tried again later instead of never (session 16, c=8: the chain's estimate
     /// stayed at 1.62 tokens from the warm-up while it committed ~2.08 when run).
     pub revisit: f64,
+    /// Plain rounds over which every shape's estimate returns to its prior (1/e): a plain run
+    /// observes no shape, so an estimate made on a few rounds (weight ~100 sequence-rounds)
+    /// comes back within break-even after ~200 rounds and is tried again, while one made on
+    /// many (~512) stays put for longer than the probe interval. Without it, a batch whose
+    /// early rounds judged its best shape just under break-even stayed plain (session 17,
+    /// c=8: 3/4/8 judged at 2.07 tokens per round, 2.11 needed, ~2.45 when run; 0.94x).
+    pub revisit_plain_rounds: f64,
     /// How far one timed round moves the cost table.
     pub cost_rate: f64,
     /// Drafted rounds over which one switch from plain rounds (the head's catch-up) is
@@ -395,6 +402,7 @@ impl Default for PolicyConfig {
             prior_weight: 2.0,
             window: 512.0,
             revisit: 1024.0,
+            revisit_plain_rounds: 256.0,
             cost_rate: 0.2,
             switch_horizon: 16.0,
         }
@@ -745,13 +753,16 @@ impl SpeculationPolicy {
         if let Some(seconds) = seconds {
             costs.correct(choice.index(), rows, columns, seconds, config.cost_rate);
         }
-        if let Choice::Draft(i) = choice {
-            self.committed[i].add(committed as f64, rows as f64, config.window);
-            let keep = (-(rows as f64) / config.revisit).exp();
-            for (j, (mean, prior)) in self.committed.iter_mut().zip(&self.priors).enumerate() {
-                if j != i {
-                    mean.fade_toward(*prior, keep);
-                }
+        let (observed, keep) = match choice {
+            Choice::Draft(i) => {
+                self.committed[i].add(committed as f64, rows as f64, config.window);
+                (Some(i), (-(rows as f64) / config.revisit).exp())
+            }
+            Choice::Plain => (None, (-1.0 / config.revisit_plain_rounds).exp()),
+        };
+        for (j, (mean, prior)) in self.committed.iter_mut().zip(&self.priors).enumerate() {
+            if observed != Some(j) {
+                mean.fade_toward(*prior, keep);
             }
         }
     }
@@ -1001,6 +1012,36 @@ mod tests {
         costs.switch_per_step = Some(-1.0);
         let err = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap_err();
         assert!(err.to_string().contains("per deferred step"), "{err}");
+    }
+
+    #[test]
+    fn a_plain_run_retries_a_shape_judged_on_few_rounds_sooner_than_one_judged_on_many() {
+        // Plain: 1 token per 1.124 ms at batch 8; 3/4/8 2.3 ms: break-even at 2.05 tokens per
+        // round, 2.11 with the margin.
+        let costs = CostTable::flat(vec![8], vec![vec![1.124e-3], vec![2.3e-3]]);
+        let config = PolicyConfig {
+            probe_every: 100_000,
+            ..PolicyConfig::default()
+        };
+        let plain_rounds_until_drafting = |observed_rounds: usize| {
+            let mut p =
+                SpeculationPolicy::adaptive(vec![shape("3/4/8")], costs.clone(), config).unwrap();
+            // Judged at 2.0 tokens per round, on `observed_rounds` rounds of 8 sequences.
+            for _ in 0..observed_rounds {
+                p.observe(Choice::Draft(0), 8, 0, 16, None);
+            }
+            let mut plain = 0;
+            while p.choose(8, 0, 0) == Choice::Plain {
+                p.observe(Choice::Plain, 8, 0, 8, None);
+                plain += 1;
+                assert!(plain < 100_000, "never retried");
+            }
+            plain
+        };
+        let few = plain_rounds_until_drafting(12);
+        let many = plain_rounds_until_drafting(500);
+        assert!((50..400).contains(&few), "{few}");
+        assert!(many > 2 * few, "{few} vs {many}");
     }
 
     #[test]
