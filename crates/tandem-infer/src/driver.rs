@@ -895,8 +895,25 @@ impl<T: SpecBackend> Engine<'_, T> {
         // round is priced at.
         let columns = batch.columns().0;
         let deferred = batch.deferred_rounds();
+        // The most any row still has to generate bounds the drafted rounds a switch from plain
+        // rounds pays for.
+        let tokens_left = batch
+            .rows
+            .iter()
+            .map(|r| {
+                r.request
+                    .max_new_tokens
+                    .saturating_sub(r.output.tokens.len())
+            })
+            .max()
+            .unwrap_or(0);
         let choice = match self.draft {
-            Some(_) => batch.policy.choose(batch.rows.len(), columns, deferred),
+            Some(_) => batch.policy.choose_with_tokens_left(
+                batch.rows.len(),
+                columns,
+                deferred,
+                tokens_left,
+            ),
             None => Choice::Plain,
         };
         let predicted = batch.policy.costs().map_or((f64::NAN, f64::NAN), |c| {

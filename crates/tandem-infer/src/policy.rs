@@ -644,19 +644,37 @@ impl SpeculationPolicy {
     /// shapes. During a plain run a shape's round also carries its share of the switch
     /// ([`Self::switch_horizon`]).
     pub fn throughput(&self, batch: usize, columns: usize, deferred: usize) -> Vec<(Choice, f64)> {
+        self.rates(batch, columns, deferred, usize::MAX)
+    }
+
+    /// [`Self::throughput`] when the longest sequence has at most `tokens_left` tokens to go:
+    /// a switch is amortised over no more drafted rounds than it would take to commit them
+    /// (a batch draining at the end of a load had switched for one or two drafted rounds
+    /// behind an 8-9 ms catch-up priced over 16).
+    fn rates(
+        &self,
+        batch: usize,
+        columns: usize,
+        deferred: usize,
+        tokens_left: usize,
+    ) -> Vec<(Choice, f64)> {
         let Mode::Adaptive { costs, .. } = &self.mode else {
             return Vec::new();
         };
         let b = batch.max(1) as f64;
-        let switch = if self.in_plain_run() {
-            self.switch_seconds(deferred) / self.switch_horizon()
-        } else {
-            0.0
+        let switch = |i: usize| {
+            if !self.in_plain_run() {
+                return 0.0;
+            }
+            let rounds_left = (tokens_left as f64 / self.expected_commit(i))
+                .ceil()
+                .max(1.0);
+            self.switch_seconds(deferred) / self.switch_horizon().min(rounds_left)
         };
         std::iter::once((Choice::Plain, b / costs.at(0, batch, columns)))
             .chain((0..self.shapes.len()).map(|i| {
-                let rate = b * self.expected_commit(i) / (costs.at(1 + i, batch, columns) + switch);
-                (Choice::Draft(i), rate)
+                let seconds = costs.at(1 + i, batch, columns) + switch(i);
+                (Choice::Draft(i), b * self.expected_commit(i) / seconds)
             }))
             .collect()
     }
@@ -665,12 +683,24 @@ impl SpeculationPolicy {
     /// `columns` used columns and whose head is `deferred` steps behind (the longest row's
     /// tokens a switch would catch up on).
     pub fn choose(&mut self, batch: usize, columns: usize, deferred: usize) -> Choice {
+        self.choose_with_tokens_left(batch, columns, deferred, usize::MAX)
+    }
+
+    /// [`Self::choose`] when the longest sequence has at most `tokens_left` tokens to go
+    /// (see [`Self::throughput`]'s switch amortisation).
+    pub fn choose_with_tokens_left(
+        &mut self,
+        batch: usize,
+        columns: usize,
+        deferred: usize,
+        tokens_left: usize,
+    ) -> Choice {
         let choice = match &self.mode {
             Mode::Fixed => Choice::Draft(0),
             Mode::Forced(choice) => *choice,
             Mode::Adaptive { config, .. } => {
                 let config = *config;
-                let rates = self.throughput(batch, columns, deferred);
+                let rates = self.rates(batch, columns, deferred, tokens_left);
                 let plain = rates[0].1;
                 let (best, rate) = rates[1..]
                     .iter()
@@ -1042,6 +1072,28 @@ mod tests {
         let many = plain_rounds_until_drafting(500);
         assert!((50..400).contains(&few), "{few}");
         assert!(many > 2 * few, "{few} vs {many}");
+    }
+
+    #[test]
+    fn a_switch_is_not_amortised_over_more_rounds_than_the_batch_has_left() {
+        // Plain: 1 token in 1.5 ms at batch 2; the chain 2.5 ms committing 3 (1.8x better).
+        let mut costs = CostTable::flat(vec![2], vec![vec![1.5e-3], vec![2.5e-3]]);
+        costs.switch_per_step = Some(0.05e-3);
+        let config = PolicyConfig {
+            probe_every: 1000,
+            ..PolicyConfig::default()
+        };
+        let mut p = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap();
+        for _ in 0..1000 {
+            p.observe(Choice::Draft(0), 2, 0, 6, None);
+        }
+        p.choose_recorded(Choice::Plain);
+        // 200 steps behind: a 10 ms catch-up, 0.6 ms a round over 16 drafted rounds: worth it
+        // for a batch with 100 tokens to go...
+        assert_eq!(p.choose_with_tokens_left(2, 0, 200, 100), Choice::Draft(0));
+        p.choose_recorded(Choice::Plain);
+        // ...not for one that finishes in two drafted rounds (5 ms a round).
+        assert_eq!(p.choose_with_tokens_left(2, 0, 200, 6), Choice::Plain);
     }
 
     #[test]
