@@ -118,6 +118,15 @@ pub struct RunningBatch<T: SpecBackend> {
     pub reserve_rows: usize,
     /// The taps of the target steps whose head extension is deferred (see `Row::behind`).
     backlog: TapBacklog<T>,
+    /// Deferred tokens of the row furthest behind (default 512) after which each row keeps only
+    /// its last [`RunningBatch::deferred_keep`] (default 128) and forgets the older ones:
+    /// the head's cache then has a gap there (its positions lag the target's; verification
+    /// keeps the output exact, acceptance right after a switch may be lower). A long plain run
+    /// used to be caught up every 256 steps instead, 8 ms at c=32 each time for a head no
+    /// round drafted with (session 17: the one catch-up of a 64-request run at c=32), and a
+    /// switch after a long plain run now costs at most this many tokens per row.
+    pub max_deferred: usize,
+    pub deferred_keep: usize,
     /// Time spent so far, by phase.
     pub timings: Timings,
     /// Compactions run so far.
@@ -215,11 +224,14 @@ impl<T: SpecBackend> TapBacklog<T> {
     }
 }
 
-/// Deferred target steps (plain rounds, deferred joins) after which the head is extended anyway
-/// (one batched catch-up), so the deferred taps stay small...
-const MAX_DEFERRED: usize = 256;
-/// ...and deferred tap rows (tokens, padding included) after which it is too.
-const MAX_DEFERRED_TAP_ROWS: usize = 1 << 15;
+/// Deferred tokens of the row furthest behind (plain rounds, deferred prompts) after which the
+/// oldest deferred tokens are forgotten ([`RunningBatch::max_deferred`])...
+const MAX_DEFERRED: usize = 512;
+/// ...and deferred tap rows (tokens, padding included) after which they are too.
+const MAX_DEFERRED_TAP_ROWS: usize = 1 << 16;
+/// Deferred tokens each row keeps when the oldest are forgotten
+/// ([`RunningBatch::deferred_keep`]).
+const DEFERRED_KEEP: usize = 128;
 /// Columns one step of a catch-up extends each row by at most: a joining prompt deferred during
 /// plain rounds is caught up in pieces, so the head's cache (whose columns every row shares)
 /// needs room for one piece, not the whole prompt.
@@ -313,6 +325,8 @@ impl<T: SpecBackend> Engine<'_, T> {
             policy,
             reserve_rows: 0,
             backlog: TapBacklog::new(),
+            max_deferred: MAX_DEFERRED,
+            deferred_keep: DEFERRED_KEEP,
             timings: Timings::default(),
             compactions: 0,
             retirements: 0,
@@ -1037,13 +1051,53 @@ impl<T: SpecBackend> Engine<'_, T> {
             committed_total,
             round_seconds,
         );
-        if batch.backlog.steps >= MAX_DEFERRED || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS {
-            self.catch_up(batch)?;
+        if batch.deferred_rounds() >= batch.max_deferred
+            || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS
+        {
+            self.forget_oldest_deferred(batch)?;
         }
         let t0 = Instant::now();
         self.retire(batch, &mut progress)?;
         batch.timings.housekeeping_s += t0.elapsed().as_secs_f64();
         Ok(progress)
+    }
+
+    /// Keeps each row's last [`RunningBatch::deferred_keep`] deferred tokens, their taps moved
+    /// to the front of a new backlog, and forgets the rest (see [`RunningBatch::max_deferred`]).
+    fn forget_oldest_deferred(&self, batch: &mut RunningBatch<T>) -> Result<(), InferError> {
+        let keep = batch
+            .deferred_keep
+            .min(batch.max_deferred.saturating_sub(1));
+        let Some(old) = batch.backlog.taps.take() else {
+            return Ok(());
+        };
+        let mut picks = Vec::new();
+        for row in &mut batch.rows {
+            let skip = row.behind.len().saturating_sub(keep);
+            row.behind.drain(..skip);
+            for entry in &mut row.behind {
+                picks.push((0, entry.1));
+                entry.1 = picks.len() - 1;
+            }
+        }
+        batch.backlog.clear();
+        if picks.is_empty() {
+            batch.backlog.taps = Some(old);
+            return Ok(());
+        }
+        let tensors = old
+            .tensors
+            .iter()
+            .map(|tap| self.target.gather_rows(&[tap], &picks))
+            .collect::<Result<Vec<_>, _>>()?;
+        batch.backlog.taps = Some(Taps {
+            taps: old.taps,
+            tensors,
+            visited: Vec::new(),
+        });
+        batch.backlog.rows = picks.len();
+        batch.backlog.steps = batch.deferred_rounds();
+        Ok(())
     }
 
     /// Extends the head over the tokens it is behind on (plain rounds since its last extension,

@@ -543,3 +543,67 @@ fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
         assert_eq!(tokens[i], expected, "prompt {i}");
     }
 }
+
+/// A long plain run forgets its oldest deferred tokens (keeping each row's last few) instead of
+/// catching the head up on all of them: the deferral stays bounded, the head's cache gets a gap,
+/// and the drafted rounds that follow still give exactly the target's greedy output.
+#[test]
+fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
+    use tandem_infer::{CostTable, PolicyConfig, Request, Shape, SpeculationPolicy};
+
+    let (target, draft, taps) = setup("forget");
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    // Plain rounds but for a probe every twelfth, which catches up on what is left.
+    let costly = CostTable::flat(vec![1, 4], vec![vec![1e-3, 1e-3], vec![1.0, 1.0]]);
+    let config = PolicyConfig {
+        probe_every: 12,
+        ..PolicyConfig::default()
+    };
+    let policy =
+        SpeculationPolicy::adaptive(vec![Shape::parse("3/1/4").unwrap()], costly, config).unwrap();
+    let mut batch = engine.new_batch_with_policy(256, policy);
+    batch.max_deferred = 6;
+    batch.deferred_keep = 3;
+    let prompts = [vec![3u32, 14, 15, 92, 65, 35, 89], vec![2u32, 71, 82]];
+    let requests: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            id: i as u64,
+            prompt: p.clone(),
+            max_new_tokens: 40,
+            stop_ids: Vec::new(),
+            sampling: SamplingParams::greedy(),
+            seed: 0,
+        })
+        .collect();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut keep = |progress: Vec<tandem_infer::Progress>| {
+        for p in progress {
+            tokens[p.id as usize].extend(&p.tokens);
+        }
+    };
+    keep(engine.admit(&mut batch, requests).unwrap());
+    let mut most = 0;
+    while !batch.is_empty() {
+        keep(engine.step(&mut batch).unwrap());
+        most = most.max(batch.deferred_rounds());
+    }
+    assert!(most <= 6, "deferred {most}");
+    let drafted = batch
+        .policy
+        .rounds()
+        .iter()
+        .find(|(l, _)| l == "3/1/4")
+        .map_or(0, |(_, n)| *n);
+    assert!(drafted >= 2, "{:?}", batch.policy.rounds());
+    for (i, prompt) in prompts.iter().enumerate() {
+        let expected = target_greedy(&target, prompt, 40, &[]).unwrap();
+        assert_eq!(tokens[i], expected, "prompt {i}");
+    }
+}
