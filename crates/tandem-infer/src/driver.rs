@@ -811,16 +811,14 @@ impl<T: SpecBackend> Engine<'_, T> {
             return Ok(());
         };
         let target = T::layout(&caches.target);
+        let head = caches.head.as_ref().map(|(d, _)| T::layout(d));
         let needs_room = target.used() + width > target.capacity()
-            || caches
-                .head
-                .as_ref()
-                .is_some_and(|(d, _)| T::layout(d).used() + width + scratch > T::layout(d).capacity())
+            || head.is_some_and(|d| d.used() + width + scratch > d.capacity())
             // Attention scans every used column, so columns of rejected drafts, padding and
             // departed sequences cost every round until they are reclaimed; reclaiming them
             // moves each live column once.
             || mostly_waste(target)
-            || caches.head.as_ref().is_some_and(|(d, _)| mostly_waste(T::layout(d)));
+            || head.is_some_and(mostly_waste);
         // A plain run after drafted rounds keeps the target's waste (rejected drafts) for all
         // its rounds, which add none: reclaimed at once, it stops costing (session 16 at c=32:
         // plain rounds at 418 used columns against target-only's 297, 1.59 vs 1.50 ms). The

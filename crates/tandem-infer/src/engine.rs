@@ -143,8 +143,8 @@ pub struct BatchOutput {
 }
 
 /// Speculative generation of a batch of prompts, whatever backend runs it: burn
-/// ([`crate::SpecEngine`]) or the CUDA fast path ([`crate::FastSpecEngine`]). Jobs that measure online acceptance
-/// (`compare`) take it so they run the engine serving runs on that device.
+/// ([`crate::SpecEngine`]) or the CUDA fast path ([`crate::FastSpecEngine`]). Jobs that measure
+/// online acceptance (`compare`) take it so they run the engine serving runs on that device.
 pub trait SpecGenerate {
     /// See [`crate::driver::Engine::generate`].
     fn generate(
@@ -173,7 +173,8 @@ pub(crate) fn check_request_alone(r: &Request, vocab: usize) -> Result<(), Infer
     Err(InferError::Request { reason })
 }
 
-/// One request to a [`crate::driver::RunningBatch`]: its own prompt, budget, stop tokens and sampling.
+/// One request to a [`crate::driver::RunningBatch`]: its own prompt, budget, stop tokens and
+/// sampling.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
     /// The caller's handle; unique within the batch.

@@ -1,7 +1,9 @@
-//! The speculative decoding loop, split by role (as mistral.rs does): the draft tree and its
-//! verification mask ([`tree`]), the acceptance policy ([`verify`]: greedy and lossless
-//! sampling), and acceptance statistics ([`stats`]). These are pure host functions so the math
-//! that decides correctness is unit-tested on tiny hand-made cases.
+//! The speculative decoding loop, split by role (as mistral.rs does): the driver, written once
+//! ([`driver`]), over what it needs from a device ([`backend`]: burn and the CUDA fast path);
+//! the draft tree and its verification mask ([`tree`]), the acceptance rules ([`verify`]:
+//! greedy and lossless sampling), acceptance statistics ([`stats`]) and the speculation policy
+//! ([`policy`]). The tree, verification, statistics and policy are pure host functions, so the
+//! math that decides correctness is unit-tested on tiny hand-made cases.
 
 pub mod admission;
 pub mod backend;
