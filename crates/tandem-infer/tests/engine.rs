@@ -471,6 +471,22 @@ fn target_only_batch_joins_and_leaves() {
     assert_eq!(finished[&0].tokens.len(), 10);
 }
 
+/// One greedy request per prompt, ids `0..`, each with its own budget of `max_new_tokens`.
+fn greedy_requests(prompts: &[Vec<u32>], max_new_tokens: usize) -> Vec<tandem_infer::Request> {
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| tandem_infer::Request {
+            id: i as u64,
+            prompt: p.clone(),
+            max_new_tokens,
+            stop_ids: Vec::new(),
+            sampling: SamplingParams::greedy(),
+            seed: 0,
+        })
+        .collect()
+}
+
 /// The speculation policy on burn (the one driver gives every backend its plain rounds, the
 /// deferred head extension and the calibration): the measured table prices a switch, prompts
 /// joining a batch that is expected to run plain rounds defer their head extension, and with
@@ -478,7 +494,7 @@ fn target_only_batch_joins_and_leaves() {
 /// target-only greedy output token for token.
 #[test]
 fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
-    use tandem_infer::{Choice, CostTable, PolicyConfig, Request, Shape, SpeculationPolicy};
+    use tandem_infer::{Choice, CostTable, PolicyConfig, Shape, SpeculationPolicy};
 
     let (target, draft, taps) = setup("adaptive");
     let engine = SpecEngine {
@@ -507,18 +523,7 @@ fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
     };
     batch.policy = SpeculationPolicy::adaptive(shapes, costly, config).unwrap();
     let prompts = [vec![3u32, 14, 15, 92, 65], vec![2u32, 71, 82]];
-    let requests: Vec<Request> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Request {
-            id: i as u64,
-            prompt: p.clone(),
-            max_new_tokens: 20,
-            stop_ids: Vec::new(),
-            sampling: SamplingParams::greedy(),
-            seed: 0,
-        })
-        .collect();
+    let requests = greedy_requests(&prompts, 20);
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut keep = |progress: Vec<tandem_infer::Progress>| {
         for p in progress {
@@ -549,7 +554,7 @@ fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
 /// and the drafted rounds that follow still give exactly the target's greedy output.
 #[test]
 fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
-    use tandem_infer::{CostTable, PolicyConfig, Request, Shape, SpeculationPolicy};
+    use tandem_infer::{CostTable, PolicyConfig, Shape, SpeculationPolicy};
 
     let (target, draft, taps) = setup("forget");
     let engine = SpecEngine {
@@ -570,18 +575,7 @@ fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
     batch.max_deferred = 6;
     batch.deferred_keep = 3;
     let prompts = [vec![3u32, 14, 15, 92, 65, 35, 89], vec![2u32, 71, 82]];
-    let requests: Vec<Request> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Request {
-            id: i as u64,
-            prompt: p.clone(),
-            max_new_tokens: 40,
-            stop_ids: Vec::new(),
-            sampling: SamplingParams::greedy(),
-            seed: 0,
-        })
-        .collect();
+    let requests = greedy_requests(&prompts, 40);
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut keep = |progress: Vec<tandem_infer::Progress>| {
         for p in progress {
