@@ -595,3 +595,251 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k, f
         __syncthreads();
     }
 }
+
+// ---- Small steps: fused matrix-vector products (decode and verification at small batch) ----
+//
+// At one to GEMV_MAX_ROWS rows a projection is a matrix-vector product bound by launch latency
+// and the weight read, not by arithmetic: at batch 1 each cuBLAS GEMM took ~5 us and a decoder
+// layer took nine launches (four GEMMs, two norms, RoPE, SwiGLU, attention). These kernels give
+// one warp to one output row (or a pair of rows) of the weight, streamed as 16-byte vectors and
+// multiplied with every input row, and run what surrounded each matmul inside it: the RMSNorm
+// of the input (recomputed by every block from the f32 residual, which it only reads), the
+// bias, RoPE and the KV-cache write after q|k|v, SwiGLU after gate|up, the residual add after
+// o and down (each output element is owned by one warp, so `y += x . w^T` needs no atomics). A
+// layer is then five launches. Every kernel is checked against the unfused path (cuBLAS and the
+// kernels above) by the GPU tests. Block: GEMV_WARPS warps. `inp` (and `hidden`) multiples of 8.
+
+#define GEMV_MAX_ROWS 8
+
+// Eight bf16 products of a weight vector and an input vector, summed in f32.
+__device__ __forceinline__ float dot8_bf16(const uint4 w, const uint4 x) {
+    float s = __uint_as_float(w.x << 16) * __uint_as_float(x.x << 16);
+    s += __uint_as_float(w.x & 0xffff0000u) * __uint_as_float(x.x & 0xffff0000u);
+    s += __uint_as_float(w.y << 16) * __uint_as_float(x.y << 16);
+    s += __uint_as_float(w.y & 0xffff0000u) * __uint_as_float(x.y & 0xffff0000u);
+    s += __uint_as_float(w.z << 16) * __uint_as_float(x.z << 16);
+    s += __uint_as_float(w.z & 0xffff0000u) * __uint_as_float(x.z & 0xffff0000u);
+    s += __uint_as_float(w.w << 16) * __uint_as_float(x.w << 16);
+    s += __uint_as_float(w.w & 0xffff0000u) * __uint_as_float(x.w & 0xffff0000u);
+    return s;
+}
+
+// acc[n][r] = sum_i w_n[i] * x[r * inp + i] for the NW weight rows w0 (and w1) and the input
+// rows r < rows, summed over the warp: every lane gets every sum. `x` may be shared or global.
+template <int NW>
+__device__ __forceinline__ void warp_dots(const unsigned short* __restrict__ w0,
+                                          const unsigned short* __restrict__ w1,
+                                          const unsigned short* x, int inp, int rows,
+                                          float (&acc)[NW][GEMV_MAX_ROWS]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+            acc[n][r] = 0.0f;
+        }
+    }
+    const uint4* wv0 = reinterpret_cast<const uint4*>(w0);
+    const uint4* wv1 = reinterpret_cast<const uint4*>(w1);
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const int chunks = inp >> 3;
+    // Unrolled so each lane's weight loads are in flight together (the weight is read once;
+    // the inputs come from shared memory or L1).
+#pragma unroll 4
+    for (int c = lane; c < chunks; c += 32) {
+        uint4 wv[NW];
+        wv[0] = __ldg(wv0 + c);
+        if (NW > 1) {
+            wv[NW - 1] = __ldg(wv1 + c);
+        }
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+            if (r < rows) {
+                const uint4 xr = xv[(size_t)r * chunks + c];
+#pragma unroll
+                for (int n = 0; n < NW; ++n) {
+                    acc[n][r] += dot8_bf16(wv[n], xr);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+            if (r < rows) {
+                acc[n][r] = warp_sum(acc[n][r]);
+            }
+        }
+    }
+}
+
+// xs[r * n + i] = bf16(rms_norm(x[r]) * w[i]) for r < rows, as add_rms_norm computes it (one
+// warp per row), into shared memory for the block's matrix-vector products.
+__device__ void stage_rms_normed(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                                 unsigned short* xs, int rows, int n, float eps) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    for (int r = warp; r < rows; r += warps) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * n);
+        float squares = 0.0f;
+#pragma unroll 4
+        for (int i = lane; i < (n >> 2); i += 32) {
+            const float4 v = xr[i];
+            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
+#pragma unroll 4
+        for (int i = lane; i < (n >> 2); i += 32) {
+            const float4 v = xr[i];
+            unsigned short* out = xs + (size_t)r * n + 4 * i;
+            out[0] = f32_to_bf16(v.x * inv * bf16_to_f32(w[4 * i]));
+            out[1] = f32_to_bf16(v.y * inv * bf16_to_f32(w[4 * i + 1]));
+            out[2] = f32_to_bf16(v.z * inv * bf16_to_f32(w[4 * i + 2]));
+            out[3] = f32_to_bf16(v.w * inv * bf16_to_f32(w[4 * i + 3]));
+        }
+    }
+    __syncthreads();
+}
+
+// y[r, o] (f32) = x[r, :] (bf16) . w[o, :] (bf16), or y[r, o] += that when `accumulate` (the
+// residual add of o_proj and down_proj). Grid: ceil(out / warps); one warp per output o.
+extern "C" __global__ void gemv_rows(const unsigned short* __restrict__ x,
+                                     const unsigned short* __restrict__ w, float* __restrict__ y,
+                                     int rows, int inp, int out, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= out) {
+        return;
+    }
+    float acc[1][GEMV_MAX_ROWS];
+    warp_dots<1>(w + (size_t)o * inp, nullptr, x, inp, rows, acc);
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r < rows && lane == r) {
+            float* dst = y + (size_t)r * out + o;
+            *dst = accumulate ? *dst + acc[0][r] : acc[0][r];
+        }
+    }
+}
+
+// act[r, j] = bf16(silu(g) * u) with g, u the gate and up projections (rows j and inter + j of
+// the fused gate|up weight) of rms_norm(x[r]) * norm_w. Grid: ceil(inter / warps). Dynamic
+// shared: rows * hidden bf16.
+extern "C" __global__ void norm_gate_up_silu(const float* __restrict__ x,
+                                             const unsigned short* __restrict__ norm_w,
+                                             const unsigned short* __restrict__ w,
+                                             unsigned short* __restrict__ act, int rows,
+                                             int hidden, int inter, float eps) {
+    extern __shared__ uint4 gemv_shared[];
+    unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
+    stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
+    const int lane = threadIdx.x & 31;
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= inter) {
+        return;
+    }
+    float acc[2][GEMV_MAX_ROWS];
+    warp_dots<2>(w + (size_t)j * hidden, w + (size_t)(inter + j) * hidden, xs, hidden, rows, acc);
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r < rows && lane == r) {
+            const float g = acc[0][r];
+            act[(size_t)r * inter + j] = f32_to_bf16(g / (1.0f + expf(-g)) * acc[1][r]);
+        }
+    }
+}
+
+// The q|k|v projection of rms_norm(x[r]) * norm_w, the optional bias, RoPE and the cache write
+// of rope_qkv, one warp per rotation pair: output rows (h * head_dim + j, h * head_dim + j +
+// head_dim / 2) of head h (query heads, then key heads, then value heads, which are copied
+// unrotated). q goes to q_out (f32, [rows, heads * head_dim]); keys and values to the layer's
+// cache at column col0 + r % width (`step_scalars[0]` when given, as in rope_qkv). With `x2`
+// (the EAGLE-3 head, whose attention input is [norm(embed), norm(hidden)]) the projection adds
+// a second input's rms_norm(x2[r]) * norm_w2 through its own weight w2 (same shape as w). Grid:
+// ceil((heads + 2 * kv_heads) * head_dim / 2 / warps). Dynamic shared: rows * hidden bf16, twice
+// with `x2`.
+extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
+                                         const unsigned short* __restrict__ norm_w,
+                                         const unsigned short* __restrict__ w,
+                                         const float* __restrict__ x2,
+                                         const unsigned short* __restrict__ norm_w2,
+                                         const unsigned short* __restrict__ w2,
+                                         const float* __restrict__ bias,
+                                         const int* __restrict__ positions,
+                                         const float* __restrict__ inv_freq,
+                                         float* __restrict__ q_out, unsigned short* k_cache,
+                                         unsigned short* v_cache, int rows, int hidden, int width,
+                                         int heads, int kv_heads, int head_dim, int capacity,
+                                         int col0, const int* step_scalars, float eps) {
+    if (step_scalars != nullptr) {
+        col0 = step_scalars[0];
+    }
+    extern __shared__ uint4 gemv_shared[];
+    unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
+    unsigned short* xs2 = xs + (size_t)rows * hidden;
+    stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
+    if (x2 != nullptr) {
+        stage_rms_normed(x2, norm_w2, xs2, rows, hidden, eps);
+    }
+    const int lane = threadIdx.x & 31;
+    const int half = head_dim / 2;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= (heads + 2 * kv_heads) * half) {
+        return;
+    }
+    const int h = t / half;
+    const int j = t % half;
+    const int row1 = h * head_dim + j;
+    const int row2 = row1 + half;
+    float acc[2][GEMV_MAX_ROWS];
+    warp_dots<2>(w + (size_t)row1 * hidden, w + (size_t)row2 * hidden, xs, hidden, rows, acc);
+    if (x2 != nullptr) {
+        float acc2[2][GEMV_MAX_ROWS];
+        warp_dots<2>(w2 + (size_t)row1 * hidden, w2 + (size_t)row2 * hidden, xs2, hidden, rows,
+                     acc2);
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+            acc[0][r] += acc2[0][r];
+            acc[1][r] += acc2[1][r];
+        }
+    }
+    const int q_dim = heads * head_dim;
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r < rows && lane == r) {
+            float x1 = acc[0][r];
+            float x2 = acc[1][r];
+            if (bias != nullptr) {
+                x1 += bias[row1];
+                x2 += bias[row2];
+            }
+            const int b = r / width;
+            const int col = col0 + r % width;
+            if (h < heads + kv_heads) {
+                const float angle = inv_freq[j] * (float)positions[r];
+                const float c = cosf(angle);
+                const float s = sinf(angle);
+                const float y1 = x1 * c - x2 * s;
+                const float y2 = x2 * c + x1 * s;
+                if (h < heads) {
+                    float* q = q_out + (size_t)r * q_dim + h * head_dim;
+                    q[j] = y1;
+                    q[j + half] = y2;
+                } else {
+                    unsigned short* k =
+                        k_cache + (((size_t)b * kv_heads + (h - heads)) * capacity + col) * head_dim;
+                    k[j] = f32_to_bf16(y1);
+                    k[j + half] = f32_to_bf16(y2);
+                }
+            } else {
+                unsigned short* v =
+                    v_cache +
+                    (((size_t)b * kv_heads + (h - heads - kv_heads)) * capacity + col) * head_dim;
+                v[j] = f32_to_bf16(x1);
+                v[j + half] = f32_to_bf16(x2);
+            }
+        }
+    }
+}

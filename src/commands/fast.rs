@@ -134,13 +134,36 @@ pub struct FastBenchArgs {
     /// baseline, then graphs, in the same run).
     #[arg(long)]
     pub graphs_only: bool,
+    /// The fused small-step kernels (steps of at most 8 rows): `on` (the default path), `off`
+    /// (cuBLAS GEMMs and separate kernels), or `both` (off first, as the baseline, then on, in
+    /// the same run).
+    #[arg(long, value_enum, default_value_t = FusedModes::On)]
+    pub fused: FusedModes,
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusedModes {
+    On,
+    Off,
+    Both,
+}
+
+impl FusedModes {
+    fn modes(self) -> &'static [bool] {
+        match self {
+            Self::On => &[true],
+            Self::Off => &[false],
+            Self::Both => &[false, true],
+        }
+    }
 }
 
 #[derive(Debug, serde::Serialize)]
 struct FastBenchRow {
     graphs: bool,
+    fused: bool,
     /// `decode` or `verify` (a tree step of `width` tokens per sequence).
     step: &'static str,
     width: usize,
@@ -182,13 +205,17 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     }
     let mut first_token_s = None;
     let mut rows = Vec::new();
-    let modes: &[bool] = if args.graphs_only {
+    let graph_modes: &[bool] = if args.graphs_only {
         &[true]
     } else {
         &[false, true]
     };
-    for &graphs in modes {
+    let modes = graph_modes
+        .iter()
+        .flat_map(|&g| args.fused.modes().iter().map(move |&f| (g, f)));
+    for (graphs, fused) in modes {
         model.set_graphs(graphs);
+        model.set_fused(fused);
         for taps in &requests {
             for &batch in &args.batch {
                 let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
@@ -211,6 +238,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 )?;
                 let row = FastBenchRow {
                     graphs,
+                    fused,
                     step: "decode",
                     width: 1,
                     batch,
@@ -250,6 +278,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 )?;
                 let row = FastBenchRow {
                     graphs,
+                    fused,
                     step: "verify",
                     width,
                     batch,
@@ -279,13 +308,18 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
         let decode = rows
             .iter()
             .find(|d| {
-                d.graphs == r.graphs && d.step == "decode" && d.batch == r.batch && d.taps == 0
+                d.graphs == r.graphs
+                    && d.fused == r.fused
+                    && d.step == "decode"
+                    && d.batch == r.batch
+                    && d.taps == 0
             })
             .map_or(f64::NAN, |d| d.step_ms_median);
-        let path = if r.graphs {
-            "fast path + CUDA graphs"
-        } else {
-            "fast path, eager launches"
+        let path = match (r.graphs, r.fused) {
+            (true, true) => "fast path + CUDA graphs, fused small steps",
+            (true, false) => "fast path + CUDA graphs, unfused",
+            (false, true) => "fast path, eager launches, fused small steps",
+            (false, false) => "fast path, eager launches, unfused",
         };
         let step = if r.step == "decode" {
             "decode".to_string()

@@ -65,6 +65,17 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
 /// Threads per block of the attention kernel (8 warps, each taking 32 cache columns at a time).
 const ATTENTION_THREADS: u32 = 256;
 
+/// Most rows a fused small step takes (`GEMV_MAX_ROWS` in kernels/llama.cu): decode and tree
+/// verification at small batch, where a projection is a matrix-vector product.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Threads per block of the fused small-step kernels (4 warps, one output row or pair each).
+const GEMV_THREADS: u32 = 128;
+
+/// Shared memory a fused kernel may stage its normed input rows in (bf16) without opting in to
+/// more than the default 48 KiB.
+pub const GEMV_MAX_SHARED_BYTES: usize = 48 << 10;
+
 /// Bytes of the cuBLAS workspace the GPU sets once. cuBLAS would otherwise size and allocate
 /// workspace on its own, which a stream capture (a CUDA graph) must not see happen.
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
@@ -85,6 +96,9 @@ struct Kernels {
     move_rows_u16: CudaFunction,
     rows_to_bf16: CudaFunction,
     topk_softmax: CudaFunction,
+    gemv_rows: CudaFunction,
+    norm_gate_up_silu: CudaFunction,
+    norm_qkv_rope: CudaFunction,
 }
 
 /// One GPU: its context, the stream every launch goes to, cuBLAS bound to that stream, and the
@@ -172,6 +186,9 @@ impl Gpu {
             move_rows_u16: module.load_function("move_rows_u16")?,
             rows_to_bf16: module.load_function("rows_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
+            gemv_rows: module.load_function("gemv_rows")?,
+            norm_gate_up_silu: module.load_function("norm_gate_up_silu")?,
+            norm_qkv_rope: module.load_function("norm_qkv_rope")?,
         };
         let gpu = Self {
             ctx,
@@ -678,6 +695,178 @@ impl Gpu {
         // SAFETY: sizes asserted above; dynamic shared memory holds (warps + 1) * head_dim floats;
         // the caches are whole allocations, so key rows are 16-byte aligned (head_dim % 32 == 0).
         unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    fn gemv_config(units: usize, shared_bytes: usize) -> LaunchConfig {
+        let warps = (GEMV_THREADS / 32) as usize;
+        LaunchConfig {
+            grid_dim: (units.div_ceil(warps) as u32, 1, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
+        }
+    }
+
+    /// Whether the fused small-step kernels take `rows` rows of these widths: at most
+    /// [`GEMV_MAX_ROWS`], every width a multiple of 8 (16-byte vectors), and the normed input
+    /// rows within [`GEMV_MAX_SHARED_BYTES`].
+    pub fn gemv_fits(rows: usize, hidden: usize, widths: &[usize]) -> bool {
+        (1..=GEMV_MAX_ROWS).contains(&rows)
+            && rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES
+            && std::iter::once(hidden)
+                .chain(widths.iter().copied())
+                .all(|w| w.is_multiple_of(8))
+    }
+
+    /// `y[rows, out] = x[rows, inp] . w[out, inp]^T` (or `y +=` with `accumulate`) for at most
+    /// [`GEMV_MAX_ROWS`] rows: see `gemv_rows` in kernels/llama.cu.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_rows(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
+        assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
+        let (rows_i, inp_i, out_i, acc_i) =
+            (rows as i32, inp as i32, out as i32, accumulate as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.gemv_rows);
+        launch
+            .arg(x)
+            .arg(w)
+            .arg(y)
+            .arg(&rows_i)
+            .arg(&inp_i)
+            .arg(&out_i)
+            .arg(&acc_i);
+        // SAFETY: sizes asserted; rows of x and w start on 16-byte boundaries (whole
+        // allocations, inp a multiple of 8); one warp per output, guarded by `out`.
+        unsafe { launch.launch(Self::gemv_config(out, 0)) }?;
+        Ok(())
+    }
+
+    /// `act[r, j] = silu(gate) * up` of the gate|up projection of `rms_norm(x[r]) * norm_w`
+    /// (see `norm_gate_up_silu` in kernels/llama.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_gate_up_silu(
+        &self,
+        x: &CudaSlice<f32>,
+        norm_w: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        act: &mut CudaSlice<u16>,
+        rows: usize,
+        hidden: usize,
+        inter: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        assert!(Self::gemv_fits(rows, hidden, &[inter]));
+        assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
+        assert!(w.len() >= 2 * inter * hidden && act.len() >= rows * inter);
+        let (rows_i, hidden_i, inter_i) = (rows as i32, hidden as i32, inter as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.norm_gate_up_silu);
+        launch
+            .arg(x)
+            .arg(norm_w)
+            .arg(w)
+            .arg(act)
+            .arg(&rows_i)
+            .arg(&hidden_i)
+            .arg(&inter_i)
+            .arg(&eps);
+        // SAFETY: sizes asserted; dynamic shared memory holds rows * hidden bf16.
+        unsafe { launch.launch(Self::gemv_config(inter, rows * hidden * 2)) }?;
+        Ok(())
+    }
+
+    /// q|k|v of `rms_norm(x[r]) * norm_w`, the bias, RoPE and the cache write in one launch: what
+    /// [`Gpu::add_rms_norm`], [`Gpu::linear`] and [`Gpu::rope_qkv`] do for a small step (see
+    /// `norm_qkv_rope` in kernels/llama.cu). `second`: another input `(x2, norm_w2, w2)` whose
+    /// normed rows go through their own weight into the same projection (the draft head).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_qkv_rope(
+        &self,
+        x: &CudaSlice<f32>,
+        norm_w: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        second: Option<(&CudaSlice<f32>, &CudaSlice<u16>, &CudaSlice<u16>)>,
+        bias: Option<&CudaSlice<f32>>,
+        positions: &CudaSlice<i32>,
+        inv_freq: &CudaSlice<f32>,
+        q_out: &mut CudaSlice<f32>,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
+        shape: AttentionShape,
+        hidden: usize,
+        col0: usize,
+        step_scalars: Option<&CudaSlice<i32>>,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let s = shape;
+        let rows = s.rows();
+        let q_dim = s.heads * s.head_dim;
+        let kv_dim = s.kv_heads * s.head_dim;
+        let qkv_dim = q_dim + 2 * kv_dim;
+        assert!(Self::gemv_fits(rows, hidden, &[qkv_dim]) && s.head_dim.is_multiple_of(2));
+        assert!(x.len() >= rows * hidden && norm_w.len() >= hidden && w.len() >= qkv_dim * hidden);
+        assert!(bias.is_none_or(|b| b.len() >= qkv_dim));
+        assert!(positions.len() >= rows && inv_freq.len() >= s.head_dim / 2);
+        assert!(q_out.len() >= rows * q_dim && col0 + s.width <= s.capacity);
+        assert!(k_cache.len() >= s.batch * kv_dim * s.capacity && v_cache.len() == k_cache.len());
+        let (rows_i, hidden_i, width, heads, kv_heads, head_dim, capacity, col0) = (
+            rows as i32,
+            hidden as i32,
+            s.width as i32,
+            s.heads as i32,
+            s.kv_heads as i32,
+            s.head_dim as i32,
+            s.capacity as i32,
+            col0 as i32,
+        );
+        let mut launch = self.stream.launch_builder(&self.kernels.norm_qkv_rope);
+        launch.arg(x).arg(norm_w).arg(w);
+        match second {
+            Some((x2, norm_w2, w2)) => {
+                assert!(x2.len() >= rows * hidden && norm_w2.len() >= hidden);
+                assert!(w2.len() >= qkv_dim * hidden);
+                launch.arg(x2).arg(norm_w2).arg(w2)
+            }
+            None => launch.arg(&NULL).arg(&NULL).arg(&NULL),
+        };
+        match bias {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&NULL),
+        };
+        launch
+            .arg(positions)
+            .arg(inv_freq)
+            .arg(q_out)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&rows_i)
+            .arg(&hidden_i)
+            .arg(&width)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&head_dim)
+            .arg(&capacity)
+            .arg(&col0);
+        match step_scalars {
+            Some(scalars) => launch.arg(scalars),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(&eps);
+        let pairs = (s.heads + 2 * s.kv_heads) * s.head_dim / 2;
+        let inputs = if second.is_some() { 2 } else { 1 };
+        assert!(inputs * rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES);
+        // SAFETY: sizes asserted; dynamic shared memory holds `inputs` * rows * hidden bf16;
+        // cache columns as in `rope_qkv` (with `step_scalars`, the caller checks each step's
+        // column).
+        unsafe { launch.launch(Self::gemv_config(pairs, inputs * rows * hidden * 2)) }?;
         Ok(())
     }
 

@@ -9,13 +9,14 @@
 //! produced ([`CudaDraft::fc_input`]), so serving feeds it exactly what the dump job tapped.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::CudaSlice;
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
 use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
-use crate::device::{AttentionShape, DeviceRows, Gpu};
+use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_SHARED_BYTES, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
 use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, graph_batch};
@@ -48,6 +49,9 @@ pub struct CudaDraft {
     lm_head: CudaSlice<u16>,
     inv_freq: CudaSlice<f32>,
     graphs: Graphs<DraftBuffers>,
+    /// Whether steps of at most `GEMV_MAX_ROWS` rows run the fused small-step kernels (as the
+    /// target's: `TANDEM_CUDA_FUSED=0` starts with them off).
+    fused: AtomicBool,
 }
 
 impl std::fmt::Debug for CudaDraft {
@@ -148,10 +152,31 @@ impl CudaDraft {
             lm_head: bf16(get("lm_head.weight")?)?,
             inv_freq: gpu.upload(&inv_freq)?,
             graphs: Graphs::new(gpu.graphs_default()),
+            fused: AtomicBool::new(std::env::var("TANDEM_CUDA_FUSED").map_or(true, |v| v != "0")),
             spec,
             vocab,
             gpu,
         })
+    }
+
+    /// Turns the fused small-step kernels on or off (see [`CudaTarget::set_fused`]).
+    pub fn set_fused(&self, on: bool) {
+        self.fused.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether a step of `rows` rows runs fused (both halves of the attention input staged in
+    /// shared memory).
+    fn fuses(&self, rows: usize) -> bool {
+        let spec = &self.spec;
+        let q_dim = spec.num_heads * spec.head_dim;
+        let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
+        self.fused.load(Ordering::Relaxed)
+            && 2 * rows * spec.hidden_size * 2 <= GEMV_MAX_SHARED_BYTES
+            && Gpu::gemv_fits(
+                rows,
+                spec.hidden_size,
+                &[q_dim, qkv_dim, spec.intermediate_size],
+            )
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -318,7 +343,8 @@ impl CudaDraft {
             cache,
             0,
             &[],
-        );
+        )
+        .with_fused(self.fuses(padded.max(host.shape.batch) * host.shape.width));
         let mut graphs = self.graphs.lock();
         if !graphs.ready(&key) {
             // A new shape or cache runs eagerly (unpadded) for its first steps; the next one is
@@ -371,6 +397,63 @@ impl CudaDraft {
         let eps = spec.rms_norm_eps as f32;
         let scalars = graphed.then_some(&b.scalars);
         gpu.embed_rows(&self.embed, &b.tokens, &mut b.embeds, rows, h)?;
+        if self.fuses(rows) {
+            // The target's small-step kernels (see `CudaTarget::encode`): both normed halves
+            // of the attention input staged by the q|k|v kernel, o_proj and down_proj added
+            // into the residual; eight launches instead of fourteen.
+            gpu.norm_qkv_rope(
+                &b.embeds,
+                &self.input_norm,
+                &self.qkv_embed,
+                Some((&b.hidden, &self.hidden_norm, &self.qkv_hidden)),
+                None,
+                &b.positions,
+                &self.inv_freq,
+                &mut b.q,
+                &mut cache.keys[0],
+                &mut cache.values[0],
+                shape,
+                h,
+                col0,
+                scalars,
+                eps,
+            )?;
+            gpu.attention(
+                &b.q,
+                &cache.keys[0],
+                &cache.values[0],
+                &b.mask.full,
+                &mut b.attn,
+                shape,
+                total,
+                scalars,
+            )?;
+            gpu.gemv_rows(&b.attn, &self.o, &mut b.hidden, rows, q_dim, h, true)?;
+            gpu.norm_gate_up_silu(
+                &b.hidden,
+                &self.post_norm,
+                &self.gate_up,
+                &mut b.act,
+                rows,
+                h,
+                inter,
+                eps,
+            )?;
+            gpu.gemv_rows(&b.act, &self.down, &mut b.hidden, rows, inter, h, true)?;
+            gpu.add_rms_norm(
+                &mut b.hidden,
+                None,
+                &self.norm,
+                &mut b.normed,
+                None,
+                rows,
+                h,
+                eps,
+            )?;
+            let vocab = spec.draft_vocab_size;
+            gpu.linear(&b.normed, &self.lm_head, &mut b.logits, rows, h, vocab)?;
+            return Ok(());
+        }
         gpu.add_rms_norm(
             &mut b.embeds,
             None,

@@ -37,6 +37,9 @@ pub(crate) struct GraphKey {
     pub logits_for: u8,
     pub taps: Vec<TapId>,
     pub cache: Vec<u64>,
+    /// Whether the step ran the fused small-step kernels (a graph replays the launches it was
+    /// captured with, so turning fusion off must not replay a fused graph).
+    pub fused: bool,
 }
 
 impl GraphKey {
@@ -56,7 +59,13 @@ impl GraphKey {
             logits_for,
             taps: taps.to_vec(),
             cache: cache.addresses(gpu),
+            fused: false,
         }
+    }
+
+    /// The key of a step that ran (or did not run) the fused small-step kernels.
+    pub fn with_fused(self, fused: bool) -> Self {
+        Self { fused, ..self }
     }
 }
 

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::CudaSlice;
 use tandem_model::weights::WeightFiles;
@@ -26,6 +27,8 @@ pub struct CudaTarget {
     weights: DeviceWeights,
     inv_freq: CudaSlice<f32>,
     graphs: Graphs<StepBuffers>,
+    /// Whether steps of at most `GEMV_MAX_ROWS` rows run the fused small-step kernels.
+    fused: AtomicBool,
 }
 
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
@@ -303,11 +306,40 @@ impl CudaTarget {
         let inv_freq = gpu.upload(&inv_freq)?;
         Ok(Self {
             graphs: Graphs::new(gpu.graphs_default()),
+            fused: AtomicBool::new(std::env::var("TANDEM_CUDA_FUSED").map_or(true, |v| v != "0")),
             spec,
             gpu,
             weights,
             inv_freq,
         })
+    }
+
+    /// Turns the fused small-step kernels on or off (on by default; `TANDEM_CUDA_FUSED=0`
+    /// starts with them off). Off, every step runs the cuBLAS GEMMs and the separate norm,
+    /// RoPE and SwiGLU kernels: the baseline `fast-bench --fused both` measures and the
+    /// reference the GPU tests compare the fused kernels with.
+    pub fn set_fused(&self, on: bool) {
+        self.fused.store(on, Ordering::Relaxed);
+    }
+
+    pub fn fused_enabled(&self) -> bool {
+        self.fused.load(Ordering::Relaxed)
+    }
+
+    /// Whether a step of `rows` rows runs fused: small enough for the matrix-vector kernels,
+    /// and no per-head q/k norm (Qwen3 norms q and k between the projection and RoPE, which the
+    /// fused q|k|v kernel does not).
+    fn fuses(&self, rows: usize) -> bool {
+        let spec = &self.spec;
+        let q_dim = spec.num_heads * spec.head_dim;
+        let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
+        self.fused_enabled()
+            && !spec.qk_norm
+            && Gpu::gemv_fits(
+                rows,
+                spec.hidden_size,
+                &[q_dim, qkv_dim, spec.intermediate_size],
+            )
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -434,7 +466,8 @@ impl CudaTarget {
         logits_for: LogitsFor,
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*self.gpu;
-        let key = GraphKey::new(gpu, host.shape, cache, logits_for as u8, &taps.taps);
+        let key = GraphKey::new(gpu, host.shape, cache, logits_for as u8, &taps.taps)
+            .with_fused(self.fuses(host.shape.rows()));
         let mut graphs = self.graphs.lock();
         if !graphs.ready(&key) {
             // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS
@@ -518,91 +551,150 @@ impl CudaTarget {
         gpu.embed_rows(&self.weights.embed, tokens, hidden, rows, h)?;
         observe(TapId::Embed, hidden)?;
         let layers = &self.weights.layers;
-        gpu.add_rms_norm(
-            hidden,
-            None,
-            &layers[0].input_norm,
-            normed,
-            None,
-            rows,
-            h,
-            eps,
-        )?;
-        for (k, layer) in layers.iter().enumerate() {
-            gpu.linear(normed, &layer.qkv, qkv, rows, h, qkv_dim)?;
-            if let Some((q_norm, k_norm)) = &layer.qk_norm {
-                gpu.head_rms_norm(
-                    qkv,
-                    q_norm,
-                    k_norm,
-                    rows,
-                    spec.num_heads,
-                    spec.num_kv_heads,
-                    spec.head_dim,
+        if self.fuses(rows) {
+            // Five launches a layer (see the small-step kernels in kernels/llama.cu): the input
+            // norm inside q|k|v with RoPE and the cache write, attention, o_proj added into the
+            // residual, the post-attention norm inside gate|up with SwiGLU, down_proj added into
+            // the residual. `hidden` holds the block's output after each layer, as below.
+            for (k, layer) in layers.iter().enumerate() {
+                gpu.norm_qkv_rope(
+                    hidden,
+                    &layer.input_norm,
+                    &layer.qkv,
+                    None,
+                    layer.qkv_bias.as_ref(),
+                    positions,
+                    &self.inv_freq,
+                    q,
+                    &mut cache.keys[k],
+                    &mut cache.values[k],
+                    shape,
+                    h,
+                    col0,
+                    scalars,
                     eps,
                 )?;
+                gpu.attention(
+                    q,
+                    &cache.keys[k],
+                    &cache.values[k],
+                    &mask.full,
+                    attn,
+                    shape,
+                    total,
+                    scalars,
+                )?;
+                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
+                gpu.norm_gate_up_silu(
+                    hidden,
+                    &layer.post_norm,
+                    &layer.gate_up,
+                    act,
+                    rows,
+                    h,
+                    inter,
+                    eps,
+                )?;
+                gpu.gemv_rows(act, &layer.down, hidden, rows, inter, h, true)?;
+                observe(TapId::Block(k), hidden)?;
             }
-            gpu.rope_qkv(
-                qkv,
-                layer.qkv_bias.as_ref(),
-                positions,
-                &self.inv_freq,
-                q,
-                &mut cache.keys[k],
-                &mut cache.values[k],
-                shape,
-                col0,
-                scalars,
-            )?;
-            gpu.attention(
-                q,
-                &cache.keys[k],
-                &cache.values[k],
-                &mask.full,
-                attn,
-                shape,
-                total,
-                scalars,
-            )?;
-            gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
             gpu.add_rms_norm(
                 hidden,
-                Some(delta),
-                &layer.post_norm,
+                None,
+                &self.weights.final_norm,
+                normed,
+                Some(final_normed),
+                rows,
+                h,
+                eps,
+            )?;
+        } else {
+            gpu.add_rms_norm(
+                hidden,
+                None,
+                &layers[0].input_norm,
                 normed,
                 None,
                 rows,
                 h,
                 eps,
             )?;
-            gpu.linear(normed, &layer.gate_up, gate_up, rows, h, 2 * inter)?;
-            gpu.silu_mul(gate_up, act, rows, inter)?;
-            gpu.linear(act, &layer.down, delta, rows, inter, h)?;
-            // The residual add of this block fused with the next norm: the next layer's input
-            // norm, or the final norm after the last block (kept in f32 for the `final` tap).
-            match layers.get(k + 1) {
-                Some(next) => gpu.add_rms_norm(
+            for (k, layer) in layers.iter().enumerate() {
+                gpu.linear(normed, &layer.qkv, qkv, rows, h, qkv_dim)?;
+                if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                    gpu.head_rms_norm(
+                        qkv,
+                        q_norm,
+                        k_norm,
+                        rows,
+                        spec.num_heads,
+                        spec.num_kv_heads,
+                        spec.head_dim,
+                        eps,
+                    )?;
+                }
+                gpu.rope_qkv(
+                    qkv,
+                    layer.qkv_bias.as_ref(),
+                    positions,
+                    &self.inv_freq,
+                    q,
+                    &mut cache.keys[k],
+                    &mut cache.values[k],
+                    shape,
+                    col0,
+                    scalars,
+                )?;
+                gpu.attention(
+                    q,
+                    &cache.keys[k],
+                    &cache.values[k],
+                    &mask.full,
+                    attn,
+                    shape,
+                    total,
+                    scalars,
+                )?;
+                gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
+                gpu.add_rms_norm(
                     hidden,
                     Some(delta),
-                    &next.input_norm,
+                    &layer.post_norm,
                     normed,
                     None,
                     rows,
                     h,
                     eps,
-                )?,
-                None => gpu.add_rms_norm(
-                    hidden,
-                    Some(delta),
-                    &self.weights.final_norm,
-                    normed,
-                    Some(final_normed),
-                    rows,
-                    h,
-                    eps,
-                )?,
+                )?;
+                gpu.linear(normed, &layer.gate_up, gate_up, rows, h, 2 * inter)?;
+                gpu.silu_mul(gate_up, act, rows, inter)?;
+                gpu.linear(act, &layer.down, delta, rows, inter, h)?;
+                // The residual add of this block fused with the next norm: the next layer's input
+                // norm, or the final norm after the last block (kept in f32 for the `final` tap).
+                match layers.get(k + 1) {
+                    Some(next) => gpu.add_rms_norm(
+                        hidden,
+                        Some(delta),
+                        &next.input_norm,
+                        normed,
+                        None,
+                        rows,
+                        h,
+                        eps,
+                    )?,
+                    None => gpu.add_rms_norm(
+                        hidden,
+                        Some(delta),
+                        &self.weights.final_norm,
+                        normed,
+                        Some(final_normed),
+                        rows,
+                        h,
+                        eps,
+                    )?,
+                }
+                observe(TapId::Block(k), hidden)?;
             }
-            observe(TapId::Block(k), hidden)?;
         }
         observe(TapId::Final, final_normed)?;
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# H200, issue #16 (session 18): the fused small-step kernels (steps of at most 8 rows: decode
+# and tree verification at small batch run five launches a layer instead of nine). GPU tests
+# first (`fused_small_steps_match_the_unfused_kernels` and every earlier one), then `tandem
+# fast-bench --fused both` (unfused, as the baseline, then fused, in the same run; CUDA graphs
+# on), MT-Bench at batch 1 with the committed head (the bench's own target-only baseline in the
+# same run; tree 3/4/8 also with TANDEM_CUDA_FUSED=0), HF transformers (sdpa) decode in the
+# same run, and ncu's kernel-by-kernel times of a fused batch-1 decode step (eager launches).
+# Knobs: SHAPES (default 3/1/4 3/4/8 5/8/32), NCU=0, HF=0, TESTS=0.
+#   here:     cargo build --release && bash scripts/gpu/fused.sh pack   # .device/a .. .device/e
+#   call 1 (carry .device/a): bash scripts/gpu/fused.sh a
+#   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/fused.sh piece b|c|d
+#   call 5 (carry .device/e): bash scripts/gpu/fused.sh start;  later calls: bash ... wait
+set -uo pipefail
+PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
+source "$(dirname "$0")/head_lib.sh"
+for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cublas/lib") for p in nvidia.__path__))' 2>/dev/null); do
+  [[ -d "$d" ]] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
+
+case "$PHASE" in
+pack) pack_smollm2 ;;
+a) phase_a ;;
+piece) phase_piece "$2" ;;
+start)
+  phase_import
+  cp "$0" "$W/fused.sh"
+  cd /tmp
+  setsid nohup bash "$W/fused.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
+  sleep 2
+  cd - > /dev/null
+  exec bash "$0" wait
+  ;;
+wait)
+  wait_for done
+  cat "$R/phases.txt"
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -30
+  grep -h "time split" "$R"/bench_*.log
+  cat "$R/fast-bench.md" 2>/dev/null
+  tail -n 12 "$R/hf.log" 2>/dev/null
+  head -n 24 "$R/ncu_summary.txt" 2>/dev/null
+  cat "$R/summary.txt" 2>/dev/null
+  collect results.tar.xz none
+  ;;
+pipeline)
+  cd "$W"
+  mark "pipeline start"
+  [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 300
+  timeout 400 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --new-tokens 64 \
+    --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast-bench.json" \
+    > "$R/fast-bench.md" 2> "$R/fast-bench.log"
+  echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
+  mark "fast-bench done"
+  for s in ${SHAPES:-3/1/4 3/4/8 5/8/32}; do
+    bench "$W/head" fused "$s"
+  done
+  TANDEM_CUDA_FUSED=0 bench "$W/head" unfused 3/4/8
+  mark "spec bench done"
+  if [[ "${HF:-1}" == 1 ]]; then
+    timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1
+    mark "hf done"
+  fi
+  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  if [[ "${NCU:-1}" == 1 && -n "$NCU_BIN" ]]; then
+    TANDEM_CUDA_GRAPHS=0 timeout 240 "$NCU_BIN" --clock-control none --metrics gpu__time_duration.sum --csv \
+      --launch-count 1200 "$T" fast-bench --model "$M" --batch 1 --verify-widths 4 \
+      --prompt-tokens 128 --new-tokens 16 --repeats 1 > "$R/ncu.csv" 2> "$R/ncu.err"
+    mark "ncu exit $?"
+    python3 - "$R/ncu.csv" > "$R/ncu_summary.txt" 2>&1 <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, body = rows[0], rows[1:]
+k, g, v, u = (head.index(c) for c in ("Kernel Name", "Grid Size", "Metric Value", "Metric Unit"))
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+by = collections.defaultdict(list)
+for r in body:
+    by[(r[k][:60], r[g])].append(float(r[v].replace(",", "")) * scale.get(r[u], float("nan")))
+total = sum(sum(x) for x in by.values())
+print(f"{len(body)} kernels, {total:.1f} us in all (us: total, count x mean)")
+for (name, grid), xs in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]:
+    print(f"{sum(xs):10.1f} us {len(xs):6d} x {sum(xs) / len(xs):7.2f} us  grid {grid:>16}  {name}")
+PY
+  fi
+  touch "$R/done"
+  ;;
+esac
