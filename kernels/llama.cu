@@ -611,27 +611,115 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k, f
 
 #define GEMV_MAX_ROWS 8
 
-// Eight bf16 products of a weight vector and an input vector, summed in f32.
-__device__ __forceinline__ float dot8_bf16(const uint4 w, const uint4 x) {
-    float s = __uint_as_float(w.x << 16) * __uint_as_float(x.x << 16);
-    s += __uint_as_float(w.x & 0xffff0000u) * __uint_as_float(x.x & 0xffff0000u);
-    s += __uint_as_float(w.y << 16) * __uint_as_float(x.y << 16);
-    s += __uint_as_float(w.y & 0xffff0000u) * __uint_as_float(x.y & 0xffff0000u);
-    s += __uint_as_float(w.z << 16) * __uint_as_float(x.z << 16);
-    s += __uint_as_float(w.z & 0xffff0000u) * __uint_as_float(x.z & 0xffff0000u);
-    s += __uint_as_float(w.w << 16) * __uint_as_float(x.w << 16);
-    s += __uint_as_float(w.w & 0xffff0000u) * __uint_as_float(x.w & 0xffff0000u);
-    return s;
+// The eight bf16 values of a 16-byte vector, widened to f32.
+__device__ __forceinline__ void unpack8_bf16(const uint4 v, float (&f)[8]) {
+    f[0] = __uint_as_float(v.x << 16);
+    f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16);
+    f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16);
+    f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16);
+    f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
-// acc[n][r] = sum_i w_n[i] * x[r * inp + i] for the NW weight rows w0 (and w1) and the input
-// rows r < rows, summed over the warp: every lane gets every sum. `x` may be shared or global.
-template <int NW>
-__device__ __forceinline__ void warp_dots(const unsigned short* __restrict__ w0,
-                                          const unsigned short* __restrict__ w1,
-                                          const unsigned short* x, int inp, int rows,
-                                          float (&acc)[NW][GEMV_MAX_ROWS]) {
+// Weight chunks (16-byte vectors) each lane loads before the block stages its normed input, so
+// the first trip to memory for the weight overlaps the norm instead of following it.
+#define GEMV_PRELOAD 3
+
+// Sums each of the eight values v[0..8) over the warp in 9 shuffles (not 8 x 5): each step
+// halves the values a lane keeps and trades the other half with its partner. Afterwards lane
+// l with (l & 3) == 0 holds the sum of value l >> 2 (in v[0]).
+__device__ __forceinline__ float warp_sum8(float (&v)[GEMV_MAX_ROWS]) {
     const int lane = threadIdx.x & 31;
+    {
+        const bool upper = (lane & 16) != 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float send = upper ? v[i] : v[i + 4];
+            const float keep = upper ? v[i + 4] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+        }
+    }
+    {
+        const bool upper = (lane & 8) != 0;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float send = upper ? v[i] : v[i + 2];
+            const float keep = upper ? v[i + 2] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+        }
+    }
+    {
+        const bool upper = (lane & 4) != 0;
+        const float send = upper ? v[0] : v[1];
+        const float keep = upper ? v[1] : v[0];
+        v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+    }
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 2);
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
+    return v[0];
+}
+
+// The weight rows w0 (and w1) of one warp: the lane's first GEMV_PRELOAD chunks, loaded at once.
+template <int NW>
+struct WarpWeights {
+    const uint4* rows[NW];
+    uint4 first[NW][GEMV_PRELOAD];
+    int chunks;
+
+    // `load` false: nothing is read (a second input the step does not have).
+    __device__ __forceinline__ WarpWeights(const unsigned short* w0, const unsigned short* w1,
+                                           int inp, bool load = true) {
+        const int lane = threadIdx.x & 31;
+        chunks = load ? inp >> 3 : 0;
+        rows[0] = reinterpret_cast<const uint4*>(w0);
+        if (NW > 1) {
+            rows[NW - 1] = reinterpret_cast<const uint4*>(w1);
+        }
+#pragma unroll
+        for (int k = 0; k < GEMV_PRELOAD; ++k) {
+            const int c = lane + 32 * k;
+#pragma unroll
+            for (int n = 0; n < NW; ++n) {
+                first[n][k] = c < chunks ? __ldg(rows[n] + c) : make_uint4(0, 0, 0, 0);
+            }
+        }
+    }
+};
+
+// acc[n][r] += w_n[chunk c] . x[r][chunk c] for the input rows r < rows.
+template <int NW>
+__device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv, int chunks,
+                                          int c, int rows, float (&acc)[NW][GEMV_MAX_ROWS]) {
+    float wf[NW][8];
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+        unpack8_bf16(wv[n], wf[n]);
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r < rows) {
+            float xf[8];
+            unpack8_bf16(xv[(size_t)r * chunks + c], xf);
+#pragma unroll
+            for (int n = 0; n < NW; ++n) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    acc[n][r] += wf[n][e] * xf[e];
+                }
+            }
+        }
+    }
+}
+
+// sums[n] = the warp's sum of w_n . x[r] for r = lane >> 2 (meaningful in lanes with
+// (lane & 3) == 0 and r < rows; see warp_sum8). `x` may be shared or global memory.
+template <int NW>
+__device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsigned short* x,
+                                          int rows, float (&sums)[NW]) {
+    const int lane = threadIdx.x & 31;
+    float acc[NW][GEMV_MAX_ROWS];
 #pragma unroll
     for (int n = 0; n < NW; ++n) {
 #pragma unroll
@@ -639,38 +727,34 @@ __device__ __forceinline__ void warp_dots(const unsigned short* __restrict__ w0,
             acc[n][r] = 0.0f;
         }
     }
-    const uint4* wv0 = reinterpret_cast<const uint4*>(w0);
-    const uint4* wv1 = reinterpret_cast<const uint4*>(w1);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
-    const int chunks = inp >> 3;
-    // Unrolled so each lane's weight loads are in flight together (the weight is read once;
-    // the inputs come from shared memory or L1).
-#pragma unroll 4
-    for (int c = lane; c < chunks; c += 32) {
-        uint4 wv[NW];
-        wv[0] = __ldg(wv0 + c);
-        if (NW > 1) {
-            wv[NW - 1] = __ldg(wv1 + c);
-        }
+    const int chunks = w.chunks;
 #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r < rows) {
-                const uint4 xr = xv[(size_t)r * chunks + c];
+    for (int k = 0; k < GEMV_PRELOAD; ++k) {
+        const int c = lane + 32 * k;
+        if (c < chunks) {
+            uint4 wv[NW];
 #pragma unroll
-                for (int n = 0; n < NW; ++n) {
-                    acc[n][r] += dot8_bf16(wv[n], xr);
-                }
+            for (int n = 0; n < NW; ++n) {
+                wv[n] = w.first[n][k];
             }
+            dot_chunk<NW>(wv, xv, chunks, c, rows, acc);
         }
+    }
+    // The rest of a wide row (hidden > 768 values), unrolled so the loads are in flight
+    // together.
+#pragma unroll 4
+    for (int c = lane + 32 * GEMV_PRELOAD; c < chunks; c += 32) {
+        uint4 wv[NW];
+#pragma unroll
+        for (int n = 0; n < NW; ++n) {
+            wv[n] = __ldg(w.rows[n] + c);
+        }
+        dot_chunk<NW>(wv, xv, chunks, c, rows, acc);
     }
 #pragma unroll
     for (int n = 0; n < NW; ++n) {
-#pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r < rows) {
-                acc[n][r] = warp_sum(acc[n][r]);
-            }
-        }
+        sums[n] = warp_sum8(acc[n]);
     }
 }
 
@@ -681,6 +765,7 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
+    const uint2* w4 = reinterpret_cast<const uint2*>(w);
     for (int r = warp; r < rows; r += warps) {
         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * n);
         float squares = 0.0f;
@@ -690,14 +775,16 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
             squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
         const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
+        uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
 #pragma unroll 4
         for (int i = lane; i < (n >> 2); i += 32) {
             const float4 v = xr[i];
-            unsigned short* out = xs + (size_t)r * n + 4 * i;
-            out[0] = f32_to_bf16(v.x * inv * bf16_to_f32(w[4 * i]));
-            out[1] = f32_to_bf16(v.y * inv * bf16_to_f32(w[4 * i + 1]));
-            out[2] = f32_to_bf16(v.z * inv * bf16_to_f32(w[4 * i + 2]));
-            out[3] = f32_to_bf16(v.w * inv * bf16_to_f32(w[4 * i + 3]));
+            const uint2 wv = w4[i];
+            const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
+            const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
+            out[i] = make_uint2(lo, hi);
         }
     }
     __syncthreads();
@@ -713,14 +800,13 @@ extern "C" __global__ void gemv_rows(const unsigned short* __restrict__ x,
     if (o >= out) {
         return;
     }
-    float acc[1][GEMV_MAX_ROWS];
-    warp_dots<1>(w + (size_t)o * inp, nullptr, x, inp, rows, acc);
-#pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < rows && lane == r) {
-            float* dst = y + (size_t)r * out + o;
-            *dst = accumulate ? *dst + acc[0][r] : acc[0][r];
-        }
+    const WarpWeights<1> weights(w + (size_t)o * inp, nullptr, inp);
+    float sums[1];
+    warp_dots<1>(weights, x, rows, sums);
+    const int r = lane >> 2;
+    if ((lane & 3) == 0 && r < rows) {
+        float* dst = y + (size_t)r * out + o;
+        *dst = accumulate ? *dst + sums[0] : sums[0];
     }
 }
 
@@ -734,20 +820,21 @@ extern "C" __global__ void norm_gate_up_silu(const float* __restrict__ x,
                                              int hidden, int inter, float eps) {
     extern __shared__ uint4 gemv_shared[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
-    stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int jw = min(j, inter - 1);  // spare warps load a valid row and leave after staging
+    const WarpWeights<2> weights(w + (size_t)jw * hidden, w + (size_t)(inter + jw) * hidden,
+                                 hidden);
+    stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
     if (j >= inter) {
         return;
     }
-    float acc[2][GEMV_MAX_ROWS];
-    warp_dots<2>(w + (size_t)j * hidden, w + (size_t)(inter + j) * hidden, xs, hidden, rows, acc);
-#pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < rows && lane == r) {
-            const float g = acc[0][r];
-            act[(size_t)r * inter + j] = f32_to_bf16(g / (1.0f + expf(-g)) * acc[1][r]);
-        }
+    float sums[2];
+    warp_dots<2>(weights, xs, rows, sums);
+    const int r = lane >> 2;
+    if ((lane & 3) == 0 && r < rows) {
+        const float g = sums[0];
+        act[(size_t)r * inter + j] = f32_to_bf16(g / (1.0f + expf(-g)) * sums[1]);
     }
 }
 
@@ -779,67 +866,66 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
     extern __shared__ uint4 gemv_shared[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
     unsigned short* xs2 = xs + (size_t)rows * hidden;
+    const int lane = threadIdx.x & 31;
+    const int half = head_dim / 2;
+    const int pairs = (heads + 2 * kv_heads) * half;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int tw = min(t, pairs - 1);  // spare warps load a valid pair and leave after staging
+    const int h = tw / half;
+    const int j = tw % half;
+    const int row1 = h * head_dim + j;
+    const int row2 = row1 + half;
+    const WarpWeights<2> weights(w + (size_t)row1 * hidden, w + (size_t)row2 * hidden, hidden);
+    const WarpWeights<2> weights2(w2 + (size_t)row1 * hidden, w2 + (size_t)row2 * hidden, hidden,
+                                  x2 != nullptr);
     stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
     if (x2 != nullptr) {
         stage_rms_normed(x2, norm_w2, xs2, rows, hidden, eps);
     }
-    const int lane = threadIdx.x & 31;
-    const int half = head_dim / 2;
-    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (t >= (heads + 2 * kv_heads) * half) {
+    if (t >= pairs) {
         return;
     }
-    const int h = t / half;
-    const int j = t % half;
-    const int row1 = h * head_dim + j;
-    const int row2 = row1 + half;
-    float acc[2][GEMV_MAX_ROWS];
-    warp_dots<2>(w + (size_t)row1 * hidden, w + (size_t)row2 * hidden, xs, hidden, rows, acc);
+    float sums[2];
+    warp_dots<2>(weights, xs, rows, sums);
     if (x2 != nullptr) {
-        float acc2[2][GEMV_MAX_ROWS];
-        warp_dots<2>(w2 + (size_t)row1 * hidden, w2 + (size_t)row2 * hidden, xs2, hidden, rows,
-                     acc2);
-#pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            acc[0][r] += acc2[0][r];
-            acc[1][r] += acc2[1][r];
-        }
+        float sums2[2];
+        warp_dots<2>(weights2, xs2, rows, sums2);
+        sums[0] += sums2[0];
+        sums[1] += sums2[1];
     }
     const int q_dim = heads * head_dim;
-#pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < rows && lane == r) {
-            float x1 = acc[0][r];
-            float x2 = acc[1][r];
-            if (bias != nullptr) {
-                x1 += bias[row1];
-                x2 += bias[row2];
-            }
-            const int b = r / width;
-            const int col = col0 + r % width;
-            if (h < heads + kv_heads) {
-                const float angle = inv_freq[j] * (float)positions[r];
-                const float c = cosf(angle);
-                const float s = sinf(angle);
-                const float y1 = x1 * c - x2 * s;
-                const float y2 = x2 * c + x1 * s;
-                if (h < heads) {
-                    float* q = q_out + (size_t)r * q_dim + h * head_dim;
-                    q[j] = y1;
-                    q[j + half] = y2;
-                } else {
-                    unsigned short* k =
-                        k_cache + (((size_t)b * kv_heads + (h - heads)) * capacity + col) * head_dim;
-                    k[j] = f32_to_bf16(y1);
-                    k[j + half] = f32_to_bf16(y2);
-                }
+    const int r = lane >> 2;
+    if ((lane & 3) == 0 && r < rows) {
+        float x1 = sums[0];
+        float x2v = sums[1];
+        if (bias != nullptr) {
+            x1 += bias[row1];
+            x2v += bias[row2];
+        }
+        const int b = r / width;
+        const int col = col0 + r % width;
+        if (h < heads + kv_heads) {
+            const float angle = inv_freq[j] * (float)positions[r];
+            const float c = cosf(angle);
+            const float s = sinf(angle);
+            const float y1 = x1 * c - x2v * s;
+            const float y2 = x2v * c + x1 * s;
+            if (h < heads) {
+                float* q = q_out + (size_t)r * q_dim + h * head_dim;
+                q[j] = y1;
+                q[j + half] = y2;
             } else {
-                unsigned short* v =
-                    v_cache +
-                    (((size_t)b * kv_heads + (h - heads - kv_heads)) * capacity + col) * head_dim;
-                v[j] = f32_to_bf16(x1);
-                v[j + half] = f32_to_bf16(x2);
+                unsigned short* k =
+                    k_cache + (((size_t)b * kv_heads + (h - heads)) * capacity + col) * head_dim;
+                k[j] = f32_to_bf16(y1);
+                k[j + half] = f32_to_bf16(y2);
             }
+        } else {
+            unsigned short* v =
+                v_cache +
+                (((size_t)b * kv_heads + (h - heads - kv_heads)) * capacity + col) * head_dim;
+            v[j] = f32_to_bf16(x1);
+            v[j + half] = f32_to_bf16(x2v);
         }
     }
 }
