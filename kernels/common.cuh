@@ -10,6 +10,20 @@
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (sm_90+; `tandem_cuda` defines TANDEM_PDL 1 when it compiles
+// for such a GPU and launches the small-step kernels with the programmatic-serialization
+// attribute): PDL_LAUNCH_DEPENDENTS lets the next kernel of the stream start while this one runs,
+// and PDL_WAIT blocks until the previous kernel has finished and its writes are visible. A
+// kernel may do anything that does not read its predecessor's outputs (load weights) before
+// PDL_WAIT. Without the attribute or the define both are no-ops.
+#if defined(TANDEM_PDL) && TANDEM_PDL
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_WAIT()
+#define PDL_LAUNCH_DEPENDENTS()
+#endif
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short v) {
     return __uint_as_float(((unsigned int)v) << 16);
 }

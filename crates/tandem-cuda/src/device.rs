@@ -31,10 +31,22 @@ const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
 /// start-up: `kernels/common.cuh` first (NVRTC gets no include path), then a `#line` directive
 /// so that messages give the line numbers of the source itself.
 pub(crate) fn compile_source(source: &str, name: &str) -> Result<Ptx, CudaError> {
+    compile_source_for(source, name, false)
+}
+
+/// [`compile_source`], with `programmatic` for a GPU that has programmatic dependent launch
+/// (sm_90 and later): `TANDEM_PDL` defined (see kernels/common.cuh) and PTX for compute_90.
+fn compile_source_for(source: &str, name: &str, programmatic: bool) -> Result<Ptx, CudaError> {
+    let define = if programmatic {
+        "#define TANDEM_PDL 1\n"
+    } else {
+        ""
+    };
     Ok(compile_ptx_with_opts(
-        format!("{COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}"),
+        format!("{define}{COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}"),
         CompileOptions {
             name: Some(name.into()),
+            arch: programmatic.then_some("compute_90"),
             ..Default::default()
         },
     )?)
@@ -58,6 +70,7 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
         ));
     }
     compile_source(KERNEL_SOURCE, "llama.cu")?;
+    compile_source_for(KERNEL_SOURCE, "llama.cu", true)?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
     Ok(vec!["kernels/llama.cu", "kernels/train.cu"])
 }
@@ -112,6 +125,9 @@ pub struct Gpu {
     kernels: Kernels,
     /// Whether models on this GPU start with CUDA graphs on (`TANDEM_CUDA_GRAPHS=0`: off).
     graphs_default: bool,
+    /// Whether the small-step kernels launch with programmatic dependent launch: an sm_90+
+    /// GPU, unless `TANDEM_CUDA_PDL=0`.
+    programmatic: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -122,6 +138,32 @@ impl std::fmt::Debug for Gpu {
 
 /// A null device pointer for optional kernel arguments.
 const NULL: u64 = 0;
+
+/// Kernel arguments for [`Gpu::launch_programmatic`], one 8-byte slot each: a device address,
+/// or an `i32` / `f32` in the low bytes (CUDA reads each parameter's own size from its slot).
+#[derive(Default)]
+struct KernelArgs(Vec<u64>);
+
+impl KernelArgs {
+    fn buffer<T>(mut self, gpu: &Gpu, buffer: &CudaSlice<T>) -> Self {
+        self.0.push(gpu.address(buffer));
+        self
+    }
+    fn optional<T>(mut self, gpu: &Gpu, buffer: Option<&CudaSlice<T>>) -> Self {
+        self.0.push(buffer.map_or(NULL, |b| gpu.address(b)));
+        self
+    }
+    fn int(mut self, value: usize) -> Self {
+        self.0.push(u64::from(
+            i32::try_from(value).expect("kernel argument fits i32") as u32,
+        ));
+        self
+    }
+    fn float(mut self, value: f32) -> Self {
+        self.0.push(u64::from(value.to_bits()));
+        self
+    }
+}
 
 impl Gpu {
     /// Opens GPU `ordinal`, compiles the kernels and creates the cuBLAS handle.
@@ -168,7 +210,10 @@ impl Gpu {
             };
             status.result()?;
         }
-        let ptx = compile_source(KERNEL_SOURCE, "llama.cu")?;
+        let (major, _) = ctx.compute_capability()?;
+        let programmatic =
+            major >= 9 && std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0");
+        let ptx = compile_source_for(KERNEL_SOURCE, "llama.cu", programmatic)?;
         let module = ctx.load_module(ptx)?;
         let kernels = Kernels {
             embed_rows: module.load_function("embed_rows")?,
@@ -197,6 +242,7 @@ impl Gpu {
             _blas_workspace: blas_workspace,
             kernels,
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            programmatic,
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -661,40 +707,87 @@ impl Gpu {
         assert!(mask.len() >= s.rows() * total);
         assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
         let scale = 1.0 / (s.head_dim as f32).sqrt();
-        let (width, heads, kv_heads, head_dim, capacity, total_i) = (
-            s.width as i32,
-            s.heads as i32,
-            s.kv_heads as i32,
-            s.head_dim as i32,
-            s.capacity as i32,
-            total as i32,
-        );
-        let mut launch = self.stream.launch_builder(&self.kernels.attention);
-        launch
-            .arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(mask)
-            .arg(out)
-            .arg(&width)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&head_dim)
-            .arg(&capacity)
-            .arg(&total_i)
-            .arg(&scale);
-        match step_scalars {
-            Some(scalars) => launch.arg(scalars),
-            None => launch.arg(&NULL),
-        };
+        let args = KernelArgs::default()
+            .buffer(self, q)
+            .buffer(self, k_cache)
+            .buffer(self, v_cache)
+            .buffer(self, mask)
+            .buffer(self, out)
+            .int(s.width)
+            .int(s.heads)
+            .int(s.kv_heads)
+            .int(s.head_dim)
+            .int(s.capacity)
+            .int(total)
+            .float(scale)
+            .optional(self, step_scalars);
         let cfg = LaunchConfig {
             grid_dim: (s.rows() as u32, s.heads as u32, 1),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: (ATTENTION_THREADS / 32 + 1) * s.head_dim as u32 * 4,
         };
-        // SAFETY: sizes asserted above; dynamic shared memory holds (warps + 1) * head_dim floats;
-        // the caches are whole allocations, so key rows are 16-byte aligned (head_dim % 32 == 0).
-        unsafe { launch.launch(cfg) }?;
+        // SAFETY: the signature of `attention`; sizes asserted above; dynamic shared memory
+        // holds (warps + 1) * head_dim floats; the caches are whole allocations, so key rows are
+        // 16-byte aligned (head_dim % 32 == 0); PDL_WAIT before reading anything.
+        unsafe { self.launch_programmatic(&self.kernels.attention, cfg, args) }
+    }
+
+    /// Whether kernels launch with programmatic dependent launch (see [`Gpu::launch_programmatic`]).
+    pub fn programmatic(&self) -> bool {
+        self.programmatic
+    }
+
+    /// Launches `func` on the stream with the programmatic-stream-serialization attribute (when
+    /// [`Gpu::programmatic`]): the kernel may start while the one before it still runs, and
+    /// waits for it with `PDL_WAIT` (kernels/common.cuh) before reading its outputs, so a small
+    /// step's weight loads and launch overlap the previous kernel. CUDA graphs capture the
+    /// relaxed dependency. Only kernels that call `PDL_WAIT` before touching anything their
+    /// predecessor writes may be launched this way.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list (types, order, buffer sizes).
+    unsafe fn launch_programmatic(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: KernelArgs,
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        let mut slots = args.0;
+        let mut params: Vec<*mut std::ffi::c_void> = slots
+            .iter_mut()
+            .map(|slot| (slot as *mut u64).cast())
+            .collect();
+        // SAFETY: a plain C struct for which all-zero bytes are a valid value.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: u32::from(self.programmatic),
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `params` points at one 8-byte slot per kernel parameter (the caller matched
+        // them to the signature), alive until the call returns; the function belongs to this
+        // context and the stream to this GPU.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
         Ok(())
     }
 
@@ -733,21 +826,19 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
         assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
-        let (rows_i, inp_i, out_i, acc_i) =
-            (rows as i32, inp as i32, out as i32, accumulate as i32);
-        let mut launch = self.stream.launch_builder(&self.kernels.gemv_rows);
-        launch
-            .arg(x)
-            .arg(w)
-            .arg(y)
-            .arg(&rows_i)
-            .arg(&inp_i)
-            .arg(&out_i)
-            .arg(&acc_i);
-        // SAFETY: sizes asserted; rows of x and w start on 16-byte boundaries (whole
-        // allocations, inp a multiple of 8); one warp per output, guarded by `out`.
-        unsafe { launch.launch(Self::gemv_config(out, 0)) }?;
-        Ok(())
+        let args = KernelArgs::default()
+            .buffer(self, x)
+            .buffer(self, w)
+            .buffer(self, y)
+            .int(rows)
+            .int(inp)
+            .int(out)
+            .int(usize::from(accumulate));
+        let cfg = Self::gemv_config(out, 0);
+        // SAFETY: signature (u16*, u16*, f32*, int, int, int, int); sizes asserted; rows of x
+        // and w start on 16-byte boundaries (whole allocations, inp a multiple of 8); one warp
+        // per output, guarded by `out`; the kernel waits (PDL_WAIT) before reading x or y.
+        unsafe { self.launch_programmatic(&self.kernels.gemv_rows, cfg, args) }
     }
 
     /// `act[r, j] = silu(gate) * up` of the gate|up projection of `rms_norm(x[r]) * norm_w`
@@ -767,20 +858,19 @@ impl Gpu {
         assert!(Self::gemv_fits(rows, hidden, &[inter]));
         assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
         assert!(w.len() >= 2 * inter * hidden && act.len() >= rows * inter);
-        let (rows_i, hidden_i, inter_i) = (rows as i32, hidden as i32, inter as i32);
-        let mut launch = self.stream.launch_builder(&self.kernels.norm_gate_up_silu);
-        launch
-            .arg(x)
-            .arg(norm_w)
-            .arg(w)
-            .arg(act)
-            .arg(&rows_i)
-            .arg(&hidden_i)
-            .arg(&inter_i)
-            .arg(&eps);
-        // SAFETY: sizes asserted; dynamic shared memory holds rows * hidden bf16.
-        unsafe { launch.launch(Self::gemv_config(inter, rows * hidden * 2)) }?;
-        Ok(())
+        let args = KernelArgs::default()
+            .buffer(self, x)
+            .buffer(self, norm_w)
+            .buffer(self, w)
+            .buffer(self, act)
+            .int(rows)
+            .int(hidden)
+            .int(inter)
+            .float(eps);
+        let cfg = Self::gemv_config(inter, rows * hidden * 2);
+        // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float); sizes asserted;
+        // dynamic shared memory holds rows * hidden bf16; PDL_WAIT before reading x.
+        unsafe { self.launch_programmatic(&self.kernels.norm_gate_up_silu, cfg, args) }
     }
 
     /// q|k|v of `rms_norm(x[r]) * norm_w`, the bias, RoPE and the cache write in one launch: what
@@ -817,57 +907,42 @@ impl Gpu {
         assert!(positions.len() >= rows && inv_freq.len() >= s.head_dim / 2);
         assert!(q_out.len() >= rows * q_dim && col0 + s.width <= s.capacity);
         assert!(k_cache.len() >= s.batch * kv_dim * s.capacity && v_cache.len() == k_cache.len());
-        let (rows_i, hidden_i, width, heads, kv_heads, head_dim, capacity, col0) = (
-            rows as i32,
-            hidden as i32,
-            s.width as i32,
-            s.heads as i32,
-            s.kv_heads as i32,
-            s.head_dim as i32,
-            s.capacity as i32,
-            col0 as i32,
-        );
-        let mut launch = self.stream.launch_builder(&self.kernels.norm_qkv_rope);
-        launch.arg(x).arg(norm_w).arg(w);
-        match second {
-            Some((x2, norm_w2, w2)) => {
-                assert!(x2.len() >= rows * hidden && norm_w2.len() >= hidden);
-                assert!(w2.len() >= qkv_dim * hidden);
-                launch.arg(x2).arg(norm_w2).arg(w2)
-            }
-            None => launch.arg(&NULL).arg(&NULL).arg(&NULL),
-        };
-        match bias {
-            Some(b) => launch.arg(b),
-            None => launch.arg(&NULL),
-        };
-        launch
-            .arg(positions)
-            .arg(inv_freq)
-            .arg(q_out)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&rows_i)
-            .arg(&hidden_i)
-            .arg(&width)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&head_dim)
-            .arg(&capacity)
-            .arg(&col0);
-        match step_scalars {
-            Some(scalars) => launch.arg(scalars),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(&eps);
+        if let Some((x2, norm_w2, w2)) = second {
+            assert!(x2.len() >= rows * hidden && norm_w2.len() >= hidden);
+            assert!(w2.len() >= qkv_dim * hidden);
+        }
         let pairs = (s.heads + 2 * s.kv_heads) * s.head_dim / 2;
         let inputs = if second.is_some() { 2 } else { 1 };
         assert!(inputs * rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES);
-        // SAFETY: sizes asserted; dynamic shared memory holds `inputs` * rows * hidden bf16;
-        // cache columns as in `rope_qkv` (with `step_scalars`, the caller checks each step's
-        // column).
-        unsafe { launch.launch(Self::gemv_config(pairs, inputs * rows * hidden * 2)) }?;
-        Ok(())
+        let args = KernelArgs::default()
+            .buffer(self, x)
+            .buffer(self, norm_w)
+            .buffer(self, w)
+            .optional(self, second.map(|(x2, _, _)| x2))
+            .optional(self, second.map(|(_, n, _)| n))
+            .optional(self, second.map(|(_, _, w2)| w2))
+            .optional(self, bias)
+            .buffer(self, positions)
+            .buffer(self, inv_freq)
+            .buffer(self, q_out)
+            .buffer(self, k_cache)
+            .buffer(self, v_cache)
+            .int(rows)
+            .int(hidden)
+            .int(s.width)
+            .int(s.heads)
+            .int(s.kv_heads)
+            .int(s.head_dim)
+            .int(s.capacity)
+            .int(col0)
+            .optional(self, step_scalars)
+            .float(eps);
+        let cfg = Self::gemv_config(pairs, inputs * rows * hidden * 2);
+        // SAFETY: the signature of `norm_qkv_rope`; sizes asserted; dynamic shared memory
+        // holds `inputs` * rows * hidden bf16; cache columns as in `rope_qkv` (with
+        // `step_scalars`, the caller checks each step's column); PDL_WAIT before reading any
+        // input but the weights.
+        unsafe { self.launch_programmatic(&self.kernels.norm_qkv_rope, cfg, args) }
     }
 
     /// `out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]`.
