@@ -10,9 +10,9 @@
 
 #define NEG_INF __int_as_float(0xff800000)
 
-// Programmatic dependent launch (sm_90+; `tandem_cuda` defines TANDEM_PDL 1 when it compiles
-// for such a GPU and launches the small-step kernels with the programmatic-serialization
-// attribute): PDL_LAUNCH_DEPENDENTS lets the next kernel of the stream start while this one runs,
+// Programmatic dependent launch (sm_90+, with TANDEM_CUDA_PDL=1: `tandem_cuda` then defines
+// TANDEM_PDL 1 and launches the small-step kernels and attention with the
+// programmatic-serialization attribute; off by default, as it measured slower on the H200): PDL_LAUNCH_DEPENDENTS lets the next kernel of the stream start while this one runs,
 // and PDL_WAIT blocks until the previous kernel has finished and its writes are visible. A
 // kernel may do anything that does not read its predecessor's outputs (load weights) before
 // PDL_WAIT. Without the attribute or the define both are no-ops.

@@ -760,63 +760,35 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsign
     }
 }
 
-// xs[r * n + i] = bf16(rms_norm(x[r]) * w[i]) for r < rows, as add_rms_norm computes it, into
-// shared memory for the block's matrix-vector products. Every thread reads its share of every
-// row at once (the rows' loads in flight together), so staging eight rows costs about what one
-// does: two trips to memory and two barriers.
+// xs[r * n + i] = bf16(rms_norm(x[r]) * w[i]) for r < rows, as add_rms_norm computes it (one
+// warp per row), into shared memory for the block's matrix-vector products. (Spreading every
+// row over the whole block, all rows' loads in flight at once, measured slower at 1 to 8 rows:
+// BENCHMARKS.md, session 18.)
 __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned short* __restrict__ w,
                                  unsigned short* xs, int rows, int n, float eps) {
-    __shared__ float partial[32][GEMV_MAX_ROWS];
-    __shared__ float inv_rms[GEMV_MAX_ROWS];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    const int quads = n >> 2;
-    float squares[GEMV_MAX_ROWS];
-#pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        squares[r] = 0.0f;
-    }
-    for (int i = threadIdx.x; i < quads; i += blockDim.x) {
-#pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r < rows) {
-                const float4 v = reinterpret_cast<const float4*>(x + (size_t)r * n)[i];
-                squares[r] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-        }
-    }
-    const float sum = warp_sum8(squares);
-    if ((lane & 3) == 0 && (lane >> 2) < rows) {
-        partial[warp][lane >> 2] = sum;
-    }
-    __syncthreads();
-    if (threadIdx.x < rows) {
-        float total = 0.0f;
-        for (int k = 0; k < warps; ++k) {
-            total += partial[k][threadIdx.x];
-        }
-        inv_rms[threadIdx.x] = 1.0f / sqrtf(total / (float)n + eps);
-    }
-    __syncthreads();
     const uint2* w4 = reinterpret_cast<const uint2*>(w);
-    for (int i = threadIdx.x; i < quads; i += blockDim.x) {
-        const uint2 wv = w4[i];
-        const float w0 = __uint_as_float(wv.x << 16);
-        const float w1 = __uint_as_float(wv.x & 0xffff0000u);
-        const float w2 = __uint_as_float(wv.y << 16);
-        const float w3 = __uint_as_float(wv.y & 0xffff0000u);
-#pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r < rows) {
-                const float4 v = reinterpret_cast<const float4*>(x + (size_t)r * n)[i];
-                const float inv = inv_rms[r];
-                const unsigned int lo = f32_to_bf16(v.x * inv * w0) |
-                                        ((unsigned int)f32_to_bf16(v.y * inv * w1) << 16);
-                const unsigned int hi = f32_to_bf16(v.z * inv * w2) |
-                                        ((unsigned int)f32_to_bf16(v.w * inv * w3) << 16);
-                reinterpret_cast<uint2*>(xs + (size_t)r * n)[i] = make_uint2(lo, hi);
-            }
+    for (int r = warp; r < rows; r += warps) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * n);
+        float squares = 0.0f;
+#pragma unroll 4
+        for (int i = lane; i < (n >> 2); i += 32) {
+            const float4 v = xr[i];
+            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
+        uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
+#pragma unroll 4
+        for (int i = lane; i < (n >> 2); i += 32) {
+            const float4 v = xr[i];
+            const uint2 wv = w4[i];
+            const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
+            const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
+            out[i] = make_uint2(lo, hi);
         }
     }
     __syncthreads();

@@ -134,7 +134,7 @@ pub struct FastBenchArgs {
     /// baseline, then graphs, in the same run).
     #[arg(long)]
     pub graphs_only: bool,
-    /// The fused small-step kernels (steps of at most 8 rows): `on` (the default path), `off`
+    /// The fused small-step kernels (steps of at most 4 rows): `on` (the default path), `off`
     /// (cuBLAS GEMMs and separate kernels), or `both` (off first, as the baseline, then on, in
     /// the same run).
     #[arg(long, value_enum, default_value_t = FusedModes::On)]
@@ -205,6 +205,11 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     }
     let mut first_token_s = None;
     let mut rows = Vec::new();
+    // `--fused on` runs the default cut-off (or TANDEM_CUDA_FUSED=N's).
+    let fused_rows = match model.fused_rows() {
+        0 => tandem_cuda::FUSED_MAX_ROWS,
+        n => n,
+    };
     let graph_modes: &[bool] = if args.graphs_only {
         &[true]
     } else {
@@ -215,7 +220,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
         .flat_map(|&g| args.fused.modes().iter().map(move |&f| (g, f)));
     for (graphs, fused) in modes {
         model.set_graphs(graphs);
-        model.set_fused(fused);
+        model.set_fused_rows(if fused { fused_rows } else { 0 });
         for taps in &requests {
             for &batch in &args.batch {
                 let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();

@@ -126,7 +126,7 @@ pub struct Gpu {
     /// Whether models on this GPU start with CUDA graphs on (`TANDEM_CUDA_GRAPHS=0`: off).
     graphs_default: bool,
     /// Whether the small-step kernels launch with programmatic dependent launch: an sm_90+
-    /// GPU, unless `TANDEM_CUDA_PDL=0`.
+    /// GPU and `TANDEM_CUDA_PDL=1` (an experiment: slower as the kernels stand).
     programmatic: bool,
 }
 
@@ -211,8 +211,9 @@ impl Gpu {
             status.result()?;
         }
         let (major, _) = ctx.compute_capability()?;
-        let programmatic =
-            major >= 9 && std::env::var("TANDEM_CUDA_PDL").map_or(true, |v| v != "0");
+        // Off unless asked for: on the H200 the fused batch-1 decode took 1.04 ms with it and
+        // 0.86 ms without (BENCHMARKS.md, session 18).
+        let programmatic = major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1");
         let ptx = compile_source_for(KERNEL_SOURCE, "llama.cu", programmatic)?;
         let module = ctx.load_module(ptx)?;
         let kernels = Kernels {

@@ -9,17 +9,17 @@
 //! produced ([`CudaDraft::fc_input`]), so serving feeds it exactly what the dump job tapped.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::CudaSlice;
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
 use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
-use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_SHARED_BYTES, Gpu};
+use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
-use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, graph_batch};
+use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, fused_rows_default, graph_batch};
 use crate::weights::to_bf16_bits;
 
 /// An EAGLE-3 head in bf16 on the GPU, on top of a copy of the target's embedding.
@@ -49,9 +49,8 @@ pub struct CudaDraft {
     lm_head: CudaSlice<u16>,
     inv_freq: CudaSlice<f32>,
     graphs: Graphs<DraftBuffers>,
-    /// Whether steps of at most `GEMV_MAX_ROWS` rows run the fused small-step kernels (as the
-    /// target's: `TANDEM_CUDA_FUSED=0` starts with them off).
-    fused: AtomicBool,
+    /// Steps of at most this many rows run the fused small-step kernels (as the target's).
+    fused_rows: AtomicUsize,
 }
 
 impl std::fmt::Debug for CudaDraft {
@@ -152,16 +151,17 @@ impl CudaDraft {
             lm_head: bf16(get("lm_head.weight")?)?,
             inv_freq: gpu.upload(&inv_freq)?,
             graphs: Graphs::new(gpu.graphs_default()),
-            fused: AtomicBool::new(std::env::var("TANDEM_CUDA_FUSED").map_or(true, |v| v != "0")),
+            fused_rows: AtomicUsize::new(fused_rows_default()),
             spec,
             vocab,
             gpu,
         })
     }
 
-    /// Turns the fused small-step kernels on or off (see [`CudaTarget::set_fused`]).
-    pub fn set_fused(&self, on: bool) {
-        self.fused.store(on, Ordering::Relaxed);
+    /// Which steps run the fused small-step kernels (see [`CudaTarget::set_fused_rows`]).
+    pub fn set_fused_rows(&self, rows: usize) {
+        self.fused_rows
+            .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
     }
 
     /// Whether a step of `rows` rows runs fused (both halves of the attention input staged in
@@ -170,7 +170,7 @@ impl CudaDraft {
         let spec = &self.spec;
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
-        self.fused.load(Ordering::Relaxed)
+        rows <= self.fused_rows.load(Ordering::Relaxed)
             && 2 * rows * spec.hidden_size * 2 <= GEMV_MAX_SHARED_BYTES
             && Gpu::gemv_fits(
                 rows,

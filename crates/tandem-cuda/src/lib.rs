@@ -24,11 +24,15 @@ mod weights;
 
 pub use cache::{ColumnMoves, CudaKvCache, HostKv};
 pub use cudarc::driver::CudaSlice;
-pub use device::{AttentionShape, DeviceRows, Gpu, compile_all_kernels, nvrtc_present};
+pub use device::{
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, compile_all_kernels, nvrtc_present,
+};
 pub use draft::{CudaDraft, DraftStepOutput};
 pub use error::CudaError;
 pub use graphs::GraphStats;
-pub use model::{CudaStepOutput, CudaTarget, DeviceLogits, GRAPH_BATCHES, GRAPH_MAX_WIDTH};
+pub use model::{
+    CudaStepOutput, CudaTarget, DeviceLogits, FUSED_MAX_ROWS, GRAPH_BATCHES, GRAPH_MAX_WIDTH,
+};
 pub use train::{
     AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, StepCounts, TargetPieces,
     TrainStepReport,

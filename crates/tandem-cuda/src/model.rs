@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::CudaSlice;
 use tandem_model::weights::WeightFiles;
@@ -11,7 +11,7 @@ use tandem_model::{CaptureHook, HfConfig, LogitsFor, ModelSpec, StepInput, TapRe
 use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
-use crate::device::{AttentionShape, DeviceRows, Gpu};
+use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
 use crate::weights::DeviceWeights;
@@ -27,8 +27,8 @@ pub struct CudaTarget {
     weights: DeviceWeights,
     inv_freq: CudaSlice<f32>,
     graphs: Graphs<StepBuffers>,
-    /// Whether steps of at most `GEMV_MAX_ROWS` rows run the fused small-step kernels.
-    fused: AtomicBool,
+    /// Steps of at most this many rows run the fused small-step kernels (0: none).
+    fused_rows: AtomicUsize,
 }
 
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
@@ -277,6 +277,20 @@ impl CudaStepOutput {
     }
 }
 
+/// The most rows a step may have to run the fused small-step kernels by default. They win at 1
+/// to 4 rows (H200, SmolLM2, batch-1 decode 0.83 vs 1.05 ms, a 4-token verification 1.02 vs
+/// 1.11 ms) and lose at 8 (1.41 vs 1.19 ms), where cuBLAS's GEMMs keep more loads in flight
+/// (BENCHMARKS.md, session 18).
+pub const FUSED_MAX_ROWS: usize = 4;
+
+/// [`FUSED_MAX_ROWS`], or `TANDEM_CUDA_FUSED=N` (0: the fused kernels off).
+pub(crate) fn fused_rows_default() -> usize {
+    std::env::var("TANDEM_CUDA_FUSED")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(FUSED_MAX_ROWS, |n| n.min(GEMV_MAX_ROWS))
+}
+
 /// Batch sizes CUDA graphs are captured for (and multiples of 64 beyond): a graphed step of
 /// another size is padded up to the next one the cache has rows for.
 pub const GRAPH_BATCHES: [usize; 12] = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64];
@@ -306,7 +320,7 @@ impl CudaTarget {
         let inv_freq = gpu.upload(&inv_freq)?;
         Ok(Self {
             graphs: Graphs::new(gpu.graphs_default()),
-            fused: AtomicBool::new(std::env::var("TANDEM_CUDA_FUSED").map_or(true, |v| v != "0")),
+            fused_rows: AtomicUsize::new(fused_rows_default()),
             spec,
             gpu,
             weights,
@@ -314,16 +328,18 @@ impl CudaTarget {
         })
     }
 
-    /// Turns the fused small-step kernels on or off (on by default; `TANDEM_CUDA_FUSED=0`
-    /// starts with them off). Off, every step runs the cuBLAS GEMMs and the separate norm,
-    /// RoPE and SwiGLU kernels: the baseline `fast-bench --fused both` measures and the
-    /// reference the GPU tests compare the fused kernels with.
-    pub fn set_fused(&self, on: bool) {
-        self.fused.store(on, Ordering::Relaxed);
+    /// Steps of at most `rows` rows (capped at [`GEMV_MAX_ROWS`]) run the fused small-step
+    /// kernels; 0 turns them off: every step then runs the cuBLAS GEMMs and the separate norm,
+    /// RoPE and SwiGLU kernels, the baseline `fast-bench --fused both` measures and the
+    /// reference the GPU tests compare the fused kernels with. Default [`FUSED_MAX_ROWS`]
+    /// (`TANDEM_CUDA_FUSED=N` sets N, `TANDEM_CUDA_FUSED=0` off).
+    pub fn set_fused_rows(&self, rows: usize) {
+        self.fused_rows
+            .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
     }
 
-    pub fn fused_enabled(&self) -> bool {
-        self.fused.load(Ordering::Relaxed)
+    pub fn fused_rows(&self) -> usize {
+        self.fused_rows.load(Ordering::Relaxed)
     }
 
     /// Whether a step of `rows` rows runs fused: small enough for the matrix-vector kernels,
@@ -333,7 +349,7 @@ impl CudaTarget {
         let spec = &self.spec;
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
-        self.fused_enabled()
+        rows <= self.fused_rows()
             && !spec.qk_norm
             && Gpu::gemv_fits(
                 rows,
