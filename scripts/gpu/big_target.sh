@@ -74,29 +74,8 @@ pipeline)
     --repeats 2 --json "$R/big_hf_generate.json" > "$R/big_hf_generate.log" 2>&1
   stamp "hf generate exit $?"
   fi
-  # Where SmolLM2's batch-1 decode step spends its time, kernel by kernel (eager launches so
-  # ncu sees each kernel; duration only, one pass per kernel; clocks left alone).
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  if [[ -n "$NCU" && -d "$M" ]]; then
-    timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
-      --launch-count 1500 "$T" fast-bench --model "$M" --batch 1 --verify-widths 4 \
-      --prompt-tokens 128 --new-tokens 16 --repeats 1 > "$R/big_ncu.csv" 2> "$R/big_ncu.err"
-    stamp "ncu exit $?"
-    python3 - "$R/big_ncu.csv" > "$R/big_ncu_summary.txt" 2>&1 <<'PY'
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-head, body = rows[0], rows[1:]
-k, g, v, u = (head.index(c) for c in ("Kernel Name", "Grid Size", "Metric Value", "Metric Unit"))
-scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-by = collections.defaultdict(list)
-for r in body:
-    by[(r[k][:60], r[g])].append(float(r[v].replace(",", "")) * scale.get(r[u], float("nan")))
-total = sum(sum(x) for x in by.values())
-print(f"{len(body)} kernels, {total:.1f} us in all (us: total, count x mean)")
-for (name, grid), xs in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]:
-    print(f"{sum(xs):10.1f} us {len(xs):6d} x {sum(xs) / len(xs):7.2f} us  grid {grid:>16}  {name}")
-PY
-  fi
+  # Where SmolLM2's batch-1 decode step spends its time, kernel by kernel (head_lib.sh).
+  ncu_decode_profile big_ncu && stamp "ncu exit 0"
   touch "$R/big_done"
   ;;
 esac

@@ -66,26 +66,9 @@ pipeline)
     timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1
     mark "hf done"
   fi
-  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-  if [[ "${NCU:-1}" == 1 && -n "$NCU_BIN" ]]; then
-    TANDEM_CUDA_GRAPHS=0 timeout 240 "$NCU_BIN" --clock-control none --metrics gpu__time_duration.sum --csv \
-      --launch-count 1200 "$T" fast-bench --model "$M" --batch 1 --verify-widths 4 \
-      --prompt-tokens 128 --new-tokens 16 --repeats 1 > "$R/ncu.csv" 2> "$R/ncu.err"
+  if [[ "${NCU:-1}" == 1 ]]; then
+    ncu_decode_profile ncu 1200
     mark "ncu exit $?"
-    python3 - "$R/ncu.csv" > "$R/ncu_summary.txt" 2>&1 <<'PY'
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-head, body = rows[0], rows[1:]
-k, g, v, u = (head.index(c) for c in ("Kernel Name", "Grid Size", "Metric Value", "Metric Unit"))
-scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-by = collections.defaultdict(list)
-for r in body:
-    by[(r[k][:60], r[g])].append(float(r[v].replace(",", "")) * scale.get(r[u], float("nan")))
-total = sum(sum(x) for x in by.values())
-print(f"{len(body)} kernels, {total:.1f} us in all (us: total, count x mean)")
-for (name, grid), xs in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]:
-    print(f"{sum(xs):10.1f} us {len(xs):6d} x {sum(xs) / len(xs):7.2f} us  grid {grid:>16}  {name}")
-PY
   fi
   touch "$R/done"
   ;;
