@@ -6,7 +6,7 @@
 # on), MT-Bench at batch 1 with the committed head (the bench's own target-only baseline in the
 # same run; tree 3/4/8 also with TANDEM_CUDA_FUSED=0), HF transformers (sdpa) decode in the
 # same run, and ncu's kernel-by-kernel times of a fused batch-1 decode step (eager launches).
-# Knobs: SHAPES (default 3/1/4 3/4/8 5/8/32), NCU=0, HF=0, TESTS=0.
+# Knobs: SHAPES (default 3/1/4 3/4/8 5/8/32), NCU=0, HF=0, TESTS=0, PDL=0.
 #   here:     cargo build --release && bash scripts/gpu/fused.sh pack   # .device/a .. .device/e
 #   call 1 (carry .device/a): bash scripts/gpu/fused.sh a
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/fused.sh piece b|c|d
@@ -53,7 +53,7 @@ pipeline)
   echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
   # The same steps with programmatic dependent launch (an experiment, off by default: each
   # small-step kernel starts while the previous one runs and waits for it before reading).
-  TANDEM_CUDA_PDL=1 timeout 300 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4,8 \
+  [[ "${PDL:-1}" == 1 ]] && TANDEM_CUDA_PDL=1 timeout 300 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4,8 \
     --new-tokens 64 --repeats 3 --graphs-only --fused both > "$R/fast-bench-pdl.md" 2> "$R/fast-bench-pdl.log"
   echo "fast-bench with PDL: exit $?" | tee -a "$R/summary.txt"
   mark "fast-bench done"
