@@ -4,7 +4,7 @@
 # first (`fused_small_steps_match_the_unfused_kernels` and every earlier one), then `tandem
 # fast-bench --fused both` (unfused, as the baseline, then fused, in the same run; CUDA graphs
 # on), MT-Bench at batch 1 with the committed head (the bench's own target-only baseline in the
-# same run; tree 3/4/8 also with TANDEM_CUDA_FUSED=0), HF transformers (sdpa) decode in the
+# same run; the fused kernels on with TANDEM_CUDA_FUSED=4, tree 3/4/8 also without), HF transformers (sdpa) decode in the
 # same run, and ncu's kernel-by-kernel times of a fused batch-1 decode step (eager launches).
 # Knobs: SHAPES (default 3/1/4 3/4/8 5/8/32), NCU=0, HF=0, TESTS=0, PDL=0.
 #   here:     cargo build --release && bash scripts/gpu/fused.sh pack   # .device/a .. .device/e
@@ -58,9 +58,9 @@ pipeline)
   echo "fast-bench with PDL: exit $?" | tee -a "$R/summary.txt"
   mark "fast-bench done"
   for s in ${SHAPES:-3/1/4 3/4/8 5/8/32}; do
-    bench "$W/head" fused "$s"
+    TANDEM_CUDA_FUSED=4 bench "$W/head" fused "$s"
   done
-  TANDEM_CUDA_FUSED=0 bench "$W/head" unfused 3/4/8
+  bench "$W/head" unfused 3/4/8
   mark "spec bench done"
   if [[ "${HF:-1}" == 1 ]]; then
     timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1

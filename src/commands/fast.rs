@@ -205,7 +205,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     }
     let mut first_token_s = None;
     let mut rows = Vec::new();
-    // `--fused on` runs the default cut-off (or TANDEM_CUDA_FUSED=N's).
+    // `--fused on` runs FUSED_MAX_ROWS (or TANDEM_CUDA_FUSED=N's cut-off).
     let fused_rows = match model.fused_rows() {
         0 => tandem_cuda::FUSED_MAX_ROWS,
         n => n,

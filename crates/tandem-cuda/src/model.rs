@@ -277,18 +277,26 @@ impl CudaStepOutput {
     }
 }
 
-/// The most rows a step may have to run the fused small-step kernels by default. They win at 1
-/// to 4 rows (H200, SmolLM2, batch-1 decode 0.83 vs 1.05 ms, a 4-token verification 1.02 vs
-/// 1.11 ms) and lose at 8 (1.41 vs 1.19 ms), where cuBLAS's GEMMs keep more loads in flight
-/// (BENCHMARKS.md, session 18).
+/// The cut-off the fused small-step kernels are measured and offered with (`fast-bench --fused
+/// on`, `TANDEM_CUDA_FUSED=4`): they win at 1 to 4 rows (H200, SmolLM2, batch-1 decode 0.83 vs
+/// 1.05 ms, a 4-token verification 1.02 vs 1.11 ms) and lose at 8 (1.41 vs 1.19 ms), where
+/// cuBLAS's GEMMs keep more loads in flight (BENCHMARKS.md, session 18).
+///
+/// They are off by default: their sums run in another order than cuBLAS's, so a sequence whose
+/// decode steps run fused and whose wider verification steps do not gets logits that differ
+/// in the last bits between the two, and greedy speculative output can leave the target-only
+/// output at a near-tie (`fast_policy_rounds_and_the_deferred_head_extension_are_exact` did at
+/// token 38 of 40 with this cut-off). Turning them on by default needs kernels whose rows agree
+/// bit for bit at every step width.
 pub const FUSED_MAX_ROWS: usize = 4;
 
-/// [`FUSED_MAX_ROWS`], or `TANDEM_CUDA_FUSED=N` (0: the fused kernels off).
+/// `TANDEM_CUDA_FUSED=N` (steps of at most N rows fused, N capped at [`GEMV_MAX_ROWS`]); 0, the
+/// fused kernels off, without it.
 pub(crate) fn fused_rows_default() -> usize {
     std::env::var("TANDEM_CUDA_FUSED")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-        .map_or(FUSED_MAX_ROWS, |n| n.min(GEMV_MAX_ROWS))
+        .map_or(0, |n| n.min(GEMV_MAX_ROWS))
 }
 
 /// Batch sizes CUDA graphs are captured for (and multiples of 64 beyond): a graphed step of
@@ -331,8 +339,8 @@ impl CudaTarget {
     /// Steps of at most `rows` rows (capped at [`GEMV_MAX_ROWS`]) run the fused small-step
     /// kernels; 0 turns them off: every step then runs the cuBLAS GEMMs and the separate norm,
     /// RoPE and SwiGLU kernels, the baseline `fast-bench --fused both` measures and the
-    /// reference the GPU tests compare the fused kernels with. Default [`FUSED_MAX_ROWS`]
-    /// (`TANDEM_CUDA_FUSED=N` sets N, `TANDEM_CUDA_FUSED=0` off).
+    /// reference the GPU tests compare the fused kernels with. Default 0 (off; see
+    /// [`FUSED_MAX_ROWS`]), or `TANDEM_CUDA_FUSED=N`.
     pub fn set_fused_rows(&self, rows: usize) {
         self.fused_rows
             .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
