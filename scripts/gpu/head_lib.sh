@@ -10,6 +10,16 @@ OUT="${OUT:-/tmp/out}"
 LOG="$R/pipeline.log"
 mkdir -p "$R" "$OUT" 2>/dev/null
 
+# use_cublas_libraries: cuBLAS for the fast path, the toolkit's, else the one PyTorch ships, on
+# LD_LIBRARY_PATH.
+use_cublas_libraries() {
+  local d
+  for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cublas/lib") for p in nvidia.__path__))' 2>/dev/null); do
+    [[ -d "$d" ]] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+  done
+  return 0
+}
+
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 mark() { echo "$(date +%T) $1" | tee -a "$R/phases.txt"; }
 

@@ -733,14 +733,9 @@ impl Gpu {
         unsafe { self.launch_programmatic(&self.kernels.attention, cfg, args) }
     }
 
-    /// Whether kernels launch with programmatic dependent launch (see [`Gpu::launch_programmatic`]).
-    pub fn programmatic(&self) -> bool {
-        self.programmatic
-    }
-
     /// Launches `func` on the stream with the programmatic-stream-serialization attribute (when
-    /// [`Gpu::programmatic`]): the kernel may start while the one before it still runs, and
-    /// waits for it with `PDL_WAIT` (kernels/common.cuh) before reading its outputs, so a small
+    /// `TANDEM_CUDA_PDL=1` on an sm_90+ GPU): the kernel may start while the one before it
+    /// still runs, and waits for it with `PDL_WAIT` (kernels/common.cuh) before reading its outputs, so a small
     /// step's weight loads and launch overlap the previous kernel. CUDA graphs capture the
     /// relaxed dependency. Only kernels that call `PDL_WAIT` before touching anything their
     /// predecessor writes may be launched this way.
@@ -810,6 +805,23 @@ impl Gpu {
             && std::iter::once(hidden)
                 .chain(widths.iter().copied())
                 .all(|w| w.is_multiple_of(8))
+    }
+
+    /// Whether the fused small-step kernels take a decoder layer of these dimensions at `rows`
+    /// rows, with `inputs` normed inputs staged per row (the target one, the draft head two).
+    pub(crate) fn fused_layer_fits(
+        rows: usize,
+        inputs: usize,
+        hidden: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        inter: usize,
+    ) -> bool {
+        let q_dim = heads * head_dim;
+        let qkv_dim = q_dim + 2 * kv_heads * head_dim;
+        inputs * rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES
+            && Self::gemv_fits(rows, hidden, &[q_dim, qkv_dim, inter])
     }
 
     /// `y[rows, out] = x[rows, inp] . w[out, inp]^T` (or `y +=` with `accumulate`) for at most

@@ -16,7 +16,7 @@ use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
 use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
-use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu};
+use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
 use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, fused_rows_default, graph_batch};
@@ -168,14 +168,15 @@ impl CudaDraft {
     /// shared memory).
     fn fuses(&self, rows: usize) -> bool {
         let spec = &self.spec;
-        let q_dim = spec.num_heads * spec.head_dim;
-        let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         rows <= self.fused_rows.load(Ordering::Relaxed)
-            && 2 * rows * spec.hidden_size * 2 <= GEMV_MAX_SHARED_BYTES
-            && Gpu::gemv_fits(
+            && Gpu::fused_layer_fits(
                 rows,
+                2,
                 spec.hidden_size,
-                &[q_dim, qkv_dim, spec.intermediate_size],
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.intermediate_size,
             )
     }
 
@@ -397,10 +398,11 @@ impl CudaDraft {
         let eps = spec.rms_norm_eps as f32;
         let scalars = graphed.then_some(&b.scalars);
         gpu.embed_rows(&self.embed, &b.tokens, &mut b.embeds, rows, h)?;
-        if self.fuses(rows) {
-            // The target's small-step kernels (see `CudaTarget::encode`): both normed halves
-            // of the attention input staged by the q|k|v kernel, o_proj and down_proj added
-            // into the residual; eight launches instead of fourteen.
+        // Small steps may run the target's small-step kernels (see `CudaTarget::encode`): both
+        // normed halves of the attention input staged by the q|k|v kernel, o_proj and down_proj
+        // added into the residual; eight launches instead of fourteen.
+        let fused = self.fuses(rows);
+        if fused {
             gpu.norm_qkv_rope(
                 &b.embeds,
                 &self.input_norm,
@@ -418,16 +420,60 @@ impl CudaDraft {
                 scalars,
                 eps,
             )?;
-            gpu.attention(
-                &b.q,
-                &cache.keys[0],
-                &cache.values[0],
-                &b.mask.full,
-                &mut b.attn,
+        } else {
+            gpu.add_rms_norm(
+                &mut b.embeds,
+                None,
+                &self.input_norm,
+                &mut b.normed_embeds,
+                None,
+                rows,
+                h,
+                eps,
+            )?;
+            gpu.add_rms_norm(
+                &mut b.hidden,
+                None,
+                &self.hidden_norm,
+                &mut b.normed,
+                None,
+                rows,
+                h,
+                eps,
+            )?;
+            gpu.linear(
+                &b.normed_embeds,
+                &self.qkv_embed,
+                &mut b.qkv,
+                rows,
+                h,
+                qkv_dim,
+            )?;
+            gpu.linear_add(&b.normed, &self.qkv_hidden, &mut b.qkv, rows, h, qkv_dim)?;
+            gpu.rope_qkv(
+                &b.qkv,
+                None,
+                &b.positions,
+                &self.inv_freq,
+                &mut b.q,
+                &mut cache.keys[0],
+                &mut cache.values[0],
                 shape,
-                total,
+                col0,
                 scalars,
             )?;
+        }
+        gpu.attention(
+            &b.q,
+            &cache.keys[0],
+            &cache.values[0],
+            &b.mask.full,
+            &mut b.attn,
+            shape,
+            total,
+            scalars,
+        )?;
+        if fused {
             gpu.gemv_rows(&b.attn, &self.o, &mut b.hidden, rows, q_dim, h, true)?;
             gpu.norm_gate_up_silu(
                 &b.hidden,
@@ -440,88 +486,26 @@ impl CudaDraft {
                 eps,
             )?;
             gpu.gemv_rows(&b.act, &self.down, &mut b.hidden, rows, inter, h, true)?;
+        } else {
+            gpu.linear(&b.attn, &self.o, &mut b.delta, rows, q_dim, h)?;
             gpu.add_rms_norm(
                 &mut b.hidden,
-                None,
-                &self.norm,
+                Some(&b.delta),
+                &self.post_norm,
                 &mut b.normed,
                 None,
                 rows,
                 h,
                 eps,
             )?;
-            let vocab = spec.draft_vocab_size;
-            gpu.linear(&b.normed, &self.lm_head, &mut b.logits, rows, h, vocab)?;
-            return Ok(());
+            gpu.linear(&b.normed, &self.gate_up, &mut b.gate_up, rows, h, 2 * inter)?;
+            gpu.silu_mul(&b.gate_up, &mut b.act, rows, inter)?;
+            gpu.linear(&b.act, &self.down, &mut b.delta, rows, inter, h)?;
         }
-        gpu.add_rms_norm(
-            &mut b.embeds,
-            None,
-            &self.input_norm,
-            &mut b.normed_embeds,
-            None,
-            rows,
-            h,
-            eps,
-        )?;
+        // The final norm, with the pending residual add of down_proj when unfused.
         gpu.add_rms_norm(
             &mut b.hidden,
-            None,
-            &self.hidden_norm,
-            &mut b.normed,
-            None,
-            rows,
-            h,
-            eps,
-        )?;
-        gpu.linear(
-            &b.normed_embeds,
-            &self.qkv_embed,
-            &mut b.qkv,
-            rows,
-            h,
-            qkv_dim,
-        )?;
-        gpu.linear_add(&b.normed, &self.qkv_hidden, &mut b.qkv, rows, h, qkv_dim)?;
-        gpu.rope_qkv(
-            &b.qkv,
-            None,
-            &b.positions,
-            &self.inv_freq,
-            &mut b.q,
-            &mut cache.keys[0],
-            &mut cache.values[0],
-            shape,
-            col0,
-            scalars,
-        )?;
-        gpu.attention(
-            &b.q,
-            &cache.keys[0],
-            &cache.values[0],
-            &b.mask.full,
-            &mut b.attn,
-            shape,
-            total,
-            scalars,
-        )?;
-        gpu.linear(&b.attn, &self.o, &mut b.delta, rows, q_dim, h)?;
-        gpu.add_rms_norm(
-            &mut b.hidden,
-            Some(&b.delta),
-            &self.post_norm,
-            &mut b.normed,
-            None,
-            rows,
-            h,
-            eps,
-        )?;
-        gpu.linear(&b.normed, &self.gate_up, &mut b.gate_up, rows, h, 2 * inter)?;
-        gpu.silu_mul(&b.gate_up, &mut b.act, rows, inter)?;
-        gpu.linear(&b.act, &self.down, &mut b.delta, rows, inter, h)?;
-        gpu.add_rms_norm(
-            &mut b.hidden,
-            Some(&b.delta),
+            (!fused).then_some(&b.delta),
             &self.norm,
             &mut b.normed,
             None,

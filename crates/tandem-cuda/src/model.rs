@@ -355,14 +355,16 @@ impl CudaTarget {
     /// fused q|k|v kernel does not).
     fn fuses(&self, rows: usize) -> bool {
         let spec = &self.spec;
-        let q_dim = spec.num_heads * spec.head_dim;
-        let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         rows <= self.fused_rows()
             && !spec.qk_norm
-            && Gpu::gemv_fits(
+            && Gpu::fused_layer_fits(
                 rows,
+                1,
                 spec.hidden_size,
-                &[q_dim, qkv_dim, spec.intermediate_size],
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.intermediate_size,
             )
     }
 
@@ -575,12 +577,26 @@ impl CudaTarget {
         gpu.embed_rows(&self.weights.embed, tokens, hidden, rows, h)?;
         observe(TapId::Embed, hidden)?;
         let layers = &self.weights.layers;
-        if self.fuses(rows) {
-            // Five launches a layer (see the small-step kernels in kernels/llama.cu): the input
-            // norm inside q|k|v with RoPE and the cache write, attention, o_proj added into the
-            // residual, the post-attention norm inside gate|up with SwiGLU, down_proj added into
-            // the residual. `hidden` holds the block's output after each layer, as below.
-            for (k, layer) in layers.iter().enumerate() {
+        // Small steps may run fused (see the small-step kernels in kernels/llama.cu): five
+        // launches a layer, the input norm inside q|k|v with RoPE and the cache write, attention,
+        // o_proj added into the residual, the post-attention norm inside gate|up with SwiGLU,
+        // down_proj added into the residual. Either way `hidden` holds the block's output after
+        // each layer.
+        let fused = self.fuses(rows);
+        if !fused {
+            gpu.add_rms_norm(
+                hidden,
+                None,
+                &layers[0].input_norm,
+                normed,
+                None,
+                rows,
+                h,
+                eps,
+            )?;
+        }
+        for (k, layer) in layers.iter().enumerate() {
+            if fused {
                 gpu.norm_qkv_rope(
                     hidden,
                     &layer.input_norm,
@@ -598,52 +614,7 @@ impl CudaTarget {
                     scalars,
                     eps,
                 )?;
-                gpu.attention(
-                    q,
-                    &cache.keys[k],
-                    &cache.values[k],
-                    &mask.full,
-                    attn,
-                    shape,
-                    total,
-                    scalars,
-                )?;
-                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
-                gpu.norm_gate_up_silu(
-                    hidden,
-                    &layer.post_norm,
-                    &layer.gate_up,
-                    act,
-                    rows,
-                    h,
-                    inter,
-                    eps,
-                )?;
-                gpu.gemv_rows(act, &layer.down, hidden, rows, inter, h, true)?;
-                observe(TapId::Block(k), hidden)?;
-            }
-            gpu.add_rms_norm(
-                hidden,
-                None,
-                &self.weights.final_norm,
-                normed,
-                Some(final_normed),
-                rows,
-                h,
-                eps,
-            )?;
-        } else {
-            gpu.add_rms_norm(
-                hidden,
-                None,
-                &layers[0].input_norm,
-                normed,
-                None,
-                rows,
-                h,
-                eps,
-            )?;
-            for (k, layer) in layers.iter().enumerate() {
+            } else {
                 gpu.linear(normed, &layer.qkv, qkv, rows, h, qkv_dim)?;
                 if let Some((q_norm, k_norm)) = &layer.qk_norm {
                     gpu.head_rms_norm(
@@ -669,16 +640,31 @@ impl CudaTarget {
                     col0,
                     scalars,
                 )?;
-                gpu.attention(
-                    q,
-                    &cache.keys[k],
-                    &cache.values[k],
-                    &mask.full,
-                    attn,
-                    shape,
-                    total,
-                    scalars,
+            }
+            gpu.attention(
+                q,
+                &cache.keys[k],
+                &cache.values[k],
+                &mask.full,
+                attn,
+                shape,
+                total,
+                scalars,
+            )?;
+            if fused {
+                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
+                gpu.norm_gate_up_silu(
+                    hidden,
+                    &layer.post_norm,
+                    &layer.gate_up,
+                    act,
+                    rows,
+                    h,
+                    inter,
+                    eps,
                 )?;
+                gpu.gemv_rows(act, &layer.down, hidden, rows, inter, h, true)?;
+            } else {
                 gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
                 gpu.add_rms_norm(
                     hidden,
@@ -693,8 +679,9 @@ impl CudaTarget {
                 gpu.linear(normed, &layer.gate_up, gate_up, rows, h, 2 * inter)?;
                 gpu.silu_mul(gate_up, act, rows, inter)?;
                 gpu.linear(act, &layer.down, delta, rows, inter, h)?;
-                // The residual add of this block fused with the next norm: the next layer's input
-                // norm, or the final norm after the last block (kept in f32 for the `final` tap).
+                // The residual add of this block fused with the next norm: the next layer's
+                // input norm, or the final norm after the last block (kept in f32 for the
+                // `final` tap).
                 match layers.get(k + 1) {
                     Some(next) => gpu.add_rms_norm(
                         hidden,
@@ -717,8 +704,21 @@ impl CudaTarget {
                         eps,
                     )?,
                 }
-                observe(TapId::Block(k), hidden)?;
             }
+            observe(TapId::Block(k), hidden)?;
+        }
+        if fused {
+            // The residual is complete: the final norm alone.
+            gpu.add_rms_norm(
+                hidden,
+                None,
+                &self.weights.final_norm,
+                normed,
+                Some(final_normed),
+                rows,
+                h,
+                eps,
+            )?;
         }
         observe(TapId::Final, final_normed)?;
 
