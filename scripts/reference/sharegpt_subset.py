@@ -70,6 +70,19 @@ def eval_prompts(paths):
     return prompts
 
 
+# Words and symbols that mark a request about code (issue #18: the Qwen2.5-Coder head is trained
+# on code-leaning chat; no code-instruction set is packaged here, so ShareGPT's code requests go
+# first).
+CODE = re.compile(r"```|\bdef |\bclass |\bimport |#include|console\.log|\bfunction\b|=>|"
+                  r"\b(python|javascript|typescript|java|rust|golang|c\+\+|sql|html|css|bash|regex|"
+                  r"react|node\.?js|django|flask|pandas|numpy|api|json|code|script|compile|bug|"
+                  r"algorithm|leetcode)\b", re.IGNORECASE)
+
+
+def is_code(messages):
+    return bool(CODE.search(messages[0]["content"])) if messages[0]["role"] == "user" else False
+
+
 def contains_eval(messages, prompts):
     for m in messages:
         if m["role"] != "user":
@@ -90,36 +103,47 @@ def main():
     p.add_argument("--prompts-only", action="store_true",
                    help="replace assistant turns by '.' (the dump's --regenerate writes them "
                         "anew; the file then travels in a fraction of the size)")
+    p.add_argument("--code-first", action="store_true",
+                   help="write the conversations whose first user turn asks about code first, "
+                        "then the others, up to --count")
     p.add_argument("--exclude", nargs="*", default=[],
                    help="evaluation sets whose prompts must not appear in a kept conversation "
                         "(data/mtbench/question.jsonl, data/humaneval/HumanEval.jsonl.gz)")
     a = p.parse_args()
     excluded = eval_prompts(a.exclude)
-    seen = written = dropped = 0
+    seen = written = dropped = code = 0
+    kept = []
+    for record in records(a.source):
+        messages = usable(record, a.exchanges)
+        if messages is None:
+            continue
+        if excluded and contains_eval(messages, excluded):
+            dropped += 1
+            continue
+        seen += 1
+        if seen <= a.skip:
+            continue
+        kept.append((record.get("id"), messages))
+        if not a.code_first and len(kept) == a.count:
+            break
+    if a.code_first:
+        # A stable sort: code requests first, each group in the file's order.
+        kept.sort(key=lambda item: not is_code(item[1]))
     with open(a.out + ".tmp", "w", encoding="utf-8") as f:
-        for record in records(a.source):
-            messages = usable(record, a.exchanges)
-            if messages is None:
-                continue
-            if excluded and contains_eval(messages, excluded):
-                dropped += 1
-                continue
-            seen += 1
-            if seen <= a.skip:
-                continue
+        for record_id, messages in kept[: a.count]:
             if a.prompts_only:
                 for m in messages:
                     if m["role"] == "assistant":
                         m["content"] = "."
-            f.write(json.dumps({"id": record.get("id"), "messages": messages}) + "\n")
+            f.write(json.dumps({"id": record_id, "messages": messages}) + "\n")
             written += 1
-            if written == a.count:
-                break
+            code += is_code(messages)
     import os
 
     os.replace(a.out + ".tmp", a.out)
     print(f"{written} conversations after skipping {a.skip} usable ones -> {a.out} "
-          f"({dropped} dropped for containing one of {len(excluded)} evaluation prompts)")
+          f"({dropped} dropped for containing one of {len(excluded)} evaluation prompts; "
+          f"{code} ask about code)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+#!/usr/bin/env bash
+# H200, issue #18: the whole job chain for the second real target, Qwen2.5-Coder-1.5B-Instruct.
+# The machine starts empty and a call carries at most 64 MiB, tree included, so the 1.1 GB GGUF
+# travels in pieces, from a lean checkout (scripts/gpu/lean_tree.sh: 3 MB of tree instead of
+# 41 MB, so 18 calls instead of 48).
+#
+#   here:  cargo build --release && bash scripts/gpu/qwen_chain.sh pack   # .device/q00 .. qNN
+#          bash scripts/gpu/lean_tree.sh enter                            # before the first call
+#   call k (carry [".device/qKK"]), k = 0 .. N-1, back to back:  bash scripts/gpu/qwen_chain.sh receive KK
+#          (call 0 also unpacks the binary, the GPU tests and the prompt sets; the last call
+#          checks the size and SHA-256 of the joined GGUF and imports it)
+#   then:  bash scripts/gpu/qwen_chain.sh start      # starts the pipeline, waits up to WAIT_SECONDS
+#          bash scripts/gpu/qwen_chain.sh wait       # as often as needed; brings back results.tar.xz
+#   here:  bash scripts/gpu/lean_tree.sh leave
+#
+# The pipeline, most needed first (each step under a timeout, so a failure costs its step only):
+#  1. the GPU test binaries of tandem-cuda and tandem-infer (tiny models: the kernels and engines);
+#  2. target-only decode, `tandem fast-bench` at batch 1 and 8 (verify widths 4 and 8), next to
+#     HF transformers (sdpa, bf16) decoding the same imported model in the same run;
+#  3. training data: ShareGPT first turns, code requests first (sharegpt_subset.py --code-first;
+#     MT-Bench and HumanEval kept out), the replies regenerated greedily by the target on the
+#     fast path for REGEN_SECONDS and captured through the hook (dump A);
+#  4. the EAGLE-3 head: TTT 7, draft vocabulary DRAFT_VOCAB from the regenerated replies, for
+#     TRAIN_SECONDS;
+#  5. `tandem bench` on HumanEval (164 prompts) and MT-Bench (80 first turns), 128 new tokens,
+#     greedy, speculative vs target-only in the same run: batch 1 over SHAPES_B1, batch 8 over
+#     SHAPES_B8;
+#  6. a fresh dump (ShareGPT conversations no training row saw): `replay` and `compare`;
+#  7. `tandem serve` load tests (64 MT-Bench requests, 128 tokens) at CONCURRENCIES, target-only
+#     vs the adaptive speculation policy with the new head.
+set -uo pipefail
+PHASE="${1:?usage: $0 pack|receive NN|start|wait|pipeline}"
+source "$(dirname "$0")/head_lib.sh"
+use_cublas_libraries
+M="$W/qwen"
+GGUF_HERE=models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+SIZE=1117320768
+SHA256=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+REGEN_SECONDS="${REGEN_SECONDS:-200}"
+REGEN_BATCH="${REGEN_BATCH:-256}"
+MAX_NEW="${MAX_NEW:-1024}"
+TRAIN_SECONDS="${TRAIN_SECONDS:-200}"
+DRAFT_VOCAB="${DRAFT_VOCAB:-32000}"
+LR="${LR:-5e-4}"
+SHAPES_B1="${SHAPES_B1:-3/1/4 3/4/8 5/8/32}"
+SHAPES_B8="${SHAPES_B8:-3/4/8}"
+CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
+REQUESTS="${REQUESTS:-64}"
+MAX_TOKENS="${MAX_TOKENS:-128}"
+FRESH=16
+
+# bench_set PROMPTS BATCH SHAPE: one `tandem bench` run, its summary line into summary.txt.
+bench_set() {
+  local prompts=$1 batch=$2 shape=$3 s k n
+  IFS=/ read -r s k n <<< "$shape"
+  local tag="${prompts}_b${batch}_${s}_${k}_${n}"
+  timeout 400 "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts "$prompts" \
+    --data-root "$W/data" --max-new-tokens 128 --steps "$s" --topk "$k" --num-draft-tokens "$n" \
+    --batch "$batch" --json "$R/bench_${tag}.json" > "$R/bench_${tag}.log" 2>&1
+  python3 - "$R/bench_${tag}.json" "$tag" <<'PY' | tee -a "$LOG" "$R/summary.txt"
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    print(f"{sys.argv[2]:24s} no report ({e})"); sys.exit()
+pos = " ".join(f"{p:.2f}" for p in d["per_position"])
+print(f"{sys.argv[2]:24s} accept {d['accept_length']:.3f} [{pos}] spec {d['spec_tokens_per_second']:.1f} tok/s "
+      f"target {d['target_tokens_per_second']:.1f} speedup {d['speedup']:.3f} "
+      f"identical {d.get('identical_outputs')}/{d.get('compared_outputs')}")
+PY
+}
+
+# serve_load LABEL CONCURRENCY [serve options...]: one server, a warm-up, the measured run.
+serve_load() {
+  local label=$1 concurrency=$2
+  shift 2
+  "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
+    --round-log "$R/rounds_$label.csv" "$@" > "$R/serve_$label.txt" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 240); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
+  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
+    --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
+  timeout 300 "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$REQUESTS" \
+    --concurrency "$concurrency" --max-tokens "$MAX_TOKENS" --label "$label" \
+    --json "$R/load_$label.json" > "$R/load_$label.log" 2>&1
+  curl -s http://127.0.0.1:8199/metrics | grep -E "^tandem_policy_rounds_total" > "$R/metrics_$label.txt"
+  kill -TERM $pid
+  wait $pid
+  tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
+}
+
+case "$PHASE" in
+pack)
+  [[ -f "$GGUF_HERE" ]] || { echo "no $GGUF_HERE: run scripts/fetch_qwen_coder.sh" >&2; exit 1; }
+  rm -rf .device/q[0-9][0-9]
+  mkdir -p .device/q00
+  xz -9e -T2 -c target/release/tandem > .device/q00/tandem.xz
+  cargo test -p tandem-cuda -p tandem-infer --release --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line) if line.startswith("{") else {}
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
+  xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-tests.xz
+  xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-fast-tests.xz
+  python3 scripts/reference/sharegpt_subset.py data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json \
+    --count 12000 --code-first --prompts-only --out .device/q00/sharegpt-code-12k.jsonl \
+    --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz
+  xz -9 -f .device/q00/sharegpt-code-12k.jsonl
+  cp data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz .device/q00/
+  # What the lean tree leaves of 64 MiB, less 1.5 MB of slack, is the GGUF's share of a call.
+  tree=${TREE_BYTES:-3100000}
+  first=$(( 64 * 1024 * 1024 - tree - 1500000 - $(du -cb .device/q00 | tail -1 | cut -f1) ))
+  piece=$(( 64 * 1024 * 1024 - tree - 1500000 ))
+  head -c "$first" "$GGUF_HERE" > .device/q00/gguf.part
+  offset=$first i=1
+  while (( offset < SIZE )); do
+    d=$(printf ".device/q%02d" "$i")
+    mkdir -p "$d"
+    tail -c +$((offset + 1)) "$GGUF_HERE" | head -c "$piece" > "$d/gguf.part"
+    offset=$((offset + piece)) i=$((i + 1))
+  done
+  # Each piece names its offset, so a call that carries the wrong one fails instead of
+  # appending out of order.
+  offset=0
+  for d in .device/q[0-9][0-9]; do
+    echo "$offset" > "$d/offset"
+    offset=$((offset + $(stat -c %s "$d/gguf.part")))
+  done
+  du -b .device/q[0-9][0-9] | tail -3
+  echo "$i calls: .device/q00 .. $(printf 'q%02d' $((i - 1)))"
+  ;;
+receive)
+  d=".device/q$2"
+  have=$(stat -c %s "$W/qwen.gguf.partial" 2>/dev/null || echo 0)
+  if (( have != $(cat "$d/offset") )); then
+    echo "piece $2 starts at byte $(cat "$d/offset") but $have bytes are joined: this machine" \
+      "missed a piece (a fresh machine starts empty: start again from q00)" >&2
+    exit 1
+  fi
+  if [[ -f "$d/tandem.xz" ]]; then
+    mkdir -p "$W/data/mtbench" "$W/data/humaneval"
+    xz -dc "$d/tandem.xz" > "$T" && chmod +x "$T"
+    xz -dc "$d/gpu-tests.xz" > "$W/gpu-tests" && chmod +x "$W/gpu-tests"
+    xz -dc "$d/gpu-fast-tests.xz" > "$W/gpu-fast-tests" && chmod +x "$W/gpu-fast-tests"
+    xz -dc "$d/sharegpt-code-12k.jsonl.xz" > "$W/sharegpt-code-12k.jsonl"
+    cp "$d/question.jsonl" "$W/data/mtbench/"
+    cp "$d/HumanEval.jsonl.gz" "$W/data/humaneval/"
+    cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh "$0" "$W/"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+  fi
+  cat "$d/gguf.part" >> "$W/qwen.gguf.partial"
+  rm -rf "$d"
+  have=$(stat -c %s "$W/qwen.gguf.partial")
+  echo "piece $2: $have of $SIZE bytes"
+  if (( have == SIZE )); then
+    echo "$SHA256  $W/qwen.gguf.partial" | sha256sum -c - && mv "$W/qwen.gguf.partial" "$W/qwen.gguf" &&
+      /usr/bin/time -f "import wall %e s" "$T" import-gguf "$W/qwen.gguf" "$M" 2>&1 | tail -2 &&
+      rm -f "$W/qwen.gguf"
+  fi
+  ;;
+start)
+  [[ -f "$M/model.safetensors" ]] || { echo "no imported model at $M: carry the pieces first" >&2; exit 3; }
+  cd /tmp
+  setsid nohup bash "$W/qwen_chain.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
+  sleep 2
+  cd - > /dev/null
+  exec bash "$0" wait
+  ;;
+wait)
+  wait_for done
+  cat "$R/phases.txt"
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -12
+  cat "$R/summary.txt" 2>/dev/null
+  cat "$R/fast-bench.md" 2>/dev/null
+  tail -n 8 "$R/hf.log" 2>/dev/null
+  grep -h '"kind":"val"' "$R/metrics.jsonl" 2>/dev/null | tail -2 | cut -c1-400
+  tail -n 5 "$LOG"
+  df -h /tmp | tail -1
+  collect results.tar.xz none
+  ;;
+pipeline)
+  cd "$W"
+  mark "pipeline start"
+  [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 200
+  timeout 300 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4,8 --new-tokens 64 \
+    --repeats 3 --with-taps --graphs-only --json "$R/fast-bench.json" \
+    > "$R/fast-bench.md" 2> "$R/fast-bench.log"
+  echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
+  timeout 240 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1
+  echo "hf sdpa: exit $?" | tee -a "$R/summary.txt"
+  mark "decode baselines done"
+  # Training data: the last FRESH conversations are kept for the fresh dump of step 6.
+  head -n -"$FRESH" sharegpt-code-12k.jsonl > sg-train.jsonl
+  tail -n "$FRESH" sharegpt-code-12k.jsonl > sg-fresh.jsonl
+  run /usr/bin/time -f "dump a wall %e s" "$T" dump --model "$M" --dataset "$W/sg-train.jsonl" \
+    --out "$W/dump-a" --regenerate --max-new-tokens "$MAX_NEW" --max-len 2048 --temperature 0 \
+    --batch-size "$REGEN_BATCH" --shard-rows 256 --device cuda --quiet --max-seconds "$REGEN_SECONDS"
+  run "$T" dump-info "$W/dump-a" | tail -n 20 > "$R/dump-a-info.txt"
+  cp "$W/dump-a/manifest.json" "$R/dump-a-manifest.json"
+  cat "$W/dump-a"/conversations-*.jsonl | xz -6 -T0 > "$R/conversations-a.jsonl.xz"
+  mark "dump a done"
+  run "$T" train --dump "$W/dump-a" --out "$W/head" --model "$M" --draft-vocab "$DRAFT_VOCAB" \
+    --batch-size 16 --max-len 2048 --lr "$LR" --val-fraction 0.05 --epochs 20 \
+    --max-seconds "$TRAIN_SECONDS" --eval-every 400 --save-every 0 --device cuda --quiet --export-bf16
+  cp "$W/head/config.json" "$W/head/curves.html" "$W/head/metrics.jsonl" "$R/"
+  sha256sum "$W/head/model.safetensors" | tee "$R/head.sha256"
+  last_val "$W/head" head
+  mark "head trained"
+  for s in $SHAPES_B1; do bench_set humaneval 1 "$s"; done
+  bench_set mtbench 1 3/4/8
+  bench_set mtbench 1 3/1/4
+  mark "batch-1 bench done"
+  # A fresh dump the head never saw: replay (the serving path against the recorded taps) and
+  # compare (offline on the recorded taps vs online through the engine), chain and tree.
+  run "$T" dump --model "$M" --dataset "$W/sg-fresh.jsonl" --out "$W/dump-fresh" --regenerate \
+    --max-new-tokens 128 --max-len 1024 --batch-size "$FRESH" --max-samples "$FRESH" --device cuda --quiet
+  timeout 200 "$T" replay --dump "$W/dump-fresh" --model "$M" --head "$W/head" --device cuda \
+    --max-samples 8 --json "$R/replay.json" > "$R/replay.log" 2>&1
+  echo "replay: exit $?" | tee -a "$R/summary.txt"
+  for shape in 3/1/4 3/4/8; do
+    IFS=/ read -r s k n <<< "$shape"
+    timeout 300 "$T" compare --dump "$W/dump-fresh" --head "$W/head" --model "$M" --device cuda \
+      --prompts dump --max-prompts "$FRESH" --max-samples "$FRESH" --offline-batch "$FRESH" \
+      --steps "$s" --topk "$k" --num-draft-tokens "$n" --json "$R/compare_${s}_${k}_${n}.json" \
+      --html "$R/compare_${s}_${k}_${n}.html" > "$R/compare_${s}_${k}_${n}.log" 2>&1
+    echo "compare $shape: exit $?" | tee -a "$R/summary.txt"
+  done
+  mark "replay and compare done"
+  for c in $CONCURRENCIES; do
+    serve_load "target-only_c$c" "$c" --no-draft
+    serve_load "adaptive_c$c" "$c" --draft "$W/head"
+    mark "serve c$c done"
+  done
+  for s in $SHAPES_B8; do bench_set humaneval 8 "$s"; bench_set mtbench 8 "$s"; done
+  mark "batch-8 bench done"
+  touch "$R/done"
+  ;;
+esac
