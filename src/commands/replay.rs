@@ -174,56 +174,62 @@ pub struct CompareArgs {
     /// The tables: compare_positions, compare_accept_length.
     #[command(flatten)]
     pub export: super::ExportArgs,
-    /// auto (online on the CUDA fast path on --device cuda, burn on cpu), burn, or fast: the
-    /// engine of the online run (auto = the one serving runs). Offline always drafts with the
-    /// burn head on the dump's taps.
+    /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast: the engine both
+    /// halves run on (auto = the one serving runs), offline drafting from the dump's taps with
+    /// the same code online drafts with. The teacher-forced view needs burn's head (burn only).
     #[arg(long, default_value = "auto")]
     pub engine: EngineKind,
 }
 
 pub fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
-    with_backend!(args.model.device, |B, device| compare_on::<B>(
-        &args, &device
-    ))
+    let on_gpu = args.model.device.to_string() == "cuda";
+    match args.engine {
+        EngineKind::Fast if !on_gpu => {
+            anyhow::bail!("--engine fast runs on the GPU: pass --device cuda")
+        }
+        // Offline and online on the engine serving runs on a GPU, with the same drafting code:
+        // the gap then measures the wiring and the walk, not two implementations.
+        EngineKind::Fast | EngineKind::Auto if on_gpu => compare_fast(&args),
+        _ => with_backend!(args.model.device, |B, device| compare_on::<B>(
+            &args, &device
+        )),
+    }
 }
 
-fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Result<()> {
-    use tandem_infer::wiring::{check_head, head_taps, serving_manifest};
-    use tandem_infer::{FastSpecEngine, SpecConfig, SpecEngine, SpecGenerate};
-    use tandem_model::{ChatMessage, SamplingParams, TapRequest, TargetTokenizer};
-
-    let config = SpecConfig {
+/// The serving tree settings compare measures, greedy.
+fn compare_config(args: &CompareArgs) -> anyhow::Result<tandem_infer::SpecConfig> {
+    let config = tandem_infer::SpecConfig {
         num_steps: args.steps,
         topk: args.topk,
         num_draft_tokens: args
             .num_draft_tokens
             .unwrap_or(default_num_draft_tokens(args.steps, args.topk)),
-        sampling: SamplingParams::greedy(),
+        sampling: tandem_model::SamplingParams::greedy(),
         seed: 0,
     };
     config.validate()?;
-    let dump = DumpReader::open(&args.dump)?;
-    let tokenizer = TargetTokenizer::load(&args.model.model)?;
-    let model = args.model.load::<B>(device)?;
-    let head = tandem_eagle::load_pretrained(&args.head, model.embed_tokens.clone(), device)
-        .with_context(|| format!("loading the head {}", args.head.display()))?;
-    let taps = head_taps(
-        &head.config,
-        &model.spec.architecture,
-        model.spec.num_layers,
-    )?;
+    Ok(config)
+}
+
+/// The head's serving taps, checked against serving; the fatal disagreements between the
+/// head, the dump and serving as sentences (compare refuses them unless --allow-mismatch).
+fn compare_wiring_checked(
+    args: &CompareArgs,
+    head: &tandem_eagle::Eagle3Config,
+    target: (&str, usize),
+    dump: &DumpReader,
+    dtype: &str,
+) -> anyhow::Result<(Vec<tandem_wiring::TapId>, Vec<String>)> {
+    use tandem_infer::wiring::{check_head, head_taps, serving_manifest};
+    let taps = head_taps(head, target.0, target.1)?;
     let device_name = args.model.device.to_string();
-    let dtype = if device_name == "cuda" { "bf16" } else { "f32" };
     let serving = serving_manifest(&args.model.model, taps.clone(), dtype, &device_name)?;
     // Offline feeds the head the dump's taps, online serving's: both must be what it was
     // trained on, or the gap measures the mismatch rather than the engine.
-    for m in check_head(&head.config, &serving)?
-        .iter()
-        .filter(|m| !m.is_fatal())
-    {
+    for m in check_head(head, &serving)?.iter().filter(|m| !m.is_fatal()) {
         eprintln!("wiring: {m}");
     }
-    let trained = head.config.tandem_wiring.clone().unwrap_or_else(|| {
+    let trained = head.tandem_wiring.clone().unwrap_or_else(|| {
         let mut foreign = serving.clone();
         foreign.taps = taps.clone();
         foreign
@@ -236,51 +242,34 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
             mismatches.join("\n  ")
         );
     }
-    let offline = tandem_replay::offline_acceptance(
-        &model,
-        &head.draft,
-        &dump,
-        args.steps,
-        Some(args.max_samples),
-    )?;
-    let engine = SpecEngine {
-        target: &model,
-        draft: Some(&head.draft),
-        taps: TapRequest::new(taps.clone()),
-        config,
-    };
+    Ok((taps, mismatches))
+}
+
+/// Offline (the engine's drafting on the dump's recorded taps) and online (the same engine on
+/// prompts), then the report. `teacher_forced`: the trainer's view, where the backend has it.
+fn compare_with<T: tandem_infer::SpecBackend>(
+    args: &CompareArgs,
+    engine: &tandem_infer::Engine<'_, T>,
+    dump: &DumpReader,
+    teacher_forced: Option<tandem_replay::OfflineAcceptance>,
+    mismatches: Vec<String>,
+) -> anyhow::Result<()>
+where
+    for<'e> tandem_infer::Engine<'e, T>: tandem_infer::SpecGenerate,
+{
+    use tandem_model::{ChatMessage, TargetTokenizer};
+    let tokenizer = TargetTokenizer::load(&args.model.model)?;
     let drafted = tandem_replay::drafted_acceptance(
-        &engine,
-        &dump,
+        engine,
+        dump,
         Some(args.max_samples),
         args.offline_positions,
         args.offline_batch,
     )?;
-    // Online runs the engine serving runs on this device: the CUDA fast path on cuda.
-    let fast_parts = match args.engine {
-        EngineKind::Fast | EngineKind::Auto if device_name == "cuda" => {
-            let (_, target) = super::spec_fast::load_target(&args.model)?;
-            let draft = super::spec_fast::load_draft(&target, &args.head)?;
-            eprintln!("compare: online on the CUDA fast path");
-            Some((target, draft))
-        }
-        EngineKind::Fast => anyhow::bail!("--engine fast runs on the GPU: pass --device cuda"),
-        _ => None,
-    };
-    let fast_engine = fast_parts.as_ref().map(|(target, draft)| FastSpecEngine {
-        target,
-        draft: Some(draft),
-        taps: TapRequest::new(taps.clone()),
-        config,
-    });
-    let online_engine: &dyn SpecGenerate = match &fast_engine {
-        Some(fast) => fast,
-        None => &engine,
-    };
     let online = if args.prompts == "dump" {
         tandem_replay::online_acceptance_on_dump(
-            online_engine,
-            &dump,
+            engine,
+            dump,
             args.max_prompts,
             &tokenizer.eos_ids,
         )?
@@ -294,13 +283,9 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
                 tokenizer.encode_chat(&[ChatMessage::new("user", first)], true)
             })
             .collect::<Result<_, _>>()?;
-        tandem_replay::online_acceptance(
-            online_engine,
-            &prompts,
-            args.max_new_tokens,
-            &tokenizer.eos_ids,
-        )?
+        tandem_replay::online_acceptance(engine, &prompts, args.max_new_tokens, &tokenizer.eos_ids)?
     };
+    let config = engine.config;
     let report = tandem_replay::CompareReport::new(
         CompareSetup {
             dump: args.dump.display().to_string(),
@@ -310,7 +295,7 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
             topk: config.topk,
             num_draft_tokens: config.num_draft_tokens,
         },
-        offline,
+        teacher_forced,
         drafted,
         online,
         GapTest { z: args.z },
@@ -332,4 +317,73 @@ fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Res
         anyhow::bail!("{}", report.verdict[0]);
     }
     Ok(())
+}
+
+/// compare on burn (the CPU, or burn-cuda with `--engine burn`): both halves and the
+/// teacher-forced view with burn's target and head.
+fn compare_on<B: Backend>(args: &CompareArgs, device: &B::Device) -> anyhow::Result<()> {
+    use tandem_infer::SpecEngine;
+    use tandem_model::TapRequest;
+
+    let config = compare_config(args)?;
+    let dump = DumpReader::open(&args.dump)?;
+    let model = args.model.load::<B>(device)?;
+    let head = tandem_eagle::load_pretrained(&args.head, model.embed_tokens.clone(), device)
+        .with_context(|| format!("loading the head {}", args.head.display()))?;
+    let dtype = if args.model.device.to_string() == "cuda" {
+        "bf16"
+    } else {
+        "f32"
+    };
+    let (taps, mismatches) = compare_wiring_checked(
+        args,
+        &head.config,
+        (&model.spec.architecture, model.spec.num_layers),
+        &dump,
+        dtype,
+    )?;
+    let teacher_forced = tandem_replay::offline_acceptance(
+        &model,
+        &head.draft,
+        &dump,
+        args.steps,
+        Some(args.max_samples),
+    )?;
+    let engine = SpecEngine {
+        target: &model,
+        draft: Some(&head.draft),
+        taps: TapRequest::new(taps),
+        config,
+    };
+    compare_with(args, &engine, &dump, Some(teacher_forced), mismatches)
+}
+
+/// compare on the CUDA fast path (`--device cuda`): both halves with the fast path's target
+/// and head, the engine serving runs; no teacher-forced view (the fast path has no
+/// training-time-test forward: `--engine burn` on a `--features cuda` build gives it).
+fn compare_fast(args: &CompareArgs) -> anyhow::Result<()> {
+    use tandem_infer::FastSpecEngine;
+    use tandem_model::TapRequest;
+
+    let config = compare_config(args)?;
+    let dump = DumpReader::open(&args.dump)?;
+    let (_, target) = super::spec_fast::load_target(&args.model)?;
+    let host = tandem_eagle::load_host(&args.head)
+        .with_context(|| format!("loading the head {}", args.head.display()))?;
+    let (taps, mismatches) = compare_wiring_checked(
+        args,
+        &host.config,
+        (&target.spec.architecture, target.spec.num_layers),
+        &dump,
+        "bf16",
+    )?;
+    let draft = tandem_cuda::CudaDraft::new(&target, host.spec, host.vocab, &host.weights)?;
+    eprintln!("compare: offline and online on the CUDA fast path");
+    let engine = FastSpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps: TapRequest::new(taps),
+        config,
+    };
+    compare_with(args, &engine, &dump, None, mismatches)
 }

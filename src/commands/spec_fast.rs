@@ -45,18 +45,6 @@ fn load(model: &ModelArgs, spec: &SpecArgs) -> anyhow::Result<FastLoaded> {
     })
 }
 
-/// The head at `dir` on the fast path, for `target` (its wiring is the caller's to check).
-pub fn load_draft(target: &CudaTarget, dir: &std::path::Path) -> anyhow::Result<CudaDraft> {
-    let head = tandem_eagle::load_host(dir)
-        .with_context(|| format!("loading the head {}", dir.display()))?;
-    Ok(CudaDraft::new(
-        target,
-        head.spec,
-        head.vocab,
-        &head.weights,
-    )?)
-}
-
 /// The fast path's target on GPU 0.
 pub fn load_target(model: &ModelArgs) -> anyhow::Result<(std::sync::Arc<Gpu>, CudaTarget)> {
     let gpu = Gpu::new(0)?;

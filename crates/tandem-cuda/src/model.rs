@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::CudaSlice;
 use tandem_model::weights::WeightFiles;
-use tandem_model::{CaptureHook, HfConfig, LogitsFor, ModelSpec, StepInput, TapRequest, Taps};
+use tandem_model::{
+    CaptureHook, HfConfig, LogitsFor, ModelError, ModelSpec, StepInput, TapRequest, Taps,
+};
 use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
@@ -290,6 +292,10 @@ impl CudaStepOutput {
 /// bit for bit at every step width.
 pub const FUSED_MAX_ROWS: usize = 4;
 
+/// Rows of recorded hidden states [`CudaTarget::last_block_argmax`] turns into logits at once
+/// (512 rows of a 152K vocabulary are 311 MB of f32 logits).
+pub const LAST_BLOCK_ROWS: usize = 512;
+
 /// `TANDEM_CUDA_FUSED=N` (steps of at most N rows fused, N capped at [`GEMV_MAX_ROWS`]); 0, the
 /// fused kernels off, without it.
 pub(crate) fn fused_rows_default() -> usize {
@@ -381,6 +387,45 @@ impl CudaTarget {
     /// computes with (replay derives the normed candidates from it).
     pub fn input_norm_weight(&self, k: usize) -> Result<Vec<f32>, CudaError> {
         self.widened(&self.weights.layers[k].input_norm)
+    }
+
+    /// The target's greedy token after each row of recorded last-block hidden states
+    /// (`hidden: [rows * hidden_size]` f32, the residual stream after the last block, as a
+    /// dump's `last_hidden`): the final norm, lm_head and argmax a step runs, in pieces of
+    /// [`LAST_BLOCK_ROWS`] rows so the logits of a long sample stay small.
+    pub fn last_block_argmax(&self, hidden: &[f32]) -> Result<Vec<u32>, CudaError> {
+        let (h, vocab) = (self.spec.hidden_size, self.spec.vocab_size);
+        let eps = self.spec.rms_norm_eps as f32;
+        if !hidden.len().is_multiple_of(h) {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "{} last-block values are not whole rows of {h}",
+                    hidden.len()
+                ),
+            }
+            .into());
+        }
+        let mut ids = Vec::with_capacity(hidden.len() / h);
+        for piece in hidden.chunks(LAST_BLOCK_ROWS * h) {
+            let rows = piece.len() / h;
+            let mut x = self.gpu.upload(piece)?;
+            let mut normed = self.gpu.scratch::<u16>(rows * h)?;
+            self.gpu.add_rms_norm(
+                &mut x,
+                None,
+                &self.weights.final_norm,
+                &mut normed,
+                None,
+                rows,
+                h,
+                eps,
+            )?;
+            let mut logits = self.gpu.scratch::<f32>(rows * vocab)?;
+            self.gpu
+                .linear(&normed, self.weights.lm_head(), &mut logits, rows, h, vocab)?;
+            ids.extend(self.gpu.argmax_rows(&logits, rows, vocab)?);
+        }
+        Ok(ids)
     }
 
     /// The final norm's weight on the host (replay relates the `final` tap's scale to it).

@@ -33,9 +33,9 @@ use std::fmt::Write as _;
 use burn::prelude::*;
 use serde::Serialize;
 use tandem_dump::DumpReader;
-use tandem_eagle::{DraftCache, Eagle3Draft};
+use tandem_eagle::Eagle3Draft;
 use tandem_infer::{
-    AcceptanceStats, DraftTree, Roots, Shape, SpecEngine, SpecGenerate, verify_greedy,
+    AcceptanceStats, DraftTree, Engine, Roots, Shape, SpecBackend, SpecGenerate, verify_greedy,
 };
 use tandem_model::{Taps, TargetModel};
 // The standard errors live with the acceptance statistics; compare's API keeps offering them.
@@ -317,8 +317,8 @@ struct Walk {
 /// and walks each tree with the target's greedy tokens ([`node_targets`], the argmax of the
 /// target's logits recomputed from the dumped last hidden state) through the engine's
 /// [`verify_greedy`]. `batch` samples are drafted together, as the engine batches requests.
-pub fn drafted_acceptance<B: Backend>(
-    engine: &SpecEngine<'_, B>,
+pub fn drafted_acceptance<T: SpecBackend>(
+    engine: &Engine<'_, T>,
     dump: &DumpReader,
     max_samples: Option<usize>,
     positions: OfflinePositions,
@@ -334,7 +334,6 @@ pub fn drafted_acceptance<B: Backend>(
     }
     let manifest = dump.manifest();
     let (t_width, aux_width) = (manifest.hidden_size, manifest.aux_width());
-    let device = engine.target.device().clone();
     let mut out = DraftedAcceptance {
         positions,
         samples: 0,
@@ -364,11 +363,7 @@ pub fn drafted_acceptance<B: Backend>(
             let Some(slot) = next_draft_slot(&record.loss_mask, steps, positions, None) else {
                 continue;
             };
-            let last = Tensor::<B, 3>::from_data(
-                TensorData::new(record.last_hidden, [1, n, t_width]),
-                &device,
-            );
-            let argmax = ints(engine.target.logits_from_last_block(last).argmax(2));
+            let argmax = engine.target.last_block_argmax(&record.last_hidden)?;
             for u in 1..n {
                 if record.loss_mask[u] != 0 && record.loss_mask[u - 1] != 0 {
                     out.greedy_checked += 1;
@@ -391,7 +386,7 @@ pub fn drafted_acceptance<B: Backend>(
                 engine,
                 &mut walks,
                 positions,
-                aux_width,
+                (manifest.num_slots, t_width),
                 &mut out.stats,
                 &mut out.per_sample,
             )?;
@@ -401,11 +396,11 @@ pub fn drafted_acceptance<B: Backend>(
 }
 
 /// Runs the rounds of a group of samples to the end of each.
-fn walk_group<B: Backend>(
-    engine: &SpecEngine<'_, B>,
+fn walk_group<T: SpecBackend>(
+    engine: &Engine<'_, T>,
     walks: &mut Vec<Walk>,
     positions: OfflinePositions,
-    aux_width: usize,
+    slots: (usize, usize),
     stats: &mut AcceptanceStats,
     per_sample: &mut Vec<AcceptanceStats>,
 ) -> Result<(), ReplayError> {
@@ -417,14 +412,16 @@ fn walk_group<B: Backend>(
     let head = engine.draft.ok_or_else(|| ReplayError::HeadMismatch {
         reason: "compare drafts offline and needs the engine's head".into(),
     })?;
-    let mut dcache = head.new_cache(walks.len(), 2 * longest + scratch + 1);
+    let mut dcache = engine
+        .target
+        .new_head_cache(head, walks.len(), 2 * longest + scratch + 1)?;
     let shape = Shape::of(&engine.config);
-    let mut roots = extend_walks(engine, head, &mut dcache, walks, aux_width, scratch)?;
+    let mut roots = extend_walks(engine, head, &mut dcache, walks, slots, scratch)?;
     loop {
-        let before = dcache.used();
+        let before = T::layout(&dcache).used();
         let tokens: Vec<u32> = walks.iter().map(|w| w.ids[w.slot + 1]).collect();
         let trees = engine.draft_trees(head, shape, &tokens, &roots, &mut dcache)?;
-        dcache.rollback(before);
+        T::layout_mut(&mut dcache).rollback(before);
         let mut finished = Vec::new();
         for (row, (walk, tree)) in walks.iter_mut().zip(&trees).enumerate() {
             let acceptance = verify_greedy(tree, &node_targets(tree, &walk.argmax, walk.slot));
@@ -445,46 +442,60 @@ fn walk_group<B: Backend>(
             per_sample.extend(walks.iter().map(|w| w.stats.clone()));
             return Ok(());
         }
+        let keep: Vec<usize> = (0..walks.len())
+            .filter(|row| !finished.contains(row))
+            .collect();
+        engine.target.retain(&mut dcache, &keep)?;
         for &row in finished.iter().rev() {
-            dcache.remove(row);
             let walk = walks.remove(row);
             per_sample.push(walk.stats);
         }
-        roots = extend_walks(engine, head, &mut dcache, walks, aux_width, scratch)?;
+        roots = extend_walks(engine, head, &mut dcache, walks, slots, scratch)?;
     }
 }
 
 /// Draft extend of every walk over its slots `extended..=slot` (recorded aux state at `s`
 /// paired with token `s + 1`, as the engine pairs live taps); returns the new roots.
-fn extend_walks<B: Backend>(
-    engine: &SpecEngine<'_, B>,
-    head: &Eagle3Draft<B>,
-    dcache: &mut DraftCache<B>,
+/// `(num_slots, t_width)`: the recorded aux state of a token is `num_slots` taps of `t_width`.
+fn extend_walks<T: SpecBackend>(
+    engine: &Engine<'_, T>,
+    head: &T::Head,
+    dcache: &mut T::Cache,
     walks: &mut [Walk],
-    aux_width: usize,
+    (num_slots, t_width): (usize, usize),
     scratch: usize,
-) -> Result<Roots<TargetModel<B>>, ReplayError> {
+) -> Result<Roots<T>, ReplayError> {
     let chunks: Vec<Vec<u32>> = walks
         .iter()
         .map(|w| w.ids[w.extended + 1..=w.slot + 1].to_vec())
         .collect();
     let width = chunks.iter().map(Vec::len).max().unwrap_or(1);
-    if dcache.used() + width + scratch > dcache.capacity() {
-        dcache.compact();
+    let layout = T::layout(dcache);
+    if layout.used() + width + scratch > layout.capacity() {
+        engine.target.compact(dcache)?;
     }
-    let mut aux = vec![0f32; walks.len() * width * aux_width];
-    for (row, walk) in walks.iter().enumerate() {
-        let values = &walk.aux[walk.extended * aux_width..(walk.slot + 1) * aux_width];
-        aux[row * width * aux_width..][..values.len()].copy_from_slice(values);
+    // The recorded aux states stand in for a target step's taps: one `[walks, width, T]`
+    // tensor per tap, as a live step captures them (a token's record is its taps side by side).
+    let aux_width = num_slots * t_width;
+    let mut tensors = Vec::with_capacity(num_slots);
+    for slot in 0..num_slots {
+        let mut values = vec![0f32; walks.len() * width * t_width];
+        for (row, walk) in walks.iter().enumerate() {
+            for (i, s) in (walk.extended..=walk.slot).enumerate() {
+                let from = s * aux_width + slot * t_width;
+                values[(row * width + i) * t_width..][..t_width]
+                    .copy_from_slice(&walk.aux[from..from + t_width]);
+            }
+        }
+        tensors.push(
+            engine
+                .target
+                .rows_from_host(&values, walks.len(), width, t_width)?,
+        );
     }
-    let aux = Tensor::<B, 3>::from_data(
-        TensorData::new(aux, [walks.len(), width, aux_width]),
-        &engine.target.device().clone(),
-    );
-    // The recorded aux states stand in for a target step's taps (already concatenated).
     let taps = Taps {
         taps: Vec::new(),
-        tensors: vec![aux],
+        tensors,
         visited: Vec::new(),
     };
     let slots: Vec<Vec<usize>> = chunks.iter().map(|c| (0..c.len()).collect()).collect();
@@ -654,14 +665,16 @@ pub fn compare_wiring(
 pub struct CompareReport {
     /// What was compared.
     pub setup: CompareSetup,
-    /// Teacher-forced (TTT) counts, the trainer's view.
-    pub offline: OfflineAcceptance,
-    /// `acc_i` per step (teacher-forced).
+    /// Teacher-forced (TTT) counts, the trainer's view (`None` where the head ran on the CUDA
+    /// fast path, which has no training-time-test forward: drafted and online are then both
+    /// measured with the fast path's head).
+    pub offline: Option<OfflineAcceptance>,
+    /// `acc_i` per step (teacher-forced; empty without it).
     pub offline_acc: Vec<f64>,
-    /// Teacher-forced chain: conditional acceptance per draft position.
+    /// Teacher-forced chain: conditional acceptance per draft position (empty without it).
     pub offline_per_position: Vec<f64>,
     /// Teacher-forced chain: implied accept length.
-    pub offline_accept_length: f64,
+    pub offline_accept_length: Option<f64>,
     /// The engine's drafting with the serving settings on the recorded taps.
     pub drafted: DraftedAcceptance,
     /// Its conditional acceptance per draft position.
@@ -707,7 +720,7 @@ impl CompareReport {
     /// standard errors of the gap (the two sides' errors combined as independent).
     pub fn new(
         setup: CompareSetup,
-        offline: OfflineAcceptance,
+        offline: Option<OfflineAcceptance>,
         drafted: DraftedAcceptance,
         online: OnlineAcceptance,
         test: GapTest,
@@ -808,9 +821,12 @@ impl CompareReport {
         }
         CompareReport {
             setup,
-            offline_acc: offline.acc(),
-            offline_per_position: offline.per_position(),
-            offline_accept_length: offline.implied_accept_length(),
+            offline_acc: offline.as_ref().map(|o| o.acc()).unwrap_or_default(),
+            offline_per_position: offline
+                .as_ref()
+                .map(|o| o.per_position())
+                .unwrap_or_default(),
+            offline_accept_length: offline.as_ref().map(|o| o.implied_accept_length()),
             offline,
             drafted_per_position,
             drafted_accept_length,
@@ -879,13 +895,13 @@ impl CompareReport {
         }
         let _ = writeln!(
             out,
-            "accept length: offline {:.3} (se {}), online {:.3} (se {}): online {:+.1}% of offline; TTT chain implied {:.3}",
+            "accept length: offline {:.3} (se {}), online {:.3} (se {}): online {:+.1}% of offline; TTT chain implied {}",
             self.drafted_accept_length,
             fmt_opt(self.drafted_accept_length_se.as_ref()),
             self.online_accept_length,
             fmt_opt(self.online_accept_length_se.as_ref()),
             -100.0 * self.relative_gap,
-            self.offline_accept_length
+            fmt_opt(self.offline_accept_length.as_ref())
         );
         for v in &self.verdict {
             let label = if v.starts_with("note:") {
@@ -959,11 +975,11 @@ impl CompareReport {
             b,
             "</table><p>Accept length: offline {:.3}, online {:.3}, online \
              <span class={class}>{:+.1}%</span> of offline; teacher-forced chain (implied) \
-             {:.3}.</p><ul>",
+             {}.</p><ul>",
             self.drafted_accept_length,
             self.online_accept_length,
             -100.0 * self.relative_gap,
-            self.offline_accept_length
+            fmt_opt(self.offline_accept_length.as_ref())
         );
         for v in &self.verdict {
             let _ = write!(b, "<li>{}</li>", escape(v));
@@ -1215,7 +1231,7 @@ mod tests {
     fn a_large_gap_is_flagged() {
         let r = CompareReport::new(
             setup(2, 1, 3),
-            OfflineAcceptance::new(2),
+            Some(OfflineAcceptance::new(2)),
             drafted(&[2; 10], 2),
             online(&[0; 10], 2),
             GapTest::default(),
@@ -1249,7 +1265,7 @@ mod tests {
         let far = [3, 3, 3, 3, 3, 3, 2, 1, 0, 0];
         let r = CompareReport::new(
             setup(4, 4, 8),
-            OfflineAcceptance::new(4),
+            Some(OfflineAcceptance::new(4)),
             drafted(&[3; 10], 4),
             online(&far, 4),
             GapTest::default(),
@@ -1274,7 +1290,7 @@ mod tests {
         let many: Vec<usize> = far.iter().cycle().take(100).copied().collect();
         let r = CompareReport::new(
             setup(4, 4, 8),
-            OfflineAcceptance::new(4),
+            Some(OfflineAcceptance::new(4)),
             drafted(&[3; 100], 4),
             online(&many, 4),
             GapTest::default(),
@@ -1301,7 +1317,7 @@ mod tests {
     fn the_gap_has_one_sign_everywhere() {
         let r = CompareReport::new(
             setup(2, 1, 3),
-            OfflineAcceptance::new(2),
+            Some(OfflineAcceptance::new(2)),
             drafted(&[1, 0, 1, 0, 1, 0, 1, 0], 2),
             online(&[1, 1, 1, 0, 1, 1, 1, 0], 2),
             GapTest::default(),
@@ -1359,7 +1375,7 @@ mod tests {
     fn a_wiring_mismatch_measured_anyway_leads_the_verdict_and_flags() {
         let r = CompareReport::new(
             setup(2, 1, 3),
-            OfflineAcceptance::new(2),
+            Some(OfflineAcceptance::new(2)),
             drafted(&[1; 8], 2),
             online(&[1; 8], 2),
             GapTest::default(),
@@ -1386,7 +1402,7 @@ mod tests {
     fn the_tables_are_frames_of_the_reports_numbers() {
         let r = CompareReport::new(
             setup(2, 1, 3),
-            OfflineAcceptance::new(2),
+            Some(OfflineAcceptance::new(2)),
             drafted(&[2; 10], 2),
             online(&[2, 2, 2, 2, 2, 1, 1, 0, 0, 0], 2),
             GapTest::default(),

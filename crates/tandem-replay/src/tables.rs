@@ -47,9 +47,9 @@ impl CompareReport {
         Ok(df!(
             "measure" => ["offline", "online", "gap", "ttt_chain"],
             "accept_length" => [
-                self.drafted_accept_length,
-                self.online_accept_length,
-                self.accept_length_gap,
+                Some(self.drafted_accept_length),
+                Some(self.online_accept_length),
+                Some(self.accept_length_gap),
                 self.offline_accept_length,
             ],
             "se" => [
@@ -68,13 +68,13 @@ impl CompareReport {
                 Some(drafted.stats.rounds),
                 Some(online.stats.rounds),
                 None,
-                Some(self.offline.chain_positions as u64),
+                self.offline.as_ref().map(|o| o.chain_positions as u64),
             ],
             "units" => [
                 Some(drafted.samples as u64),
                 Some(online.prompts as u64),
                 None,
-                Some(self.offline.samples as u64),
+                self.offline.as_ref().map(|o| o.samples as u64),
             ],
             "flagged" => [false, false, self.accept_length_flagged, false],
         )?)

@@ -176,6 +176,23 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
     fn rows_to_host(&self, rows: &Tensor<B, 3>) -> Result<Vec<f32>, InferError> {
         Ok(floats(rows.clone()))
     }
+    fn rows_from_host(
+        &self,
+        values: &[f32],
+        batch: usize,
+        width: usize,
+        d: usize,
+    ) -> Result<Tensor<B, 3>, InferError> {
+        Ok(Tensor::from_data(
+            TensorData::new(values.to_vec(), [batch, width, d]),
+            self.device(),
+        ))
+    }
+    fn last_block_argmax(&self, hidden: &[f32]) -> Result<Vec<u32>, InferError> {
+        let h = self.spec.hidden_size;
+        let last = self.rows_from_host(hidden, 1, hidden.len() / h, h)?;
+        Ok(ints(self.logits_from_last_block(last).argmax(2)))
+    }
     fn zero_rows(&self, rows: usize, width: usize) -> Result<Tensor<B, 3>, InferError> {
         Ok(Tensor::zeros([rows, 1, width], self.device()))
     }

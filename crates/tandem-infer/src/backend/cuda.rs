@@ -161,6 +161,23 @@ impl SpecBackend for CudaTarget {
     fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, InferError> {
         Ok(rows.to_host()?)
     }
+    fn rows_from_host(
+        &self,
+        values: &[f32],
+        batch: usize,
+        width: usize,
+        d: usize,
+    ) -> Result<DeviceRows, InferError> {
+        Ok(DeviceRows {
+            data: self.gpu().upload(&values[..batch * width * d])?,
+            batch,
+            width,
+            hidden: d,
+        })
+    }
+    fn last_block_argmax(&self, hidden: &[f32]) -> Result<Vec<u32>, InferError> {
+        Ok(CudaTarget::last_block_argmax(self, hidden)?)
+    }
     fn zero_rows(&self, rows: usize, width: usize) -> Result<DeviceRows, InferError> {
         Ok(DeviceRows {
             data: self.gpu().zeros::<f32>(rows * width)?,

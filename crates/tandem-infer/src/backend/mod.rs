@@ -104,6 +104,18 @@ pub trait SpecBackend {
     ) -> Result<Self::Logits, InferError>;
     /// `[n * d]` row-major on the host.
     fn rows_to_host(&self, rows: &Self::Rows) -> Result<Vec<f32>, InferError>;
+    /// Rows from the host, `values: [batch * width * d]` row-major: recorded taps replayed
+    /// through the head (`tandem compare` drafts offline from a dump with the serving code).
+    fn rows_from_host(
+        &self,
+        values: &[f32],
+        batch: usize,
+        width: usize,
+        d: usize,
+    ) -> Result<Self::Rows, InferError>;
+    /// The target's greedy token after each recorded last-block hidden state (`hidden: [rows *
+    /// hidden_size]` on the host, a dump's `last_hidden`): its final norm, lm_head and argmax.
+    fn last_block_argmax(&self, hidden: &[f32]) -> Result<Vec<u32>, InferError>;
     fn zero_rows(&self, rows: usize, width: usize) -> Result<Self::Rows, InferError>;
     fn zero_logits(&self, rows: usize, vocab: usize) -> Result<Self::Logits, InferError>;
     /// Appends every row of `step` (a target step's taps) to `backlog` after its first `at`
