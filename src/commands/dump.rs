@@ -78,6 +78,45 @@ pub struct DumpArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// This process's rank in a data-parallel dump (default: $RANK as torchrun sets it): it
+    /// dumps the dataset records `i % world_size == rank` into OUT/rank-RRRRR/ and resumes
+    /// there; `tandem train --dump OUT` reads the ranks as one dump. One process per GPU
+    /// (scripts/dump_dp.sh).
+    #[arg(long)]
+    pub rank: Option<usize>,
+    /// Processes in a data-parallel dump (default: $WORLD_SIZE). Given (or set), the dump is
+    /// partitioned even with 1, through the same code path.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+}
+
+/// `--rank` / `--world-size`, else torchrun's RANK / WORLD_SIZE; `None` for a single-process
+/// dump.
+fn partition(args: &DumpArgs) -> anyhow::Result<Option<tandem_dump::Partition>> {
+    let from_env = |name: &str| -> anyhow::Result<Option<usize>> {
+        match std::env::var(name) {
+            Ok(v) => {
+                Ok(Some(v.trim().parse().map_err(|e| {
+                    anyhow::anyhow!("{name}={v:?} is not a count: {e}")
+                })?))
+            }
+            Err(_) => Ok(None),
+        }
+    };
+    let world_size = match args.world_size {
+        Some(w) => Some(w),
+        None => from_env("WORLD_SIZE")?,
+    };
+    let rank = match args.rank {
+        Some(r) => Some(r),
+        None => from_env("RANK")?,
+    };
+    match (rank, world_size) {
+        (None, None) => Ok(None),
+        (Some(rank), Some(world_size)) => Ok(Some(tandem_dump::Partition { rank, world_size })),
+        (Some(_), None) => anyhow::bail!("--rank needs --world-size (or WORLD_SIZE)"),
+        (None, Some(_)) => anyhow::bail!("--world-size needs --rank (or RANK)"),
+    }
 }
 
 #[derive(Args, Debug)]
@@ -149,6 +188,7 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         progress: !args.quiet,
         simulate_full_disk_after: None,
         execution: args.model.execution,
+        partition: partition(&args)?,
     };
     // On a GPU the dump runs the path serving runs (the CUDA fast path), so the head is trained
     // on what its kernels will feed it; burn keeps micro-batched execution and other
@@ -185,7 +225,7 @@ fn report(options: &DumpOptions, s: &tandem_dump::DumpSummary) -> anyhow::Result
         eprintln!(
             "resumed after {} rows already in {}",
             s.resumed_rows,
-            options.out.display()
+            tandem_dump::dump_dir(options).display()
         );
     }
     eprintln!(
@@ -217,7 +257,7 @@ fn report(options: &DumpOptions, s: &tandem_dump::DumpSummary) -> anyhow::Result
     );
     eprintln!(
         "{}: {} rows, {} tokens ({:.1}% assistant), {} shards, taps {}, {}{}",
-        options.out.display(),
+        tandem_dump::dump_dir(options).display(),
         m.rows,
         m.tokens,
         100.0 * m.assistant_share(),

@@ -270,6 +270,7 @@ fn online_options(args: &TrainArgs) -> DumpOptions {
         progress: false,
         simulate_full_disk_after: None,
         execution: Execution::default(),
+        partition: None,
     }
 }
 

@@ -14,7 +14,9 @@ use tandem_model::{
 use tandem_wiring::{Job, Producer, TapId, TapPoint, TapSpec, TargetFingerprint, WiringManifest};
 
 use crate::error::DumpError;
-use crate::manifest::{DumpManifest, DumpSettings, GenerationSettings, StorageDtype};
+use crate::manifest::{
+    DumpManifest, DumpSettings, GenerationSettings, Partition, StorageDtype, partition_dir_name,
+};
 use crate::mask::{MaskedTokens, SampleSkip, tokenize_conversation};
 use crate::reader::DumpRecord;
 use crate::regen::{RegenStats, regenerate};
@@ -62,6 +64,10 @@ pub struct DumpOptions {
     pub simulate_full_disk_after: Option<u64>,
     /// Plain or micro-batched target steps (the taps are the same either way).
     pub execution: Execution,
+    /// One rank of a data-parallel dump (`--rank R --world-size W`): this process dumps the
+    /// records `i % W == R` into `out/rank-RRRRR/`, resumes there, and `--max-samples` counts
+    /// its own rows. `DumpReader::open(out)` reads the ranks as one dump.
+    pub partition: Option<Partition>,
 }
 
 impl DumpOptions {
@@ -90,6 +96,7 @@ impl DumpOptions {
             progress: false,
             simulate_full_disk_after: None,
             execution: Execution::Auto,
+            partition: None,
         }
     }
 }
@@ -168,6 +175,20 @@ pub(crate) fn check_options(o: &DumpOptions) -> Result<(), DumpError> {
     if o.shard_limits.max_rows == 0 || o.shard_limits.max_bytes == 0 {
         return invalid("shard limits", "must be at least 1");
     }
+    if let Some(p) = o.partition {
+        if p.world_size == 0 {
+            return invalid("--world-size", "must be at least 1");
+        }
+        if p.rank >= p.world_size {
+            return invalid(
+                "--rank",
+                &format!(
+                    "rank {} is not below the world size {}",
+                    p.rank, p.world_size
+                ),
+            );
+        }
+    }
     if let Some(g) = &o.regenerate {
         if g.max_new_tokens == 0 {
             return invalid("--max-new-tokens", "must be at least 1");
@@ -227,6 +248,7 @@ pub fn dump_identity(
     wiring.validate()?;
     Ok(DumpManifest {
         dataset_split: split.map(|s| s.to_string()),
+        partition: options.partition,
         ..DumpManifest::new(
             wiring,
             options.dtype,
@@ -302,6 +324,60 @@ fn conversation_line(id: &str, messages: &[ChatMessage]) -> String {
     serde_json::json!({"id": id, "messages": messages}).to_string()
 }
 
+/// The directory this process writes: `out`, or `out/rank-RRRRR` for one rank of a
+/// data-parallel dump.
+pub fn dump_dir(options: &DumpOptions) -> PathBuf {
+    match options.partition {
+        Some(p) => options.out.join(partition_dir_name(p.rank)),
+        None => options.out.clone(),
+    }
+}
+
+/// The dataset record of this process's record `local` (they differ for one rank of a
+/// data-parallel dump): what seeds regeneration, so a record is dumped the same whichever
+/// rank reads it.
+fn global_record(options: &DumpOptions, local: u64) -> u64 {
+    options.partition.map_or(local, |p| p.global_record(local))
+}
+
+/// The records of one rank, `i % world_size == rank` (every record without a partition),
+/// skipped records included: the stream a rank's record ordinals count.
+struct RankRecords<I> {
+    inner: I,
+    /// Records passed over before the first one, then between two.
+    skip_first: usize,
+    skip_between: usize,
+    started: bool,
+}
+
+impl<I: Iterator> RankRecords<I> {
+    fn new(inner: I, partition: Option<Partition>) -> Self {
+        let (rank, world) = partition.map_or((0, 1), |p| (p.rank, p.world_size));
+        RankRecords {
+            inner,
+            skip_first: rank,
+            skip_between: world - 1,
+            started: false,
+        }
+    }
+}
+
+impl<I: Iterator> Iterator for RankRecords<I> {
+    type Item = I::Item;
+    fn next(&mut self) -> Option<I::Item> {
+        let skip = if self.started {
+            self.skip_between
+        } else {
+            self.skip_first
+        };
+        self.started = true;
+        for _ in 0..skip {
+            self.inner.next()?;
+        }
+        self.inner.next()
+    }
+}
+
 /// Runs (or resumes) a dump on the burn backend `B`.
 pub fn run_dump<B: Backend>(
     options: &DumpOptions,
@@ -345,7 +421,9 @@ pub fn run_dump_with<'a>(
         });
     }
     let template_sha = identity.chat_template_sha256.clone().unwrap_or_default();
-    let mut writer = DumpWriter::open(&options.out, &identity, options.shard_limits)?;
+    let out = dump_dir(options);
+    let mut writer = DumpWriter::open(&out, &identity, options.shard_limits)?;
+    let mut reader = RankRecords::new(reader, options.partition);
     if let Some(bytes) = options.simulate_full_disk_after {
         writer.simulate_full_disk_after(bytes);
     }
@@ -404,7 +482,7 @@ pub fn run_dump_with<'a>(
     let start = Instant::now();
     let mut regen_stats = RegenStats::default();
     let mut conversations = ConversationFiles {
-        dir: options.out.clone(),
+        dir: out.clone(),
         pending: Vec::new(),
         done: writer.manifest().shards.len(),
     };
@@ -578,7 +656,7 @@ fn process(
             .filter_map(|(i, p)| {
                 p.as_ref()
                     .ok()
-                    .map(|(_, m)| (first_record + i as u64, m.clone()))
+                    .map(|(_, m)| (global_record(options, first_record + i as u64), m.clone()))
             })
             .collect();
         let mut results = Vec::new();

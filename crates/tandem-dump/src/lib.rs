@@ -17,12 +17,13 @@ mod regen;
 
 pub use error::DumpError;
 pub use job::{
-    DumpOptions, DumpSummary, conversations_to_read, dump_identity, run_dump, run_dump_with,
-    zero_rows_reason,
+    DumpOptions, DumpSummary, conversations_to_read, dump_dir, dump_identity, run_dump,
+    run_dump_with, zero_rows_reason,
 };
 pub use online::OnlineCapture;
 pub use tandem_format::{
     DumpInfo, DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, FORMAT_NAME,
-    FORMAT_VERSION, FormatError, GenerationSettings, MANIFEST_FILE, SampleSource, ShardInfo,
-    ShardLimits, StorageDtype, dump_info, info, layout, manifest, reader, writer,
+    FORMAT_VERSION, FormatError, GenerationSettings, MANIFEST_FILE, Partition, SampleSource,
+    ShardInfo, ShardLimits, StorageDtype, dump_info, info, layout, manifest, partition_dir_name,
+    reader, writer,
 };

@@ -12,7 +12,7 @@ use tandem_dump::layout::encode_bf16;
 use tandem_dump::mask::tokenize_conversation;
 use tandem_dump::{
     DumpError, DumpOptions, DumpReader, DumpRecord, DumpSummary, FormatError, GenerationSettings,
-    ShardLimits, StorageDtype, run_dump,
+    Partition, ShardLimits, StorageDtype, run_dump,
 };
 use tandem_model::backend::CpuBackend;
 use tandem_model::testing::{smollm2_dir, workspace_root, write_tiny_chat_model};
@@ -765,4 +765,150 @@ fn pyarrow_and_polars_read_the_files() {
             assert_eq!(py["last_tail"], serde_json::json!(tail));
         }
     }
+}
+
+fn by_sample_id(records: Vec<DumpRecord>) -> BTreeMap<String, DumpRecord> {
+    let n = records.len();
+    let map: BTreeMap<String, DumpRecord> = records
+        .into_iter()
+        .map(|r| (r.sample_id.clone(), r))
+        .collect();
+    assert_eq!(map.len(), n, "sample ids repeat");
+    map
+}
+
+/// `tandem dump --rank R --world-size W` (issue #19): W processes each dump the records
+/// `i % W == R` into `rank-RRRRR/`; `DumpReader::open` reads the ranks as one dump holding
+/// exactly the rows of a single-process dump, byte for byte (compared by sample id), with the
+/// same totals. A rank resumes on its own; sampled regeneration is seeded by the global record,
+/// so it does not depend on the split; a rank directory of another world size is refused, and
+/// so is a dump with a rank missing.
+#[test]
+fn a_data_parallel_dump_reads_as_the_single_process_dump() {
+    let dir = temp_dir("data-parallel");
+    let data = write_dataset(&dir);
+    let whole = dir.join("whole");
+    dump(&options(tiny_model(), &data, &whole)).unwrap();
+    let split = dir.join("split");
+    let world = 3;
+    for rank in 0..world {
+        let mut o = options(tiny_model(), &data, &split);
+        o.partition = Some(Partition {
+            rank,
+            world_size: world,
+        });
+        if rank == 1 {
+            // Stopped after one row, then resumed in its own directory.
+            o.max_samples = Some(1);
+            assert_eq!(dump(&o).unwrap().rows, 1);
+            o.max_samples = None;
+            let rest = dump(&o).unwrap();
+            assert_eq!(rest.resumed_rows, 1);
+        } else {
+            dump(&o).unwrap();
+        }
+        assert!(
+            split
+                .join(format!("rank-{rank:05}/manifest.json"))
+                .is_file()
+        );
+    }
+    let single = DumpReader::open(&whole).unwrap();
+    let parallel = DumpReader::open(&split).unwrap();
+    assert_eq!(by_sample_id(records(&split)), by_sample_id(records(&whole)));
+    let (a, b) = (parallel.manifest(), single.manifest());
+    assert_eq!(
+        (
+            a.rows,
+            a.tokens,
+            a.assistant_tokens,
+            a.records_read,
+            &a.skipped,
+            a.complete,
+            a.partition
+        ),
+        (
+            b.rows,
+            b.tokens,
+            b.assistant_tokens,
+            b.records_read,
+            &b.skipped,
+            b.complete,
+            None
+        )
+    );
+    // Disjoint shares: each rank's rows are its records `i % 3 == rank` (the good ones are
+    // records 0, 2, 4, 6, 9, 10: ids a..f).
+    let rank_ids = |rank: usize| -> Vec<String> {
+        records(&split.join(format!("rank-{rank:05}")))
+            .into_iter()
+            .map(|r| r.sample_id)
+            .collect()
+    };
+    assert_eq!(rank_ids(0), ["a", "d", "e"]);
+    assert_eq!(rank_ids(1), ["c", "f"]);
+    assert_eq!(rank_ids(2), ["b"]);
+
+    // A rank of another world size in the same directory is refused by name.
+    let mut o = options(tiny_model(), &data, &split);
+    o.partition = Some(Partition {
+        rank: 0,
+        world_size: 2,
+    });
+    let err = dump(&o).unwrap_err().to_string();
+    assert!(
+        err.contains("partition") && err.contains("rank 0 of 3"),
+        "{err}"
+    );
+    // A rank directory missing: the dump does not read as complete data.
+    let gap = dir.join("gap");
+    fs::create_dir_all(&gap).unwrap();
+    for rank in [0, 2] {
+        let name = format!("rank-{rank:05}");
+        fs::create_dir_all(gap.join(&name)).unwrap();
+        for entry in fs::read_dir(split.join(&name)).unwrap() {
+            let entry = entry.unwrap();
+            fs::copy(entry.path(), gap.join(&name).join(entry.file_name())).unwrap();
+        }
+    }
+    let err = DumpReader::open(&gap).unwrap_err().to_string();
+    assert!(err.contains("rank-00001 is missing"), "{err}");
+
+    // Sampled regeneration, one conversation per batch: the same replies whichever rank
+    // draws them.
+    let regen_data = dir.join("regen.jsonl");
+    let good = good_conversations();
+    fs::write(
+        &regen_data,
+        format!("{}\n{}\n{}\n", good[0], good[2], good[4]),
+    )
+    .unwrap();
+    let regen = |out: &Path, partition: Option<Partition>| {
+        let mut o = options(tiny_model(), &regen_data, out);
+        o.max_len = 256;
+        o.batch_size = 1;
+        o.regenerate = Some(GenerationSettings {
+            max_new_tokens: 6,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 5,
+        });
+        o.partition = partition;
+        dump(&o).unwrap();
+    };
+    regen(&dir.join("regen-whole"), None);
+    for rank in 0..2 {
+        regen(
+            &dir.join("regen-split"),
+            Some(Partition {
+                rank,
+                world_size: 2,
+            }),
+        );
+    }
+    assert_eq!(
+        by_sample_id(records(&dir.join("regen-split"))),
+        by_sample_id(records(&dir.join("regen-whole")))
+    );
 }

@@ -35,7 +35,7 @@ pub use error::FormatError;
 pub use info::{DumpInfo, dump_info};
 pub use manifest::{
     DumpManifest, DumpSettings, FORMAT_NAME, FORMAT_VERSION, GenerationSettings, MANIFEST_FILE,
-    ShardInfo, StorageDtype,
+    Partition, ShardInfo, StorageDtype, partition_dir_name,
 };
 pub use reader::{DumpReader, DumpRecord};
 pub use source::SampleSource;

@@ -164,6 +164,33 @@ pub struct DumpManifest {
     pub complete: bool,
     /// Completed shards, in order.
     pub shards: Vec<ShardInfo>,
+    /// Set in the directory of one rank of a data-parallel dump (`tandem dump --rank R
+    /// --world-size W`): it holds the dataset records `i` with `i % W == R`, and its record
+    /// ordinals count those records only. Absent (`null`) in a single-process dump.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition: Option<Partition>,
+}
+
+/// One rank's share of a data-parallel dump: dataset records `i` with `i % world_size ==
+/// rank`, written to `rank-RRRRR/` of the dump directory ([`partition_dir_name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Partition {
+    pub rank: usize,
+    pub world_size: usize,
+}
+
+impl Partition {
+    /// The dataset record (0-based, skipped records included) of this rank's local record
+    /// `local`: regeneration seeds and sample order follow the global record, so a record is
+    /// dumped the same whichever rank reads it.
+    pub fn global_record(&self, local: u64) -> u64 {
+        local * self.world_size as u64 + self.rank as u64
+    }
+}
+
+/// The subdirectory rank `rank` of a data-parallel dump writes: `rank-00000`, ...
+pub fn partition_dir_name(rank: usize) -> String {
+    format!("rank-{rank:05}")
 }
 
 impl DumpManifest {
@@ -197,6 +224,7 @@ impl DumpManifest {
             skipped: BTreeMap::new(),
             complete: false,
             shards: Vec::new(),
+            partition: None,
             wiring,
         }
     }
@@ -314,6 +342,17 @@ impl DumpManifest {
             out.push(format!(
                 "storage dtype: {} in the directory, {} now",
                 self.dtype, other.dtype
+            ));
+        }
+        if self.partition != other.partition {
+            let describe = |p: &Option<Partition>| match p {
+                Some(p) => format!("rank {} of {}", p.rank, p.world_size),
+                None => "a single-process dump".to_owned(),
+            };
+            out.push(format!(
+                "partition: the directory holds {}, this run writes {}",
+                describe(&self.partition),
+                describe(&other.partition)
             ));
         }
         out

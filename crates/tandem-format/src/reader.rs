@@ -10,7 +10,7 @@ use arrow_ipc::reader::FileReader;
 
 use crate::error::FormatError;
 use crate::layout::{Layout, META_MANIFEST, META_SHARD};
-use crate::manifest::{DumpManifest, MANIFEST_FILE, ShardInfo};
+use crate::manifest::{DumpManifest, MANIFEST_FILE, ShardInfo, partition_dir_name};
 
 /// One sample of a dump, hidden states widened to f32.
 #[derive(Debug, Clone, PartialEq)]
@@ -154,6 +154,44 @@ pub(crate) fn scan_shards(
     Ok(shards)
 }
 
+/// The rank directories of a data-parallel dump in `dir` (`rank-00000`, ... in order, with
+/// no gap), or `None` when `dir` has none.
+fn partition_dirs(dir: &Path) -> Result<Option<Vec<PathBuf>>, FormatError> {
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    let mut names = Vec::new();
+    for entry in fs::read_dir(dir).map_err(FormatError::io("list", dir))? {
+        let entry = entry.map_err(FormatError::io("list", dir))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name
+            .strip_prefix("rank-")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            && entry.path().is_dir()
+        {
+            names.push(name);
+        }
+    }
+    if names.is_empty() {
+        return Ok(None);
+    }
+    names.sort();
+    for (rank, name) in names.iter().enumerate() {
+        if *name != partition_dir_name(rank) {
+            return Err(FormatError::NotADump {
+                path: dir.to_owned(),
+                reason: format!(
+                    "a data-parallel dump needs rank directories without gaps: {} is missing \
+                     ({} found)",
+                    partition_dir_name(rank),
+                    names.join(", ")
+                ),
+            });
+        }
+    }
+    Ok(Some(names.iter().map(|n| dir.join(n)).collect()))
+}
+
 /// Reads a dump directory written by `tandem dump`.
 ///
 /// The shards are authoritative: [`DumpReader::manifest`] is `manifest.json` with the shard
@@ -185,9 +223,16 @@ impl std::fmt::Debug for DumpReader {
 
 impl DumpReader {
     /// Opens `dir`: reads and validates `manifest.json`, then checks every completed shard.
+    ///
+    /// A data-parallel dump (`tandem dump --rank R --world-size W`) is a directory of rank
+    /// directories `rank-00000` .. without a manifest of its own: it reads as one dump, the
+    /// ranks' rows one rank after the other, once every rank is there with the same identity.
     pub fn open(dir: &Path) -> Result<Self, FormatError> {
         let manifest_path = dir.join(MANIFEST_FILE);
         if !manifest_path.is_file() {
+            if let Some(ranks) = partition_dirs(dir)? {
+                return Self::open_partitioned(dir, &ranks);
+            }
             return Err(FormatError::NotADump {
                 path: dir.to_owned(),
                 reason: format!("no {MANIFEST_FILE}"),
@@ -216,6 +261,88 @@ impl DumpReader {
             layout: Layout::of(&manifest),
             manifest,
             manifest_sha256,
+            shards,
+            starts,
+            cache: Mutex::new(None),
+        })
+    }
+
+    /// The ranks of a data-parallel dump read as one (see [`DumpReader::open`]).
+    fn open_partitioned(dir: &Path, ranks: &[PathBuf]) -> Result<Self, FormatError> {
+        let parts: Vec<DumpReader> = ranks
+            .iter()
+            .map(|r| Self::open(r))
+            .collect::<Result<_, _>>()?;
+        let world = parts.len();
+        let mut reference = parts[0].manifest.identity();
+        reference.partition = None;
+        for (rank, part) in parts.iter().enumerate() {
+            let bad = |reason: String| FormatError::NotADump {
+                path: part.dir.clone(),
+                reason,
+            };
+            match part.manifest.partition {
+                Some(p) if p.rank == rank && p.world_size == world => {}
+                Some(p) => {
+                    return Err(bad(format!(
+                        "it holds rank {} of {}, but {} is rank {rank} of the {world} rank \
+                         directories found in {}",
+                        p.rank,
+                        p.world_size,
+                        partition_dir_name(rank),
+                        dir.display()
+                    )));
+                }
+                None => {
+                    return Err(bad(
+                        "a single-process dump inside a data-parallel dump directory".into(),
+                    ));
+                }
+            }
+            let mut identity = part.manifest.identity();
+            identity.partition = None;
+            let differences = reference.differences(&identity);
+            if !differences.is_empty() {
+                return Err(bad(format!(
+                    "written with other settings than rank 0: {}",
+                    differences.join("; ")
+                )));
+            }
+        }
+        // Each rank counts its own records (ordinals from 0), and each was checked complete
+        // against its own shards when opened.
+        let records_read: u64 = parts.iter().map(|p| p.manifest.records_read).sum();
+        let complete = parts.iter().all(|p| p.manifest.complete);
+        let mut manifest = parts[0].manifest.clone();
+        manifest.partition = None;
+        manifest.shards.clear();
+        let mut shards = Vec::new();
+        let mut hashes = String::new();
+        for (rank, part) in parts.into_iter().enumerate() {
+            hashes.push_str(&part.manifest_sha256);
+            for shard in part.shards {
+                let mut info = shard.info.clone();
+                info.file = format!("{}/{}", partition_dir_name(rank), info.file);
+                manifest.shards.push(info);
+                shards.push(shard);
+            }
+        }
+        manifest.recount();
+        manifest.records_read = records_read;
+        manifest.complete = complete;
+        let mut starts = Vec::with_capacity(shards.len() + 1);
+        let mut total = 0usize;
+        for s in &shards {
+            starts.push(total);
+            total += s.info.rows as usize;
+        }
+        starts.push(total);
+        Ok(DumpReader {
+            dir: dir.to_owned(),
+            layout: Layout::of(&manifest),
+            manifest,
+            // One hash over the ranks' manifest hashes, in rank order.
+            manifest_sha256: tandem_wiring::sha256_hex(hashes.as_bytes()),
             shards,
             starts,
             cache: Mutex::new(None),

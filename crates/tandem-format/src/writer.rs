@@ -236,7 +236,13 @@ impl DumpWriter {
 
     /// Writes the next record as a row; closes the shard when it is full.
     pub fn write(&mut self, record: &DumpRecord, truncated: bool) -> Result<(), FormatError> {
-        let source_index = self.pending.end_record;
+        // The dataset record: one rank of a data-parallel dump counts its own records, but
+        // each row names its record in the whole dataset, as a single-process dump does.
+        let local = self.pending.end_record;
+        let source_index = self
+            .manifest
+            .partition
+            .map_or(local, |p| p.global_record(local));
         let batch = self
             .layout
             .encode(&self.schema, record, source_index)
