@@ -120,7 +120,7 @@ pack_smollm2() {
   xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
   cp data/mtbench/question.jsonl .device/a/
   # The GPU test binaries, built here (cargo names each executable in its JSON messages).
-  cargo test -p tandem-cuda -p tandem-infer --release --no-run --message-format=json 2>/dev/null |
+  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay --release --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line) if line.startswith("{") else {}
@@ -128,6 +128,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
   xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/b/gpu-tests.xz
   xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/c/gpu-fast-tests.xz
+  xz -9 -T2 -c "$(awk '$1 == "gpu_compare" {print $2}' /tmp/testbins.txt | tail -1)" > .device/e/gpu-compare-tests.xz
   du -b .device/a .device/b .device/c .device/d .device/e
 }
 
@@ -155,6 +156,10 @@ run_gpu_tests() {
   echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
   timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
   echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
+  if [[ -x "$W/gpu-compare-tests" ]]; then
+    timeout "$1" "$W/gpu-compare-tests" --ignored --test-threads 1 > "$R/tests-replay.log" 2>&1
+    echo "tandem-replay GPU tests: exit $?" | tee -a "$R/summary.txt"
+  fi
   mark "tests done"
 }
 
@@ -167,6 +172,9 @@ phase_import() {
     [[ -f "$f" ]] || { echo "missing $f: this machine did not get the earlier pieces; run phases a..d again" >&2; exit 3; }
   done
   cat "$W"/part-{a,b,c,d} .device/e/gguf.part > "$W/smollm2.gguf"
+  for f in .device/e/*-tests.xz; do
+    [[ -f "$f" ]] && xz -dc "$f" > "$W/$(basename "$f" .xz)" && chmod +x "$W/$(basename "$f" .xz)"
+  done
   run "$T" import-gguf "$W/smollm2.gguf" "$M" | tail -1
   rm -f "$W/smollm2.gguf" "$W"/part-?
   cp -r heads/smollm2-135m-eagle3 "$W/head"

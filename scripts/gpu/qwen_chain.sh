@@ -14,7 +14,8 @@
 #   here:  bash scripts/gpu/lean_tree.sh leave
 #
 # The pipeline, most needed first (each step under a timeout, so a failure costs its step only):
-#  1. the GPU test binaries of tandem-cuda and tandem-infer (tiny models: the kernels and engines);
+#  1. the GPU test binaries of tandem-cuda, tandem-infer and tandem-replay (tiny models: the
+#     kernels, the engines, compare's offline half on the fast path);
 #  2. target-only decode, `tandem fast-bench` at batch 1 and 8 (verify widths 4 and 8), next to
 #     HF transformers (sdpa, bf16) decoding the same imported model in the same run;
 #  3. training data: ShareGPT first turns, code requests first (sharegpt_subset.py --code-first;
@@ -100,7 +101,7 @@ pack)
   rm -rf .device/q[0-9][0-9]
   mkdir -p .device/q00
   xz -9e -T2 -c target/release/tandem > .device/q00/tandem.xz
-  cargo test -p tandem-cuda -p tandem-infer --release --no-run --message-format=json 2>/dev/null |
+  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay --release --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line) if line.startswith("{") else {}
@@ -108,6 +109,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
   xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-tests.xz
   xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-fast-tests.xz
+  xz -9 -T2 -c "$(awk '$1 == "gpu_compare" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-compare-tests.xz
   python3 scripts/reference/sharegpt_subset.py data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json \
     --count 12000 --code-first --prompts-only --out .device/q00/sharegpt-code-12k.jsonl \
     --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz
@@ -148,6 +150,7 @@ receive)
     xz -dc "$d/tandem.xz" > "$T" && chmod +x "$T"
     xz -dc "$d/gpu-tests.xz" > "$W/gpu-tests" && chmod +x "$W/gpu-tests"
     xz -dc "$d/gpu-fast-tests.xz" > "$W/gpu-fast-tests" && chmod +x "$W/gpu-fast-tests"
+    xz -dc "$d/gpu-compare-tests.xz" > "$W/gpu-compare-tests" && chmod +x "$W/gpu-compare-tests"
     xz -dc "$d/sharegpt-code-12k.jsonl.xz" > "$W/sharegpt-code-12k.jsonl"
     cp "$d/question.jsonl" "$W/data/mtbench/"
     cp "$d/HumanEval.jsonl.gz" "$W/data/humaneval/"
