@@ -88,6 +88,74 @@ pub struct DumpArgs {
     /// partitioned even with 1, through the same code path.
     #[arg(long)]
     pub world_size: Option<usize>,
+    /// A data-parallel dump on these GPUs (`0,1`): one child process per device, each seeing
+    /// only its GPU (CUDA_VISIBLE_DEVICES) and started as rank i of N (RANK, WORLD_SIZE,
+    /// LOCAL_RANK), logs in OUT/rank-i.log; what `scripts/dump_dp.sh` does, for one machine.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["rank", "world_size"])]
+    pub devices: Vec<String>,
+}
+
+/// `tandem dump --devices A,B,..`: this command again once per device, as ranks 0..N-1 of a
+/// data-parallel dump, in parallel; fails when a rank fails, naming its log.
+fn run_on_devices(args: &DumpArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let exe = std::env::current_exe().context("finding the tandem binary to start the ranks")?;
+    // The same arguments without --devices (both `--devices X` and `--devices=X`).
+    let mut forwarded = Vec::new();
+    let mut argv = std::env::args_os().skip(1);
+    while let Some(arg) = argv.next() {
+        let text = arg.to_string_lossy();
+        if text == "--devices" {
+            argv.next();
+        } else if !text.starts_with("--devices=") {
+            forwarded.push(arg);
+        }
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let world = args.devices.len();
+    let mut children = Vec::with_capacity(world);
+    for (rank, device) in args.devices.iter().enumerate() {
+        let log_path = args.out.join(format!("rank-{rank}.log"));
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let child = std::process::Command::new(&exe)
+            .args(&forwarded)
+            .env("CUDA_VISIBLE_DEVICES", device)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("NCCL_NVLS_ENABLE", "0")
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting rank {rank} on device {device}"))?;
+        eprintln!(
+            "rank {rank} of {world} on device {device}: log {}",
+            log_path.display()
+        );
+        children.push((rank, log_path, child));
+    }
+    let mut failed = Vec::new();
+    for (rank, log_path, mut child) in children {
+        let status = child.wait()?;
+        if !status.success() {
+            failed.push(format!("rank {rank} ({status}; {})", log_path.display()));
+        }
+    }
+    if !failed.is_empty() {
+        anyhow::bail!("data-parallel dump: {} failed", failed.join(", "));
+    }
+    let reader = tandem_dump::DumpReader::open(&args.out)?;
+    let m = reader.manifest();
+    eprintln!(
+        "{}: {world} ranks, {} rows, {} tokens ({})",
+        args.out.display(),
+        m.rows,
+        m.tokens,
+        if m.complete { "complete" } else { "incomplete" }
+    );
+    Ok(())
 }
 
 /// `--rank` / `--world-size`, else torchrun's RANK / WORLD_SIZE; `None` for a single-process
@@ -161,6 +229,9 @@ impl TableArgs {
 }
 
 pub fn run(args: DumpArgs) -> anyhow::Result<()> {
+    if !args.devices.is_empty() {
+        return run_on_devices(&args);
+    }
     let options = DumpOptions {
         model_dir: args.model.model.clone(),
         dataset: args.dataset.clone(),
