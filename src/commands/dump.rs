@@ -98,54 +98,8 @@ pub struct DumpArgs {
 /// `tandem dump --devices A,B,..`: this command again once per device, as ranks 0..N-1 of a
 /// data-parallel dump, in parallel; fails when a rank fails, naming its log.
 fn run_on_devices(args: &DumpArgs) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let exe = std::env::current_exe().context("finding the tandem binary to start the ranks")?;
-    // The same arguments without --devices (both `--devices X` and `--devices=X`).
-    let mut forwarded = Vec::new();
-    let mut argv = std::env::args_os().skip(1);
-    while let Some(arg) = argv.next() {
-        let text = arg.to_string_lossy();
-        if text == "--devices" {
-            argv.next();
-        } else if !text.starts_with("--devices=") {
-            forwarded.push(arg);
-        }
-    }
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
+    super::ranks::run_on_devices(&args.devices, &args.out, "data-parallel dump")?;
     let world = args.devices.len();
-    let mut children = Vec::with_capacity(world);
-    for (rank, device) in args.devices.iter().enumerate() {
-        let log_path = args.out.join(format!("rank-{rank}.log"));
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
-        let child = std::process::Command::new(&exe)
-            .args(&forwarded)
-            .env("CUDA_VISIBLE_DEVICES", device)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("NCCL_NVLS_ENABLE", "0")
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting rank {rank} on device {device}"))?;
-        eprintln!(
-            "rank {rank} of {world} on device {device}: log {}",
-            log_path.display()
-        );
-        children.push((rank, log_path, child));
-    }
-    let mut failed = Vec::new();
-    for (rank, log_path, mut child) in children {
-        let status = child.wait()?;
-        if !status.success() {
-            failed.push(format!("rank {rank} ({status}; {})", log_path.display()));
-        }
-    }
-    if !failed.is_empty() {
-        anyhow::bail!("data-parallel dump: {} failed", failed.join(", "));
-    }
     let reader = tandem_dump::DumpReader::open(&args.out)?;
     let m = reader.manifest();
     eprintln!(
@@ -161,30 +115,8 @@ fn run_on_devices(args: &DumpArgs) -> anyhow::Result<()> {
 /// `--rank` / `--world-size`, else torchrun's RANK / WORLD_SIZE; `None` for a single-process
 /// dump.
 fn partition(args: &DumpArgs) -> anyhow::Result<Option<tandem_dump::Partition>> {
-    let from_env = |name: &str| -> anyhow::Result<Option<usize>> {
-        match std::env::var(name) {
-            Ok(v) => {
-                Ok(Some(v.trim().parse().map_err(|e| {
-                    anyhow::anyhow!("{name}={v:?} is not a count: {e}")
-                })?))
-            }
-            Err(_) => Ok(None),
-        }
-    };
-    let world_size = match args.world_size {
-        Some(w) => Some(w),
-        None => from_env("WORLD_SIZE")?,
-    };
-    let rank = match args.rank {
-        Some(r) => Some(r),
-        None => from_env("RANK")?,
-    };
-    match (rank, world_size) {
-        (None, None) => Ok(None),
-        (Some(rank), Some(world_size)) => Ok(Some(tandem_dump::Partition { rank, world_size })),
-        (Some(_), None) => anyhow::bail!("--rank needs --world-size (or WORLD_SIZE)"),
-        (None, Some(_)) => anyhow::bail!("--world-size needs --rank (or RANK)"),
-    }
+    Ok(super::ranks::rank_and_world(args.rank, args.world_size)?
+        .map(|(rank, world_size)| tandem_dump::Partition { rank, world_size }))
 }
 
 #[derive(Args, Debug)]

@@ -7,6 +7,7 @@ pub mod fast;
 pub mod generate;
 pub mod import;
 pub mod load_test;
+pub mod ranks;
 pub mod replay;
 pub mod serve;
 pub mod spec;

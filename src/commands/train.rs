@@ -121,9 +121,52 @@ pub struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Data-parallel training on these GPUs (`0,1`; --device cuda): one replica process per
+    /// device (CUDA_VISIBLE_DEVICES, RANK/WORLD_SIZE/LOCAL_RANK as torchrun sets them, logs in
+    /// OUT/rank-i.log), each training on its share of every global batch of --batch-size rows,
+    /// gradients summed over NCCL every step. Rank 0 writes the head, checkpoints and metrics.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["rank", "world_size"])]
+    pub devices: Vec<String>,
+    /// This replica's rank when the ranks are started by a launcher (default: $RANK), e.g.
+    /// one process per GPU on several machines (scripts/train_dp.sh).
+    #[arg(long)]
+    pub rank: Option<usize>,
+    /// Replicas in the run (default: $WORLD_SIZE); given (or set), the run goes through NCCL
+    /// even with 1.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// The file through which rank 0 hands the NCCL id to the others (on a filesystem every
+    /// rank sees) [default: OUT/nccl-id]; without a shared filesystem give every rank the
+    /// same TANDEM_NCCL_ID (`tandem nccl-id` prints one).
+    #[arg(long)]
+    pub rendezvous: Option<PathBuf>,
+}
+
+/// `tandem nccl-id`: prints a fresh NCCL unique id (hex) for TANDEM_NCCL_ID.
+pub fn run_nccl_id() -> anyhow::Result<()> {
+    let id = tandem_cuda::collective::new_nccl_id()?;
+    println!("{}", tandem_cuda::collective::encode_id(&id));
+    Ok(())
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    if !args.devices.is_empty() {
+        if args.device.to_string() != "cuda" {
+            anyhow::bail!("--devices trains data-parallel on GPUs: pass --device cuda");
+        }
+        return super::ranks::run_on_devices(&args.devices, &args.out, "data-parallel train");
+    }
+    let data_parallel = super::ranks::rank_and_world(args.rank, args.world_size)?
+        .map(|(rank, world_size)| -> anyhow::Result<_> {
+            Ok(tandem_train::replicas::DataParallel {
+                rank,
+                world_size,
+                device: super::ranks::local_device()?,
+                rendezvous: super::ranks::default_rendezvous(&args.out, args.rendezvous.as_ref()),
+                run_tag: super::ranks::run_tag(),
+            })
+        })
+        .transpose()?;
     let options = TrainOptions {
         dumps: args.dumps.clone(),
         model: args.model.clone(),
@@ -151,8 +194,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         progress: !args.quiet && std::io::stderr().is_terminal(),
         device_label: args.device.to_string(),
         online: args.online.then(|| args.dataset.clone()).flatten(),
+        data_parallel,
     };
     let online = args.online.then(|| online_options(&args));
+    if options.data_parallel.is_some() && online.is_some() {
+        anyhow::bail!("data-parallel training reads dumps (--dump), not --online capture");
+    }
     let cuda = args.device.to_string() == "cuda";
     match args.engine {
         EngineKind::Fast | EngineKind::Auto if cuda => {

@@ -22,6 +22,9 @@ pub enum CudaError {
     /// The head trainer cannot go on (its inputs, or what the GPU can hold).
     #[error("{0}")]
     Trainer(String),
+    /// Joining or using the replicas' NCCL communicator.
+    #[error("data-parallel replicas: {0}")]
+    Collective(String),
     #[error(transparent)]
     Model(#[from] ModelError),
 }

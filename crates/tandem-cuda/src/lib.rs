@@ -13,6 +13,7 @@
 mod cache;
 mod capture;
 pub mod check;
+pub mod collective;
 mod device;
 mod draft;
 mod error;
@@ -23,6 +24,7 @@ mod train;
 mod weights;
 
 pub use cache::{ColumnMoves, CudaKvCache, HostKv};
+pub use collective::{Collective, NcclId, ProcessGroup};
 pub use cudarc::driver::CudaSlice;
 pub use device::{
     AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, compile_all_kernels, nvrtc_present,
@@ -34,6 +36,6 @@ pub use model::{
     CudaStepOutput, CudaTarget, DeviceLogits, FUSED_MAX_ROWS, GRAPH_BATCHES, GRAPH_MAX_WIDTH,
 };
 pub use train::{
-    AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, StepCounts, TargetPieces,
+    AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, Replicas, StepCounts, TargetPieces,
     TrainStepReport,
 };

@@ -225,6 +225,14 @@ pub struct AdamWStep {
     pub max_grad_norm: f64,
 }
 
+/// A data-parallel replica's view of a step: the communicator of all replicas and the
+/// positions (`batch * width`) of the global batch, over which the loss is averaged.
+#[derive(Debug, Clone, Copy)]
+pub struct Replicas<'a> {
+    pub collective: &'a crate::collective::Collective,
+    pub global_positions: usize,
+}
+
 /// The frozen target pieces the trainer needs, as host values.
 #[derive(Debug, Clone)]
 pub struct TargetPieces<'a> {
@@ -620,8 +628,38 @@ impl CudaHeadTrainer {
         steps: usize,
         hp: &AdamWStep,
     ) -> Result<TrainStepReport, CudaError> {
+        self.step_replicated(batch, steps, hp, None)
+    }
+
+    /// One optimizer step of a data-parallel replica: `batch` is this rank's share of a
+    /// global batch (padded to the global batch's width), the loss is averaged over
+    /// `replicas.global_positions` (the global batch's `batch * width`), and the gradients and
+    /// statistics are summed over the ranks by NCCL before the norm, the clip and AdamW, so
+    /// every replica takes the step one process would take on the whole batch.
+    pub fn train_step_replica(
+        &mut self,
+        batch: &CorpusBatch,
+        steps: usize,
+        hp: &AdamWStep,
+        replicas: &Replicas<'_>,
+    ) -> Result<TrainStepReport, CudaError> {
+        self.step_replicated(batch, steps, hp, Some(replicas))
+    }
+
+    fn step_replicated(
+        &mut self,
+        batch: &CorpusBatch,
+        steps: usize,
+        hp: &AdamWStep,
+        replicas: Option<&Replicas<'_>>,
+    ) -> Result<TrainStepReport, CudaError> {
         self.stream.memset_zeros(&mut self.grads)?;
-        let stats = self.run(batch, steps, true)?;
+        let positions = replicas.map_or(batch.size() * batch.width, |r| r.global_positions);
+        let mut stats = self.run(batch, steps, true, positions)?;
+        if let Some(r) = replicas {
+            r.collective.all_reduce_sum(&mut self.grads)?;
+            r.collective.all_reduce_sum(&mut stats)?;
+        }
         let norm_sq: CudaSlice<f64> = self.alloc(1)?;
         let n = self.layout.total;
         launch!(
@@ -633,7 +671,7 @@ impl CudaHeadTrainer {
             self.ptr(&norm_sq)
         )?;
         // Both read-backs after the last kernel of the step: the host waits for the GPU once.
-        let counts = self.download_stats(&stats, batch, steps)?;
+        let counts = self.download_stats(&stats, positions, steps)?;
         let grad_norm = self.stream.clone_dtoh(&norm_sq)?[0].sqrt();
         let scale = if hp.max_grad_norm > 0.0 && grad_norm > hp.max_grad_norm {
             hp.max_grad_norm / (grad_norm + 1e-6)
@@ -681,8 +719,22 @@ impl CudaHeadTrainer {
         batch: &CorpusBatch,
         steps: usize,
     ) -> Result<Vec<StepCounts>, CudaError> {
-        let stats = self.run(batch, steps, false)?;
-        self.download_stats(&stats, batch, steps)
+        let positions = batch.size() * batch.width;
+        let stats = self.run(batch, steps, false, positions)?;
+        self.download_stats(&stats, positions, steps)
+    }
+
+    /// [`CudaHeadTrainer::evaluate`] of a replica's share of a global batch: the counts of the
+    /// whole batch, summed over the ranks.
+    pub fn evaluate_replica(
+        &mut self,
+        batch: &CorpusBatch,
+        steps: usize,
+        replicas: &Replicas<'_>,
+    ) -> Result<Vec<StepCounts>, CudaError> {
+        let mut stats = self.run(batch, steps, false, replicas.global_positions)?;
+        replicas.collective.all_reduce_sum(&mut stats)?;
+        self.download_stats(&stats, replicas.global_positions, steps)
     }
 
     /// Loss and gradients of `batch` without an optimizer step: `(counts, gradients in HF
@@ -693,8 +745,9 @@ impl CudaHeadTrainer {
         steps: usize,
     ) -> Result<(Vec<StepCounts>, HostWeights), CudaError> {
         self.stream.memset_zeros(&mut self.grads)?;
-        let stats = self.run(batch, steps, true)?;
-        let counts = self.download_stats(&stats, batch, steps)?;
+        let positions = batch.size() * batch.width;
+        let stats = self.run(batch, steps, true, positions)?;
+        let counts = self.download_stats(&stats, positions, steps)?;
         let grads = self.stream.clone_dtoh(&self.grads)?;
         Ok((counts, self.unflatten(&grads)))
     }
@@ -702,11 +755,11 @@ impl CudaHeadTrainer {
     fn download_stats(
         &self,
         stats: &CudaSlice<f64>,
-        batch: &CorpusBatch,
+        positions: usize,
         steps: usize,
     ) -> Result<Vec<StepCounts>, CudaError> {
         let host = self.stream.clone_dtoh(stats)?;
-        let positions = (batch.size() * batch.width) as f64;
+        let positions = positions.max(1) as f64;
         Ok((0..steps)
             .map(|i| StepCounts {
                 loss: host[3 * i] / positions,
@@ -772,6 +825,7 @@ impl CudaHeadTrainer {
         batch: &CorpusBatch,
         steps: usize,
         train: bool,
+        loss_positions: usize,
     ) -> Result<CudaSlice<f64>, CudaError> {
         let s = &self.spec;
         let (bsz, w) = (batch.size(), batch.width);
@@ -783,6 +837,10 @@ impl CudaHeadTrainer {
         assert_eq!(batch.input_ids.len(), bsz * w);
         assert_eq!(batch.loss_mask.len(), bsz * w);
         let n = bsz * w;
+        if n == 0 {
+            // A replica with no rows in this step: it adds nothing to the sums it joins.
+            return self.alloc(steps * 3);
+        }
         let (h, f, inter, dv) = (
             s.hidden_size,
             s.fc_in(),
@@ -1122,7 +1180,8 @@ impl CudaHeadTrainer {
                 self.param("lm_head.weight", Which::Bf16),
                 self.ptr(&logits),
             )?;
-            let coef = (0.8f64.powi(i as i32) / n as f64) as f32;
+            // The loss is a mean over the positions of the whole (global) batch.
+            let coef = (0.8f64.powi(i as i32) / loss_positions as f64) as f32;
             launch!(
                 self,
                 draft_loss,

@@ -33,6 +33,18 @@ pub trait CaptureTarget {
     fn input_norm(&self, k: usize) -> Result<Vec<f32>, ModelError>;
     /// The final norm's weight, on the host.
     fn final_norm(&self) -> Result<Vec<f32>, ModelError>;
+    /// Tensor-parallel partial sums of block outputs (`TargetModel::mlp_partial_sums`), for
+    /// replay to name a capture taken before the all-reduce. `None` where the backend does not
+    /// compute them (replay then leaves them out of its candidates).
+    #[allow(clippy::type_complexity)]
+    fn mlp_partial_sums(
+        &self,
+        _ids: &[u32],
+        _layers: &[usize],
+        _degrees: &[usize],
+    ) -> Result<Option<Vec<(usize, usize, usize, Vec<f32>)>>, ModelError> {
+        Ok(None)
+    }
 }
 
 /// The decode loop both targets share: `forward(inputs)` runs one step (the prompts first, then
@@ -87,6 +99,15 @@ pub fn capacity(prompts: &[&[u32]], budgets: &[usize]) -> usize {
 impl<B: Backend> CaptureTarget for TargetModel<B> {
     fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    fn mlp_partial_sums(
+        &self,
+        ids: &[u32],
+        layers: &[usize],
+        degrees: &[usize],
+    ) -> Result<Option<Vec<(usize, usize, usize, Vec<f32>)>>, ModelError> {
+        TargetModel::mlp_partial_sums(self, ids, layers, degrees).map(Some)
     }
 
     fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, ModelError> {

@@ -574,6 +574,67 @@ impl<B: Backend> TargetModel<B> {
         })
     }
 
+    /// What a tensor-parallel rank holds where the residual stream should be, when a capture
+    /// reads block `k`'s output before the MLP's all-reduce: the residual after the
+    /// (all-reduced) attention plus only this rank's share of the MLP, i.e. `down_proj` rows and
+    /// `gate`/`up` columns `r*I/tp..(r+1)*I/tp` (Megatron's split, as SGLang and vLLM shard a
+    /// dense MLP). One prefill of `ids`; per block of `layers`, per degree of `degrees` (each
+    /// must divide the intermediate size) and per rank: `(block, tp, rank, [tokens, hidden])`.
+    /// Replay compares dumped slots against these; they are not taps (the capture hook stays
+    /// the only place taps are taken).
+    #[allow(clippy::type_complexity)]
+    pub fn mlp_partial_sums(
+        &self,
+        ids: &[u32],
+        layers: &[usize],
+        degrees: &[usize],
+    ) -> Result<Vec<(usize, usize, usize, Vec<f32>)>, ModelError> {
+        let mut cache = self.new_cache(1, ids.len());
+        let step = cache.prefill_step(&[ids])?;
+        cache.reserve(&step)?;
+        let ctx = self.step_context(&step, &cache);
+        let mut hidden = self.embed(&step.tokens, step.batch, step.width)?;
+        let (n, h) = (step.width, self.spec.hidden_size);
+        let last = layers.iter().copied().max();
+        let mut out = Vec::new();
+        for (k, layer) in self.layers.iter().enumerate() {
+            if Some(k) > last {
+                break;
+            }
+            let FeedForward::Dense(mlp) = &layer.mlp else {
+                hidden = self.block(layer, k, hidden, &ctx, &mut cache);
+                continue;
+            };
+            if !layers.contains(&k) {
+                hidden = self.block(layer, k, hidden, &ctx, &mut cache);
+                continue;
+            }
+            let mid = self.attention_residual(layer, k, hidden, &ctx, &mut cache);
+            let x = layer.post_attention_layernorm.forward(mid.clone());
+            let act = silu(mlp.gate_proj.forward_nd(x.clone())) * mlp.up_proj.forward_nd(x);
+            let inter = act.dims()[2];
+            for &tp in degrees {
+                if tp == 0 || !inter.is_multiple_of(tp) {
+                    return Err(ModelError::InvalidConfig {
+                        field: "intermediate_size",
+                        reason: format!("{inter} is not split evenly over {tp} ranks"),
+                    });
+                }
+                let per = inter / tp;
+                for r in 0..tp {
+                    let rows = r * per..(r + 1) * per;
+                    let share = act.clone().slice([0..1, 0..n, rows.clone()]);
+                    let w = mlp.down_proj.weight_t.clone().slice([rows, 0..h]);
+                    // A row-parallel bias is added once, after the all-reduce: not in a share.
+                    let y = share.reshape([n, per]).matmul(w).reshape([1, n, h]);
+                    out.push((k, tp, r, tensor_to_host(mid.clone() + y)));
+                }
+            }
+            hidden = mid + mlp.down_proj.forward_nd(act);
+        }
+        Ok(out)
+    }
+
     fn step_context(&self, step: &StepInput, cache: &KvCache<B>) -> StepContext<B> {
         let half = self.spec.head_dim / 2;
         let hd = self.spec.head_dim;
@@ -617,6 +678,27 @@ impl<B: Backend> TargetModel<B> {
         ctx: &StepContext<B>,
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
+        let hidden = self.attention_residual(layer, index, hidden, ctx, cache);
+        let mlp_in = layer.post_attention_layernorm.forward(hidden.clone());
+        let mlp_out = match (&layer.mlp, &self.spec.moe) {
+            (FeedForward::Dense(mlp), _) => mlp.forward(mlp_in),
+            (FeedForward::Experts(moe), Some(spec)) => self.experts(moe, spec, mlp_in),
+            (FeedForward::Experts(_), None) => {
+                unreachable!("experts are only loaded from a MoE spec")
+            }
+        };
+        hidden + mlp_out
+    }
+
+    /// The residual stream after layer `index`'s attention (`hidden + attn(norm(hidden))`).
+    fn attention_residual(
+        &self,
+        layer: &DecoderLayer<B>,
+        index: usize,
+        hidden: Tensor<B, 3>,
+        ctx: &StepContext<B>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
         let attn_in = layer.input_layernorm.forward(hidden.clone());
         let attn_out = match (&layer.self_attn, &self.spec.mla) {
             (SelfAttention::Grouped(attn), _) => self.attention(attn, index, attn_in, ctx, cache),
@@ -627,16 +709,7 @@ impl<B: Backend> TargetModel<B> {
                 unreachable!("latent attention is only loaded from an MLA spec")
             }
         };
-        let hidden = hidden + attn_out;
-        let mlp_in = layer.post_attention_layernorm.forward(hidden.clone());
-        let mlp_out = match (&layer.mlp, &self.spec.moe) {
-            (FeedForward::Dense(mlp), _) => mlp.forward(mlp_in),
-            (FeedForward::Experts(moe), Some(spec)) => self.experts(moe, spec, mlp_in),
-            (FeedForward::Experts(_), None) => {
-                unreachable!("experts are only loaded from a MoE spec")
-            }
-        };
-        hidden + mlp_out
+        hidden + attn_out
     }
 
     fn attention(
@@ -832,6 +905,13 @@ pub fn route(logits: &[f32], correction_bias: &[f32], spec: &MoeSpec) -> Vec<Vec
 /// x3, ..]`, after which [`rope`] rotates each pair by its frequency. Queries and keys are
 /// both permuted, so their dot products equal those of HF's
 /// `apply_rotary_pos_emb_interleave` (whose output has the same halves layout).
+fn tensor_to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("converted to f32")
+}
+
 fn deinterleave<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let [b, heads, n, d] = x.dims();
     x.reshape([b * heads * n, d / 2, 2])

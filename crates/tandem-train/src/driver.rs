@@ -42,6 +42,11 @@ pub(crate) trait StepEngine {
     fn checkpoint(&mut self, state: &TrainState) -> Result<(), TrainError>;
     /// The trained head as an engine-loadable directory in `--out`.
     fn export(&mut self, dtype: WeightDtype) -> Result<(), TrainError>;
+    /// Whether `flag` holds on any replica of a data-parallel run (the replicas must agree
+    /// on when a wall-clock limit stops them); `flag` itself in one process.
+    fn any_rank(&mut self, flag: bool) -> Result<bool, TrainError> {
+        Ok(flag)
+    }
 }
 
 /// The split and the run's bookkeeping, as the trainer set them up.
@@ -153,6 +158,11 @@ pub(crate) fn run_schedule(
             let time_up = options
                 .max_seconds
                 .is_some_and(|limit| elapsed(&run_start) >= limit);
+            let time_up = if options.max_seconds.is_some() {
+                engine.any_rank(time_up)?
+            } else {
+                time_up
+            };
             let evaluate = (options.eval_every > 0
                 && state.step.is_multiple_of(options.eval_every))
                 || epoch_done
@@ -205,8 +215,10 @@ pub(crate) fn run_schedule(
         WeightDtype::F32
     })?;
     let lines = read_lines(run.log.path())?;
+    // Next to the metrics (a data-parallel replica other than rank 0 logs in its own folder).
+    let curves = run.log.path().with_file_name(CURVES_FILE);
     plot::write(
-        &options.out.join(CURVES_FILE),
+        &curves,
         &format!("tandem train: {}", options.out.display()),
         &lines,
     )?;

@@ -14,7 +14,10 @@ use std::time::Instant;
 use burn::backend::{Autodiff, NdArray};
 use burn::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
-use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, MAX_TTT_STEPS, TargetPieces};
+use tandem_cuda::{
+    AdamWStep, Collective, CorpusBatch, CudaHeadTrainer, Gpu, MAX_TTT_STEPS, ProcessGroup,
+    Replicas, TargetPieces,
+};
 use tandem_eagle::{Eagle3Config, Eagle3Draft, WeightDtype, load_pretrained, save_pretrained};
 use tandem_wiring::DumpRef;
 
@@ -24,6 +27,7 @@ use crate::error::TrainError;
 use crate::metrics::{MetricsLog, StatsSum, read_lines};
 use crate::objective::StepStats;
 use crate::plot;
+use crate::replicas::replica_share;
 use crate::target::TargetHead;
 use crate::trainer::{
     CHECKPOINT_DIR, CURVES_FILE, METRICS_FILE, OPTIONS_FILE, TrainOptions, TrainReport, TrainState,
@@ -138,12 +142,29 @@ fn cuda_err(e: tandem_cuda::CudaError) -> TrainError {
 
 /// Builds the GPU batch of global rows `rows`.
 fn corpus_batch(rows: &[usize], corpus: &[Option<CorpusRow>]) -> CorpusBatch {
+    corpus_batch_padded(rows, corpus, batch_width(rows, corpus))
+}
+
+fn row_len(corpus: &[Option<CorpusRow>], i: usize) -> usize {
+    corpus[i]
+        .as_ref()
+        .expect("planned rows are loaded")
+        .input_ids
+        .len()
+}
+
+/// The padded width of a batch of `rows`: its longest row.
+fn batch_width(rows: &[usize], corpus: &[Option<CorpusRow>]) -> usize {
+    rows.iter().map(|&i| row_len(corpus, i)).max().unwrap_or(0)
+}
+
+/// [`corpus_batch`] padded to `width` (a replica's share, padded as the global batch is).
+fn corpus_batch_padded(rows: &[usize], corpus: &[Option<CorpusRow>], width: usize) -> CorpusBatch {
     let picked: Vec<&CorpusRow> = rows
         .iter()
         .map(|&i| corpus[i].as_ref().expect("planned rows are loaded"))
         .collect();
     let lengths: Vec<usize> = picked.iter().map(|r| r.input_ids.len()).collect();
-    let width = lengths.iter().copied().max().unwrap_or(0);
     let mut input_ids = vec![0u32; picked.len() * width];
     let mut loss_mask = vec![0u8; picked.len() * width];
     for (b, r) in picked.iter().enumerate() {
@@ -303,12 +324,45 @@ fn train_gpu_with(
         resumed_from.is_some(),
         &options.device_label,
     )?;
-    write_json(&options.out.join(OPTIONS_FILE), options)?;
+    let primary = options
+        .data_parallel
+        .as_ref()
+        .is_none_or(|dp| dp.is_primary());
+    if primary {
+        write_json(&options.out.join(OPTIONS_FILE), options)?;
+    }
 
-    // The trainer and the corpus on the GPU.
+    // The trainer and the corpus on the GPU; replicas join their communicator first (it
+    // returns once every rank is there).
     let target = head.host_pieces();
     let draft_ids = draft.vocab.target_ids();
-    let gpu = Gpu::new(0).map_err(cuda_err)?;
+    let gpu =
+        Gpu::new(options.data_parallel.as_ref().map_or(0, |dp| dp.device)).map_err(cuda_err)?;
+    let collective = match &options.data_parallel {
+        None => None,
+        Some(dp) => {
+            let join_start = Instant::now();
+            let collective = Collective::bootstrap(
+                &gpu,
+                &ProcessGroup {
+                    rank: dp.rank,
+                    world_size: dp.world_size,
+                    rendezvous: dp.rendezvous.clone(),
+                    run_tag: dp.run_tag.clone(),
+                },
+                RENDEZVOUS_TIMEOUT,
+            )
+            .map_err(cuda_err)?;
+            eprintln!(
+                "rank {} of {} joined NCCL on {} in {:.1}s",
+                dp.rank,
+                dp.world_size,
+                gpu.name(),
+                join_start.elapsed().as_secs_f64()
+            );
+            Some(collective)
+        }
+    };
     let mut trainer = CudaHeadTrainer::new(
         Arc::clone(&gpu),
         draft.spec.clone(),
@@ -352,9 +406,21 @@ fn train_gpu_with(
         load_start.elapsed().as_secs_f64()
     );
 
-    let log = MetricsLog::open(&options.out.join(METRICS_FILE), resumed_from)?;
+    // Rank 0 logs in --out; the other replicas each in --out/rank-R (the same global numbers:
+    // a check that the replicas agree).
+    let log_dir = match &options.data_parallel {
+        Some(dp) if !dp.is_primary() => {
+            let dir = options.out.join(format!("rank-{}", dp.rank));
+            std::fs::create_dir_all(&dir).map_err(TrainError::io("create", &dir))?;
+            dir
+        }
+        _ => options.out.clone(),
+    };
+    let log = MetricsLog::open(&log_dir.join(METRICS_FILE), resumed_from)?;
     let mut engine = GpuEngine {
         trainer,
+        collective,
+        primary,
         corpus: &corpus,
         checkpoints: Checkpointing {
             options,
@@ -377,54 +443,108 @@ fn train_gpu_with(
     )
 }
 
+/// How long a replica waits for rank 0's NCCL id (rank 0 may still be opening the model).
+const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(900);
+
 /// The GPU trainer's side of the run.
 struct GpuEngine<'a> {
     trainer: CudaHeadTrainer,
+    /// The replicas' communicator (a data-parallel run).
+    collective: Option<Collective>,
+    /// Whether this process writes the checkpoints and the export (rank 0, or the only one).
+    primary: bool,
     corpus: &'a [Option<CorpusRow>],
     checkpoints: Checkpointing<'a>,
+}
+
+/// A replica's batch of the global `rows` (its share, padded to the global batch's width)
+/// and the global batch's positions; the whole batch without replicas.
+fn replica_batch<'c>(
+    collective: Option<&'c Collective>,
+    rows: &[usize],
+    corpus: &[Option<CorpusRow>],
+) -> (CorpusBatch, Option<Replicas<'c>>) {
+    match collective {
+        None => (corpus_batch(rows, corpus), None),
+        Some(c) => {
+            let width = batch_width(rows, corpus);
+            let mine = replica_share(rows, c.rank(), c.world_size());
+            (
+                corpus_batch_padded(mine, corpus, width),
+                Some(Replicas {
+                    collective: c,
+                    global_positions: rows.len() * width,
+                }),
+            )
+        }
+    }
 }
 
 impl StepEngine for GpuEngine<'_> {
     fn step(&mut self, rows: &[usize], lr: f64, _step: usize) -> Result<StepOutcome, TrainError> {
         let options = self.checkpoints.options;
-        let batch = corpus_batch(rows, self.corpus);
-        let report = self
-            .trainer
-            .train_step(
-                &batch,
-                options.ttt_steps,
-                &AdamWStep {
-                    lr,
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    eps: 1e-8,
-                    weight_decay: options.weight_decay,
-                    max_grad_norm: options.max_grad_norm,
-                },
-            )
-            .map_err(cuda_err)?;
+        let hp = AdamWStep {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: options.weight_decay,
+            max_grad_norm: options.max_grad_norm,
+        };
+        let tokens = rows.iter().map(|&i| row_len(self.corpus, i)).sum();
+        let (batch, replicas) = replica_batch(self.collective.as_ref(), rows, self.corpus);
+        let report = match &replicas {
+            None => self.trainer.train_step(&batch, options.ttt_steps, &hp),
+            Some(r) => self
+                .trainer
+                .train_step_replica(&batch, options.ttt_steps, &hp, r),
+        }
+        .map_err(cuda_err)?;
         Ok(StepOutcome {
             loss: report.loss,
             stats: to_stats(&report.steps),
             grad_norm: report.grad_norm,
-            tokens: batch.lengths.iter().sum(),
+            tokens,
         })
     }
 
     fn validate(&mut self, rows: &[RowInfo]) -> Result<StatsSum, TrainError> {
-        validate(
-            &mut self.trainer,
-            rows,
-            self.corpus,
-            self.checkpoints.options,
-        )
+        let options = self.checkpoints.options;
+        let mut sorted = rows.to_vec();
+        sorted.sort_by_key(|r| (r.len, r.index));
+        let mut sum = StatsSum::default();
+        for chunk in sorted.chunks(options.batch_size) {
+            let indices: Vec<usize> = chunk.iter().map(|r| r.index).collect();
+            let tokens = chunk.iter().map(|r| row_len(self.corpus, r.index)).sum();
+            let (batch, replicas) = replica_batch(self.collective.as_ref(), &indices, self.corpus);
+            let counts = match &replicas {
+                None => self.trainer.evaluate(&batch, options.ttt_steps),
+                Some(r) => self.trainer.evaluate_replica(&batch, options.ttt_steps, r),
+            }
+            .map_err(cuda_err)?;
+            sum.add(&to_stats(&counts), tokens);
+        }
+        Ok(sum)
+    }
+
+    fn any_rank(&mut self, flag: bool) -> Result<bool, TrainError> {
+        match &self.collective {
+            None => Ok(flag),
+            Some(c) => c.any(flag).map_err(cuda_err),
+        }
     }
 
     fn checkpoint(&mut self, state: &TrainState) -> Result<(), TrainError> {
+        if !self.primary {
+            return Ok(());
+        }
         self.checkpoints.save(&self.trainer, state)
     }
 
     fn export(&mut self, dtype: WeightDtype) -> Result<(), TrainError> {
+        if !self.primary {
+            return Ok(());
+        }
         let c = &self.checkpoints;
         Ok(save_pretrained(
             &c.head(&self.trainer)?,
@@ -433,27 +553,6 @@ impl StepEngine for GpuEngine<'_> {
             dtype,
         )?)
     }
-}
-
-/// The validation split, sorted by length, in batches of `--batch-size`.
-fn validate(
-    trainer: &mut CudaHeadTrainer,
-    rows: &[RowInfo],
-    corpus: &[Option<CorpusRow>],
-    options: &TrainOptions,
-) -> Result<StatsSum, TrainError> {
-    let mut sorted = rows.to_vec();
-    sorted.sort_by_key(|r| (r.len, r.index));
-    let mut sum = StatsSum::default();
-    for chunk in sorted.chunks(options.batch_size) {
-        let indices: Vec<usize> = chunk.iter().map(|r| r.index).collect();
-        let batch = corpus_batch(&indices, corpus);
-        let counts = trainer
-            .evaluate(&batch, options.ttt_steps)
-            .map_err(cuda_err)?;
-        sum.add(&to_stats(&counts), batch.lengths.iter().sum());
-    }
-    Ok(sum)
 }
 
 /// Writes GPU checkpoints: the head as an engine-loadable directory, the AdamW moments, the

@@ -30,15 +30,15 @@ fn gpu_err(e: tandem_cuda::CudaError) -> TrainError {
     }
 }
 
-type B = NdArray<f32>;
-type AB = Autodiff<B>;
+pub(crate) type B = NdArray<f32>;
+pub(crate) type AB = Autodiff<B>;
 
-const VOCAB: usize = 512;
-const HIDDEN: usize = 128;
+pub(crate) const VOCAB: usize = 512;
+pub(crate) const HIDDEN: usize = 128;
 
 /// A small random Llama target: hidden 128, 4 heads over 2 KV heads (head_dim 32),
 /// SwiGLU 256, vocabulary 512, untied lm_head.
-fn target_dir() -> Result<PathBuf, TrainError> {
+pub(crate) fn target_dir() -> Result<PathBuf, TrainError> {
     let dir = scratch_dir("gpu-trainer");
     let config: HfConfig = serde_json::from_value(serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -55,7 +55,7 @@ fn target_dir() -> Result<PathBuf, TrainError> {
     Ok(dir)
 }
 
-fn bf16_round(v: f32) -> f32 {
+pub(crate) fn bf16_round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
 }
 
@@ -67,7 +67,7 @@ fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 }
 
 /// Gradient of a burn linear (`[in, out]`) in HF layout (`[out, in]`).
-fn linear_grad(
+pub(crate) fn linear_grad(
     l: &Linear<AB>,
     grads: &<AB as burn::tensor::backend::AutodiffBackend>::Gradients,
 ) -> Vec<f32> {
@@ -90,7 +90,7 @@ fn norm_grad(
     host(n.weight.val().grad(grads).expect("norm has a gradient"))
 }
 
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+pub(crate) fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len());
     let num: f64 = got
         .iter()

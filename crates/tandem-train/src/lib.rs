@@ -25,6 +25,7 @@ pub mod gpu_check;
 pub mod metrics;
 pub mod objective;
 pub mod plot;
+pub mod replicas;
 pub mod schedule;
 pub mod target;
 pub mod trainer;

@@ -99,6 +99,11 @@ pub struct TrainOptions {
     /// (`tandem_dump::OnlineCapture`) instead of read from `dumps`.
     #[serde(default)]
     pub online: Option<String>,
+    /// This process is one replica of a data-parallel run (the GPU trainer only): it trains
+    /// on its share of every global batch and sums gradients with the others over NCCL. Not
+    /// part of the run's identity: a run may resume on another number of GPUs.
+    #[serde(default)]
+    pub data_parallel: Option<crate::replicas::DataParallel>,
 }
 
 impl TrainOptions {
@@ -133,6 +138,7 @@ impl TrainOptions {
             progress: false,
             device_label: "cpu".to_owned(),
             online: None,
+            data_parallel: None,
         }
     }
 
@@ -152,6 +158,7 @@ impl TrainOptions {
             "save_every",
             "keep_checkpoints",
             "export_bf16",
+            "data_parallel",
         ] {
             map.remove(volatile);
         }
@@ -204,6 +211,14 @@ impl TrainOptions {
             .is_some_and(|s| !(s > 0.0 && s.is_finite()))
         {
             return bad("max-seconds", "must be a positive number of seconds");
+        }
+        if let Some(dp) = &self.data_parallel
+            && (dp.world_size == 0 || dp.rank >= dp.world_size)
+        {
+            return bad(
+                "rank",
+                &format!("rank {} of {} replicas", dp.rank, dp.world_size),
+            );
         }
         if self.max_grad_norm < 0.0 || self.weight_decay < 0.0 {
             return bad(
@@ -268,6 +283,20 @@ pub struct TrainReport {
     pub trained_on: Vec<DumpRef>,
 }
 
+/// The burn trainer runs in one process; replicas are the GPU trainer's.
+fn refuse_data_parallel(options: &TrainOptions) -> Result<(), TrainError> {
+    match &options.data_parallel {
+        Some(dp) => Err(TrainError::InvalidOption {
+            option: "devices",
+            reason: format!(
+                "data-parallel training (rank {} of {}) runs on the GPU trainer: pass --device cuda",
+                dp.rank, dp.world_size
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 fn record_err(path: &Path) -> impl FnOnce(burn::record::RecorderError) -> TrainError {
     let path = path.to_owned();
     move |e| TrainError::Record {
@@ -282,6 +311,7 @@ pub fn train<B: AutodiffBackend>(
     device: &B::Device,
 ) -> Result<TrainReport, TrainError> {
     options.validate()?;
+    refuse_data_parallel(options)?;
     let data = Dataset::open(&options.dumps)?;
     train_on::<B>(options, data, device)
 }
@@ -293,6 +323,7 @@ pub fn train_on<B: AutodiffBackend>(
     device: &B::Device,
 ) -> Result<TrainReport, TrainError> {
     options.validate()?;
+    refuse_data_parallel(options)?;
     let start = Instant::now();
     std::fs::create_dir_all(&options.out).map_err(TrainError::io("create", &options.out))?;
     let wiring = check_data(options, &data)?;

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Data-parallel training (issue #19): one `tandem train --device cuda` replica per GPU, each
+# started the way torchrun starts a rank (RANK, WORLD_SIZE, LOCAL_RANK; CUDA_VISIBLE_DEVICES =
+# its GPU). The replicas join one NCCL communicator: rank 0 writes its unique id to
+# RENDEZVOUS (a file on a filesystem every machine sees; default OUT/nccl-id), tagged with
+# TANDEM_RUN_ID so no rank joins a file an earlier launch left; without a shared filesystem,
+# export the same TANDEM_NCCL_ID=$(tandem nccl-id) on every machine instead. Every step, each
+# replica trains on its share of the global batch (--batch-size rows) and the gradients are
+# summed over NCCL, so the run takes the steps one GPU would take. Rank 0 writes the head,
+# checkpoints and OUT/metrics.jsonl; rank R>0 logs the same numbers in OUT/rank-R/.
+#
+#   DEVICES=0,1 bash scripts/train_dp.sh --dump D --out OUT [train options]
+#
+# On N machines of G GPUs each: the same command on every machine with NNODES=N,
+# NODE_RANK=0..N-1, the same TANDEM_RUN_ID (e.g. a date stamp chosen once) and OUT on a
+# shared filesystem. `tandem train --devices 0,1` does the single-machine case itself.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=gpu/nccl_env.sh
+. "$here/gpu/nccl_env.sh"
+IFS=, read -r -a gpus <<< "${DEVICES:-0}"
+local_world=${#gpus[@]}
+nodes=${NNODES:-1}
+node=${NODE_RANK:-0}
+world=$((local_world * nodes))
+tandem=${TANDEM:-target/release/tandem}
+logs=${LOG_DIR:-.}
+if [ "$nodes" -gt 1 ] && [ -z "${TANDEM_NCCL_ID:-}" ] && [ -z "${TANDEM_RUN_ID:-}" ]; then
+  echo "NNODES>1: set the same TANDEM_RUN_ID on every machine (or TANDEM_NCCL_ID)" >&2
+  exit 2
+fi
+export TANDEM_RUN_ID=${TANDEM_RUN_ID:-run-$(date +%s)-$$}
+mkdir -p "$logs"
+pids=()
+for i in "${!gpus[@]}"; do
+  rank=$((node * local_world + i))
+  CUDA_VISIBLE_DEVICES=${gpus[$i]} RANK=$rank WORLD_SIZE=$world LOCAL_RANK=$i \
+    LOCAL_WORLD_SIZE=$local_world \
+    "$tandem" train --device cuda --quiet "$@" > "$logs/train-rank-$rank.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for i in "${!pids[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "rank $((node * local_world + i)) failed: $logs/train-rank-$((node * local_world + i)).log" >&2
+    status=1
+  fi
+done
+for i in "${!gpus[@]}"; do tail -n 6 "$logs/train-rank-$((node * local_world + i)).log"; done
+exit $status
