@@ -33,6 +33,10 @@ pub trait CaptureTarget {
     fn input_norm(&self, k: usize) -> Result<Vec<f32>, ModelError>;
     /// The final norm's weight, on the host.
     fn final_norm(&self) -> Result<Vec<f32>, ModelError>;
+    /// Whether [`CaptureTarget::mlp_partial_sums`] gives values (a dense model on burn).
+    fn computes_partial_sums(&self) -> bool {
+        false
+    }
     /// Tensor-parallel partial sums of block outputs (`TargetModel::mlp_partial_sums`), for
     /// replay to name a capture taken before the all-reduce. `None` where the backend does not
     /// compute them (replay then leaves them out of its candidates).
@@ -99,6 +103,10 @@ pub fn capacity(prompts: &[&[u32]], budgets: &[usize]) -> usize {
 impl<B: Backend> CaptureTarget for TargetModel<B> {
     fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    fn computes_partial_sums(&self) -> bool {
+        !self.spec.is_moe()
     }
 
     fn mlp_partial_sums(

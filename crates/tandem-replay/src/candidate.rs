@@ -19,6 +19,15 @@ pub enum Candidate {
     /// The residual stream entering decoder layer `k` after that layer's `input_layernorm`:
     /// a normed value where the residual stream was meant.
     NormedInput(usize),
+    /// Block `layer`'s output as tensor-parallel rank `rank` of `tp` holds it before the MLP's
+    /// all-reduce: the residual stream after the attention plus only that rank's share of the
+    /// MLP (`TargetModel::mlp_partial_sums`). What a capture taken before the all-reduce
+    /// records.
+    PartialSum {
+        layer: usize,
+        tp: usize,
+        rank: usize,
+    },
 }
 
 impl Candidate {
@@ -35,6 +44,9 @@ impl Candidate {
         match self {
             Candidate::Tap(t) => t.canonical(),
             Candidate::NormedInput(k) => format!("normed-input:{k}"),
+            Candidate::PartialSum { layer, tp, rank } => {
+                format!("tp-partial-sum:block:{layer}:rank:{rank}/{tp}")
+            }
         }
     }
 
@@ -47,6 +59,11 @@ impl Candidate {
                 "the normed input of layer {k} (its input_layernorm applied to {})",
                 TapId::from_residual_position(*k)
             ),
+            Candidate::PartialSum { layer, tp, rank } => format!(
+                "a tensor-parallel partial sum: block {layer}'s output as rank {rank} of {tp} \
+                 holds it before the MLP's all-reduce (the residual plus only rank {rank}'s \
+                 share of down_proj)"
+            ),
         }
     }
 
@@ -54,7 +71,7 @@ impl Candidate {
     pub fn tap(&self) -> Option<TapId> {
         match self {
             Candidate::Tap(t) => Some(*t),
-            Candidate::NormedInput(_) => None,
+            Candidate::NormedInput(_) | Candidate::PartialSum { .. } => None,
         }
     }
 }
@@ -64,6 +81,9 @@ impl fmt::Display for Candidate {
         match self {
             Candidate::Tap(t) => t.fmt(f),
             Candidate::NormedInput(k) => write!(f, "normed input of layer {k}"),
+            Candidate::PartialSum { layer, tp, rank } => {
+                write!(f, "block {layer} partial sum of TP rank {rank}/{tp}")
+            }
         }
     }
 }
@@ -88,6 +108,70 @@ pub fn all_candidates(num_layers: usize) -> Vec<Candidate> {
         .collect();
     out.extend((0..num_layers).map(Candidate::NormedInput));
     out
+}
+
+/// Tensor-parallel degrees whose partial sums replay considers: those of 2, 4 and 8 that split
+/// `intermediate_size` evenly.
+pub fn partial_sum_degrees(intermediate_size: usize) -> Vec<usize> {
+    [2, 4, 8]
+        .into_iter()
+        .filter(|tp| intermediate_size.is_multiple_of(*tp))
+        .collect()
+}
+
+/// The partial-sum candidates of the blocks `layers` (each degree, each rank), in the order
+/// [`capture_partial_sums`] returns their values.
+pub fn partial_sum_candidates(layers: &[usize], degrees: &[usize]) -> Vec<Candidate> {
+    let mut sorted = layers.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut out = Vec::new();
+    for layer in sorted {
+        for &tp in degrees {
+            out.extend((0..tp).map(|rank| Candidate::PartialSum { layer, tp, rank }));
+        }
+    }
+    out
+}
+
+/// The values of `candidates` (all [`Candidate::PartialSum`], as
+/// [`partial_sum_candidates`] lists them) for one sample; `None` when the model does not
+/// compute partial sums.
+pub fn capture_partial_sums(
+    model: &dyn CaptureTarget,
+    input_ids: &[u32],
+    candidates: &[Candidate],
+) -> Result<Option<Vec<Vec<f32>>>, ReplayError> {
+    let mut layers = Vec::new();
+    let mut degrees = Vec::new();
+    for c in candidates {
+        if let Candidate::PartialSum { layer, tp, .. } = *c {
+            if !layers.contains(&layer) {
+                layers.push(layer);
+            }
+            if !degrees.contains(&tp) {
+                degrees.push(tp);
+            }
+        }
+    }
+    let Some(parts) = model.mlp_partial_sums(input_ids, &layers, &degrees)? else {
+        return Ok(None);
+    };
+    let mut values = Vec::with_capacity(candidates.len());
+    for c in candidates {
+        let found = parts.iter().find(|(layer, tp, rank, _)| {
+            *c == Candidate::PartialSum {
+                layer: *layer,
+                tp: *tp,
+                rank: *rank,
+            }
+        });
+        match found {
+            Some((_, _, _, v)) => values.push(v.clone()),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(values))
 }
 
 /// Every candidate's values for one sample, on the host in f32.

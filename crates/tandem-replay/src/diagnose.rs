@@ -150,6 +150,8 @@ fn push(out: &mut Vec<SweepEntry>, wiring: Wiring, origin: String, num_layers: u
     let valid = wiring.iter().all(|c| match c {
         Candidate::Tap(TapId::Block(k)) | Candidate::NormedInput(k) => *k < num_layers,
         Candidate::Tap(_) => true,
+        // Diagnose sweeps wirings of the serving path's own values.
+        Candidate::PartialSum { .. } => false,
     });
     if !valid || wiring.is_empty() {
         return;
@@ -178,6 +180,7 @@ fn shifted(c: Candidate, delta: i64) -> Option<Candidate> {
             let k = k as i64 + delta;
             (k >= 0).then_some(Candidate::NormedInput(k as usize))
         }
+        Candidate::PartialSum { .. } => None,
     }
 }
 

@@ -15,7 +15,10 @@ use tandem_wiring::{
 
 use tandem_model::CaptureTarget;
 
-use crate::candidate::{Candidate, all_candidates, capture_candidates};
+use crate::candidate::{
+    Candidate, all_candidates, capture_candidates, capture_partial_sums, partial_sum_candidates,
+    partial_sum_degrees,
+};
 use crate::error::ReplayError;
 use crate::explain::{constant_shift, convention_swaps, describe_pattern};
 use crate::report::{
@@ -234,7 +237,25 @@ pub fn replay(
     } else {
         0
     };
-    let candidates = all_candidates(layers);
+    // Besides every tap point, the tensor-parallel partial sums of the blocks the manifest
+    // declares (a capture before the MLP's all-reduce), where the model computes them.
+    let declared_blocks: Vec<usize> = declared
+        .iter()
+        .filter_map(|t| match t {
+            TapId::Block(k) => Some(*k),
+            _ => None,
+        })
+        .collect();
+    let partials = if model.computes_partial_sums() {
+        partial_sum_candidates(
+            &declared_blocks,
+            &partial_sum_degrees(model.spec().intermediate_size),
+        )
+    } else {
+        Vec::new()
+    };
+    let mut candidates = all_candidates(layers);
+    candidates.extend(partials.iter().copied());
     let mut accs: Vec<SlotAccumulators> = (0..slots)
         .map(|_| SlotAccumulators::new(candidates.len(), shards.max(1)))
         .collect();
@@ -280,7 +301,12 @@ pub fn replay(
         if n == 0 {
             continue;
         }
-        let values = capture_candidates(model, &record.input_ids)?;
+        let mut values = capture_candidates(model, &record.input_ids)?;
+        if !partials.is_empty() {
+            let parts = capture_partial_sums(model, &record.input_ids, &partials)?
+                .expect("the model computes partial sums (checked above)");
+            values.values.extend(parts);
+        }
         if shards > 0 {
             for (slot, acc) in accs.iter_mut().enumerate() {
                 let aux = &record.aux_hidden;
@@ -669,6 +695,16 @@ impl VerdictContext {
                      columns {a}..{b} of {observed}{also}, shard {} of {} of a tensor-parallel \
                      split (width T/{}); the tap must be gathered across ranks",
                     f.width, self.hidden, shard.index, shard.of, shard.of
+                ));
+            }
+            if let Candidate::PartialSum { rank, tp, .. } = observed {
+                return mismatch(format!(
+                    "dump slot {i} holds {} where the manifest says {}: the capture was taken \
+                     before the all-reduce of a {tp}-way tensor-parallel MLP (one rank's \
+                     partial sum, rank {rank}); take the tap after the all-reduce, once, on \
+                     rank 0",
+                    observed.describe(),
+                    f.manifest_tap
                 ));
             }
             if observed.is_normed() {

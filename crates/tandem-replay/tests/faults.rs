@@ -591,3 +591,103 @@ fn i_a_micro_batched_path_that_skips_the_hook_is_named() {
     // As in SGLang, only the aux taps are lost; the last block still matches.
     assert_eq!(report.last_hidden.as_ref().unwrap().status, Status::Match);
 }
+
+/// Block `layer` of `model` as tensor-parallel rank `rank` of `tp` sees it before the MLP's
+/// all-reduce, built independently of `TargetModel::mlp_partial_sums`: a copy of the model whose
+/// layer-`layer` down_proj keeps only rank `rank`'s rows (Megatron's row split) gives, at that
+/// block's tap, the residual after attention plus only that rank's share of the MLP.
+fn partial_sum_by_masked_weights(
+    model: &TargetModel<B>,
+    ids: &[u32],
+    layer: usize,
+    tp: usize,
+    rank: usize,
+) -> Vec<f32> {
+    let mut masked = model.clone();
+    let tandem_model::model::FeedForward::Dense(mlp) = &mut masked.layers[layer].mlp else {
+        panic!("a dense MLP");
+    };
+    let [inter, _] = mlp.down_proj.weight_t.dims();
+    let per = inter / tp;
+    let keep: Vec<f32> = (0..inter)
+        .map(|i| f32::from(u8::from(i / per == rank)))
+        .collect();
+    let keep = Tensor::<B, 2>::from_data(TensorData::new(keep, [inter, 1]), &Default::default());
+    mlp.down_proj.weight_t = mlp.down_proj.weight_t.clone() * keep;
+    tap_values(&masked, ids, &[TapId::Block(layer)]).remove(0)
+}
+
+/// Issue #19 (4): a capture taken before the tensor-parallel all-reduce (one rank's partial
+/// sum) is named by replay, with the rank and the degree; the partial sums replay computes equal
+/// the masked-weight construction above.
+#[test]
+fn j_tensor_parallel_partial_sum_is_named_with_its_rank() {
+    let model = tiny_model();
+    let ids = &sample_ids()[0];
+    let parts = model.mlp_partial_sums(ids, &[3], &[2]).unwrap();
+    assert_eq!(parts.len(), 2);
+    for (layer, tp, rank, values) in &parts {
+        let want = partial_sum_by_masked_weights(&model, ids, *layer, *tp, *rank);
+        let err = rel_err(values, &want);
+        assert!(err < 1e-5, "rank {rank}: rel err {err:.2e}");
+    }
+    // The two ranks' partial sums are not the tap, and they sum to it plus the shared residual.
+    let full = tap_values(&model, ids, &[TapId::Block(3)]).remove(0);
+    assert!(rel_err(&parts[0].3, &full) > 1e-2);
+
+    let id = identity(
+        &tiny_fingerprint(),
+        &default_taps(),
+        Some(sglang_raw()),
+        HIDDEN,
+    );
+    let dir = write_dump("tp-partial", &id, |model, ids| {
+        vec![
+            tap_values(model, ids, &[TapId::Block(1)]).remove(0),
+            partial_sum_by_masked_weights(model, ids, 3, 2, 1),
+            partial_sum_by_masked_weights(model, ids, 4, 4, 3),
+        ]
+    });
+    let report = run_replay(&dir, None);
+    assert_eq!(report.slots[0].status, Status::Match);
+    let s1 = &report.slots[1];
+    assert_eq!(
+        s1.observed,
+        Some(Candidate::PartialSum {
+            layer: 3,
+            tp: 2,
+            rank: 1
+        })
+    );
+    assert!(
+        s1.verdict.starts_with(
+            "dump slot 1 holds a tensor-parallel partial sum: block 3's output as rank 1 of 2"
+        ) && s1
+            .verdict
+            .contains("before the all-reduce of a 2-way tensor-parallel MLP")
+            && s1.verdict.contains("rank 1"),
+        "{}",
+        s1.verdict
+    );
+    let s2 = &report.slots[2];
+    assert_eq!(
+        s2.observed,
+        Some(Candidate::PartialSum {
+            layer: 4,
+            tp: 4,
+            rank: 3
+        })
+    );
+    assert!(s2.verdict.contains("rank 3 of 4"), "{}", s2.verdict);
+    assert!(!report.ok());
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
