@@ -120,7 +120,7 @@ pack_smollm2() {
   xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
   cp data/mtbench/question.jsonl .device/a/
   # The GPU test binaries, built here (cargo names each executable in its JSON messages).
-  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay --release --no-run --message-format=json 2>/dev/null |
+  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay -p tandem-train --release --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line) if line.startswith("{") else {}
@@ -129,6 +129,8 @@ for line in sys.stdin:
   xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/b/gpu-tests.xz
   xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/c/gpu-fast-tests.xz
   xz -9 -T2 -c "$(awk '$1 == "gpu_compare" {print $2}' /tmp/testbins.txt | tail -1)" > .device/e/gpu-compare-tests.xz
+  # tandem-train's `train` tests hold the data-parallel GPU test (issue #19).
+  xz -9 -T2 -c "$(awk '$1 == "train" {print $2}' /tmp/testbins.txt | tail -1)" > .device/e/gpu-train-tests.xz
   du -b .device/a .device/b .device/c .device/d .device/e
 }
 
@@ -160,6 +162,13 @@ run_gpu_tests() {
     timeout "$1" "$W/gpu-compare-tests" --ignored --test-threads 1 > "$R/tests-replay.log" 2>&1
     echo "tandem-replay GPU tests: exit $?" | tee -a "$R/summary.txt"
   fi
+  if [[ -x "$W/gpu-train-tests" ]]; then
+    # The data-parallel trainer through NCCL, one replica per GPU (one GPU: a single rank).
+    [[ -f "$W/nccl_env.sh" ]] && source "$W/nccl_env.sh"
+    TANDEM_TEST_GPUS=$(nvidia-smi -L | wc -l) timeout "$1" "$W/gpu-train-tests" --ignored \
+      data_parallel --test-threads 1 > "$R/tests-train.log" 2>&1
+    echo "tandem-train data-parallel GPU test: exit $?" | tee -a "$R/summary.txt"
+  fi
   mark "tests done"
 }
 
@@ -178,7 +187,7 @@ phase_import() {
   run "$T" import-gguf "$W/smollm2.gguf" "$M" | tail -1
   rm -f "$W/smollm2.gguf" "$W"/part-?
   cp -r heads/smollm2-135m-eagle3 "$W/head"
-  cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh "$W/"
+  cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh scripts/gpu/nccl_env.sh "$W/"
 }
 
 # ncu_decode_profile NAME [launches]: where SmolLM2's batch-1 decode step spends its time, kernel

@@ -101,7 +101,7 @@ pack)
   rm -rf .device/q[0-9][0-9]
   mkdir -p .device/q00
   xz -9e -T2 -c target/release/tandem > .device/q00/tandem.xz
-  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay --release --no-run --message-format=json 2>/dev/null |
+  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay -p tandem-train --release --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line) if line.startswith("{") else {}
@@ -110,6 +110,7 @@ for line in sys.stdin:
   xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-tests.xz
   xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-fast-tests.xz
   xz -9 -T2 -c "$(awk '$1 == "gpu_compare" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-compare-tests.xz
+  xz -9 -T2 -c "$(awk '$1 == "train" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-train-tests.xz
   python3 scripts/reference/sharegpt_subset.py data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json \
     --count 12000 --code-first --prompts-only --out .device/q00/sharegpt-code-12k.jsonl \
     --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz
@@ -151,10 +152,11 @@ receive)
     xz -dc "$d/gpu-tests.xz" > "$W/gpu-tests" && chmod +x "$W/gpu-tests"
     xz -dc "$d/gpu-fast-tests.xz" > "$W/gpu-fast-tests" && chmod +x "$W/gpu-fast-tests"
     xz -dc "$d/gpu-compare-tests.xz" > "$W/gpu-compare-tests" && chmod +x "$W/gpu-compare-tests"
+    xz -dc "$d/gpu-train-tests.xz" > "$W/gpu-train-tests" && chmod +x "$W/gpu-train-tests"
     xz -dc "$d/sharegpt-code-12k.jsonl.xz" > "$W/sharegpt-code-12k.jsonl"
     cp "$d/question.jsonl" "$W/data/mtbench/"
     cp "$d/HumanEval.jsonl.gz" "$W/data/humaneval/"
-    cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh "$0" "$W/"
+    cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh scripts/gpu/nccl_env.sh "$0" "$W/"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
   fi
   cat "$d/gguf.part" >> "$W/qwen.gguf.partial"
