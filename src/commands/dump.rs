@@ -191,6 +191,7 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         progress: !args.quiet,
         simulate_full_disk_after: None,
         execution: args.model.execution,
+        tensor_parallel: args.model.tp,
         partition: partition(&args)?,
     };
     // On a GPU the dump runs the path serving runs (the CUDA fast path), so the head is trained
@@ -205,7 +206,13 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         EngineKind::Fast if micro_batched => {
             anyhow::bail!("the CUDA fast path has no micro-batched execution: use --engine burn")
         }
-        EngineKind::Fast | EngineKind::Auto if cuda && !micro_batched => {
+        EngineKind::Fast if args.model.tp > 1 => {
+            anyhow::bail!(
+                "--tp runs on the burn path; the CUDA fast path's tensor parallelism is not built: \
+                 use --engine burn"
+            )
+        }
+        EngineKind::Fast | EngineKind::Auto if cuda && !micro_batched && args.model.tp == 1 => {
             let model = &args.model;
             let summary = tandem_dump::run_dump_with(&options, || {
                 let gpu = tandem_cuda::Gpu::new(0)?;

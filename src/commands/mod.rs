@@ -69,6 +69,12 @@ pub struct ModelArgs {
     /// pattern; taps go through the same hook either way).
     #[arg(long, default_value = "auto")]
     pub execution: Execution,
+    /// Run the burn target's blocks as N tensor-parallel ranks (q|k|v and gate|up split by
+    /// columns, o_proj and down_proj by rows, partial products summed as the all-reduce does;
+    /// the ranks share one process and device). The fast path's NCCL tensor parallelism is
+    /// not built: with --tp > 1 the jobs take the burn path.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
 }
 
 impl ModelArgs {
@@ -76,6 +82,7 @@ impl ModelArgs {
     pub fn load<B: Backend>(&self, device: &B::Device) -> Result<TargetModel<B>, ModelError> {
         let mut model = TargetModel::<B>::load(&self.model, device)?;
         model.execution = self.execution;
+        model.set_tensor_parallel(self.tp)?;
         Ok(model)
     }
 }

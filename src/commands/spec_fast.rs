@@ -45,8 +45,21 @@ fn load(model: &ModelArgs, spec: &SpecArgs) -> anyhow::Result<FastLoaded> {
     })
 }
 
+/// The fast path runs unsplit: its tensor parallelism over NCCL is not built (issue #19).
+fn refuse_tensor_parallel(model: &ModelArgs) -> anyhow::Result<()> {
+    if model.tp > 1 {
+        anyhow::bail!(
+            "--tp {} runs on the burn path (the ranks in one process); the CUDA fast path's \
+             tensor parallelism over NCCL is not built yet: pass --engine burn",
+            model.tp
+        );
+    }
+    Ok(())
+}
+
 /// The fast path's target on GPU 0.
 pub fn load_target(model: &ModelArgs) -> anyhow::Result<(std::sync::Arc<Gpu>, CudaTarget)> {
+    refuse_tensor_parallel(model)?;
     let gpu = Gpu::new(0)?;
     let target = CudaTarget::load(&model.model, gpu.clone())
         .with_context(|| format!("loading {} on the fast path", model.model.display()))?;

@@ -317,6 +317,7 @@ fn online_options(args: &TrainArgs) -> DumpOptions {
         progress: false,
         simulate_full_disk_after: None,
         execution: Execution::default(),
+        tensor_parallel: 1,
         partition: None,
     }
 }

@@ -64,6 +64,9 @@ pub struct DumpOptions {
     pub simulate_full_disk_after: Option<u64>,
     /// Plain or micro-batched target steps (the taps are the same either way).
     pub execution: Execution,
+    /// Tensor-parallel degree of the burn target's blocks (`TargetModel::set_tensor_parallel`;
+    /// 1 = unsplit). The taps are the reduced residual stream either way.
+    pub tensor_parallel: usize,
     /// One rank of a data-parallel dump (`--rank R --world-size W`): this process dumps the
     /// records `i % W == R` into `out/rank-RRRRR/`, resumes there, and `--max-samples` counts
     /// its own rows. `DumpReader::open(out)` reads the ranks as one dump.
@@ -96,6 +99,7 @@ impl DumpOptions {
             progress: false,
             simulate_full_disk_after: None,
             execution: Execution::Auto,
+            tensor_parallel: 1,
             partition: None,
         }
     }
@@ -240,7 +244,15 @@ pub fn dump_identity(
         taps.clone(),
         TapPoint::ResidualStream,
         options.dtype.as_str(),
-        Producer::tandem(Job::Dump, options.device_label.clone(), "prefill"),
+        Producer::tandem(
+            Job::Dump,
+            options.device_label.clone(),
+            if options.tensor_parallel > 1 {
+                format!("prefill, tensor-parallel {}", options.tensor_parallel)
+            } else {
+                "prefill".to_owned()
+            },
+        ),
     );
     if let Some(raw) = options.taps.raw_ids() {
         wiring = wiring.with_raw_ids(raw.clone());
@@ -386,6 +398,7 @@ pub fn run_dump<B: Backend>(
     run_dump_with(options, || {
         let mut model = TargetModel::<B>::load(&options.model_dir, device)?;
         model.execution = options.execution;
+        model.set_tensor_parallel(options.tensor_parallel)?;
         Ok(Box::new(model))
     })
 }

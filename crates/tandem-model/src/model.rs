@@ -231,6 +231,9 @@ pub struct TargetModel<B: Backend> {
     pub spec: ModelSpec,
     /// Plain or micro-batched steps ([`Execution::Auto`] after loading).
     pub execution: Execution,
+    /// Tensor-parallel degree of the block arithmetic (1 after loading; set through
+    /// [`TargetModel::set_tensor_parallel`]). See [`TargetModel::row_parallel`].
+    tensor_parallel: usize,
     pub embed_tokens: Tensor<B, 2>,
     pub layers: Vec<DecoderLayer<B>>,
     pub norm: RmsNorm<B>,
@@ -448,8 +451,92 @@ impl<B: Backend> TargetModel<B> {
             lm_head_t: upload(lm_head, device),
             spec,
             execution: Execution::default(),
+            tensor_parallel: 1,
             device: device.clone(),
         })
+    }
+
+    /// Runs the blocks as `ranks` tensor-parallel ranks would (Megatron's split, as SGLang and
+    /// vLLM shard a Llama): q|k|v and gate|up by output columns (heads, intermediate rows),
+    /// o_proj and down_proj by input rows, each rank's partial product summed (the
+    /// all-reduce) before the residual add. Here the ranks run in one process on one device
+    /// and the sum is in rank order; the capture hook still sees the block loop's reduced
+    /// residual stream, once. Needs `num_heads`, `num_kv_heads` and `intermediate_size`
+    /// divisible by `ranks` (no KV-head replication) and dense grouped-query layers.
+    pub fn set_tensor_parallel(&mut self, ranks: usize) -> Result<(), ModelError> {
+        let s = &self.spec;
+        let bad = |reason: String| {
+            Err(ModelError::InvalidConfig {
+                field: "tensor_parallel",
+                reason,
+            })
+        };
+        if ranks == 0 {
+            return bad("the tensor-parallel degree must be at least 1".to_owned());
+        }
+        if ranks > 1 && (s.is_moe() || s.mla.is_some()) {
+            return bad(format!(
+                "tensor parallelism over {ranks} ranks is built for dense grouped-query \
+                 layers; this model has {}",
+                if s.is_moe() {
+                    "experts"
+                } else {
+                    "latent attention"
+                }
+            ));
+        }
+        for (name, count) in [
+            ("num_attention_heads", s.num_heads),
+            ("num_key_value_heads", s.num_kv_heads),
+            ("intermediate_size", s.intermediate_size),
+        ] {
+            if !count.is_multiple_of(ranks) {
+                return bad(format!(
+                    "{name} = {count} does not split over {ranks} tensor-parallel ranks"
+                ));
+            }
+        }
+        self.tensor_parallel = ranks;
+        Ok(())
+    }
+
+    /// The tensor-parallel degree the blocks run at.
+    pub fn tensor_parallel(&self) -> usize {
+        self.tensor_parallel
+    }
+
+    /// A row-parallel linear (o_proj, down_proj) over [`TargetModel::tensor_parallel`] ranks:
+    /// rank `r` multiplies its input columns `r*d/n..(r+1)*d/n` (its heads, or its share of
+    /// the intermediate activations, which the column-parallel layers before it produced) by
+    /// its rows of the weight; the partial products are summed (the all-reduce), and a bias is
+    /// added once after it. One rank: the plain linear.
+    fn row_parallel(&self, linear: &Linear<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let ranks = self.tensor_parallel;
+        if ranks == 1 {
+            return linear.forward(x);
+        }
+        let [b, n, d_in] = x.dims();
+        let d_out = linear.weight_t.dims()[1];
+        let per = d_in / ranks;
+        let x = x.reshape([b * n, d_in]);
+        let mut sum: Option<Tensor<B, 2>> = None;
+        for r in 0..ranks {
+            let cols = r * per..(r + 1) * per;
+            let partial = x
+                .clone()
+                .slice([0..b * n, cols.clone()])
+                .matmul(linear.weight_t.clone().slice([cols, 0..d_out]));
+            sum = Some(match sum {
+                Some(s) => s + partial,
+                None => partial,
+            });
+        }
+        let y = sum.expect("at least one rank");
+        let y = match &linear.bias {
+            Some(bias) => y + bias.clone().unsqueeze_dim(0),
+            None => y,
+        };
+        y.reshape([b, n, d_out])
     }
 
     pub fn device(&self) -> &B::Device {
@@ -681,6 +768,11 @@ impl<B: Backend> TargetModel<B> {
         let hidden = self.attention_residual(layer, index, hidden, ctx, cache);
         let mlp_in = layer.post_attention_layernorm.forward(hidden.clone());
         let mlp_out = match (&layer.mlp, &self.spec.moe) {
+            (FeedForward::Dense(mlp), _) if self.tensor_parallel > 1 => {
+                // gate|up column-parallel, down_proj row-parallel (an all-reduce).
+                let act = silu(mlp.gate_proj.forward(mlp_in.clone())) * mlp.up_proj.forward(mlp_in);
+                self.row_parallel(&mlp.down_proj, act)
+            }
             (FeedForward::Dense(mlp), _) => mlp.forward(mlp_in),
             (FeedForward::Experts(moe), Some(spec)) => self.experts(moe, spec, mlp_in),
             (FeedForward::Experts(_), None) => {
@@ -755,7 +847,9 @@ impl<B: Backend> TargetModel<B> {
             .reshape([b, h, n, hd])
             .swap_dims(1, 2)
             .reshape([b, n, h * hd]);
-        attn.o_proj.forward(out)
+        // Heads are contiguous in `out`, so rank r's heads are its columns r*h/n..: the
+        // row-parallel o_proj (an all-reduce under tensor parallelism).
+        self.row_parallel(&attn.o_proj, out)
     }
 
     /// HF `DeepseekV3Attention`, not absorbed: the cache holds every head's key
