@@ -20,6 +20,25 @@ use_cublas_libraries() {
   return 0
 }
 
+# pack_gpu_tests DIR_CUDA DIR_INFER DIR_REPLAY DIR_TRAIN: the GPU test binaries, built here
+# (cargo names each executable in its JSON messages), xz'd as gpu-tests.xz (tandem-cuda),
+# gpu-fast-tests.xz (tandem-infer), gpu-compare-tests.xz (tandem-replay) and gpu-train-tests.xz
+# (tandem-train's `train` tests, which hold the data-parallel GPU test), one DIR each.
+pack_gpu_tests() {
+  local dirs=("$@") names=(gpu gpu_fast gpu_compare train)
+  local files=(gpu-tests gpu-fast-tests gpu-compare-tests gpu-train-tests) i
+  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay -p tandem-train --release --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line) if line.startswith("{") else {}
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
+  for i in 0 1 2 3; do
+    xz -9 -T2 -c "$(awk -v n="${names[$i]}" '$1 == n {print $2}' /tmp/testbins.txt | tail -1)" \
+      > "${dirs[$i]}/${files[$i]}.xz"
+  done
+}
+
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 mark() { echo "$(date +%T) $1" | tee -a "$R/phases.txt"; }
 
@@ -119,18 +138,7 @@ pack_smollm2() {
     .device/a .device/b .device/c .device/d .device/e
   xz -9e -T2 -c target/release/tandem > .device/a/tandem.xz
   cp data/mtbench/question.jsonl .device/a/
-  # The GPU test binaries, built here (cargo names each executable in its JSON messages).
-  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay -p tandem-train --release --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line) if line.startswith("{") else {}
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
-  xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/b/gpu-tests.xz
-  xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/c/gpu-fast-tests.xz
-  xz -9 -T2 -c "$(awk '$1 == "gpu_compare" {print $2}' /tmp/testbins.txt | tail -1)" > .device/e/gpu-compare-tests.xz
-  # tandem-train's `train` tests hold the data-parallel GPU test (issue #19).
-  xz -9 -T2 -c "$(awk '$1 == "train" {print $2}' /tmp/testbins.txt | tail -1)" > .device/e/gpu-train-tests.xz
+  pack_gpu_tests .device/b .device/c .device/e .device/e
   du -b .device/a .device/b .device/c .device/d .device/e
 }
 

@@ -101,16 +101,7 @@ pack)
   rm -rf .device/q[0-9][0-9]
   mkdir -p .device/q00
   xz -9e -T2 -c target/release/tandem > .device/q00/tandem.xz
-  cargo test -p tandem-cuda -p tandem-infer -p tandem-replay -p tandem-train --release --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line) if line.startswith("{") else {}
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["target"]["name"], m["executable"])' > /tmp/testbins.txt
-  xz -9 -T2 -c "$(awk '$1 == "gpu" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-tests.xz
-  xz -9 -T2 -c "$(awk '$1 == "gpu_fast" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-fast-tests.xz
-  xz -9 -T2 -c "$(awk '$1 == "gpu_compare" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-compare-tests.xz
-  xz -9 -T2 -c "$(awk '$1 == "train" {print $2}' /tmp/testbins.txt | tail -1)" > .device/q00/gpu-train-tests.xz
+  pack_gpu_tests .device/q00 .device/q00 .device/q00 .device/q00
   python3 scripts/reference/sharegpt_subset.py data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json \
     --count 12000 --code-first --prompts-only --out .device/q00/sharegpt-code-12k.jsonl \
     --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz

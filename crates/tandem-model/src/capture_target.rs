@@ -157,7 +157,7 @@ impl<B: Backend> CaptureTarget for TargetModel<B> {
 }
 
 /// A tensor's values on the host as f32, whatever the backend computes in.
-fn to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+pub(crate) fn to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
         .to_vec::<f32>()

@@ -118,8 +118,13 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Backend> Mlp<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let act = silu(self.gate_proj.forward_nd(x.clone())) * self.up_proj.forward_nd(x);
-        self.down_proj.forward_nd(act)
+        self.down_proj.forward_nd(self.activation(x))
+    }
+
+    /// `silu(gate(x)) * up(x)`: the input of `down_proj` (what a tensor-parallel rank splits
+    /// by columns).
+    pub fn activation<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        silu(self.gate_proj.forward_nd(x.clone())) * self.up_proj.forward_nd(x)
     }
 }
 
@@ -698,7 +703,7 @@ impl<B: Backend> TargetModel<B> {
             }
             let mid = self.attention_residual(layer, k, hidden, &ctx, &mut cache);
             let x = layer.post_attention_layernorm.forward(mid.clone());
-            let act = silu(mlp.gate_proj.forward_nd(x.clone())) * mlp.up_proj.forward_nd(x);
+            let act = mlp.activation(x);
             let inter = act.dims()[2];
             for &tp in degrees {
                 if tp == 0 || !inter.is_multiple_of(tp) {
@@ -714,7 +719,7 @@ impl<B: Backend> TargetModel<B> {
                     let w = mlp.down_proj.weight_t.clone().slice([rows, 0..h]);
                     // A row-parallel bias is added once, after the all-reduce: not in a share.
                     let y = share.reshape([n, per]).matmul(w).reshape([1, n, h]);
-                    out.push((k, tp, r, tensor_to_host(mid.clone() + y)));
+                    out.push((k, tp, r, crate::capture_target::to_host(mid.clone() + y)));
                 }
             }
             hidden = mid + mlp.down_proj.forward_nd(act);
@@ -770,8 +775,7 @@ impl<B: Backend> TargetModel<B> {
         let mlp_out = match (&layer.mlp, &self.spec.moe) {
             (FeedForward::Dense(mlp), _) if self.tensor_parallel > 1 => {
                 // gate|up column-parallel, down_proj row-parallel (an all-reduce).
-                let act = silu(mlp.gate_proj.forward(mlp_in.clone())) * mlp.up_proj.forward(mlp_in);
-                self.row_parallel(&mlp.down_proj, act)
+                self.row_parallel(&mlp.down_proj, mlp.activation(mlp_in))
             }
             (FeedForward::Dense(mlp), _) => mlp.forward(mlp_in),
             (FeedForward::Experts(moe), Some(spec)) => self.experts(moe, spec, mlp_in),
@@ -999,13 +1003,6 @@ pub fn route(logits: &[f32], correction_bias: &[f32], spec: &MoeSpec) -> Vec<Vec
 /// x3, ..]`, after which [`rope`] rotates each pair by its frequency. Queries and keys are
 /// both permuted, so their dot products equal those of HF's
 /// `apply_rotary_pos_emb_interleave` (whose output has the same halves layout).
-fn tensor_to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .expect("converted to f32")
-}
-
 fn deinterleave<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let [b, heads, n, d] = x.dims();
     x.reshape([b * heads * n, d / 2, 2])

@@ -114,6 +114,23 @@ pub fn check_prefill_against_hf<B: burn::prelude::Backend>(
     last_blocks
 }
 
+/// Relative L2 error `|actual - reference| / |reference|` (in f64): the metric of gradient and
+/// tensor-parallel comparisons, where every element counts.
+pub fn rel_l2(actual: &[f32], reference: &[f32]) -> f64 {
+    assert_eq!(
+        actual.len(),
+        reference.len(),
+        "compared tensors differ in length"
+    );
+    let num: f64 = actual
+        .iter()
+        .zip(reference)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let den: f64 = reference.iter().map(|b| f64::from(*b).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
 /// Relative error of `actual` against `reference`: max |actual - reference| / max |reference|
 /// (the metric every parity check and test here states its tolerance in).
 pub fn rel_err(actual: &[f32], reference: &[f32]) -> f32 {

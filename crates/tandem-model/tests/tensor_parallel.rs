@@ -8,7 +8,7 @@
 
 use tandem_model::backend::CpuBackend;
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::{scratch_dir, tiny_config, write_random_model};
+use tandem_model::testing::{rel_l2, scratch_dir, tiny_config, write_random_model};
 use tandem_model::{LogitsFor, ModelError, TapRequest, TargetModel};
 use tandem_wiring::TapId;
 
@@ -64,16 +64,6 @@ fn steps(m: &TargetModel<B>) -> Vec<(String, Vec<f32>)> {
             .unwrap(),
     );
     out
-}
-
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| f64::from(a - b).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
 }
 
 fn check(arch: &str) {

@@ -12,7 +12,7 @@ use common::*;
 use tandem_dump::{DumpManifest, DumpReader, DumpRecord, DumpWriter, ShardLimits};
 use tandem_eagle::{Eagle3Config, EagleConfig};
 use tandem_model::burn::prelude::*;
-use tandem_model::testing::tiny_config;
+use tandem_model::testing::{rel_l2, tiny_config};
 use tandem_model::{Execution, LogitsFor, TapRequest, TargetModel};
 use tandem_replay::{
     Candidate, HeadWiring, Level, ReplayOptions, ReplayReport, Status, fingerprint_model, replay,
@@ -628,12 +628,12 @@ fn j_tensor_parallel_partial_sum_is_named_with_its_rank() {
     assert_eq!(parts.len(), 2);
     for (layer, tp, rank, values) in &parts {
         let want = partial_sum_by_masked_weights(&model, ids, *layer, *tp, *rank);
-        let err = rel_err(values, &want);
+        let err = rel_l2(values, &want);
         assert!(err < 1e-5, "rank {rank}: rel err {err:.2e}");
     }
     // The two ranks' partial sums are not the tap, and they sum to it plus the shared residual.
     let full = tap_values(&model, ids, &[TapId::Block(3)]).remove(0);
-    assert!(rel_err(&parts[0].3, &full) > 1e-2);
+    assert!(rel_l2(&parts[0].3, &full) > 1e-2);
 
     let id = identity(
         &tiny_fingerprint(),
@@ -680,14 +680,4 @@ fn j_tensor_parallel_partial_sum_is_named_with_its_rank() {
     );
     assert!(s2.verdict.contains("rank 3 of 4"), "{}", s2.verdict);
     assert!(!report.ok());
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| f64::from(a - b).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
 }

@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng};
 use tandem_cuda::{AdamWStep, CorpusBatch, CudaHeadTrainer, Gpu, TargetPieces};
 use tandem_eagle::{Eagle3Config, Eagle3Draft, Linear, RmsNorm, build_vocab_map};
 use tandem_model::HfConfig;
-use tandem_model::testing::{scratch_dir, write_random_model};
+use tandem_model::testing::{rel_l2, scratch_dir, write_random_model};
 
 use crate::data::Batch;
 use crate::error::TrainError;
@@ -88,17 +88,6 @@ fn norm_grad(
     grads: &<AB as burn::tensor::backend::AutodiffBackend>::Gradients,
 ) -> Vec<f32> {
     host(n.weight.val().grad(grads).expect("norm has a gradient"))
-}
-
-pub(crate) fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| f64::from(a - b).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
 }
 
 /// Runs the check; returns one line per compared quantity and fails on the first quantity

@@ -82,9 +82,10 @@ mod gradient_tests {
 
     use super::replica_share;
     use crate::data::Batch;
-    use crate::gpu_check::{AB, B, HIDDEN, VOCAB, bf16_round, linear_grad, rel_l2, target_dir};
+    use crate::gpu_check::{AB, B, HIDDEN, VOCAB, bf16_round, linear_grad, target_dir};
     use crate::objective::{BatchTargets, draft_id_tensor, objective};
     use crate::target::TargetHead;
+    use tandem_model::testing::rel_l2;
 
     /// Rows `rows` of `batch`, kept at its width.
     fn sub_batch(batch: &Batch, rows: &[usize], fc_in: usize) -> Batch {
