@@ -14,26 +14,27 @@
 #   here:  bash scripts/gpu/lean_tree.sh leave
 #
 # The pipeline, most needed first (each step under a timeout, so a failure costs its step only):
-#  1. the GPU test binaries of tandem-cuda, tandem-infer and tandem-replay (tiny models: the
-#     kernels, the engines, compare's offline half on the fast path);
-#  2. target-only decode, `tandem fast-bench` at batch 1 and 8 (verify widths 4 and 8), next to
-#     HF transformers (sdpa, bf16) decoding the same imported model in the same run;
-#  3. training data: ShareGPT first turns, code requests first (sharegpt_subset.py --code-first;
-#     MT-Bench and HumanEval kept out), the replies regenerated greedily by the target on the
-#     fast path for REGEN_SECONDS and captured through the hook (dump A);
-#  4. the EAGLE-3 head: TTT 7, draft vocabulary DRAFT_VOCAB from the regenerated replies, for
-#     TRAIN_SECONDS;
-#  5. `tandem bench` on HumanEval (164 prompts) and MT-Bench (80 first turns), 128 new tokens,
-#     greedy, speculative vs target-only in the same run: batch 1 over SHAPES_B1, batch 8 over
-#     SHAPES_B8;
-#  6. a fresh dump (ShareGPT conversations no training row saw): `replay` and `compare`;
-#  7. `tandem serve` load tests (64 MT-Bench requests, 128 tokens) at CONCURRENCIES, target-only
-#     vs the adaptive speculation policy with the new head.
-# Knobs: TESTS=0 and BASELINES=0 skip steps 1 and 2 (session 19 measured them); REGEN_SECONDS,
-# MAX_NEW, TRAIN_SECONDS, DRAFT_VOCAB, LR, SHAPES_B1, SHAPES_B8, CONCURRENCIES. Session 19
-# (27.5 min of device time) regenerated 0.86M tokens in 200 s and its head overfit them: the
-# next run should spend the time saved by TESTS=0 BASELINES=0 on REGEN_SECONDS. `compare`
-# runs both halves on the fast path since session 19's fix (session 19's binary refused it).
+#  1. with BASELINES=1, target-only decode, `tandem fast-bench` at batch 1 and 8 (verify widths
+#     4 and 8), next to HF transformers (sdpa, bf16) decoding the same imported model;
+#  2. training data: with PREV=1 the replies an earlier session regenerated (dump-a.jsonl.xz of
+#     datasets/regenerated/qwen2.5-coder-1.5b-instruct) captured again without generation
+#     (dump prev); then ShareGPT first turns, code requests first (sharegpt_subset.py
+#     --code-first; MT-Bench and HumanEval kept out), past the first SKIP_LINES, the replies
+#     regenerated greedily by the target on the fast path for REGEN_SECONDS and captured through
+#     the hook (dump A);
+#  3. the EAGLE-3 head on both dumps: TTT 7, draft vocabulary DRAFT_VOCAB, for TRAIN_SECONDS;
+#  4. `tandem bench` on HumanEval (164 prompts) over SHAPES_B1 and 3/4/8 with the fused kernels,
+#     and MT-Bench (80 first turns) 3/4/8, batch 1, 128 new tokens, greedy, speculative vs
+#     target-only in the same run;
+#  5. a fresh dump (ShareGPT conversations no training row saw): `replay` and `compare`;
+#  6. `tandem serve` load tests (64 MT-Bench requests, 128 tokens) at CONCURRENCIES, target-only
+#     vs the adaptive speculation policy with the new head;
+#  7. batch-8 bench over SHAPES_B8;
+#  8. with TESTS=1 (the default), the GPU test binaries (tiny models: kernels, engines, compare's
+#     offline half, the data-parallel trainer); TESTS_FIRST=1 runs them before step 1.
+# Session 19 (static batches of 256, 1,024-token budget) regenerated 0.86M tokens in 200 s and
+# its head overfit them; a static batch waits for its longest reply (mean 454 tokens against a
+# budget of 1,024), so session 21 runs 512 rows with a 512-token budget.
 set -uo pipefail
 PHASE="${1:?usage: $0 pack|receive NN|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
@@ -43,8 +44,13 @@ GGUF_HERE=models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 SIZE=1117320768
 SHA256=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 REGEN_SECONDS="${REGEN_SECONDS:-200}"
-REGEN_BATCH="${REGEN_BATCH:-256}"
-MAX_NEW="${MAX_NEW:-1024}"
+REGEN_BATCH="${REGEN_BATCH:-512}"
+MAX_NEW="${MAX_NEW:-512}"
+# Lines of sharegpt-code-12k.jsonl an earlier session already regenerated (session 19 read the
+# first 768; its replies travel as datasets/regenerated/qwen2.5-coder-1.5b-instruct/dump-a and
+# are captured again, without generation, when PREV=1).
+SKIP_LINES="${SKIP_LINES:-768}"
+PREV="${PREV:-1}"
 TRAIN_SECONDS="${TRAIN_SECONDS:-200}"
 DRAFT_VOCAB="${DRAFT_VOCAB:-32000}"
 LR="${LR:-5e-4}"
@@ -55,12 +61,13 @@ REQUESTS="${REQUESTS:-64}"
 MAX_TOKENS="${MAX_TOKENS:-128}"
 FRESH=16
 
-# bench_set PROMPTS BATCH SHAPE: one `tandem bench` run, its summary line into summary.txt.
+# bench_set PROMPTS BATCH SHAPE [fused]: one `tandem bench` run, its summary line into
+# summary.txt; "fused" runs it with the fused small-step kernels (TANDEM_CUDA_FUSED=4).
 bench_set() {
-  local prompts=$1 batch=$2 shape=$3 s k n
+  local prompts=$1 batch=$2 shape=$3 fused=${4:-} s k n
   IFS=/ read -r s k n <<< "$shape"
-  local tag="${prompts}_b${batch}_${s}_${k}_${n}"
-  timeout 400 "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts "$prompts" \
+  local tag="${prompts}_b${batch}_${s}_${k}_${n}${fused:+_fused}"
+  TANDEM_CUDA_FUSED=${fused:+4} timeout 400 "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts "$prompts" \
     --data-root "$W/data" --max-new-tokens 128 --steps "$s" --topk "$k" --num-draft-tokens "$n" \
     --batch "$batch" --json "$R/bench_${tag}.json" > "$R/bench_${tag}.log" 2>&1
   python3 - "$R/bench_${tag}.json" "$tag" <<'PY' | tee -a "$LOG" "$R/summary.txt"
@@ -107,6 +114,7 @@ pack)
     --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz
   xz -9 -f .device/q00/sharegpt-code-12k.jsonl
   cp data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz .device/q00/
+  cp datasets/regenerated/qwen2.5-coder-1.5b-instruct/dump-a.jsonl.xz .device/q00/prev-a.jsonl.xz
   # What the lean tree leaves of 64 MiB, less 1.5 MB of slack, is the GGUF's share of a call.
   tree=${TREE_BYTES:-3100000}
   first=$(( 64 * 1024 * 1024 - tree - 1500000 - $(du -cb .device/q00 | tail -1 | cut -f1) ))
@@ -145,6 +153,7 @@ receive)
     xz -dc "$d/gpu-compare-tests.xz" > "$W/gpu-compare-tests" && chmod +x "$W/gpu-compare-tests"
     xz -dc "$d/gpu-train-tests.xz" > "$W/gpu-train-tests" && chmod +x "$W/gpu-train-tests"
     xz -dc "$d/sharegpt-code-12k.jsonl.xz" > "$W/sharegpt-code-12k.jsonl"
+    xz -dc "$d/prev-a.jsonl.xz" > "$W/prev-a.jsonl"
     cp "$d/question.jsonl" "$W/data/mtbench/"
     cp "$d/HumanEval.jsonl.gz" "$W/data/humaneval/"
     cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh scripts/gpu/nccl_env.sh "$0" "$W/"
@@ -183,7 +192,7 @@ wait)
 pipeline)
   cd "$W"
   mark "pipeline start"
-  [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 200
+  [[ "${TESTS_FIRST:-0}" == 1 ]] && run_gpu_tests 200
   if [[ "${BASELINES:-1}" == 1 ]]; then
     timeout 300 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4,8 --new-tokens 64 \
       --repeats 3 --with-taps --graphs-only --json "$R/fast-bench.json" \
@@ -193,17 +202,33 @@ pipeline)
     echo "hf sdpa: exit $?" | tee -a "$R/summary.txt"
     mark "decode baselines done"
   fi
-  # Training data: the last FRESH conversations are kept for the fresh dump of step 6.
-  head -n -"$FRESH" sharegpt-code-12k.jsonl > sg-train.jsonl
+  dumps=()
+  if [[ "$PREV" == 1 && -f prev-a.jsonl ]]; then
+    # An earlier session's regenerated replies: capture only (no generation).
+    run /usr/bin/time -f "dump prev wall %e s" "$T" dump --model "$M" --dataset "$W/prev-a.jsonl" \
+      --out "$W/dump-prev" --max-len 2048 --batch-size 64 --shard-rows 256 --device cuda --quiet
+    dumps+=(--dump "$W/dump-prev")
+    mark "dump prev done"
+  fi
+  # Training data: the last FRESH conversations are kept for the fresh dump of step 6; the
+  # first SKIP_LINES were regenerated by an earlier session.
+  head -n -"$FRESH" sharegpt-code-12k.jsonl | tail -n +"$((SKIP_LINES + 1))" > sg-train.jsonl
   tail -n "$FRESH" sharegpt-code-12k.jsonl > sg-fresh.jsonl
-  run /usr/bin/time -f "dump a wall %e s" "$T" dump --model "$M" --dataset "$W/sg-train.jsonl" \
-    --out "$W/dump-a" --regenerate --max-new-tokens "$MAX_NEW" --max-len 2048 --temperature 0 \
-    --batch-size "$REGEN_BATCH" --shard-rows 256 --device cuda --quiet --max-seconds "$REGEN_SECONDS"
+  regen() {
+    run /usr/bin/time -f "dump a wall %e s" "$T" dump --model "$M" --dataset "$W/sg-train.jsonl" \
+      --out "$W/dump-a" --regenerate --max-new-tokens "$MAX_NEW" --max-len 2048 --temperature 0 \
+      --batch-size "$1" --shard-rows 256 --device cuda --quiet --max-seconds "$2"
+  }
+  t0=$(date +%s)
+  # A failure at the wide batch (memory) falls back to session 19's 256 for the time left;
+  # the dump resumes from what it wrote.
+  regen "$REGEN_BATCH" "$REGEN_SECONDS" || regen 256 "$(( REGEN_SECONDS - ($(date +%s) - t0) ))"
   run "$T" dump-info "$W/dump-a" | tail -n 20 > "$R/dump-a-info.txt"
   cp "$W/dump-a/manifest.json" "$R/dump-a-manifest.json"
   cat "$W/dump-a"/conversations-*.jsonl | xz -6 -T0 > "$R/conversations-a.jsonl.xz"
+  dumps+=(--dump "$W/dump-a")
   mark "dump a done"
-  run "$T" train --dump "$W/dump-a" --out "$W/head" --model "$M" --draft-vocab "$DRAFT_VOCAB" \
+  run "$T" train "${dumps[@]}" --out "$W/head" --model "$M" --draft-vocab "$DRAFT_VOCAB" \
     --batch-size 16 --max-len 2048 --lr "$LR" --val-fraction 0.05 --epochs 20 \
     --max-seconds "$TRAIN_SECONDS" --eval-every 400 --save-every 0 --device cuda --quiet --export-bf16
   cp "$W/head/config.json" "$W/head/curves.html" "$W/head/metrics.jsonl" "$R/"
@@ -211,8 +236,8 @@ pipeline)
   last_val "$W/head" head
   mark "head trained"
   for s in $SHAPES_B1; do bench_set humaneval 1 "$s"; done
+  bench_set humaneval 1 3/4/8 fused
   bench_set mtbench 1 3/4/8
-  bench_set mtbench 1 3/1/4
   mark "batch-1 bench done"
   # A fresh dump the head never saw: replay (the serving path against the recorded taps) and
   # compare (offline on the recorded taps vs online through the engine), chain and tree.
@@ -221,7 +246,7 @@ pipeline)
   timeout 200 "$T" replay --dump "$W/dump-fresh" --model "$M" --head "$W/head" --device cuda \
     --max-samples 8 --json "$R/replay.json" > "$R/replay.log" 2>&1
   echo "replay: exit $?" | tee -a "$R/summary.txt"
-  for shape in 3/1/4 3/4/8; do
+  for shape in 3/4/8 3/1/4; do
     IFS=/ read -r s k n <<< "$shape"
     timeout 300 "$T" compare --dump "$W/dump-fresh" --head "$W/head" --model "$M" --device cuda \
       --prompts dump --max-prompts "$FRESH" --max-samples "$FRESH" --offline-batch "$FRESH" \
@@ -237,6 +262,7 @@ pipeline)
   done
   for s in $SHAPES_B8; do bench_set humaneval 8 "$s"; bench_set mtbench 8 "$s"; done
   mark "batch-8 bench done"
+  [[ "${TESTS:-1}" == 1 && "${TESTS_FIRST:-0}" != 1 ]] && run_gpu_tests 150
   touch "$R/done"
   ;;
 esac
