@@ -12,27 +12,7 @@
 # directories into one OUT afterwards. No rank talks to another: the records are split by index,
 # so there is nothing to bootstrap. --max-samples and --max-seconds apply per rank.
 set -euo pipefail
-IFS=, read -r -a gpus <<< "${DEVICES:-0}"
-local_world=${#gpus[@]}
-nodes=${NNODES:-1}
-node=${NODE_RANK:-0}
-world=$((local_world * nodes))
-tandem=${TANDEM:-target/release/tandem}
-logs=${LOG_DIR:-.}
-mkdir -p "$logs"
-pids=()
-for i in "${!gpus[@]}"; do
-  rank=$((node * local_world + i))
-  CUDA_VISIBLE_DEVICES=${gpus[$i]} RANK=$rank WORLD_SIZE=$world LOCAL_RANK=$i NCCL_NVLS_ENABLE=0 \
-    "$tandem" dump --quiet "$@" > "$logs/dump-rank-$rank.log" 2>&1 &
-  pids+=($!)
-done
-status=0
-for i in "${!pids[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    echo "rank $((node * local_world + i)) failed: $logs/dump-rank-$((node * local_world + i)).log" >&2
-    status=1
-  fi
-done
-for i in "${!gpus[@]}"; do tail -n 4 "$logs/dump-rank-$((node * local_world + i)).log"; done
-exit $status
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=ranks.sh
+. "$here/ranks.sh"
+launch_ranks dump "$@"

@@ -18,33 +18,11 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=gpu/nccl_env.sh
 . "$here/gpu/nccl_env.sh"
-IFS=, read -r -a gpus <<< "${DEVICES:-0}"
-local_world=${#gpus[@]}
-nodes=${NNODES:-1}
-node=${NODE_RANK:-0}
-world=$((local_world * nodes))
-tandem=${TANDEM:-target/release/tandem}
-logs=${LOG_DIR:-.}
-if [ "$nodes" -gt 1 ] && [ -z "${TANDEM_NCCL_ID:-}" ] && [ -z "${TANDEM_RUN_ID:-}" ]; then
+if [ "${NNODES:-1}" -gt 1 ] && [ -z "${TANDEM_NCCL_ID:-}" ] && [ -z "${TANDEM_RUN_ID:-}" ]; then
   echo "NNODES>1: set the same TANDEM_RUN_ID on every machine (or TANDEM_NCCL_ID)" >&2
   exit 2
 fi
 export TANDEM_RUN_ID=${TANDEM_RUN_ID:-run-$(date +%s)-$$}
-mkdir -p "$logs"
-pids=()
-for i in "${!gpus[@]}"; do
-  rank=$((node * local_world + i))
-  CUDA_VISIBLE_DEVICES=${gpus[$i]} RANK=$rank WORLD_SIZE=$world LOCAL_RANK=$i \
-    LOCAL_WORLD_SIZE=$local_world \
-    "$tandem" train --device cuda --quiet "$@" > "$logs/train-rank-$rank.log" 2>&1 &
-  pids+=($!)
-done
-status=0
-for i in "${!pids[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    echo "rank $((node * local_world + i)) failed: $logs/train-rank-$((node * local_world + i)).log" >&2
-    status=1
-  fi
-done
-for i in "${!gpus[@]}"; do tail -n 6 "$logs/train-rank-$((node * local_world + i)).log"; done
-exit $status
+# shellcheck source=ranks.sh
+. "$here/ranks.sh"
+launch_ranks train --device cuda "$@"
