@@ -24,9 +24,9 @@
 #     the hook (dump A);
 #  3. the EAGLE-3 head on both dumps: TTT 7, draft vocabulary DRAFT_VOCAB, for TRAIN_SECONDS;
 #  4. `tandem bench` on HumanEval (164 prompts) over SHAPES_B1 and 3/4/8 with the fused kernels,
-#     and MT-Bench (80 first turns) 3/4/8, batch 1, 128 new tokens, greedy, speculative vs
-#     target-only in the same run;
-#  5. a fresh dump (ShareGPT conversations no training row saw): `replay` and `compare`;
+#     batch 1, 128 new tokens, greedy, speculative vs target-only in the same run;
+#  5. a fresh dump (ShareGPT conversations no training row saw): `replay` and `compare`; then
+#     MT-Bench (80 first turns) 3/4/8 at batch 1;
 #  6. `tandem serve` load tests (64 MT-Bench requests, 128 tokens) at CONCURRENCIES, target-only
 #     vs the adaptive speculation policy with the new head;
 #  7. batch-8 bench over SHAPES_B8;
@@ -108,7 +108,9 @@ pack)
   rm -rf .device/q[0-9][0-9]
   mkdir -p .device/q00
   xz -9e -T2 -c target/release/tandem > .device/q00/tandem.xz
-  pack_gpu_tests .device/q00 .device/q00 .device/q00 .device/q00
+  # PACK_TESTS=0 leaves the GPU test binaries out (a run too short for TESTS=1; saves the
+  # release build of four test targets here).
+  [[ "${PACK_TESTS:-1}" == 1 ]] && pack_gpu_tests .device/q00 .device/q00 .device/q00 .device/q00
   python3 scripts/reference/sharegpt_subset.py data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json \
     --count 12000 --code-first --prompts-only --out .device/q00/sharegpt-code-12k.jsonl \
     --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz
@@ -148,10 +150,9 @@ receive)
   if [[ -f "$d/tandem.xz" ]]; then
     mkdir -p "$W/data/mtbench" "$W/data/humaneval"
     xz -dc "$d/tandem.xz" > "$T" && chmod +x "$T"
-    xz -dc "$d/gpu-tests.xz" > "$W/gpu-tests" && chmod +x "$W/gpu-tests"
-    xz -dc "$d/gpu-fast-tests.xz" > "$W/gpu-fast-tests" && chmod +x "$W/gpu-fast-tests"
-    xz -dc "$d/gpu-compare-tests.xz" > "$W/gpu-compare-tests" && chmod +x "$W/gpu-compare-tests"
-    xz -dc "$d/gpu-train-tests.xz" > "$W/gpu-train-tests" && chmod +x "$W/gpu-train-tests"
+    for t in gpu-tests gpu-fast-tests gpu-compare-tests gpu-train-tests; do
+      [[ -f "$d/$t.xz" ]] && xz -dc "$d/$t.xz" > "$W/$t" && chmod +x "$W/$t"
+    done
     xz -dc "$d/sharegpt-code-12k.jsonl.xz" > "$W/sharegpt-code-12k.jsonl"
     xz -dc "$d/prev-a.jsonl.xz" > "$W/prev-a.jsonl"
     cp "$d/question.jsonl" "$W/data/mtbench/"
@@ -237,8 +238,7 @@ pipeline)
   mark "head trained"
   for s in $SHAPES_B1; do bench_set humaneval 1 "$s"; done
   bench_set humaneval 1 3/4/8 fused
-  bench_set mtbench 1 3/4/8
-  mark "batch-1 bench done"
+  mark "batch-1 HumanEval bench done"
   # A fresh dump the head never saw: replay (the serving path against the recorded taps) and
   # compare (offline on the recorded taps vs online through the engine), chain and tree.
   run "$T" dump --model "$M" --dataset "$W/sg-fresh.jsonl" --out "$W/dump-fresh" --regenerate \
@@ -255,6 +255,8 @@ pipeline)
     echo "compare $shape: exit $?" | tee -a "$R/summary.txt"
   done
   mark "replay and compare done"
+  bench_set mtbench 1 3/4/8
+  mark "batch-1 MT-Bench bench done"
   for c in $CONCURRENCIES; do
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
