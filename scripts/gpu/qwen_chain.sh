@@ -16,7 +16,7 @@
 # The pipeline, most needed first (each step under a timeout, so a failure costs its step only):
 #  1. with BASELINES=1, target-only decode, `tandem fast-bench` at batch 1 and 8 (verify widths
 #     4 and 8), next to HF transformers (sdpa, bf16) decoding the same imported model;
-#  2. training data: with PREV=1 the replies an earlier session regenerated (dump-a.jsonl.xz of
+#  2. training data: with PREV=1 the replies earlier sessions regenerated (dump-*.jsonl.xz of
 #     datasets/regenerated/qwen2.5-coder-1.5b-instruct) captured again without generation
 #     (dump prev); then ShareGPT first turns, code requests first (sharegpt_subset.py
 #     --code-first; MT-Bench and HumanEval kept out), past the first SKIP_LINES, the replies
@@ -34,7 +34,8 @@
 #     offline half, the data-parallel trainer); TESTS_FIRST=1 runs them before step 1.
 # Session 19 (static batches of 256, 1,024-token budget) regenerated 0.86M tokens in 200 s and
 # its head overfit them; a static batch waits for its longest reply (mean 454 tokens against a
-# budget of 1,024), so session 21 runs 512 rows with a 512-token budget.
+# budget of 1,024), so session 22 ran a 512-token budget. Batches of 512 rows ran out of GPU
+# memory in their ragged prefill (session 22), so REGEN_BATCH is 256.
 set -uo pipefail
 PHASE="${1:?usage: $0 pack|receive NN|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
@@ -44,12 +45,13 @@ GGUF_HERE=models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 SIZE=1117320768
 SHA256=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 REGEN_SECONDS="${REGEN_SECONDS:-200}"
-REGEN_BATCH="${REGEN_BATCH:-512}"
+REGEN_BATCH="${REGEN_BATCH:-256}"
 MAX_NEW="${MAX_NEW:-512}"
-# Lines of sharegpt-code-12k.jsonl an earlier session already regenerated (session 19 read the
-# first 768; its replies travel as datasets/regenerated/qwen2.5-coder-1.5b-instruct/dump-a and
-# are captured again, without generation, when PREV=1).
-SKIP_LINES="${SKIP_LINES:-768}"
+# Lines of sharegpt-code-12k.jsonl earlier sessions already regenerated (session 19 read lines
+# 1-768, session 22 769-1,280; their replies travel as
+# datasets/regenerated/qwen2.5-coder-1.5b-instruct/dump-a and dump-b and are captured again,
+# without generation, when PREV=1).
+SKIP_LINES="${SKIP_LINES:-1280}"
 PREV="${PREV:-1}"
 TRAIN_SECONDS="${TRAIN_SECONDS:-200}"
 DRAFT_VOCAB="${DRAFT_VOCAB:-32000}"
@@ -116,7 +118,7 @@ pack)
     --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz
   xz -9 -f .device/q00/sharegpt-code-12k.jsonl
   cp data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz .device/q00/
-  cp datasets/regenerated/qwen2.5-coder-1.5b-instruct/dump-a.jsonl.xz .device/q00/prev-a.jsonl.xz
+  xz -dc datasets/regenerated/qwen2.5-coder-1.5b-instruct/dump-*.jsonl.xz | xz -9 -T2 > .device/q00/prev.jsonl.xz
   # What the lean tree leaves of 64 MiB, less 1.5 MB of slack, is the GGUF's share of a call.
   tree=${TREE_BYTES:-3100000}
   first=$(( 64 * 1024 * 1024 - tree - 1500000 - $(du -cb .device/q00 | tail -1 | cut -f1) ))
@@ -154,7 +156,7 @@ receive)
       [[ -f "$d/$t.xz" ]] && xz -dc "$d/$t.xz" > "$W/$t" && chmod +x "$W/$t"
     done
     xz -dc "$d/sharegpt-code-12k.jsonl.xz" > "$W/sharegpt-code-12k.jsonl"
-    xz -dc "$d/prev-a.jsonl.xz" > "$W/prev-a.jsonl"
+    xz -dc "$d/prev.jsonl.xz" > "$W/prev.jsonl"
     cp "$d/question.jsonl" "$W/data/mtbench/"
     cp "$d/HumanEval.jsonl.gz" "$W/data/humaneval/"
     cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh scripts/gpu/nccl_env.sh "$0" "$W/"
@@ -204,9 +206,9 @@ pipeline)
     mark "decode baselines done"
   fi
   dumps=()
-  if [[ "$PREV" == 1 && -f prev-a.jsonl ]]; then
-    # An earlier session's regenerated replies: capture only (no generation).
-    run /usr/bin/time -f "dump prev wall %e s" "$T" dump --model "$M" --dataset "$W/prev-a.jsonl" \
+  if [[ "$PREV" == 1 && -f prev.jsonl ]]; then
+    # Earlier sessions' regenerated replies: capture only (no generation).
+    run /usr/bin/time -f "dump prev wall %e s" "$T" dump --model "$M" --dataset "$W/prev.jsonl" \
       --out "$W/dump-prev" --max-len 2048 --batch-size 64 --shard-rows 256 --device cuda --quiet
     dumps+=(--dump "$W/dump-prev")
     mark "dump prev done"
@@ -221,9 +223,10 @@ pipeline)
       --batch-size "$1" --shard-rows 256 --device cuda --quiet --max-seconds "$2"
   }
   t0=$(date +%s)
-  # A failure at the wide batch (memory) falls back to session 19's 256 for the time left;
-  # the dump resumes from what it wrote.
-  regen "$REGEN_BATCH" "$REGEN_SECONDS" || regen 256 "$(( REGEN_SECONDS - ($(date +%s) - t0) ))"
+  # A failure at the batch size (memory) falls back to half of it for the time left; the dump
+  # resumes from what it wrote.
+  regen "$REGEN_BATCH" "$REGEN_SECONDS" ||
+    regen "$(( REGEN_BATCH / 2 ))" "$(( REGEN_SECONDS - ($(date +%s) - t0) ))"
   run "$T" dump-info "$W/dump-a" | tail -n 20 > "$R/dump-a-info.txt"
   cp "$W/dump-a/manifest.json" "$R/dump-a-manifest.json"
   cat "$W/dump-a"/conversations-*.jsonl | xz -6 -T0 > "$R/conversations-a.jsonl.xz"
