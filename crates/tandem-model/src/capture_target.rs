@@ -33,18 +33,18 @@ pub trait CaptureTarget {
     fn input_norm(&self, k: usize) -> Result<Vec<f32>, ModelError>;
     /// The final norm's weight, on the host.
     fn final_norm(&self) -> Result<Vec<f32>, ModelError>;
-    /// Whether [`CaptureTarget::mlp_partial_sums`] gives values (a dense model on burn).
+    /// Whether [`CaptureTarget::block_partial_sums`] gives values (a dense model on burn).
     fn computes_partial_sums(&self) -> bool {
         false
     }
-    /// Tensor-parallel partial sums of block outputs (`TargetModel::mlp_partial_sums`), for
-    /// replay to name a capture taken before the all-reduce. `None` where the backend does not
-    /// compute them (replay then leaves them out of its candidates).
+    /// Tensor-parallel partial sums of block outputs (`TargetModel::block_partial_sums`), for
+    /// replay to name a capture taken before the all-reduce, from the residual stream entering
+    /// each block (`(k, [tokens, hidden])`, the taps replay already captured). `None` where the
+    /// backend does not compute them (replay then leaves them out of its candidates).
     #[allow(clippy::type_complexity)]
-    fn mlp_partial_sums(
+    fn block_partial_sums(
         &self,
-        _ids: &[u32],
-        _layers: &[usize],
+        _blocks: &[(usize, &[f32])],
         _degrees: &[usize],
     ) -> Result<Option<Vec<(usize, usize, usize, Vec<f32>)>>, ModelError> {
         Ok(None)
@@ -109,13 +109,12 @@ impl<B: Backend> CaptureTarget for TargetModel<B> {
         !self.spec.is_moe()
     }
 
-    fn mlp_partial_sums(
+    fn block_partial_sums(
         &self,
-        ids: &[u32],
-        layers: &[usize],
+        blocks: &[(usize, &[f32])],
         degrees: &[usize],
     ) -> Result<Option<Vec<(usize, usize, usize, Vec<f32>)>>, ModelError> {
-        TargetModel::mlp_partial_sums(self, ids, layers, degrees).map(Some)
+        TargetModel::block_partial_sums(self, blocks, degrees).map(Some)
     }
 
     fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, ModelError> {

@@ -670,7 +670,8 @@ impl<B: Backend> TargetModel<B> {
     /// reads block `k`'s output before the MLP's all-reduce: the residual after the
     /// (all-reduced) attention plus only this rank's share of the MLP, i.e. `down_proj` rows and
     /// `gate`/`up` columns `r*I/tp..(r+1)*I/tp` (Megatron's split, as SGLang and vLLM shard a
-    /// dense MLP). One prefill of `ids`; per block of `layers`, per degree of `degrees` (each
+    /// dense MLP). One prefill of `ids` for the blocks' inputs, then
+    /// [`TargetModel::block_partial_sums`]: per block of `layers`, per degree of `degrees` (each
     /// must divide the intermediate size) and per rank: `(block, tp, rank, [tokens, hidden])`.
     /// Replay compares dumped slots against these; they are not taps (the capture hook stays
     /// the only place taps are taken).
@@ -681,29 +682,63 @@ impl<B: Backend> TargetModel<B> {
         layers: &[usize],
         degrees: &[usize],
     ) -> Result<Vec<(usize, usize, usize, Vec<f32>)>, ModelError> {
-        let mut cache = self.new_cache(1, ids.len());
-        let step = cache.prefill_step(&[ids])?;
-        cache.reserve(&step)?;
-        let ctx = self.step_context(&step, &cache);
-        let mut hidden = self.embed(&step.tokens, step.batch, step.width)?;
-        let (n, h) = (step.width, self.spec.hidden_size);
-        let last = layers.iter().copied().max();
+        // Residual position k is the stream entering block k.
+        let taps: Vec<TapId> = layers
+            .iter()
+            .map(|&k| TapId::from_residual_position(k))
+            .collect();
+        let inputs = crate::CaptureTarget::capture_taps(self, ids, &TapRequest::new(taps))?;
+        let blocks: Vec<(usize, &[f32])> = layers
+            .iter()
+            .zip(&inputs)
+            .map(|(&k, v)| (k, v.as_slice()))
+            .collect();
+        self.block_partial_sums(&blocks, degrees)
+    }
+
+    /// [`TargetModel::mlp_partial_sums`] from the residual stream entering each block (`(k,
+    /// [tokens, hidden] row-major)`, e.g. the tap at residual position k, which a capture
+    /// already holds), one sequence at positions `0..tokens`: each block runs alone (its attention over
+    /// its own input, then the MLP's shares), so replay, which has every tap from its one
+    /// prefill, pays one layer per block instead of a second prefill.
+    #[allow(clippy::type_complexity)]
+    pub fn block_partial_sums(
+        &self,
+        blocks: &[(usize, &[f32])],
+        degrees: &[usize],
+    ) -> Result<Vec<(usize, usize, usize, Vec<f32>)>, ModelError> {
+        let h = self.spec.hidden_size;
         let mut out = Vec::new();
-        for (k, layer) in self.layers.iter().enumerate() {
-            if Some(k) > last {
-                break;
-            }
+        for &(k, input) in blocks {
+            let layer = self
+                .layers
+                .get(k)
+                .ok_or_else(|| ModelError::InvalidConfig {
+                    field: "num_hidden_layers",
+                    reason: format!("no block {k} (the model has {})", self.layers.len()),
+                })?;
             let FeedForward::Dense(mlp) = &layer.mlp else {
-                hidden = self.block(layer, k, hidden, &ctx, &mut cache);
                 continue;
             };
-            if !layers.contains(&k) {
-                hidden = self.block(layer, k, hidden, &ctx, &mut cache);
-                continue;
+            if input.is_empty() || !input.len().is_multiple_of(h) {
+                return Err(ModelError::InvalidConfig {
+                    field: "hidden_size",
+                    reason: format!(
+                        "block {k}'s input has {} values, not a whole number of {h}-wide rows",
+                        input.len()
+                    ),
+                });
             }
+            let n = input.len() / h;
+            // Only the positions matter to the step; the block's input replaces the embedding.
+            let mut cache = self.new_cache(1, n);
+            let step = cache.prefill_step(&[&vec![0u32; n]])?;
+            cache.reserve(&step)?;
+            let ctx = self.step_context(&step, &cache);
+            let hidden: Tensor<B, 3> =
+                Tensor::from_data(TensorData::new(input.to_vec(), [1, n, h]), &self.device);
             let mid = self.attention_residual(layer, k, hidden, &ctx, &mut cache);
-            let x = layer.post_attention_layernorm.forward(mid.clone());
-            let act = mlp.activation(x);
+            let act = mlp.activation(layer.post_attention_layernorm.forward(mid.clone()));
             let inter = act.dims()[2];
             for &tp in degrees {
                 if tp == 0 || !inter.is_multiple_of(tp) {
@@ -722,7 +757,6 @@ impl<B: Backend> TargetModel<B> {
                     out.push((k, tp, r, crate::capture_target::to_host(mid.clone() + y)));
                 }
             }
-            hidden = mid + mlp.down_proj.forward_nd(act);
         }
         Ok(out)
     }

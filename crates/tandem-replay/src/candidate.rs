@@ -135,26 +135,30 @@ pub fn partial_sum_candidates(layers: &[usize], degrees: &[usize]) -> Vec<Candid
 }
 
 /// The values of `candidates` (all [`Candidate::PartialSum`], as
-/// [`partial_sum_candidates`] lists them) for one sample; `None` when the model does not
-/// compute partial sums.
+/// [`partial_sum_candidates`] lists them) for one sample, from the taps `captured` already holds
+/// (block k's input is the tap at residual position k), so no second prefill runs; `None` when
+/// the model does not compute partial sums.
 pub fn capture_partial_sums(
     model: &dyn CaptureTarget,
-    input_ids: &[u32],
+    captured: &CandidateValues,
     candidates: &[Candidate],
 ) -> Result<Option<Vec<Vec<f32>>>, ReplayError> {
-    let mut layers = Vec::new();
+    let mut blocks: Vec<(usize, &[f32])> = Vec::new();
     let mut degrees = Vec::new();
     for c in candidates {
         if let Candidate::PartialSum { layer, tp, .. } = *c {
-            if !layers.contains(&layer) {
-                layers.push(layer);
+            if !blocks.iter().any(|(k, _)| *k == layer) {
+                let input = captured
+                    .get(Candidate::Tap(TapId::from_residual_position(layer)))
+                    .expect("every tap point is captured");
+                blocks.push((layer, input));
             }
             if !degrees.contains(&tp) {
                 degrees.push(tp);
             }
         }
     }
-    let Some(parts) = model.mlp_partial_sums(input_ids, &layers, &degrees)? else {
+    let Some(parts) = model.block_partial_sums(&blocks, &degrees)? else {
         return Ok(None);
     };
     let mut values = Vec::with_capacity(candidates.len());

@@ -303,7 +303,7 @@ pub fn replay(
         }
         let mut values = capture_candidates(model, &record.input_ids)?;
         if !partials.is_empty() {
-            let parts = capture_partial_sums(model, &record.input_ids, &partials)?
+            let parts = capture_partial_sums(model, &values, &partials)?
                 .expect("the model computes partial sums (checked above)");
             values.values.extend(parts);
         }

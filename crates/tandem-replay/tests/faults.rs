@@ -634,6 +634,12 @@ fn j_tensor_parallel_partial_sum_is_named_with_its_rank() {
     // The two ranks' partial sums are not the tap, and they sum to it plus the shared residual.
     let full = tap_values(&model, ids, &[TapId::Block(3)]).remove(0);
     assert!(rel_l2(&parts[0].3, &full) > 1e-2);
+    // Input that is not whole rows of the hidden size is refused with a sentence, not a panic.
+    let err = model
+        .block_partial_sums(&[(3, &[0.5; HIDDEN + 1])], &[2])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not a whole number"), "{err}");
 
     let id = identity(
         &tiny_fingerprint(),
