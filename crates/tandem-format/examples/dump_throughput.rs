@@ -1,15 +1,16 @@
-//! How fast `DumpWriter` turns captured records into zstd Arrow shards, for a dump's shape
-//! (default: Qwen2.5-Coder-1.5B, three 1,536-wide taps and the last block, bf16), next to the
-//! unavoidable part of it (the f32 -> bf16 conversion) in the same run. The capture job writes
-//! on a thread of its own; this says whether that thread can keep up with the GPU's capture
-//! (15,587 tok/s on the H200 for this shape, BENCHMARKS.md "Issue #18, session 22").
+//! How fast `DumpWriter` turns captured records into zstd Arrow shards and `DumpReader` reads
+//! them back (one thread each), for a dump's shape (default: Qwen2.5-Coder-1.5B, three
+//! 1,536-wide taps and the last block, bf16), next to the unavoidable part (the f32 <-> bf16
+//! conversion) in the same run. The capture job writes on a thread of its own; this says
+//! whether that thread keeps up with the GPU's capture (15,587 tok/s on the H200 for this
+//! shape, BENCHMARKS.md "Issue #18, session 22"), and what one trainer loader thread reads.
 //!
-//!   cargo run --release -p tandem-format --example writer_throughput [hidden] [slots] [tokens] [rows]
+//!   cargo run --release -p tandem-format --example dump_throughput [hidden] [slots] [tokens] [rows]
 
 use std::time::Instant;
 
 use tandem_format::{
-    DumpManifest, DumpRecord, DumpSettings, DumpWriter, ShardLimits, StorageDtype,
+    DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, ShardLimits, StorageDtype,
 };
 use tandem_wiring::{Job, Producer, TapId, TapPoint, TargetFingerprint, WiringManifest};
 
@@ -78,7 +79,7 @@ fn main() {
         })
         .collect();
     let total_tokens = (tokens * rows) as f64;
-    let (mut write, mut convert) = (Vec::new(), Vec::new());
+    let (mut write, mut read, mut convert) = (Vec::new(), Vec::new(), Vec::new());
     for repeat in 0..3 {
         let dir = std::env::temp_dir().join(format!("tandem-writer-throughput-{repeat}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -89,6 +90,17 @@ fn main() {
         }
         writer.finish(true).unwrap();
         write.push(total_tokens / t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        let reader = DumpReader::open(&dir).unwrap();
+        for i in 0..reader.len() {
+            let r = reader.read(i).unwrap();
+            assert_eq!(
+                r.aux_hidden.len(),
+                tokens * slots * hidden,
+                "row {i} read back whole"
+            );
+        }
+        read.push(total_tokens / t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
         let mut sink = 0u16;
         for record in &records {
@@ -111,6 +123,10 @@ fn main() {
     println!(
         "| DumpWriter::write (encode, zstd, Arrow, shard files) | {:.0} |",
         median(write)
+    );
+    println!(
+        "| DumpReader::read (zstd, Arrow, bf16 -> f32) | {:.0} |",
+        median(read)
     );
     println!(
         "| baseline: f32 -> bf16 conversion only | {:.0} |",
