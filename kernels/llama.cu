@@ -174,7 +174,12 @@ extern "C" __global__ void build_mask(const unsigned char* __restrict__ valid,
 // merged at the end. One lane per column keeps many independent loads in flight: a warp walks
 // `total / (32 * warps)` chunks instead of `total / warps` dependent column steps, which is
 // what made long-context decode (dump --regenerate at 1,000+ columns) slow.
-// Grid: (rows, heads). Block: a multiple of 32 threads. Dynamic shared: (warps + 1) * head_dim
+// Grid: (rows * heads) blocks, block r * heads + h for row r and query head h, so the
+// heads that share a KV head run as neighbouring blocks and read its key and value rows while
+// they are still in L2 (with the rows on grid x and the heads on grid y, the heads of one row
+// were `rows` blocks apart: at 256 rows x 1,000 columns each KV row came from DRAM once per
+// query head, 6x for Qwen2.5-1.5B). Each block computes what it did before, bit for bit.
+// Block: a multiple of 32 threads. Dynamic shared: (warps + 1) * head_dim
 // floats (the scaled query, then one accumulator row per warp). `step_scalars` (when not
 // null) overrides total with step_scalars[1] (see rope_qkv): the mask's row stride follows it.
 extern "C" __global__ void attention(const float* q, const unsigned short* k_cache,
@@ -191,10 +196,11 @@ extern "C" __global__ void attention(const float* q, const unsigned short* k_cac
     __shared__ float warp_max[32];
     __shared__ float warp_sum_exp[32];
     extern __shared__ float shared_attention[];
-    // Rows on grid x (up to 2^31 - 1): a ragged prefill of 64 prompts of 2,048 tokens has
-    // 131,072 rows, past grid y's 65,535 (the launch then fails with CUDA_ERROR_INVALID_VALUE).
-    const int r = blockIdx.x;
-    const int h = blockIdx.y;
+    // One grid dimension (up to 2^31 - 1 blocks): a ragged prefill of 64 prompts of 2,048
+    // tokens has 131,072 rows, past grid y's 65,535 (the launch then fails with
+    // CUDA_ERROR_INVALID_VALUE); times 32 heads it is 4.2M blocks.
+    const int r = blockIdx.x / heads;
+    const int h = blockIdx.x % heads;
     const int b = r / width;
     const int kvh = h / (heads / kv_heads);
     const int lane = threadIdx.x & 31;

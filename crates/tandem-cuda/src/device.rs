@@ -723,7 +723,12 @@ impl Gpu {
             .float(scale)
             .optional(self, step_scalars);
         let cfg = LaunchConfig {
-            grid_dim: (s.rows() as u32, s.heads as u32, 1),
+            // Block r * heads + h: a KV head's query heads run as neighbours (kernels/llama.cu).
+            grid_dim: (
+                u32::try_from(s.rows() * s.heads).expect("rows x heads fit a grid dimension"),
+                1,
+                1,
+            ),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: (ATTENTION_THREADS / 32 + 1) * s.head_dim as u32 * 4,
         };
