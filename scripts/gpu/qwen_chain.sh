@@ -14,6 +14,8 @@
 #   here:  bash scripts/gpu/lean_tree.sh leave
 #
 # The pipeline, most needed first (each step under a timeout, so a failure costs its step only):
+#  0. with CHECK=1 (the default), `tandem fast-check` on this model (a few batch and KV points
+#     against the CPU f32 reference); the pipeline stops there if a point fails;
 #  1. with BASELINES=1, target-only decode, `tandem fast-bench` at batch 1 and 8 (verify widths
 #     4 and 8), next to HF transformers (sdpa, bf16) decoding the same imported model;
 #  2. training data: with PREV=1 the replies earlier sessions regenerated (dump-*.jsonl.xz of
@@ -187,7 +189,7 @@ wait)
   cat "$R/phases.txt"
   grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -12
   cat "$R/summary.txt" 2>/dev/null
-  cat "$R/fast-bench.md" 2>/dev/null
+  cat "$R/fast-check.md" "$R/fast-bench.md" 2>/dev/null
   tail -n 8 "$R/hf.log" 2>/dev/null
   grep -h '"kind":"val"' "$R/metrics.jsonl" 2>/dev/null | tail -2 | cut -c1-400
   tail -n 5 "$LOG"
@@ -198,6 +200,20 @@ pipeline)
   cd "$W"
   mark "pipeline start"
   [[ "${TESTS_FIRST:-0}" == 1 ]] && run_gpu_tests 200
+  if [[ "${CHECK:-1}" == 1 ]]; then
+    # The fast path against the CPU f32 reference on this model before any data is made from
+    # it (a kernel that is wrong would also poison the dumps the head trains on).
+    timeout 240 "$T" fast-check --model "$M" --kv-lens 1,33,160 --batches 8 --points 4x300 \
+      --json "$R/fast-check.json" > "$R/fast-check.md" 2> "$R/fast-check.log"
+    status=$?
+    echo "fast-check: exit $status" | tee -a "$R/summary.txt"
+    mark "fast-check done"
+    # A check cut short by its timeout says nothing either way: the pipeline goes on.
+    if (( status != 0 && status != 124 )); then
+      touch "$R/done"
+      exit 1
+    fi
+  fi
   if [[ "${BASELINES:-1}" == 1 ]]; then
     timeout 300 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4,8 --new-tokens 64 \
       --repeats 3 --with-taps --graphs-only --json "$R/fast-bench.json" \
