@@ -547,17 +547,18 @@ pub fn run_dump_with<'a>(
                 )?;
                 for outcome in outcomes {
                     next_record += 1;
-                    match &outcome {
+                    let is_row = match &outcome {
                         Outcome::Skip(reason) => {
                             *summary.skipped.entry((*reason).to_owned()).or_insert(0) += 1;
+                            false
                         }
                         Outcome::Row(record, ..) => {
                             rows += 1;
                             summary.rows += 1;
                             summary.tokens += record.input_ids.len() as u64;
+                            true
                         }
-                    }
-                    let is_row = matches!(outcome, Outcome::Row(..));
+                    };
                     if to_writer.send(outcome).is_err() {
                         // The writer stopped on an error, which its join reports.
                         return Ok(false);

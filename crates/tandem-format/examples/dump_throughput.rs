@@ -61,7 +61,7 @@ fn main() {
     let identity = DumpManifest::new(
         wiring,
         StorageDtype::Bf16,
-        "writer-throughput",
+        "dump-throughput",
         DumpSettings {
             max_len: tokens,
             regenerate: None,
@@ -81,7 +81,7 @@ fn main() {
     let total_tokens = (tokens * rows) as f64;
     let (mut write, mut read, mut convert) = (Vec::new(), Vec::new(), Vec::new());
     for repeat in 0..3 {
-        let dir = std::env::temp_dir().join(format!("tandem-writer-throughput-{repeat}"));
+        let dir = std::env::temp_dir().join(format!("tandem-dump-throughput-{repeat}"));
         let _ = std::fs::remove_dir_all(&dir);
         let t0 = Instant::now();
         let mut writer = DumpWriter::open(&dir, &identity, ShardLimits::default()).unwrap();

@@ -698,9 +698,9 @@ impl<B: Backend> TargetModel<B> {
 
     /// [`TargetModel::mlp_partial_sums`] from the residual stream entering each block (`(k,
     /// [tokens, hidden] row-major)`, e.g. the tap at residual position k, which a capture
-    /// already holds), one sequence at positions `0..tokens`: each block runs alone (its attention over
-    /// its own input, then the MLP's shares), so replay, which has every tap from its one
-    /// prefill, pays one layer per block instead of a second prefill.
+    /// already holds), one sequence at positions `0..tokens`: each block runs alone (its
+    /// attention over its own input, then the MLP's shares), so replay, which has every tap
+    /// from its one prefill, pays one layer per block instead of a second prefill.
     #[allow(clippy::type_complexity)]
     pub fn block_partial_sums(
         &self,
@@ -709,6 +709,9 @@ impl<B: Backend> TargetModel<B> {
     ) -> Result<Vec<(usize, usize, usize, Vec<f32>)>, ModelError> {
         let h = self.spec.hidden_size;
         let mut out = Vec::new();
+        // The step (positions, mask) and cache of the last length seen: blocks of one sample
+        // share them, each writing only its own layer's keys and values.
+        let mut prepared: Option<(usize, KvCache<B>, StepContext<B>)> = None;
         for &(k, input) in blocks {
             let layer = self
                 .layers
@@ -730,14 +733,19 @@ impl<B: Backend> TargetModel<B> {
                 });
             }
             let n = input.len() / h;
-            // Only the positions matter to the step; the block's input replaces the embedding.
-            let mut cache = self.new_cache(1, n);
-            let step = cache.prefill_step(&[&vec![0u32; n]])?;
-            cache.reserve(&step)?;
-            let ctx = self.step_context(&step, &cache);
+            if prepared.as_ref().is_none_or(|(len, ..)| *len != n) {
+                // Only the positions matter to the step; the block's input replaces the
+                // embedding.
+                let cache = self.new_cache(1, n);
+                let step = cache.prefill_step(&[&vec![0u32; n]])?;
+                cache.reserve(&step)?;
+                let ctx = self.step_context(&step, &cache);
+                prepared = Some((n, cache, ctx));
+            }
+            let (_, cache, ctx) = prepared.as_mut().expect("prepared above");
             let hidden: Tensor<B, 3> =
                 Tensor::from_data(TensorData::new(input.to_vec(), [1, n, h]), &self.device);
-            let mid = self.attention_residual(layer, k, hidden, &ctx, &mut cache);
+            let mid = self.attention_residual(layer, k, hidden, ctx, cache);
             let act = mlp.activation(layer.post_attention_layernorm.forward(mid.clone()));
             let inter = act.dims()[2];
             for &tp in degrees {
