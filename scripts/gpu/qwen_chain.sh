@@ -39,7 +39,7 @@
 # budget of 1,024), so session 22 ran a 512-token budget. Batches of 512 rows ran out of GPU
 # memory in their ragged prefill (session 22), so REGEN_BATCH is 256.
 set -uo pipefail
-PHASE="${1:?usage: $0 pack|receive NN|start|wait|pipeline}"
+PHASE="${1:?usage: $0 pack|receive NN|receive-opt|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 M="$W/qwen"
@@ -70,9 +70,9 @@ FRESH="${FRESH:-160}"
 # bench_set PROMPTS BATCH SHAPE [fused]: one `tandem bench` run, its summary line into
 # summary.txt; "fused" runs it with the fused small-step kernels (TANDEM_CUDA_FUSED=4).
 bench_set() {
-  local prompts=$1 batch=$2 shape=$3 fused=${4:-} s k n
+  local prompts=$1 batch=$2 shape=$3 fused=${4:-} suffix=${5:-} s k n
   IFS=/ read -r s k n <<< "$shape"
-  local tag="${prompts}_b${batch}_${s}_${k}_${n}${fused:+_fused}"
+  local tag="${prompts}_b${batch}_${s}_${k}_${n}${fused:+_fused}${suffix:+_$suffix}"
   TANDEM_CUDA_FUSED=${fused:+4} timeout 400 "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts "$prompts" \
     --data-root "$W/data" --max-new-tokens 128 --steps "$s" --topk "$k" --num-draft-tokens "$n" \
     --batch "$batch" --json "$R/bench_${tag}.json" > "$R/bench_${tag}.log" 2>&1
@@ -87,6 +87,18 @@ print(f"{sys.argv[2]:24s} accept {d['accept_length']:.3f} [{pos}] spec {d['spec_
       f"target {d['target_tokens_per_second']:.1f} speedup {d['speedup']:.3f} "
       f"identical {d.get('identical_outputs')}/{d.get('compared_outputs')}")
 PY
+}
+
+# opt_bench: a second binary carried while the pipeline runs (`receive-opt`), benched on
+# HumanEval 3/4/8 at batch 1 with the same head right after the first binary (an A/B of one
+# change in one run), once; the pipeline calls it at several points and the first call after
+# the binary arrived runs it.
+opt_bench() {
+  [[ -x "$W/tandem-opt" && ! -f "$R/opt-done" ]] || return 0
+  touch "$R/opt-done"
+  local T="$W/tandem-opt"
+  bench_set humaneval 1 3/4/8 "" opt
+  mark "HumanEval 3/4/8 with tandem-opt done"
 }
 
 # serve_load LABEL CONCURRENCY [serve options...]: one server, a warm-up, the measured run.
@@ -176,6 +188,12 @@ receive)
       rm -f "$W/qwen.gguf"
   fi
   ;;
+receive-opt)
+  # The second binary for opt_bench (carry .device/opt); the pipeline picks it up.
+  xz -dc .device/opt/tandem.xz > "$W/tandem-opt.partial" && chmod +x "$W/tandem-opt.partial" &&
+    mv "$W/tandem-opt.partial" "$W/tandem-opt" && echo "tandem-opt in place"
+  exec bash "$0" wait
+  ;;
 start)
   [[ -f "$M/model.safetensors" ]] || { echo "no imported model at $M: carry the pieces first" >&2; exit 3; }
   cd /tmp
@@ -250,16 +268,24 @@ pipeline)
   cat "$W/dump-a"/conversations-*.jsonl | xz -6 -T0 > "$R/conversations-a.jsonl.xz"
   dumps+=(--dump "$W/dump-a")
   mark "dump a done"
+  # The cosine schedule spans --epochs: epochs that fit TRAIN_SECONDS at the trainer's measured
+  # ~80k tokens/s (sessions 19 and 22), so the learning rate reaches its floor before the time
+  # limit (session 22 asked for 20 epochs and stopped after 10.3, at half the peak rate).
+  tokens=$(python3 -c 'import json, sys; print(sum(json.load(open(d + "/manifest.json"))["tokens"] for d in sys.argv[1:] if d))' \
+    "${dumps[@]/#--dump/}" 2>/dev/null || echo 0)
+  epochs=${EPOCHS:-$(python3 -c "print(max(1, min(20, int($TRAIN_SECONDS * ${TRAIN_TOKENS_PER_SECOND:-80000} * 0.85 / max(1, $tokens * 0.95)))))")}
+  echo "train: $tokens tokens in the dumps, $epochs epochs for ${TRAIN_SECONDS}s" | tee -a "$R/summary.txt"
   run "$T" train "${dumps[@]}" --out "$W/head" --model "$M" --draft-vocab "$DRAFT_VOCAB" \
-    --batch-size 16 --max-len 2048 --lr "$LR" --val-fraction 0.05 --epochs 20 \
+    --batch-size 16 --max-len 2048 --lr "$LR" --val-fraction 0.05 --epochs "$epochs" \
     --max-seconds "$TRAIN_SECONDS" --eval-every 400 --save-every 0 --device cuda --quiet --export-bf16
   cp "$W/head/config.json" "$W/head/curves.html" "$W/head/metrics.jsonl" "$R/"
   sha256sum "$W/head/model.safetensors" | tee "$R/head.sha256"
   last_val "$W/head" head
   mark "head trained"
   for s in $SHAPES_B1; do bench_set humaneval 1 "$s"; done
-  bench_set humaneval 1 3/4/8 fused
+  [[ "${FUSED_BENCH:-1}" == 1 ]] && bench_set humaneval 1 3/4/8 fused
   mark "batch-1 HumanEval bench done"
+  opt_bench
   # A fresh dump the head never saw: replay (the serving path against the recorded taps) and
   # compare (offline on the recorded taps vs online through the engine), chain and tree.
   run "$T" dump --model "$M" --dataset "$W/sg-fresh.jsonl" --out "$W/dump-fresh" --regenerate \
@@ -276,8 +302,10 @@ pipeline)
     echo "compare $shape: exit $?" | tee -a "$R/summary.txt"
   done
   mark "replay and compare done"
+  opt_bench
   bench_set mtbench 1 3/4/8
   mark "batch-1 MT-Bench bench done"
+  opt_bench
   for c in $CONCURRENCIES; do
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
