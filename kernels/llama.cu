@@ -524,22 +524,69 @@ extern "C" __global__ void rows_to_bf16(const float* src, const int* rows, unsig
 // The k most likely entries of each row of draft logits with their softmax probabilities
 // (descending; ties: lower index first), what tree drafting keeps of every draft step:
 // probs[r, j] = exp(logits[r, ids[r, j]] - max) / sum(exp(logits[r, :] - max)). k <= 32.
-// One pass for the max, one for the sum, then k argmax passes that skip the entries already
-// chosen. Grid: rows. Block: 1024.
-extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k, float* probs,
-                                        unsigned int* ids) {
+// Written to one buffer so the host reads it back with one copy: `out[r * k + j]` holds the
+// bits of probs[r, j] and `out[rows * k + r * k + j]` ids[r, j] (rows = gridDim.x).
+//
+// One pass for the max, one for the sum: both exactly as they always were (a thread's strided
+// share in index order, then the same shuffles), so the denominator is the same float to the
+// last bit. Entries are ordered by `topk_better` below (NaNs are never chosen, -inf entries
+// can be; a row with fewer than k choosable entries repeats id 0 to fill its k).
+// For k <= TOPK_LIST (the drafting k) the first pass also keeps each thread's own top entries
+// in registers, and the block merges those lists in k rounds of shuffles: every entry of the
+// row's top k is in the top k of its own thread's share, so the merge picks the same entries
+// in the same order as k argmax passes over the whole row, which larger k still makes (each
+// pass skipping the entries already chosen). Grid: rows. Block: 1024.
+#define TOPK_LIST 8
+
+__device__ __forceinline__ bool topk_better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k,
+                                        unsigned int* out) {
     __shared__ float scratch[32];
     __shared__ float best_value[32];
     __shared__ int best_index[32];
     __shared__ int chosen[32];
+    __shared__ int winner;
     const float* row = logits + (size_t)blockIdx.x * vocab;
+    unsigned int* probs = out + (size_t)blockIdx.x * k;
+    unsigned int* ids = out + (size_t)gridDim.x * k + (size_t)blockIdx.x * k;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = (blockDim.x + 31) >> 5;
+    const bool listed = k <= TOPK_LIST;
 
+    // This thread's best entries, descending (`topk_better`), padded with (NEG_INF, 0x7fffffff),
+    // which every real entry beats. Static indices only, so the list stays in registers.
+    float list_value[TOPK_LIST];
+    int list_index[TOPK_LIST];
+#pragma unroll
+    for (int t = 0; t < TOPK_LIST; ++t) {
+        list_value[t] = NEG_INF;
+        list_index[t] = 0x7fffffff;
+    }
     float m = NEG_INF;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        m = fmaxf(m, row[i]);
+        const float v = row[i];
+        m = fmaxf(m, v);
+        if (listed && topk_better(v, i, list_value[TOPK_LIST - 1], list_index[TOPK_LIST - 1])) {
+            // Indices rise along the share, so an equal value already listed stays ahead.
+            list_value[TOPK_LIST - 1] = v;
+            list_index[TOPK_LIST - 1] = i;
+#pragma unroll
+            for (int t = TOPK_LIST - 1; t > 0; --t) {
+                if (topk_better(list_value[t], list_index[t], list_value[t - 1],
+                                list_index[t - 1])) {
+                    const float sv = list_value[t];
+                    const int si = list_index[t];
+                    list_value[t] = list_value[t - 1];
+                    list_index[t] = list_index[t - 1];
+                    list_value[t - 1] = sv;
+                    list_index[t - 1] = si;
+                }
+            }
+        }
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
@@ -562,21 +609,26 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k, f
     for (int j = 0; j < k; ++j) {
         float best = NEG_INF;
         int index = 0x7fffffff;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float v = row[i];
-            bool taken = false;
-            for (int c = 0; c < j; ++c) {
-                taken |= chosen[c] == i;
-            }
-            if (!taken && (v > best || (v == best && i < index))) {
-                best = v;
-                index = i;
+        if (listed) {
+            best = list_value[0];
+            index = list_index[0];
+        } else {
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float v = row[i];
+                bool taken = false;
+                for (int c = 0; c < j; ++c) {
+                    taken |= chosen[c] == i;
+                }
+                if (!taken && topk_better(v, i, best, index)) {
+                    best = v;
+                    index = i;
+                }
             }
         }
         for (int offset = 16; offset > 0; offset >>= 1) {
             const float ov = __shfl_xor_sync(0xffffffffu, best, offset);
             const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
-            if (ov > best || (ov == best && oi < index)) {
+            if (topk_better(ov, oi, best, index)) {
                 best = ov;
                 index = oi;
             }
@@ -588,19 +640,30 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k, f
         __syncthreads();
         if (threadIdx.x == 0) {
             for (int w = 1; w < warps; ++w) {
-                if (best_value[w] > best || (best_value[w] == best && best_index[w] < index)) {
+                if (topk_better(best_value[w], best_index[w], best, index)) {
                     best = best_value[w];
                     index = best_index[w];
                 }
             }
+            // The winner before id 0 stands in for "nothing left": its owner pops it below.
+            winner = index;
             if (index == 0x7fffffff) {
                 index = 0;
             }
             chosen[j] = index;
-            probs[(size_t)blockIdx.x * k + j] = expf(row[index] - m) / total;
-            ids[(size_t)blockIdx.x * k + j] = (unsigned int)index;
+            probs[j] = __float_as_uint(expf(row[index] - m) / total);
+            ids[j] = (unsigned int)index;
         }
         __syncthreads();
+        if (listed && winner != 0x7fffffff && list_index[0] == winner) {
+#pragma unroll
+            for (int t = 0; t < TOPK_LIST - 1; ++t) {
+                list_value[t] = list_value[t + 1];
+                list_index[t] = list_index[t + 1];
+            }
+            list_value[TOPK_LIST - 1] = NEG_INF;
+            list_index[TOPK_LIST - 1] = 0x7fffffff;
+        }
     }
 }
 

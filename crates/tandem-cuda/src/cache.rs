@@ -3,17 +3,17 @@
 //! ([`ColumnLayout`]) as the burn cache, so steps, masks, commits and rollbacks are built by
 //! one piece of code for both paths.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 use tandem_model::{ColumnLayout, MaskParts, ModelError, StepInput};
 
-use crate::device::{AttentionShape, Gpu};
+use crate::device::{AttentionShape, Gpu, Word, words};
 use crate::error::CudaError;
 
 /// A step's inputs on the host: see [`CudaKvCache::step_host`].
 pub(crate) struct HostStep {
     pub tokens: Vec<u32>,
     pub positions: Vec<i32>,
-    /// The attention mask in compact parts, expanded on the GPU ([`MaskBuffers::load`]).
+    /// The attention mask in compact parts, expanded on the GPU ([`StepInputs::load`]).
     pub mask: MaskParts,
     pub col0: usize,
     pub total: usize,
@@ -41,39 +41,107 @@ impl HostStep {
     }
 }
 
-/// A step's attention mask on the device: the compact parts uploaded, and the `[rows, total]`
-/// additive mask the attention kernel reads, expanded from them by `build_mask` (the host
-/// would otherwise build and upload `rows x total` f32 values: ~40 MB for a 64-sequence step
-/// of 256 tokens over 600 columns). Shared by the target's and the head's step buffers.
-pub(crate) struct MaskBuffers {
-    valid: CudaSlice<u8>,
-    sees: CudaSlice<u8>,
-    real: CudaSlice<u8>,
+/// A step's inputs on the device, all in one buffer that one copy fills ([`StepInputs::load`]):
+/// the tokens, positions and `[col0, total]` scalars the step's launches read, then the
+/// attention mask in compact parts, which `build_mask` expands into `mask`, the `[rows, total]`
+/// additive mask the attention kernel reads (the host would otherwise build and upload `rows x
+/// total` f32 values: ~40 MB for a 64-sequence step of 256 tokens over 600 columns). Shared by
+/// the target's and the head's step buffers.
+///
+/// One buffer because every pageable copy costs host time: with one buffer per part a step
+/// made six, a good part of a batch-1 draft step's host time. Each part has a fixed place (a
+/// graph replays its launches with the addresses it captured); the mask parts, which only the
+/// eager `build_mask` reads, come last, the variable-length `valid` at the end, so a step
+/// copies only what it uses.
+pub(crate) struct StepInputs {
+    /// Bytes: tokens (u32) then positions (i32) at 4-byte places, then the two scalars, then
+    /// `real [rows]`, `sees [rows, width]` and `valid [batch, used]` (u8).
+    bytes: CudaSlice<u8>,
+    /// The host side of the one copy, kept to reuse its allocation.
+    staging: Vec<u8>,
+    rows: usize,
+    width: usize,
     /// `[rows, total]` of the step, inside room for `[rows, mask_columns]`.
-    pub full: CudaSlice<f32>,
+    pub mask: CudaSlice<f32>,
 }
 
-impl MaskBuffers {
+impl StepInputs {
     pub fn new(gpu: &Gpu, shape: AttentionShape, mask_columns: usize) -> Result<Self, CudaError> {
         let rows = shape.rows();
+        let fixed = Self::valid_at(rows, shape.width);
         Ok(Self {
-            valid: gpu.scratch(shape.batch * mask_columns)?,
-            sees: gpu.scratch(rows * shape.width)?,
-            real: gpu.scratch(rows)?,
-            full: gpu.scratch(rows * mask_columns)?,
+            bytes: gpu.scratch(fixed + shape.batch * mask_columns)?,
+            staging: Vec::with_capacity(fixed),
+            rows,
+            width: shape.width,
+            mask: gpu.scratch(rows * mask_columns)?,
         })
     }
 
-    /// Uploads `parts` and expands them into `full`.
-    pub fn load(&mut self, gpu: &Gpu, parts: &MaskParts) -> Result<(), CudaError> {
-        gpu.upload_into(&parts.valid, &mut self.valid)?;
-        gpu.upload_into(&parts.sees, &mut self.sees)?;
-        gpu.upload_into(&parts.real, &mut self.real)?;
+    /// Where the scalars, `real`, `sees` and `valid` start (tokens at 0, positions at 4 * rows).
+    fn scalars_at(rows: usize) -> usize {
+        8 * rows
+    }
+    fn real_at(rows: usize) -> usize {
+        Self::scalars_at(rows) + 8
+    }
+    fn sees_at(rows: usize) -> usize {
+        Self::real_at(rows) + rows
+    }
+    fn valid_at(rows: usize, width: usize) -> usize {
+        Self::sees_at(rows) + rows * width
+    }
+
+    fn words<T: Word>(&self, at: usize, n: usize) -> CudaView<'_, T> {
+        words(&self.bytes, at, n)
+    }
+
+    pub fn tokens(&self) -> CudaView<'_, u32> {
+        self.words(0, self.rows)
+    }
+
+    pub fn positions(&self) -> CudaView<'_, i32> {
+        self.words(4 * self.rows, self.rows)
+    }
+
+    /// `[col0, total]` for graph replays (see `rope_qkv` in kernels/llama.cu).
+    pub fn scalars(&self) -> CudaView<'_, i32> {
+        self.words(Self::scalars_at(self.rows), 2)
+    }
+
+    /// Copies the step's inputs in with one copy and expands the mask.
+    pub fn load(&mut self, gpu: &Gpu, host: &HostStep) -> Result<(), CudaError> {
+        let (rows, width) = (self.rows, self.width);
+        let parts = &host.mask;
+        assert!(host.tokens.len() <= rows && host.positions.len() <= rows);
+        assert!(parts.real.len() <= rows && parts.sees.len() <= rows * width);
+        let valid_at = Self::valid_at(rows, width);
+        let end = valid_at + parts.valid.len();
+        assert!(end <= self.bytes.len());
+        let staging = &mut self.staging;
+        staging.clear();
+        staging.resize(end, 0);
+        let mut put =
+            |at: usize, values: &[u8]| staging[at..at + values.len()].copy_from_slice(values);
+        for (i, t) in host.tokens.iter().enumerate() {
+            put(4 * i, &t.to_ne_bytes());
+        }
+        for (i, p) in host.positions.iter().enumerate() {
+            put(4 * (rows + i), &p.to_ne_bytes());
+        }
+        let scalars_at = Self::scalars_at(rows);
+        put(scalars_at, &(host.col0 as i32).to_ne_bytes());
+        put(scalars_at + 4, &(host.total as i32).to_ne_bytes());
+        put(Self::real_at(rows), &parts.real);
+        put(Self::sees_at(rows), &parts.sees);
+        put(valid_at, &parts.valid);
+        gpu.upload_into(staging, &mut self.bytes)?;
+        let at = |from: usize, n: usize| self.bytes.slice(from..from + n);
         gpu.build_mask(
-            &self.valid,
-            &self.sees,
-            &self.real,
-            &mut self.full,
+            &at(valid_at, parts.valid.len()),
+            &at(Self::sees_at(rows), parts.sees.len()),
+            &at(Self::real_at(rows), parts.real.len()),
+            &mut self.mask,
             parts.real.len(),
             parts.width,
             parts.used,

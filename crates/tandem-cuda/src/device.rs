@@ -15,7 +15,7 @@ use cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUmemPool_attribute, CUmemoryPool, CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut,
     DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
@@ -151,6 +151,14 @@ impl KernelArgs {
     }
     fn optional<T>(mut self, gpu: &Gpu, buffer: Option<&CudaSlice<T>>) -> Self {
         self.0.push(buffer.map_or(NULL, |b| gpu.address(b)));
+        self
+    }
+    fn view<T>(mut self, gpu: &Gpu, view: &CudaView<'_, T>) -> Self {
+        self.0.push(gpu.view_address(view));
+        self
+    }
+    fn optional_view<T>(mut self, gpu: &Gpu, view: Option<&CudaView<'_, T>>) -> Self {
+        self.0.push(view.map_or(NULL, |v| gpu.view_address(v)));
         self
     }
     fn int(mut self, value: usize) -> Self {
@@ -360,6 +368,12 @@ impl Gpu {
         ptr
     }
 
+    /// The device address of the first element of `view`.
+    pub(crate) fn view_address<T>(&self, view: &CudaView<'_, T>) -> u64 {
+        let (ptr, _record) = view.device_ptr(&self.stream);
+        ptr
+    }
+
     /// A new buffer holding a copy of `src`.
     pub fn duplicate<T: DeviceRepr>(&self, src: &CudaSlice<T>) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.stream.clone_dtod(src)?)
@@ -497,7 +511,7 @@ impl Gpu {
     pub fn embed_rows(
         &self,
         table: &CudaSlice<u16>,
-        tokens: &CudaSlice<u32>,
+        tokens: &CudaView<'_, u32>,
         out: &mut CudaSlice<f32>,
         rows: usize,
         hidden: usize,
@@ -555,14 +569,14 @@ impl Gpu {
         &self,
         qkv: &CudaSlice<f32>,
         bias: Option<&CudaSlice<f32>>,
-        positions: &CudaSlice<i32>,
+        positions: &CudaView<'_, i32>,
         inv_freq: &CudaSlice<f32>,
         q_out: &mut CudaSlice<f32>,
         k_cache: &mut CudaSlice<u16>,
         v_cache: &mut CudaSlice<u16>,
         shape: AttentionShape,
         col0: usize,
-        step_scalars: Option<&CudaSlice<i32>>,
+        step_scalars: Option<&CudaView<'_, i32>>,
     ) -> Result<(), CudaError> {
         let s = shape;
         let q_dim = s.heads * s.head_dim;
@@ -653,9 +667,9 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn build_mask(
         &self,
-        valid: &CudaSlice<u8>,
-        sees: &CudaSlice<u8>,
-        real: &CudaSlice<u8>,
+        valid: &CudaView<'_, u8>,
+        sees: &CudaView<'_, u8>,
+        real: &CudaView<'_, u8>,
         mask: &mut CudaSlice<f32>,
         rows: usize,
         width: usize,
@@ -692,7 +706,7 @@ impl Gpu {
         out: &mut CudaSlice<u16>,
         shape: AttentionShape,
         total: usize,
-        step_scalars: Option<&CudaSlice<i32>>,
+        step_scalars: Option<&CudaView<'_, i32>>,
     ) -> Result<(), CudaError> {
         let s = shape;
         assert!(
@@ -721,7 +735,7 @@ impl Gpu {
             .int(s.capacity)
             .int(total)
             .float(scale)
-            .optional(self, step_scalars);
+            .optional_view(self, step_scalars);
         let cfg = LaunchConfig {
             // Block r * heads + h: a KV head's query heads run as neighbours (kernels/llama.cu).
             grid_dim: (
@@ -903,7 +917,7 @@ impl Gpu {
         w: &CudaSlice<u16>,
         second: Option<(&CudaSlice<f32>, &CudaSlice<u16>, &CudaSlice<u16>)>,
         bias: Option<&CudaSlice<f32>>,
-        positions: &CudaSlice<i32>,
+        positions: &CudaView<'_, i32>,
         inv_freq: &CudaSlice<f32>,
         q_out: &mut CudaSlice<f32>,
         k_cache: &mut CudaSlice<u16>,
@@ -911,7 +925,7 @@ impl Gpu {
         shape: AttentionShape,
         hidden: usize,
         col0: usize,
-        step_scalars: Option<&CudaSlice<i32>>,
+        step_scalars: Option<&CudaView<'_, i32>>,
         eps: f32,
     ) -> Result<(), CudaError> {
         let s = shape;
@@ -940,7 +954,7 @@ impl Gpu {
             .optional(self, second.map(|(_, n, _)| n))
             .optional(self, second.map(|(_, _, w2)| w2))
             .optional(self, bias)
-            .buffer(self, positions)
+            .view(self, positions)
             .buffer(self, inv_freq)
             .buffer(self, q_out)
             .buffer(self, k_cache)
@@ -953,7 +967,7 @@ impl Gpu {
             .int(s.head_dim)
             .int(s.capacity)
             .int(col0)
-            .optional(self, step_scalars)
+            .optional_view(self, step_scalars)
             .float(eps);
         let cfg = Self::gemv_config(pairs, inputs * rows * hidden * 2);
         // SAFETY: the signature of `norm_qkv_rope`; sizes asserted; dynamic shared memory
@@ -1005,13 +1019,15 @@ impl Gpu {
         Ok(())
     }
 
-    /// `dst[dst_rows[k]] = src[src_rows[k]]` for f32 rows of `hidden` values.
+    /// `dst[dst_rows[k]] = src[src_rows[k]]` for f32 rows of `hidden` values. The row indices
+    /// are views, so that one upload can hold the indices of several calls (a gather from
+    /// several sources: `tandem-infer`'s CUDA backend).
     pub fn copy_rows(
         &self,
         src: &CudaSlice<f32>,
-        src_rows: &CudaSlice<i32>,
+        src_rows: &CudaView<'_, i32>,
         dst: &mut CudaSlice<f32>,
-        dst_rows: &CudaSlice<i32>,
+        dst_rows: &CudaView<'_, i32>,
         count: usize,
         hidden: usize,
     ) -> Result<(), CudaError> {
@@ -1244,27 +1260,40 @@ impl Gpu {
         k: usize,
     ) -> Result<(Vec<f32>, Vec<u32>), CudaError> {
         assert!(logits.len() >= rows * vocab && (1..=32).contains(&k) && k <= vocab);
-        let mut probs = self.scratch::<f32>(rows * k)?;
-        let mut ids = self.scratch::<u32>(rows * k)?;
+        // Probabilities (as f32 bits) and ids in one buffer: every draft step reads its top-k
+        // back, and each read-back is a synchronisation plus a copy, each buffer an allocation
+        // and a free.
+        let mut out = self.scratch::<u32>(2 * rows * k)?;
         let (vocab_i, k_i) = (vocab as i32, k as i32);
         {
             let mut launch = self.stream.launch_builder(&self.kernels.topk_softmax);
-            launch
-                .arg(logits)
-                .arg(&vocab_i)
-                .arg(&k_i)
-                .arg(&mut probs)
-                .arg(&mut ids);
-            // SAFETY: one block per row reads `vocab` values and writes `k` of each output;
-            // sizes asserted.
+            launch.arg(logits).arg(&vocab_i).arg(&k_i).arg(&mut out);
+            // SAFETY: one block per row reads `vocab` values and writes `k` probabilities and
+            // `k` ids into `out` (rows * k each, the grid being rows); sizes asserted.
             unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
         }
-        let mut probs = self.download(&probs)?;
-        let mut ids = self.download(&ids)?;
-        probs.truncate(rows * k);
-        ids.truncate(rows * k);
+        let mut host = self.download(&out)?;
+        host.truncate(2 * rows * k);
+        let ids = host.split_off(rows * k);
+        let probs = host.into_iter().map(f32::from_bits).collect();
         Ok((probs, ids))
     }
+}
+
+/// The 4-byte integer types a byte buffer may be read as ([`words`]): every bit pattern is a
+/// value.
+pub(crate) trait Word: DeviceRepr {}
+impl Word for u32 {}
+impl Word for i32 {}
+
+/// `n` values of `T` at byte `at` of `bytes`, `at` a multiple of 4 (allocations are aligned
+/// far beyond that), so that one buffer filled by one copy can hold a step's integer inputs
+/// and its byte-sized mask parts.
+pub(crate) fn words<T: Word>(bytes: &CudaSlice<u8>, at: usize, n: usize) -> CudaView<'_, T> {
+    assert!(at.is_multiple_of(4) && std::mem::size_of::<T>() == 4);
+    // SAFETY: `T` takes any bit pattern (`Word`); the range lies inside the buffer (`slice`
+    // panics otherwise) and starts 4-byte aligned.
+    unsafe { bytes.slice(at..at + 4 * n).transmute::<T>(n) }.expect("the range holds n values")
 }
 
 /// The attention geometry of one step.

@@ -15,7 +15,7 @@ use cudarc::driver::CudaSlice;
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
-use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
+use crate::cache::{CudaKvCache, HostStep, StepInputs};
 use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -380,7 +380,7 @@ impl CudaDraft {
     }
 
     /// The decoder layer's launches over the buffers of one step. With `graphed`, the launches
-    /// read the first cache column and the column count from `b.scalars`.
+    /// read the first cache column and the column count from `b.inputs.scalars()`.
     fn encode(
         &self,
         b: &mut DraftBuffers,
@@ -396,8 +396,10 @@ impl CudaDraft {
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
-        let scalars = graphed.then_some(&b.scalars);
-        gpu.embed_rows(&self.embed, &b.tokens, &mut b.embeds, rows, h)?;
+        let (tokens, positions) = (b.inputs.tokens(), b.inputs.positions());
+        let scalars = graphed.then(|| b.inputs.scalars());
+        let scalars = scalars.as_ref();
+        gpu.embed_rows(&self.embed, &tokens, &mut b.embeds, rows, h)?;
         // Small steps may run the target's small-step kernels (see `CudaTarget::encode`): both
         // normed halves of the attention input staged by the q|k|v kernel, o_proj and down_proj
         // added into the residual; eight launches instead of fourteen.
@@ -409,7 +411,7 @@ impl CudaDraft {
                 &self.qkv_embed,
                 Some((&b.hidden, &self.hidden_norm, &self.qkv_hidden)),
                 None,
-                &b.positions,
+                &positions,
                 &self.inv_freq,
                 &mut b.q,
                 &mut cache.keys[0],
@@ -453,7 +455,7 @@ impl CudaDraft {
             gpu.rope_qkv(
                 &b.qkv,
                 None,
-                &b.positions,
+                &positions,
                 &self.inv_freq,
                 &mut b.q,
                 &mut cache.keys[0],
@@ -467,7 +469,7 @@ impl CudaDraft {
             &b.q,
             &cache.keys[0],
             &cache.values[0],
-            &b.mask.full,
+            &b.inputs.mask,
             &mut b.attn,
             shape,
             total,
@@ -521,10 +523,8 @@ impl CudaDraft {
 
 /// Every device buffer of one draft step (see the target's `StepBuffers`).
 struct DraftBuffers {
-    tokens: CudaSlice<u32>,
-    positions: CudaSlice<i32>,
-    mask: MaskBuffers,
-    scalars: CudaSlice<i32>,
+    /// Tokens, positions, `[col0, total]` for graph replays and the mask.
+    inputs: StepInputs,
     /// The residual stream: the step's hidden input, its output after the step.
     hidden: CudaSlice<f32>,
     embeds: CudaSlice<f32>,
@@ -557,10 +557,7 @@ impl DraftBuffers {
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         Ok(Self {
-            tokens: gpu.scratch(rows)?,
-            positions: gpu.scratch(rows)?,
-            mask: MaskBuffers::new(gpu, shape, mask_columns)?,
-            scalars: gpu.scratch(2)?,
+            inputs: StepInputs::new(gpu, shape, mask_columns)?,
             hidden: match hidden {
                 Some(hidden) => hidden,
                 // Zeros: the spare rows of a padded graph read them until a step writes them.
@@ -582,10 +579,7 @@ impl DraftBuffers {
     }
 
     fn load(&mut self, gpu: &Gpu, host: &HostStep) -> Result<(), CudaError> {
-        gpu.upload_into(&host.tokens, &mut self.tokens)?;
-        gpu.upload_into(&host.positions, &mut self.positions)?;
-        self.mask.load(gpu, &host.mask)?;
-        gpu.upload_into(&[host.col0 as i32, host.total as i32], &mut self.scalars)
+        self.inputs.load(gpu, host)
     }
 
     fn into_output(self, draft: &CudaDraft) -> DraftStepOutput {

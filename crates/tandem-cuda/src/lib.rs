@@ -25,7 +25,7 @@ mod weights;
 
 pub use cache::{ColumnMoves, CudaKvCache, HostKv};
 pub use collective::{Collective, NcclId, ProcessGroup};
-pub use cudarc::driver::CudaSlice;
+pub use cudarc::driver::{CudaSlice, CudaView};
 pub use device::{
     AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, compile_all_kernels, nvrtc_present,
 };

@@ -12,7 +12,7 @@ use tandem_model::{
 };
 use tandem_wiring::TapId;
 
-use crate::cache::{CudaKvCache, HostStep, MaskBuffers};
+use crate::cache::{CudaKvCache, HostStep, StepInputs};
 use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -36,11 +36,8 @@ pub struct CudaTarget {
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
 /// replays with the next step's inputs copied into the same buffers.
 struct StepBuffers {
-    tokens: CudaSlice<u32>,
-    positions: CudaSlice<i32>,
-    mask: MaskBuffers,
-    /// `[col0, total]` for graph replays (see `rope_qkv` in kernels/llama.cu).
-    scalars: CudaSlice<i32>,
+    /// Tokens, positions, `[col0, total]` for graph replays and the mask.
+    inputs: StepInputs,
     /// `LogitsFor::Last`: the row of each sequence's last real token.
     last: CudaSlice<i32>,
     hidden: CudaSlice<f32>,
@@ -87,10 +84,7 @@ impl StepBuffers {
             0
         };
         Ok(Self {
-            tokens: gpu.scratch(rows)?,
-            positions: gpu.scratch(rows)?,
-            mask: MaskBuffers::new(gpu, shape, mask_columns)?,
-            scalars: gpu.scratch(2)?,
+            inputs: StepInputs::new(gpu, shape, mask_columns)?,
             last: gpu.scratch(last_rows)?,
             hidden: gpu.scratch(rows * h)?,
             normed: gpu.scratch(rows * h)?,
@@ -119,10 +113,7 @@ impl StepBuffers {
     /// Copies the step's inputs in (the scalars only matter to a graph, `last` only to
     /// `LogitsFor::Last`).
     fn load(&mut self, gpu: &Gpu, host: &HostStep, last: &[i32]) -> Result<(), CudaError> {
-        gpu.upload_into(&host.tokens, &mut self.tokens)?;
-        gpu.upload_into(&host.positions, &mut self.positions)?;
-        self.mask.load(gpu, &host.mask)?;
-        gpu.upload_into(&[host.col0 as i32, host.total as i32], &mut self.scalars)?;
+        self.inputs.load(gpu, host)?;
         if self.needs_last {
             gpu.upload_into(last, &mut self.last)?;
         }
@@ -575,7 +566,7 @@ impl CudaTarget {
 
     /// The block loop, over the buffers of one step: embedding, every block, the final norm,
     /// the requested logits. With `graphed`, the launches read the step's first cache column
-    /// and column count from `buffers.scalars` (a graph replays them with new values there);
+    /// and column count from `buffers.inputs.scalars()` (a graph replays them with new values there);
     /// otherwise from `host`.
     fn encode(
         &self,
@@ -594,11 +585,8 @@ impl CudaTarget {
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
-        let scalars = graphed.map(|()| &b.scalars);
         let StepBuffers {
-            tokens,
-            positions,
-            mask,
+            inputs,
             hidden,
             normed,
             qkv,
@@ -619,7 +607,10 @@ impl CudaTarget {
                 gpu.copy_into(rows_of, &mut taps[slot], rows * h)
             })
         };
-        gpu.embed_rows(&self.weights.embed, tokens, hidden, rows, h)?;
+        let (tokens, positions) = (inputs.tokens(), inputs.positions());
+        let scalars = graphed.map(|()| inputs.scalars());
+        let scalars = scalars.as_ref();
+        gpu.embed_rows(&self.weights.embed, &tokens, hidden, rows, h)?;
         observe(TapId::Embed, hidden)?;
         let layers = &self.weights.layers;
         // Small steps may run fused (see the small-step kernels in kernels/llama.cu): five
@@ -648,7 +639,7 @@ impl CudaTarget {
                     &layer.qkv,
                     None,
                     layer.qkv_bias.as_ref(),
-                    positions,
+                    &positions,
                     &self.inv_freq,
                     q,
                     &mut cache.keys[k],
@@ -676,7 +667,7 @@ impl CudaTarget {
                 gpu.rope_qkv(
                     qkv,
                     layer.qkv_bias.as_ref(),
-                    positions,
+                    &positions,
                     &self.inv_freq,
                     q,
                     &mut cache.keys[k],
@@ -690,7 +681,7 @@ impl CudaTarget {
                 q,
                 &cache.keys[k],
                 &cache.values[k],
-                &mask.full,
+                &inputs.mask,
                 attn,
                 shape,
                 total,

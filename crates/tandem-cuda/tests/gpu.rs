@@ -371,7 +371,7 @@ fn rope_cache_write_and_attention_kernels_match_their_references() {
     gpu.rope_qkv(
         &gpu.upload(&qkv).unwrap(),
         None,
-        &gpu.upload(&positions).unwrap(),
+        &gpu.upload(&positions).unwrap().as_view(),
         &gpu.upload(&inv_freq).unwrap(),
         &mut q,
         &mut k_cache,
@@ -514,6 +514,97 @@ fn topk_softmax_kernel_matches_its_reference() {
                     (g - w).abs() <= 1e-5 * w.max(1e-3),
                     "row {r}, k {k}: {g} vs {w}"
                 );
+            }
+        }
+    }
+}
+
+/// The kernel's two ways to the top k (each thread's own best entries merged, for the drafting
+/// k; k argmax passes over the whole row, for larger k) give the same ids and the very same
+/// probability bits, also on rows built to trip them: many exact ties, a row's top entries all
+/// in one thread's share, -inf entries, NaNs, and fewer choosable entries than k (id 0
+/// repeated). Rows 1 to 8 of a draft vocabulary, against the reference where it applies.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn topk_softmax_single_pass_agrees_bit_for_bit_with_the_argmax_passes() {
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let vocab = 32_000;
+    for rows in 1..=8usize {
+        // Quarter steps in [-10, 10): thousands of exact ties in every row (never -0.0).
+        let mut logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| rng.random_range(-40i32..40) as f32 * 0.25)
+            .collect();
+        let mut host_checked = vec![true; rows];
+        for r in 0..rows {
+            let row = &mut logits[r * vocab..(r + 1) * vocab];
+            match r % 4 {
+                // The top entries all in thread 5's share (block of 1024), two of them tied.
+                1 => {
+                    for (n, i) in (5..vocab).step_by(1024).take(9).enumerate() {
+                        row[i] = 30.0 - (n / 2) as f32;
+                    }
+                }
+                // -inf entries, and an exact tie at the top across threads.
+                2 => {
+                    for i in (0..vocab).step_by(7) {
+                        row[i] = f32::NEG_INFINITY;
+                    }
+                    row[3000] = 20.0;
+                    row[1] = 20.0;
+                }
+                // NaNs (never chosen; the probabilities are NaN).
+                3 => {
+                    for i in (0..vocab).step_by(5) {
+                        row[i] = f32::NAN;
+                    }
+                    host_checked[r] = false;
+                }
+                _ => {}
+            }
+        }
+        // The last row of an odd batch: only three choosable entries.
+        if rows % 2 == 1 {
+            let row = &mut logits[(rows - 1) * vocab..rows * vocab];
+            row.fill(f32::NAN);
+            (row[9], row[4000], row[31_999]) = (1.0, 2.0, 1.0);
+            host_checked[rows - 1] = false;
+        }
+        let device = gpu.upload(&logits).unwrap();
+        let (all_p, all_i) = gpu.topk_softmax_rows(&device, rows, vocab, 32).unwrap();
+        for k in [1, 2, 4, 8] {
+            let (probs, ids) = gpu.topk_softmax_rows(&device, rows, vocab, k).unwrap();
+            for r in 0..rows {
+                let first = r * 32..r * 32 + k;
+                assert_eq!(
+                    ids[r * k..(r + 1) * k],
+                    all_i[first.clone()],
+                    "rows {rows} row {r} k {k}"
+                );
+                let bits = |p: &[f32]| p.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&probs[r * k..(r + 1) * k]),
+                    bits(&all_p[first]),
+                    "rows {rows} row {r} k {k}"
+                );
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                if host_checked[r] {
+                    let (want_p, want_i) = reference::topk_softmax(row, k);
+                    let got: Vec<usize> = ids[r * k..(r + 1) * k]
+                        .iter()
+                        .map(|&i| i as usize)
+                        .collect();
+                    assert_eq!(got, want_i, "rows {rows} row {r} k {k}");
+                    for (g, w) in probs[r * k..(r + 1) * k].iter().zip(&want_p) {
+                        assert!(
+                            (g - w).abs() <= 1e-5 * w.max(1e-3),
+                            "row {r}, k {k}: {g} vs {w}"
+                        );
+                    }
+                } else if rows % 2 == 1 && r == rows - 1 {
+                    let want: Vec<u32> = [4000, 9, 31_999, 0, 0, 0, 0, 0][..k].to_vec();
+                    assert_eq!(ids[r * k..(r + 1) * k], want, "row {r}, k {k}");
+                }
             }
         }
     }
@@ -709,9 +800,9 @@ fn build_mask_kernel_expands_the_layouts_mask() {
         let real = gpu.upload(&parts.real).unwrap();
         let mut mask = gpu.zeros::<f32>(rows * total).unwrap();
         gpu.build_mask(
-            &valid,
-            &sees,
-            &real,
+            &valid.as_view(),
+            &sees.as_view(),
+            &real.as_view(),
             &mut mask,
             rows,
             parts.width,

@@ -17,22 +17,32 @@ fn gather_f32(
     cols: usize,
 ) -> Result<CudaSlice<f32>, InferError> {
     let mut out = gpu.scratch::<f32>(picks.len().max(1) * cols)?;
-    for (s, data) in sources.iter().enumerate() {
-        let (src, dst): (Vec<i32>, Vec<i32>) = picks
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.0 == s)
-            .map(|(j, p)| (p.1 as i32, j as i32))
-            .unzip();
-        if src.is_empty() {
+    // Every source's row indices, its source rows then its destination rows, in one upload:
+    // a draft step gathers from up to `steps` sources, and each upload is an allocation and a
+    // pageable copy.
+    let mut index = Vec::with_capacity(2 * picks.len());
+    let mut ranges = Vec::with_capacity(sources.len());
+    for s in 0..sources.len() {
+        let at = index.len();
+        let mine = || picks.iter().enumerate().filter(|(_, p)| p.0 == s);
+        index.extend(mine().map(|(_, p)| p.1 as i32));
+        index.extend(mine().map(|(j, _)| j as i32));
+        ranges.push((at, (index.len() - at) / 2));
+    }
+    if index.is_empty() {
+        return Ok(out);
+    }
+    let index = gpu.upload(&index)?;
+    for (data, &(at, n)) in sources.iter().zip(&ranges) {
+        if n == 0 {
             continue;
         }
         gpu.copy_rows(
             data,
-            &gpu.upload(&src)?,
+            &index.slice(at..at + n),
             &mut out,
-            &gpu.upload(&dst)?,
-            src.len(),
+            &index.slice(at + n..at + 2 * n),
+            n,
             cols,
         )?;
     }
