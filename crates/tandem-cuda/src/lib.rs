@@ -36,6 +36,6 @@ pub use model::{
     CudaStepOutput, CudaTarget, DeviceLogits, FUSED_MAX_ROWS, GRAPH_BATCHES, GRAPH_MAX_WIDTH,
 };
 pub use train::{
-    AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, Replicas, StepCounts, TargetPieces,
-    TrainStepReport,
+    AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, PinnedUpload, Replicas, STAGING_VALUES,
+    StepCounts, TargetPieces, TrainStepReport,
 };

@@ -943,3 +943,31 @@ fn fused_small_steps_match_the_unfused_kernels() {
         }
     }
 }
+
+/// The trainer's corpus upload through two page-locked buffers (`PinnedUpload`): two and a
+/// half buffers' worth written at an offset arrive bit for bit, both buffers refilled (each
+/// waiting for its previous copy), the tail copied plain, and nothing before the offset touched.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn pinned_upload_delivers_every_value_in_place() {
+    let gpu = gpu();
+    let n = tandem_cuda::STAGING_VALUES * 5 / 2 + 7;
+    let src: Vec<u16> = (0..n as u64)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u16)
+        .collect();
+    let offset = 100;
+    let mut dst = gpu.zeros::<u16>(offset + n).unwrap();
+    let mut upload = tandem_cuda::PinnedUpload::new(&gpu).expect("page-locked buffers");
+    upload.upload(&gpu, &src, &mut dst, offset).unwrap();
+    let back = gpu.download(&dst).unwrap();
+    assert!(
+        back[..offset].iter().all(|&v| v == 0),
+        "values before the offset changed"
+    );
+    let wrong = back[offset..]
+        .iter()
+        .zip(&src)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert_eq!(wrong, 0, "{wrong} of {n} values differ");
+}

@@ -382,6 +382,8 @@ fn train_gpu_with(
             .load_optimizer_state(m1, m2, state.step as u64)
             .map_err(cuda_err)?;
     }
+    let setup_seconds = load_start.elapsed().as_secs_f64() - read_seconds - init_seconds;
+    let upload_start = Instant::now();
     trainer.reserve_corpus(corpus_tokens).map_err(cuda_err)?;
     let mut corpus: Vec<Option<CorpusRow>> = vec![None; data.len()];
     for chunk in chunks {
@@ -397,19 +399,28 @@ fn train_gpu_with(
             at += info.len;
         }
     }
+    // The upload is asynchronous: the target argmax pass after it (which ends synchronised)
+    // waits for it.
+    let upload_seconds = upload_start.elapsed().as_secs_f64();
+    let argmax_start = Instant::now();
     trainer.finish_corpus().map_err(cuda_err)?;
-    // The split says which part to speed up (session 22: 43 s for 1.36M tokens, while one
-    // reader thread alone reads this shape at ~80k tok/s: the dump_throughput example).
+    let argmax_seconds = argmax_start.elapsed().as_secs_f64();
+    // The split says which part to speed up (session 23: 59.7 s for 2.55M tokens, of which
+    // 40 s "GPU setup and upload" before the upload went through page-locked buffers).
     let total = load_start.elapsed().as_secs_f64();
+    let bytes = corpus_tokens * hidden * (slots + 1) * 2;
     eprintln!(
         "loaded {} rows ({} tokens, {} train / {} validation) onto {} in {total:.1}s (read \
-         {read_seconds:.1}s, head init {init_seconds:.1}s, GPU setup and upload {:.1}s)",
+         {read_seconds:.1}s, head init {init_seconds:.1}s, GPU setup {setup_seconds:.1}s, \
+         upload issued {upload_seconds:.1}s, upload + target argmax {argmax_seconds:.1}s: \
+         {:.1} GB at {:.1} GB/s overall)",
         train_rows.len() + val_rows.len(),
         corpus_tokens,
         train_rows.len(),
         val_rows.len(),
         gpu.name(),
-        total - read_seconds - init_seconds
+        bytes as f64 / 1e9,
+        bytes as f64 / 1e9 / (upload_seconds + argmax_seconds).max(1e-9),
     );
 
     // Rank 0 logs in --out; the other replicas each in --out/rank-R (the same global numbers:
