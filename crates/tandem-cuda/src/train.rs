@@ -255,8 +255,8 @@ struct Corpus {
     argmax: CudaSlice<u32>,
     tokens: usize,
     filled: usize,
-    /// Page-locked buffers for the upload; `None` where the host would not lock them.
-    staging: Option<PinnedUpload>,
+    /// The upload's host side (page-locked where the host allows it).
+    staging: PinnedUpload,
 }
 
 /// Values in each of [`PinnedUpload`]'s two page-locked buffers (128 MB of bf16 each).
@@ -267,24 +267,28 @@ pub const STAGING_VALUES: usize = 64 << 20;
 /// driver's own small bounce buffer a piece at a time, on the calling thread: session 23's
 /// 30 GB corpus took 40 s to set up and upload (~0.75 GB/s), two thirds of the trainer's load.
 pub struct PinnedUpload {
-    buffers: [PinnedHostSlice<u16>; 2],
+    /// `None` where the host would not lock them: every copy is then a plain (pageable) one.
+    buffers: Option<[PinnedHostSlice<u16>; 2]>,
     next: usize,
 }
 
 impl PinnedUpload {
-    /// The two buffers, or `None` where the host would not lock them (callers copy pageable).
-    pub fn new(gpu: &Gpu) -> Option<Self> {
+    pub fn new(gpu: &Gpu) -> Self {
         let ctx = gpu.stream().context();
         // SAFETY: every value is written (copy_from_slice below) before a copy reads it.
         let pinned = || unsafe { ctx.alloc_pinned::<u16>(STAGING_VALUES) }.ok();
-        Some(PinnedUpload {
-            buffers: [pinned()?, pinned()?],
-            next: 0,
-        })
+        let buffers = pinned().and_then(|a| Some([a, pinned()?]));
+        PinnedUpload { buffers, next: 0 }
+    }
+
+    /// Whether the page-locked buffers exist.
+    pub fn is_pinned(&self) -> bool {
+        self.buffers.is_some()
     }
 
     /// `dst[at..at + src.len()] = src`: whole buffers through the page-locked pair (each
-    /// waits for its previous copy before it is refilled), the tail as a plain copy.
+    /// waits for its previous copy before it is refilled), the tail (everything, without the
+    /// pair) as a plain copy.
     pub fn upload(
         &mut self,
         gpu: &Gpu,
@@ -294,8 +298,10 @@ impl PinnedUpload {
     ) -> Result<(), CudaError> {
         let stream = gpu.stream();
         let mut done = 0;
-        while src.len() - done >= STAGING_VALUES {
-            let buffer = &mut self.buffers[self.next];
+        while let Some(buffers) = &mut self.buffers
+            && src.len() - done >= STAGING_VALUES
+        {
+            let buffer = &mut buffers[self.next];
             self.next ^= 1;
             buffer
                 .as_mut_slice()?
@@ -609,17 +615,12 @@ impl CudaHeadTrainer {
                 corpus.tokens
             )));
         }
-        let stream = self.stream.clone();
-        match &mut corpus.staging {
-            Some(staging) => {
-                staging.upload(&self.gpu, aux, &mut corpus.aux, start * f)?;
-                staging.upload(&self.gpu, last, &mut corpus.last, start * h)?;
-            }
-            None => {
-                stream.memcpy_htod(aux, &mut corpus.aux.slice_mut(start * f..(start + n) * f))?;
-                stream.memcpy_htod(last, &mut corpus.last.slice_mut(start * h..(start + n) * h))?;
-            }
-        }
+        corpus
+            .staging
+            .upload(&self.gpu, aux, &mut corpus.aux, start * f)?;
+        corpus
+            .staging
+            .upload(&self.gpu, last, &mut corpus.last, start * h)?;
         corpus.filled += n;
         Ok(start)
     }
@@ -631,7 +632,7 @@ impl CudaHeadTrainer {
         let eps = self.spec.rms_norm_eps as f32;
         let corpus = self.corpus.as_mut().expect("reserve_corpus first");
         // The upload is over: the page-locked buffers go (their drop waits for their copies).
-        corpus.staging = None;
+        corpus.staging.buffers = None;
         let filled = corpus.filled;
         let normed: CudaSlice<u16> = self.alloc(ARGMAX_CHUNK * h)?;
         let logits: CudaSlice<f32> = self.alloc(ARGMAX_CHUNK * v)?;

@@ -957,7 +957,11 @@ fn pinned_upload_delivers_every_value_in_place() {
         .collect();
     let offset = 100;
     let mut dst = gpu.zeros::<u16>(offset + n).unwrap();
-    let mut upload = tandem_cuda::PinnedUpload::new(&gpu).expect("page-locked buffers");
+    let mut upload = tandem_cuda::PinnedUpload::new(&gpu);
+    assert!(
+        upload.is_pinned(),
+        "the host would not lock the staging buffers"
+    );
     upload.upload(&gpu, &src, &mut dst, offset).unwrap();
     let back = gpu.download(&dst).unwrap();
     assert!(
