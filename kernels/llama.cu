@@ -759,8 +759,16 @@ struct WarpWeights {
     }
 };
 
+// One 16-byte vector of an input row: through L1 (shared memory, or inputs of earlier
+// launches), or from L2 only (`GLOBAL_X`: rows another block wrote in this launch, which this
+// SM's L1 may hold stale; see the persistent step below).
+template <bool GLOBAL_X>
+__device__ __forceinline__ uint4 load_x(const uint4* p) {
+    return GLOBAL_X ? __ldcg(p) : *p;
+}
+
 // acc[n][r] += w_n[chunk c] . x[r][chunk c] for the input rows r < rows.
-template <int NW>
+template <int NW, bool GLOBAL_X = false>
 __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv, int chunks,
                                           int c, int rows, float (&acc)[NW][GEMV_MAX_ROWS]) {
     float wf[NW][8];
@@ -772,7 +780,7 @@ __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv
     for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
         if (r < rows) {
             float xf[8];
-            unpack8_bf16(xv[(size_t)r * chunks + c], xf);
+            unpack8_bf16(load_x<GLOBAL_X>(xv + (size_t)r * chunks + c), xf);
 #pragma unroll
             for (int n = 0; n < NW; ++n) {
 #pragma unroll
@@ -786,7 +794,7 @@ __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv
 
 // sums[n] = the warp's sum of w_n . x[r] for r = lane >> 2 (meaningful in lanes with
 // (lane & 3) == 0 and r < rows; see warp_sum8). `x` may be shared or global memory.
-template <int NW>
+template <int NW, bool GLOBAL_X = false>
 __device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsigned short* x,
                                           int rows, float (&sums)[NW]) {
     const int lane = threadIdx.x & 31;
@@ -809,7 +817,7 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsign
             for (int n = 0; n < NW; ++n) {
                 wv[n] = w.first[n][k];
             }
-            dot_chunk<NW>(wv, xv, chunks, c, rows, acc);
+            dot_chunk<NW, GLOBAL_X>(wv, xv, chunks, c, rows, acc);
         }
     }
     // The rest of a wide row (hidden > 768 values), unrolled so the loads are in flight
@@ -821,7 +829,7 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsign
         for (int n = 0; n < NW; ++n) {
             wv[n] = __ldg(w.rows[n] + c);
         }
-        dot_chunk<NW>(wv, xv, chunks, c, rows, acc);
+        dot_chunk<NW, GLOBAL_X>(wv, xv, chunks, c, rows, acc);
     }
 #pragma unroll
     for (int n = 0; n < NW; ++n) {
@@ -1006,5 +1014,542 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
             v[j] = f32_to_bf16(x1);
             v[j + half] = f32_to_bf16(x2v);
         }
+    }
+}
+
+// ---- Persistent steps: a whole small step in one launch ----
+//
+// A fused batch-1 decode step is still ~150 launches (five a layer) of ~5 us each, each of
+// which waits for a cold trip to memory before it can use its weights, while all of SmolLM2's
+// weights stream in ~60 us at the H200's bandwidth. `persistent_step` runs the whole step (the
+// embedding, every phase of every layer, the final norm and the logits) in one launch of one
+// block per SM, the phases separated by grid barriers, and has each warp issue its first weight
+// loads of the next phase *before* the barrier in front of it (weights do not depend on the
+// step), so the memory latency overlaps the barrier instead of following it. The taps are
+// written where the capture hook says (the tap table), at the same points as the block loop.
+//
+// Batch invariance: a row's results do not depend on how many rows the step has (1 to
+// GEMV_MAX_ROWS) nor on what else is in it. Every matrix-vector sum runs in the same order for
+// every row count (one warp per output, fixed chunk order, warp_sum8's fixed tree; the same
+// sums as the fused kernels above), an RMSNorm is one warp per row, and attention splits the
+// keys into fixed chunks of PERSIST_ATT_CHUNK columns (by absolute column, not by the step's
+// total) whose partial softmaxes combine in column order; keys a row may not see add exact
+// zeros. So a decode step and a verification whose first token is the decoded one give that
+// token bit-identical logits, and greedy speculative output equals target-only output when
+// every step of both runs here.
+
+#define PERSIST_THREADS 512
+#define PERSIST_WARPS (PERSIST_THREADS / 32)
+#define PERSIST_ATT_CHUNK 32
+#define PERSIST_MAX_DIMS 8   // head_dim <= 256
+#define PERSIST_MAX_TAPS 8
+
+// One layer of the step's table (9 device addresses; built by crates/tandem-cuda/src/model.rs,
+// `persistent_table`), then PERSIST tap slots of two words each: the tap point (0 the
+// embedding, 1 + k block k, layers + 1 the final norm) and the slot's `[rows, hidden]` f32 rows.
+struct PersistLayer {
+    const unsigned short* input_norm;
+    const unsigned short* qkv;
+    const float* qkv_bias;  // null without biases
+    const unsigned short* o;
+    const unsigned short* post_norm;
+    const unsigned short* gate_up;
+    const unsigned short* down;
+    unsigned short* k_cache;
+    unsigned short* v_cache;
+};
+
+// Grid-wide barrier over a counter that never needs resetting (the scheme of cooperative
+// groups' grid sync): block 0 adds 2^31 - (blocks - 1), the others 1, so the top bit flips once
+// per barrier and the low bits come back to where they were; each block waits for the flip.
+// Every block must be resident (one block per SM, launched cooperatively).
+__device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+        __threadfence();
+        const unsigned int old = atomicAdd(arrived, add);
+        while (((old ^ *(volatile unsigned int*)arrived) & 0x80000000u) == 0) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// stage_rms_normed for rows another block wrote in this launch: read through L2 (__ldcg).
+// `src_rows` (optional) picks the rows (logit rows); `out_f32` (optional, block 0 only) also
+// keeps the normed values in f32 (the final tap), row r of the stage at src row r's place.
+__device__ void persist_stage_normed(const float* x, const unsigned short* __restrict__ w,
+                                     unsigned short* xs, int rows, int n, float eps,
+                                     const int* src_rows) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const uint2* w4 = reinterpret_cast<const uint2*>(w);
+    for (int r = warp; r < rows; r += PERSIST_WARPS) {
+        const int src = src_rows != nullptr ? src_rows[r] : r;
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)src * n);
+        float squares = 0.0f;
+#pragma unroll 4
+        for (int i = lane; i < (n >> 2); i += 32) {
+            const float4 v = __ldcg(xr + i);
+            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
+        uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
+#pragma unroll 4
+        for (int i = lane; i < (n >> 2); i += 32) {
+            const float4 v = __ldcg(xr + i);
+            const uint2 wv = w4[i];
+            const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
+            const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
+            out[i] = make_uint2(lo, hi);
+        }
+    }
+    __syncthreads();
+}
+
+// The normed rows in f32 as add_rms_norm computes them (`final` tap): dst[r, i] for every row.
+// Spread over the whole grid, one warp per row and chunk of 128 values.
+__device__ void persist_final_normed(const float* x, const unsigned short* __restrict__ w,
+                                     float* dst, int rows, int n, float eps, int gwarp,
+                                     int nwarps) {
+    const int lane = threadIdx.x & 31;
+    for (int r = gwarp; r < rows; r += nwarps) {
+        const float* xr = x + (size_t)r * n;
+        float squares = 0.0f;
+        for (int i = lane; i < n; i += 32) {
+            const float v = __ldcg(xr + i);
+            squares += v * v;
+        }
+        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
+        for (int i = lane; i < n; i += 32) {
+            dst[(size_t)r * n + i] = __ldcg(xr + i) * inv * bf16_to_f32(w[i]);
+        }
+    }
+}
+
+// Copies the residual (complete after a barrier) to every tap slot of `point`.
+__device__ __forceinline__ void persist_tap(const float* hidden, int point, int n,
+                                            const int* tap_point, float* const* tap_dst,
+                                            int tap_slots, int gthread, int nthreads) {
+    for (int s = 0; s < tap_slots; ++s) {
+        if (tap_point[s] != point) {
+            continue;
+        }
+        float* dst = tap_dst[s];
+        for (int i = gthread; i < n; i += nthreads) {
+            dst[i] = __ldcg(hidden + i);
+        }
+    }
+}
+
+// One warp's attention over one chunk of 32 cache columns for one row and head: the chunk's
+// largest score m, l = sum exp(s - m) and the unnormalised output sum exp(s - m) v (lane owns
+// output dims lane * DIMS ..), into out = [m, l, out[head_dim]]; m = -inf when the row sees no
+// column of the chunk. The value rows are loaded before the scores are known (they do not
+// depend on them), GROUP rows at a time (all 32 at head_dim <= 64), so a chunk waits for about
+// one trip to memory, not one per group of columns. `q_warp` holds the scaled query (shared).
+template <int DIMS>
+__device__ __forceinline__ void persist_attend(const float* q_warp, const unsigned short* k_cache,
+                                               const unsigned short* v_cache, size_t base,
+                                               const float* mask_row, int c0, int total,
+                                               int head_dim, float* out) {
+    constexpr int VW = DIMS >= 2 ? DIMS / 2 : 1;  // 32-bit words of a lane's values per row
+    constexpr int GROUP = 32 / VW;                 // value rows loaded at once
+    const int lane = threadIdx.x & 31;
+    const int n = min(32, total - c0);
+    const int j = c0 + lane;
+    unsigned int vv[GROUP][VW];
+    auto load_values = [&](int g) {
+#pragma unroll
+        for (int u = 0; u < GROUP; ++u) {
+            // Columns past the chunk's last re-read it; their weight is 0.
+            const unsigned short* vj =
+                v_cache + base + (size_t)(c0 + min(g + u, n - 1)) * head_dim + lane * DIMS;
+            if (DIMS == 1) {
+                vv[u][0] = __ldcg(vj);
+            } else if (DIMS == 2) {
+                vv[u][0] = __ldcg(reinterpret_cast<const unsigned int*>(vj));
+            } else if (DIMS == 4) {
+                const uint2 x = __ldcg(reinterpret_cast<const uint2*>(vj));
+                vv[u][0] = x.x;
+                vv[u][VW - 1] = x.y;
+            } else {
+                const uint4 x = __ldcg(reinterpret_cast<const uint4*>(vj));
+                vv[u][0] = x.x;
+                vv[u][1 % VW] = x.y;
+                vv[u][2 % VW] = x.z;
+                vv[u][3 % VW] = x.w;
+            }
+        }
+    };
+    load_values(0);
+    float s = NEG_INF;
+    if (j < total) {
+        const float bias = mask_row[j];
+        if (bias != NEG_INF) {
+            const uint4* kj = reinterpret_cast<const uint4*>(k_cache + base + (size_t)j * head_dim);
+            float dot = 0.0f;
+#pragma unroll 8
+            for (int v8 = 0; v8 < (head_dim >> 3); ++v8) {
+                const uint4 w = __ldcg(kj + v8);
+                const float* qq = q_warp + v8 * 8;
+                dot += qq[0] * __uint_as_float(w.x << 16) + qq[1] * __uint_as_float(w.x & 0xffff0000u);
+                dot += qq[2] * __uint_as_float(w.y << 16) + qq[3] * __uint_as_float(w.y & 0xffff0000u);
+                dot += qq[4] * __uint_as_float(w.z << 16) + qq[5] * __uint_as_float(w.z & 0xffff0000u);
+                dot += qq[6] * __uint_as_float(w.w << 16) + qq[7] * __uint_as_float(w.w & 0xffff0000u);
+            }
+            s = dot + bias;
+        }
+    }
+    float m = s;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    }
+    float l = 0.0f;
+    float acc[DIMS];
+#pragma unroll
+    for (int t = 0; t < DIMS; ++t) {
+        acc[t] = 0.0f;
+    }
+    if (m != NEG_INF) {  // warp-uniform
+        const float p = s == NEG_INF ? 0.0f : expf(s - m);
+        l = warp_sum(p);
+        for (int g = 0; g < 32; g += GROUP) {
+            if (g >= n) {
+                break;  // warp-uniform
+            }
+            if (g > 0) {
+                load_values(g);
+            }
+#pragma unroll
+            for (int u = 0; u < GROUP; ++u) {
+                const float pj = __shfl_sync(0xffffffffu, p, g + u);
+#pragma unroll
+                for (int t = 0; t < DIMS; ++t) {
+                    const unsigned int word = vv[u][t / 2 % VW];
+                    const float v = DIMS == 1 ? bf16_to_f32((unsigned short)word)
+                                              : (t % 2 == 0 ? __uint_as_float(word << 16)
+                                                            : __uint_as_float(word & 0xffff0000u));
+                    acc[t] += pj * v;
+                }
+            }
+        }
+    }
+    if (lane == 0) {
+        out[0] = m;
+        out[1] = l;
+    }
+#pragma unroll
+    for (int t = 0; t < DIMS; ++t) {
+        out[2 + lane * DIMS + t] = acc[t];
+    }
+}
+
+// One step of at most GEMV_MAX_ROWS rows (`rows` = batch * width, sequence-major) through
+// every layer: tokens -> `hidden` (the f32 residual, [rows, hidden]) -> logits of the rows in
+// `logit_rows` (null: rows 0 .. n_logit_rows - 1) into `logits` ([n_logit_rows, vocab] f32).
+// Scratch: `q` [rows, heads * head_dim] f32; `partials` [rows * heads, ceil(capacity / chunk),
+// head_dim + 2] f32 (each chunk's max, sum of exponentials and unnormalised output); `act`
+// [rows, inter] bf16; `arrived` one u32 (zero before the first launch, left as it was after
+// each). Cache columns, mask and `step_scalars` as in rope_qkv / attention. Grid: one block per
+// SM (cooperative launch); block PERSIST_THREADS; dynamic shared memory: rows * max(hidden,
+// heads * head_dim) bf16, then PERSIST_WARPS * head_dim f32.
+extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
+persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
+                const unsigned short* __restrict__ embed, const unsigned int* __restrict__ tokens,
+                const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                const float* __restrict__ mask, const int* __restrict__ step_scalars,
+                const unsigned short* __restrict__ final_norm,
+                const unsigned short* __restrict__ lm_head, const int* __restrict__ logit_rows,
+                int n_logit_rows, float* hidden, float* q, float* partials, unsigned short* act,
+                float* __restrict__ logits, unsigned int* arrived, int layers, int rows,
+                int width, int hidden_size, int heads, int kv_heads, int head_dim, int inter,
+                int capacity, int col0, int total, int vocab, float eps, float scale) {
+    extern __shared__ uint4 persist_shared[];
+    __shared__ int tap_point[PERSIST_MAX_TAPS];
+    __shared__ float* tap_dst[PERSIST_MAX_TAPS];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int gwarp = blockIdx.x * PERSIST_WARPS + warp;
+    const int nwarps = gridDim.x * PERSIST_WARPS;
+    const int gthread = blockIdx.x * blockDim.x + threadIdx.x;
+    const int nthreads = gridDim.x * blockDim.x;
+    if (step_scalars != nullptr) {
+        col0 = step_scalars[0];
+        total = step_scalars[1];
+    }
+    const PersistLayer* table_layers = reinterpret_cast<const PersistLayer*>(table);
+    if (threadIdx.x < tap_slots) {
+        const unsigned long long* slot = table + (size_t)layers * 9 + 2 * threadIdx.x;
+        tap_point[threadIdx.x] = (int)slot[0];
+        tap_dst[threadIdx.x] = reinterpret_cast<float*>(slot[1]);
+    }
+    const int hidden_n = rows * hidden_size;
+    const int q_dim = heads * head_dim;
+    const int half = head_dim / 2;
+    const int pairs = (heads + 2 * kv_heads) * half;
+    const int dims = head_dim >> 5;
+    const int max_chunks = (capacity + PERSIST_ATT_CHUNK - 1) / PERSIST_ATT_CHUNK;
+    const int chunks = (total + PERSIST_ATT_CHUNK - 1) / PERSIST_ATT_CHUNK;
+    const int partial_width = head_dim + 2;
+    const int stage_width = max(hidden_size, q_dim);
+    unsigned short* stage = reinterpret_cast<unsigned short*>(persist_shared);
+    float* q_warp =
+        reinterpret_cast<float*>(stage + (size_t)rows * stage_width) + warp * head_dim;
+
+    // The embedding rows: the residual entering block 0.
+    for (int i = gthread; i < hidden_n; i += nthreads) {
+        const int r = i / hidden_size;
+        hidden[i] = bf16_to_f32(embed[(size_t)tokens[r] * hidden_size + i % hidden_size]);
+    }
+    // This warp's first q|k|v pair, loaded before the barrier.
+    auto qkv_weights = [&](const PersistLayer& layer, int t, bool load) {
+        const int tw = min(t, pairs - 1);
+        const int row1 = (tw / half) * head_dim + tw % half;
+        return WarpWeights<2>(layer.qkv + (size_t)row1 * hidden_size,
+                              layer.qkv + (size_t)(row1 + half) * hidden_size, hidden_size,
+                              load);
+    };
+    WarpWeights<2> first_qkv = qkv_weights(table_layers[0], gwarp, gwarp < pairs);
+    grid_barrier(arrived);
+    persist_tap(hidden, 0, hidden_n, tap_point, tap_dst, tap_slots, gthread, nthreads);
+
+    for (int k = 0; k < layers; ++k) {
+        const PersistLayer layer = table_layers[k];
+        if (k > 0) {
+            persist_tap(hidden, k, hidden_n, tap_point, tap_dst, tap_slots, gthread, nthreads);
+        }
+        // ---- input norm, q|k|v, bias, RoPE, cache write (norm_qkv_rope) ----
+        persist_stage_normed(hidden, layer.input_norm, stage, rows, hidden_size, eps, nullptr);
+        {
+            WarpWeights<2> cur = first_qkv;
+            for (int t = gwarp; t < pairs; t += nwarps) {
+                const WarpWeights<2> next = qkv_weights(layer, t + nwarps, t + nwarps < pairs);
+                float sums[2];
+                warp_dots<2>(cur, stage, rows, sums);
+                const int h = t / half;
+                const int j = t % half;
+                const int row1 = h * head_dim + j;
+                const int r = lane >> 2;
+                if ((lane & 3) == 0 && r < rows) {
+                    float x1 = sums[0];
+                    float x2 = sums[1];
+                    if (layer.qkv_bias != nullptr) {
+                        x1 += layer.qkv_bias[row1];
+                        x2 += layer.qkv_bias[row1 + half];
+                    }
+                    const int b = r / width;
+                    const int col = col0 + r % width;
+                    if (h < heads + kv_heads) {
+                        const float angle = inv_freq[j] * (float)positions[r];
+                        const float c = cosf(angle);
+                        const float s = sinf(angle);
+                        const float y1 = x1 * c - x2 * s;
+                        const float y2 = x2 * c + x1 * s;
+                        if (h < heads) {
+                            float* qr = q + (size_t)r * q_dim + h * head_dim;
+                            qr[j] = y1;
+                            qr[j + half] = y2;
+                        } else {
+                            unsigned short* kr =
+                                layer.k_cache +
+                                (((size_t)b * kv_heads + (h - heads)) * capacity + col) * head_dim;
+                            kr[j] = f32_to_bf16(y1);
+                            kr[j + half] = f32_to_bf16(y2);
+                        }
+                    } else {
+                        unsigned short* vr =
+                            layer.v_cache +
+                            (((size_t)b * kv_heads + (h - heads - kv_heads)) * capacity + col) *
+                                head_dim;
+                        vr[j] = f32_to_bf16(x1);
+                        vr[j + half] = f32_to_bf16(x2);
+                    }
+                }
+                cur = next;
+            }
+        }
+        grid_barrier(arrived);
+
+        // ---- attention: one warp per (row, head, chunk of PERSIST_ATT_CHUNK columns) ----
+        for (int item = gwarp; item < rows * heads * chunks; item += nwarps) {
+            const int c = item % chunks;
+            const int rh = item / chunks;  // r * heads + h
+            const int r = rh / heads;
+            const int h = rh % heads;
+            const int b = r / width;
+            const int kvh = h / (heads / kv_heads);
+            for (int d = lane; d < head_dim; d += 32) {
+                q_warp[d] = __ldcg(q + (size_t)rh * head_dim + d) * scale;
+            }
+            __syncwarp();
+            const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
+            const float* mask_row = mask + (size_t)r * total;
+            float* out = partials + ((size_t)rh * max_chunks + c) * partial_width;
+            const int c0 = c * PERSIST_ATT_CHUNK;
+            switch (dims) {
+            case 1:
+                persist_attend<1>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
+                break;
+            case 2:
+                persist_attend<2>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
+                break;
+            case 4:
+                persist_attend<4>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
+                break;
+            default:
+                persist_attend<8>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
+                break;
+            }
+            __syncwarp();
+        }
+        WarpWeights<1> first_o(layer.o + (size_t)min(gwarp, hidden_size - 1) * q_dim, nullptr,
+                               q_dim, gwarp < hidden_size);
+        grid_barrier(arrived);
+
+        // ---- o_proj into the residual; every block first combines the chunks' partials into
+        // the attention output (bf16, as the attention kernel writes it) in shared memory ----
+        for (int rh = warp; rh < rows * heads; rh += PERSIST_WARPS) {
+            const float* part = partials + (size_t)rh * max_chunks * partial_width;
+            float m_all = NEG_INF;
+            for (int c = 0; c < chunks; ++c) {
+                m_all = fmaxf(m_all, __ldcg(part + (size_t)c * partial_width));
+            }
+            float l_all = 0.0f;
+            float o[PERSIST_MAX_DIMS];
+#pragma unroll
+            for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+                o[t] = 0.0f;
+            }
+            for (int c = 0; c < chunks; ++c) {
+                const float* pc = part + (size_t)c * partial_width;
+                const float mc = __ldcg(pc);
+                if (mc == NEG_INF) {
+                    continue;
+                }
+                const float f = expf(mc - m_all);
+                l_all += __ldcg(pc + 1) * f;
+#pragma unroll
+                for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+                    if (t < dims) {
+                        o[t] += __ldcg(pc + 2 + lane * dims + t) * f;
+                    }
+                }
+            }
+            const int r = rh / heads;
+            const int h = rh % heads;
+#pragma unroll
+            for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+                if (t < dims) {
+                    stage[(size_t)r * q_dim + h * head_dim + lane * dims + t] =
+                        f32_to_bf16(o[t] / l_all);
+                }
+            }
+        }
+        __syncthreads();
+        {
+            WarpWeights<1> cur = first_o;
+            for (int o = gwarp; o < hidden_size; o += nwarps) {
+                const int on = o + nwarps;
+                const WarpWeights<1> next(layer.o + (size_t)min(on, hidden_size - 1) * q_dim,
+                                          nullptr, q_dim, on < hidden_size);
+                float sums[1];
+                warp_dots<1>(cur, stage, rows, sums);
+                const int r = lane >> 2;
+                if ((lane & 3) == 0 && r < rows) {
+                    float* dst = hidden + (size_t)r * hidden_size + o;
+                    *dst = __ldcg(dst) + sums[0];
+                }
+                cur = next;
+            }
+        }
+        auto gate_up_weights = [&](int j, bool load) {
+            const int jw = min(j, inter - 1);
+            return WarpWeights<2>(layer.gate_up + (size_t)jw * hidden_size,
+                                  layer.gate_up + (size_t)(inter + jw) * hidden_size,
+                                  hidden_size, load);
+        };
+        WarpWeights<2> first_gate_up = gate_up_weights(gwarp, gwarp < inter);
+        grid_barrier(arrived);
+
+        // ---- post-attention norm, gate|up, SwiGLU (norm_gate_up_silu) ----
+        persist_stage_normed(hidden, layer.post_norm, stage, rows, hidden_size, eps, nullptr);
+        {
+            WarpWeights<2> cur = first_gate_up;
+            for (int j = gwarp; j < inter; j += nwarps) {
+                const WarpWeights<2> next = gate_up_weights(j + nwarps, j + nwarps < inter);
+                float sums[2];
+                warp_dots<2>(cur, stage, rows, sums);
+                const int r = lane >> 2;
+                if ((lane & 3) == 0 && r < rows) {
+                    const float g = sums[0];
+                    act[(size_t)r * inter + j] = f32_to_bf16(g / (1.0f + expf(-g)) * sums[1]);
+                }
+                cur = next;
+            }
+        }
+        WarpWeights<1> first_down(layer.down + (size_t)min(gwarp, hidden_size - 1) * inter,
+                                  nullptr, inter, gwarp < hidden_size);
+        grid_barrier(arrived);
+
+        // ---- down_proj into the residual (act read from L2: other blocks wrote it) ----
+        {
+            WarpWeights<1> cur = first_down;
+            for (int o = gwarp; o < hidden_size; o += nwarps) {
+                const int on = o + nwarps;
+                const WarpWeights<1> next(layer.down + (size_t)min(on, hidden_size - 1) * inter,
+                                          nullptr, inter, on < hidden_size);
+                float sums[1];
+                warp_dots<1, true>(cur, act, rows, sums);
+                const int r = lane >> 2;
+                if ((lane & 3) == 0 && r < rows) {
+                    float* dst = hidden + (size_t)r * hidden_size + o;
+                    *dst = __ldcg(dst) + sums[0];
+                }
+                cur = next;
+            }
+        }
+        if (k + 1 < layers) {
+            first_qkv = qkv_weights(table_layers[k + 1], gwarp, gwarp < pairs);
+        }
+        grid_barrier(arrived);
+    }
+
+    // ---- the last block's tap, the final norm (and its tap), the logits ----
+    persist_tap(hidden, layers, hidden_n, tap_point, tap_dst, tap_slots, gthread, nthreads);
+    for (int s = 0; s < tap_slots; ++s) {
+        if (tap_point[s] == layers + 1) {
+            persist_final_normed(hidden, final_norm, tap_dst[s], rows, hidden_size, eps, gwarp,
+                                 nwarps);
+        }
+    }
+    if (n_logit_rows == 0) {
+        return;
+    }
+    // Two vocabulary rows per warp and unit; the next unit's weights load while this one sums.
+    const int units = (vocab + 1) / 2;
+    auto lm_weights = [&](int u, bool load) {
+        const int o1 = min(2 * u, vocab - 1);
+        const int o2 = min(2 * u + 1, vocab - 1);
+        return WarpWeights<2>(lm_head + (size_t)o1 * hidden_size,
+                              lm_head + (size_t)o2 * hidden_size, hidden_size, load);
+    };
+    WarpWeights<2> cur = lm_weights(gwarp, gwarp < units);
+    persist_stage_normed(hidden, final_norm, stage, n_logit_rows, hidden_size, eps, logit_rows);
+    for (int u = gwarp; u < units; u += nwarps) {
+        const WarpWeights<2> next = lm_weights(u + nwarps, u + nwarps < units);
+        float sums[2];
+        warp_dots<2>(cur, stage, n_logit_rows, sums);
+        const int r = lane >> 2;
+        if ((lane & 3) == 0 && r < n_logit_rows) {
+            logits[(size_t)r * vocab + 2 * u] = sums[0];
+            if (2 * u + 1 < vocab) {
+                logits[(size_t)r * vocab + 2 * u + 1] = sums[1];
+            }
+        }
+        cur = next;
     }
 }

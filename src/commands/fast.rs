@@ -139,6 +139,11 @@ pub struct FastBenchArgs {
     /// kernels), or `both` (off first, as the baseline, then on, in the same run).
     #[arg(long, value_enum, default_value_t = FusedModes::Default)]
     pub fused: FusedModes,
+    /// Also measure the persistent step (every step of at most 8 rows in one launch, batch
+    /// invariant; TANDEM_CUDA_PERSISTENT=8 turns it on for serving), after the `--fused`
+    /// modes, in the same run.
+    #[arg(long)]
+    pub persistent: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -167,7 +172,8 @@ impl FusedModes {
 #[derive(Debug, serde::Serialize)]
 struct FastBenchRow {
     graphs: bool,
-    fused: bool,
+    /// `unfused`, `fused` or `persistent`.
+    kernels: &'static str,
     /// `decode` or `verify` (a tree step of `width` tokens per sequence).
     step: &'static str,
     width: usize,
@@ -223,13 +229,28 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     } else {
         &[false, true]
     };
+    // (fused cut-off, persistent cut-off) per mode; the loaded persistent cut-off (0 unless
+    // TANDEM_CUDA_PERSISTENT=N) stays in the `--fused` modes.
+    let loaded_persistent = model.persistent_rows();
+    let mut kernel_modes: Vec<(usize, usize)> =
+        cut_offs.iter().map(|&f| (f, loaded_persistent)).collect();
+    if args.persistent {
+        kernel_modes.push((0, tandem_cuda::GEMV_MAX_ROWS));
+    }
+    let (regs, spilled, sms) = gpu.persistent_resources()?;
+    eprintln!("persistent step: {regs} registers and {spilled} spilled bytes per thread, one block on each of {sms} SMs");
     let modes = graph_modes
         .iter()
-        .flat_map(|&g| cut_offs.iter().map(move |&rows| (g, rows)));
-    for (graphs, fused_rows) in modes {
-        let fused = fused_rows > 0;
+        .flat_map(|&g| kernel_modes.iter().map(move |&(f, p)| (g, f, p)));
+    for (graphs, fused_rows, persistent_rows) in modes {
+        let kernels = match (fused_rows, persistent_rows) {
+            (_, p) if p > 0 => "persistent",
+            (0, _) => "unfused",
+            _ => "fused",
+        };
         model.set_graphs(graphs);
         model.set_fused_rows(fused_rows);
+        model.set_persistent_rows(persistent_rows);
         for taps in &requests {
             for &batch in &args.batch {
                 let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
@@ -252,7 +273,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 )?;
                 let row = FastBenchRow {
                     graphs,
-                    fused,
+                    kernels,
                     step: "decode",
                     width: 1,
                     batch,
@@ -292,7 +313,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 )?;
                 let row = FastBenchRow {
                     graphs,
-                    fused,
+                    kernels,
                     step: "verify",
                     width,
                     batch,
@@ -323,18 +344,25 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
             .iter()
             .find(|d| {
                 d.graphs == r.graphs
-                    && d.fused == r.fused
+                    && d.kernels == r.kernels
                     && d.step == "decode"
                     && d.batch == r.batch
                     && d.taps == 0
             })
             .map_or(f64::NAN, |d| d.step_ms_median);
-        let path = match (r.graphs, r.fused) {
-            (true, true) => "fast path + CUDA graphs, fused small steps",
-            (true, false) => "fast path + CUDA graphs, unfused",
-            (false, true) => "fast path, eager launches, fused small steps",
-            (false, false) => "fast path, eager launches, unfused",
-        };
+        let path = format!(
+            "fast path + {}, {}",
+            if r.graphs {
+                "CUDA graphs"
+            } else {
+                "eager launches"
+            },
+            match r.kernels {
+                "fused" => "fused small steps",
+                "persistent" => "persistent step",
+                other => other,
+            }
+        );
         let step = if r.step == "decode" {
             "decode".to_string()
         } else {

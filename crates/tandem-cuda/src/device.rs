@@ -12,7 +12,8 @@ use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
 use cudarc::driver::sys::{
-    CUgraphInstantiate_flags, CUmemPool_attribute, CUmemoryPool, CUstreamCaptureMode,
+    CUdevice_attribute, CUgraphInstantiate_flags, CUmemPool_attribute, CUmemoryPool,
+    CUstreamCaptureMode,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut,
@@ -85,6 +86,52 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Threads per block of the fused small-step kernels (4 warps, one output row or pair each).
 const GEMV_THREADS: u32 = 128;
 
+/// Warps per block of `persistent_step` (PERSIST_WARPS in kernels/llama.cu).
+const PERSISTENT_WARPS: usize = 16;
+
+/// Cache columns per attention partial of `persistent_step` (PERSIST_ATT_CHUNK).
+pub const PERSISTENT_ATTENTION_CHUNK: usize = 32;
+
+/// Tap slots `persistent_step` writes (PERSIST_MAX_TAPS).
+pub const PERSISTENT_MAX_TAPS: usize = 8;
+
+/// Device addresses per layer in `persistent_step`'s table (`PersistLayer`): input norm,
+/// q|k|v, q|k|v bias (0 without), o, post-attention norm, gate|up, down, keys, values.
+pub const PERSISTENT_TABLE_WORDS: usize = 9;
+
+/// The buffers and sizes of one [`Gpu::persistent_step`] launch.
+pub(crate) struct PersistentStep<'a> {
+    /// Per layer [`PERSISTENT_TABLE_WORDS`] addresses, then (tap point, address) per tap slot.
+    pub table: &'a CudaSlice<u64>,
+    pub tap_slots: usize,
+    pub embed: &'a CudaSlice<u16>,
+    pub tokens: &'a CudaView<'a, u32>,
+    pub positions: &'a CudaView<'a, i32>,
+    pub inv_freq: &'a CudaSlice<f32>,
+    pub mask: &'a CudaSlice<f32>,
+    pub step_scalars: Option<&'a CudaView<'a, i32>>,
+    pub final_norm: &'a CudaSlice<u16>,
+    pub lm_head: &'a CudaSlice<u16>,
+    /// The row of each logit row (`LogitsFor::Last`); `None`: rows 0.. in order.
+    pub logit_rows: Option<&'a CudaSlice<i32>>,
+    /// The logits buffer and its rows; `None`: no logits.
+    pub logits: Option<(&'a CudaSlice<f32>, usize)>,
+    pub hidden: &'a CudaSlice<f32>,
+    pub q: &'a CudaSlice<f32>,
+    pub partials: &'a CudaSlice<f32>,
+    pub act: &'a CudaSlice<u16>,
+    /// The grid barrier's counter (one u32, zero before the first launch).
+    pub arrived: &'a CudaSlice<u32>,
+    pub layers: usize,
+    pub shape: AttentionShape,
+    pub hidden_size: usize,
+    pub inter: usize,
+    pub col0: usize,
+    pub total: usize,
+    pub vocab: usize,
+    pub eps: f32,
+}
+
 /// Shared memory a fused kernel may stage its normed input rows in (bf16) without opting in to
 /// more than the default 48 KiB.
 pub const GEMV_MAX_SHARED_BYTES: usize = 48 << 10;
@@ -112,6 +159,7 @@ struct Kernels {
     gemv_rows: CudaFunction,
     norm_gate_up_silu: CudaFunction,
     norm_qkv_rope: CudaFunction,
+    persistent_step: CudaFunction,
 }
 
 /// One GPU: its context, the stream every launch goes to, cuBLAS bound to that stream, and the
@@ -128,6 +176,12 @@ pub struct Gpu {
     /// Whether the small-step kernels launch with programmatic dependent launch: an sm_90+
     /// GPU and `TANDEM_CUDA_PDL=1` (an experiment: slower as the kernels stand).
     programmatic: bool,
+    /// Streaming multiprocessors: the persistent step runs one block on each.
+    sm_count: usize,
+    /// Whether the persistent step launches cooperatively (the driver then guarantees that
+    /// every block is resident, which its grid barriers need); `TANDEM_CUDA_COOPERATIVE=0`
+    /// launches it plainly (one block per SM is resident in practice).
+    cooperative: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -243,7 +297,12 @@ impl Gpu {
             gemv_rows: module.load_function("gemv_rows")?,
             norm_gate_up_silu: module.load_function("norm_gate_up_silu")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope")?,
+            persistent_step: module.load_function("persistent_step")?,
         };
+        let sm_count = usize::try_from(
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        )
+        .unwrap_or(1);
         let gpu = Self {
             ctx,
             stream,
@@ -252,6 +311,8 @@ impl Gpu {
             kernels,
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             programmatic,
+            sm_count,
+            cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -768,16 +829,39 @@ impl Gpu {
         args: KernelArgs,
     ) -> Result<(), CudaError> {
         use cudarc::driver::sys;
+        let attribute = self.programmatic.then(|| {
+            // SAFETY: a plain C struct for which all-zero bytes are a valid value.
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attribute.value.programmaticStreamSerializationAllowed = 1;
+            attribute
+        });
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_ex(func, cfg, args, attribute) }
+    }
+
+    /// Launches `func` on the stream through `cuLaunchKernelEx` with one optional launch
+    /// attribute.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list (types, order, buffer sizes).
+    unsafe fn launch_ex(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: KernelArgs,
+        attribute: Option<cudarc::driver::sys::CUlaunchAttribute>,
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
         let mut slots = args.0;
         let mut params: Vec<*mut std::ffi::c_void> = slots
             .iter_mut()
             .map(|slot| (slot as *mut u64).cast())
             .collect();
         // SAFETY: a plain C struct for which all-zero bytes are a valid value.
-        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attribute.id =
-            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let mut attribute_slot: sys::CUlaunchAttribute =
+            attribute.unwrap_or_else(|| unsafe { std::mem::zeroed() });
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -787,8 +871,8 @@ impl Gpu {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: u32::from(self.programmatic),
+            attrs: &mut attribute_slot,
+            numAttrs: u32::from(attribute.is_some()),
         };
         self.ctx.bind_to_thread()?;
         // SAFETY: `params` points at one 8-byte slot per kernel parameter (the caller matched
@@ -975,6 +1059,146 @@ impl Gpu {
         // `step_scalars`, the caller checks each step's column); PDL_WAIT before reading any
         // input but the weights.
         unsafe { self.launch_programmatic(&self.kernels.norm_qkv_rope, cfg, args) }
+    }
+
+    /// Rows of a `persistent_step` attention partial: each chunk of
+    /// [`PERSISTENT_ATTENTION_CHUNK`] cache columns of each row and head keeps its maximum,
+    /// its sum of exponentials and its `head_dim` unnormalised outputs.
+    pub fn persistent_partials(shape: AttentionShape) -> usize {
+        shape.rows()
+            * shape.heads
+            * shape.capacity.div_ceil(PERSISTENT_ATTENTION_CHUNK)
+            * (shape.head_dim + 2)
+    }
+
+    /// Dynamic shared memory of `persistent_step` at `rows` rows: the staged bf16 input rows
+    /// (normed residual or attention output), then one f32 query per warp.
+    pub fn persistent_shared_bytes(
+        rows: usize,
+        hidden: usize,
+        q_dim: usize,
+        head_dim: usize,
+    ) -> usize {
+        rows * hidden.max(q_dim) * 2 + PERSISTENT_WARPS * head_dim * 4
+    }
+
+    /// Whether `persistent_step` takes a step of `rows` rows of a model of these dimensions
+    /// with `tap_slots` taps: the fused kernels' limits (rows, 16-byte vectors), head_dim 32,
+    /// 64, 128 or 256 (a lane's share of a value row is one vector), and its shared memory
+    /// within the default 48 KiB.
+    pub(crate) fn persistent_fits(
+        rows: usize,
+        hidden: usize,
+        [heads, kv_heads, head_dim]: [usize; 3],
+        inter: usize,
+        tap_slots: usize,
+    ) -> bool {
+        let q_dim = heads * head_dim;
+        Self::fused_layer_fits(rows, 1, hidden, heads, kv_heads, head_dim, inter)
+            && [32, 64, 128, 256].contains(&head_dim)
+            && tap_slots <= PERSISTENT_MAX_TAPS
+            && Self::persistent_shared_bytes(rows, hidden, q_dim, head_dim) <= GEMV_MAX_SHARED_BYTES
+    }
+
+    /// Registers per thread and local (spilled) bytes per thread of the persistent step as the
+    /// driver compiled it, and the SMs it runs one block on: what `fast-bench` prints next to
+    /// its times.
+    pub fn persistent_resources(&self) -> Result<(i32, i32, usize), CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+        let f = &self.kernels.persistent_step;
+        Ok((
+            f.num_regs()?,
+            f.get_attribute(Attr::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+            self.sm_count,
+        ))
+    }
+
+    /// A whole step of at most [`GEMV_MAX_ROWS`] rows in one launch: see `persistent_step` in
+    /// kernels/llama.cu. One block per SM, launched cooperatively (every block resident, which
+    /// the kernel's grid barriers need) unless `TANDEM_CUDA_COOPERATIVE=0`.
+    pub(crate) fn persistent_step(&self, step: PersistentStep<'_>) -> Result<(), CudaError> {
+        let s = step.shape;
+        let rows = s.rows();
+        let q_dim = s.heads * s.head_dim;
+        let qkv_dim = q_dim + 2 * s.kv_heads * s.head_dim;
+        let (h, inter, vocab) = (step.hidden_size, step.inter, step.vocab);
+        assert!(Self::persistent_fits(
+            rows,
+            h,
+            [s.heads, s.kv_heads, s.head_dim],
+            inter,
+            step.tap_slots
+        ));
+        assert!(s.heads.is_multiple_of(s.kv_heads) && step.total <= s.capacity);
+        assert!(step.col0 + s.width <= s.capacity);
+        assert!(step.table.len() >= step.layers * PERSISTENT_TABLE_WORDS + 2 * step.tap_slots);
+        assert!(step.tokens.len() >= rows && step.positions.len() >= rows);
+        assert!(step.mask.len() >= rows * step.total && step.inv_freq.len() >= s.head_dim / 2);
+        assert!(step.hidden.len() >= rows * h && step.q.len() >= rows * q_dim);
+        assert!(step.partials.len() >= Self::persistent_partials(s));
+        assert!(step.act.len() >= rows * inter && step.embed.len() >= vocab * h);
+        assert!(step.lm_head.len() >= vocab * h && step.final_norm.len() >= h);
+        assert!(qkv_dim.is_multiple_of(2));
+        let n_logit_rows = match step.logits {
+            Some((logits, n)) => {
+                assert!(n <= rows && logits.len() >= n * vocab);
+                assert!(step.logit_rows.is_none_or(|l| l.len() >= n));
+                n
+            }
+            None => 0,
+        };
+        let args = KernelArgs::default()
+            .buffer(self, step.table)
+            .int(step.tap_slots)
+            .buffer(self, step.embed)
+            .view(self, step.tokens)
+            .view(self, step.positions)
+            .buffer(self, step.inv_freq)
+            .buffer(self, step.mask)
+            .optional_view(self, step.step_scalars)
+            .buffer(self, step.final_norm)
+            .buffer(self, step.lm_head)
+            .optional(self, step.logit_rows)
+            .int(n_logit_rows)
+            .buffer(self, step.hidden)
+            .buffer(self, step.q)
+            .buffer(self, step.partials)
+            .buffer(self, step.act)
+            .optional(self, step.logits.map(|(l, _)| l))
+            .buffer(self, step.arrived)
+            .int(step.layers)
+            .int(rows)
+            .int(s.width)
+            .int(h)
+            .int(s.heads)
+            .int(s.kv_heads)
+            .int(s.head_dim)
+            .int(inter)
+            .int(s.capacity)
+            .int(step.col0)
+            .int(step.total)
+            .int(vocab)
+            .float(step.eps)
+            .float(1.0 / (s.head_dim as f32).sqrt());
+        let cfg = LaunchConfig {
+            grid_dim: (self.sm_count as u32, 1, 1),
+            block_dim: (PERSISTENT_WARPS as u32 * 32, 1, 1),
+            shared_mem_bytes: Self::persistent_shared_bytes(rows, h, q_dim, s.head_dim) as u32,
+        };
+        let attribute = self.cooperative.then(|| {
+            use cudarc::driver::sys;
+            // SAFETY: a plain C struct for which all-zero bytes are a valid value.
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attribute.value.cooperative = 1;
+            attribute
+        });
+        // SAFETY: the signature of `persistent_step`; sizes asserted above; the table holds
+        // `layers` entries of PERSISTENT_TABLE_WORDS device addresses of live buffers of the
+        // model and cache, then `tap_slots` (point, address) pairs of live [rows, hidden] f32
+        // buffers (built by the model for this step's buffers and cache); dynamic shared memory
+        // as the kernel's comment states; one block per SM, so every block is resident.
+        unsafe { self.launch_ex(&self.kernels.persistent_step, cfg, args, attribute) }
     }
 
     /// `out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]`.

@@ -40,6 +40,8 @@ pub(crate) struct GraphKey {
     /// Whether the step ran the fused small-step kernels (a graph replays the launches it was
     /// captured with, so turning fusion off must not replay a fused graph).
     pub fused: bool,
+    /// Whether the step ran the persistent one-launch step.
+    pub persistent: bool,
 }
 
 impl GraphKey {
@@ -60,12 +62,18 @@ impl GraphKey {
             taps: taps.to_vec(),
             cache: cache.addresses(gpu),
             fused: false,
+            persistent: false,
         }
     }
 
     /// The key of a step that ran (or did not run) the fused small-step kernels.
     pub fn with_fused(self, fused: bool) -> Self {
         Self { fused, ..self }
+    }
+
+    /// The key of a step that ran (or did not run) the persistent step.
+    pub fn with_persistent(self, persistent: bool) -> Self {
+        Self { persistent, ..self }
     }
 }
 

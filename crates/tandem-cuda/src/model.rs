@@ -13,7 +13,9 @@ use tandem_model::{
 use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, StepInputs};
-use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu};
+use crate::device::{
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
+};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
 use crate::weights::DeviceWeights;
@@ -31,6 +33,11 @@ pub struct CudaTarget {
     graphs: Graphs<StepBuffers>,
     /// Steps of at most this many rows run the fused small-step kernels (0: none).
     fused_rows: AtomicUsize,
+    /// Steps of at most this many rows run the persistent one-launch step (0: none); it takes
+    /// precedence over the fused kernels.
+    persistent_rows: AtomicUsize,
+    /// The persistent step's grid-barrier counter.
+    barrier: CudaSlice<u32>,
 }
 
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
@@ -53,6 +60,11 @@ struct StepBuffers {
     logits: Option<CudaSlice<f32>>,
     /// One per tap slot, `[rows, hidden]`.
     taps: Vec<CudaSlice<f32>>,
+    /// The persistent step's attention partials (steps it may take; empty otherwise).
+    partials: CudaSlice<f32>,
+    /// The persistent step's table of layer and tap addresses, built for this step's cache
+    /// before the step runs or is captured ([`CudaTarget::persistent_table`]).
+    persistent_table: Option<CudaSlice<u64>>,
     batch: usize,
     width: usize,
     logits_rows: usize,
@@ -103,6 +115,12 @@ impl StepBuffers {
             taps: (0..taps.taps.len())
                 .map(|_| gpu.scratch(rows * h))
                 .collect::<Result<_, _>>()?,
+            partials: gpu.scratch(if target.persists(rows, taps.taps.len()) {
+                Gpu::persistent_partials(shape)
+            } else {
+                1
+            })?,
+            persistent_table: None,
             batch: shape.batch,
             width: shape.width,
             logits_rows,
@@ -290,10 +308,30 @@ pub const LAST_BLOCK_ROWS: usize = 512;
 /// `TANDEM_CUDA_FUSED=N` (steps of at most N rows fused, N capped at [`GEMV_MAX_ROWS`]); 0, the
 /// fused kernels off, without it.
 pub(crate) fn fused_rows_default() -> usize {
-    std::env::var("TANDEM_CUDA_FUSED")
+    rows_from_env("TANDEM_CUDA_FUSED")
+}
+
+/// `TANDEM_CUDA_PERSISTENT=N`: steps of at most N rows (capped at [`GEMV_MAX_ROWS`]) run the
+/// persistent one-launch step; 0 (off) without it.
+pub(crate) fn persistent_rows_default() -> usize {
+    rows_from_env("TANDEM_CUDA_PERSISTENT")
+}
+
+fn rows_from_env(name: &str) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .map_or(0, |n| n.min(GEMV_MAX_ROWS))
+}
+
+/// A tap point's index in the persistent step's tap table: 0 the embedding, 1 + k block k,
+/// `layers + 1` the final norm.
+fn persistent_tap_point(tap: TapId, layers: usize) -> u64 {
+    match tap {
+        TapId::Embed => 0,
+        TapId::Block(k) => k as u64 + 1,
+        TapId::Final => layers as u64 + 1,
+    }
 }
 
 /// Batch sizes CUDA graphs are captured for (and multiples of 64 beyond): a graphed step of
@@ -326,6 +364,8 @@ impl CudaTarget {
         Ok(Self {
             graphs: Graphs::new(gpu.graphs_default()),
             fused_rows: AtomicUsize::new(fused_rows_default()),
+            persistent_rows: AtomicUsize::new(persistent_rows_default()),
+            barrier: gpu.zeros::<u32>(1)?,
             spec,
             gpu,
             weights,
@@ -345,6 +385,68 @@ impl CudaTarget {
 
     pub fn fused_rows(&self) -> usize {
         self.fused_rows.load(Ordering::Relaxed)
+    }
+
+    /// Steps of at most `rows` rows (capped at [`GEMV_MAX_ROWS`]) run the persistent step: the
+    /// whole step in one launch of one block per SM (`persistent_step` in kernels/llama.cu),
+    /// whose rows are batch invariant: a row's logits and taps are the same bits at every step
+    /// width it takes. 0 turns it off; default `TANDEM_CUDA_PERSISTENT=N`, else 0.
+    pub fn set_persistent_rows(&self, rows: usize) {
+        self.persistent_rows
+            .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
+    }
+
+    pub fn persistent_rows(&self) -> usize {
+        self.persistent_rows.load(Ordering::Relaxed)
+    }
+
+    /// Whether a step of `rows` rows with `tap_slots` taps runs the persistent step: within the
+    /// cut-off and its limits, and no per-head q/k norm (not implemented there).
+    fn persists(&self, rows: usize, tap_slots: usize) -> bool {
+        let spec = &self.spec;
+        rows <= self.persistent_rows()
+            && !spec.qk_norm
+            && Gpu::persistent_fits(
+                rows,
+                spec.hidden_size,
+                [spec.num_heads, spec.num_kv_heads, spec.head_dim],
+                spec.intermediate_size,
+                tap_slots,
+            )
+    }
+
+    /// The persistent step's table for one step's buffers over `cache`: every layer's weight
+    /// and cache addresses (`PersistLayer` in kernels/llama.cu), then each tap slot's point and
+    /// buffer. Built before a step runs or is captured (an upload must not happen inside a
+    /// capture); a graph keyed by the cache's addresses keeps it valid.
+    fn persistent_table(
+        &self,
+        cache: &CudaKvCache,
+        taps: &TapRequest,
+        tap_buffers: &[CudaSlice<f32>],
+    ) -> Result<CudaSlice<u64>, CudaError> {
+        let gpu = &*self.gpu;
+        let layers = &self.weights.layers;
+        let mut words =
+            Vec::with_capacity(layers.len() * PERSISTENT_TABLE_WORDS + 2 * taps.taps.len());
+        for (k, layer) in layers.iter().enumerate() {
+            words.extend([
+                gpu.address(&layer.input_norm),
+                gpu.address(&layer.qkv),
+                layer.qkv_bias.as_ref().map_or(0, |b| gpu.address(b)),
+                gpu.address(&layer.o),
+                gpu.address(&layer.post_norm),
+                gpu.address(&layer.gate_up),
+                gpu.address(&layer.down),
+                gpu.address(&cache.keys[k]),
+                gpu.address(&cache.values[k]),
+            ]);
+        }
+        for (tap, buffer) in taps.taps.iter().zip(tap_buffers) {
+            words.push(persistent_tap_point(*tap, layers.len()));
+            words.push(gpu.address(buffer));
+        }
+        gpu.upload(&words)
     }
 
     /// Whether a step of `rows` rows runs fused: small enough for the matrix-vector kernels,
@@ -513,6 +615,9 @@ impl CudaTarget {
         let gpu = &*self.gpu;
         let mut buffers = StepBuffers::new(self, host.shape, host.total, taps, logits_for)?;
         buffers.load(gpu, host, last)?;
+        if self.persists(host.shape.rows(), taps.taps.len()) {
+            buffers.persistent_table = Some(self.persistent_table(cache, taps, &buffers.taps)?);
+        }
         let mut hook = CaptureHook::new(taps.clone());
         self.encode(&mut buffers, cache, host, None, &mut hook, logits_for)?;
         let captured = hook.finish();
@@ -529,7 +634,8 @@ impl CudaTarget {
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let key = GraphKey::new(gpu, host.shape, cache, logits_for as u8, &taps.taps)
-            .with_fused(self.fuses(host.shape.rows()));
+            .with_fused(self.fuses(host.shape.rows()))
+            .with_persistent(self.persists(host.shape.rows(), taps.taps.len()));
         let mut graphs = self.graphs.lock();
         if !graphs.ready(&key) {
             // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS
@@ -540,6 +646,10 @@ impl CudaTarget {
         if !graphs.captured.contains_key(&key) {
             let mut buffers =
                 StepBuffers::new(self, host.shape, host.shape.capacity, taps, logits_for)?;
+            if key.persistent {
+                buffers.persistent_table =
+                    Some(self.persistent_table(cache, taps, &buffers.taps)?);
+            }
             let mut hook = CaptureHook::new(taps.clone());
             let graph = gpu.capture(|| {
                 self.encode(&mut buffers, cache, host, Some(()), &mut hook, logits_for)
@@ -585,6 +695,48 @@ impl CudaTarget {
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
+        if let Some(table) = &b.persistent_table {
+            // The whole step in one launch (see `persistent_step` in kernels/llama.cu).
+            let inputs = &b.inputs;
+            let (tokens, positions) = (inputs.tokens(), inputs.positions());
+            let scalars = graphed.map(|()| inputs.scalars());
+            gpu.persistent_step(PersistentStep {
+                table,
+                tap_slots: b.taps.len(),
+                embed: &self.weights.embed,
+                tokens: &tokens,
+                positions: &positions,
+                inv_freq: &self.inv_freq,
+                mask: &inputs.mask,
+                step_scalars: scalars.as_ref(),
+                final_norm: &self.weights.final_norm,
+                lm_head: self.weights.lm_head(),
+                logit_rows: b.needs_last.then_some(&b.last),
+                logits: b.logits.as_ref().map(|l| (l, b.logits_rows)),
+                hidden: &b.hidden,
+                q: &b.q,
+                partials: &b.partials,
+                act: &b.act,
+                arrived: &self.barrier,
+                layers: spec.num_layers,
+                shape,
+                hidden_size: h,
+                inter,
+                col0,
+                total,
+                vocab: spec.vocab_size,
+                eps,
+            })?;
+            // The kernel wrote each slot at the point the hook names for it (the table was
+            // built from the same request); the hook records the same visits as the loop below.
+            let points = std::iter::once(TapId::Embed)
+                .chain((0..spec.num_layers).map(TapId::Block))
+                .chain(std::iter::once(TapId::Final));
+            for tap in points {
+                hook.try_observe_with(tap, |_slot| Ok::<(), CudaError>(()))?;
+            }
+            return Ok(());
+        }
         let StepBuffers {
             inputs,
             hidden,

@@ -851,22 +851,52 @@ fn fused_small_steps_match_the_unfused_kernels() {
     // Steps of up to GEMV_MAX_ROWS rows run the fused matrix-vector kernels (norm + q|k|v +
     // RoPE + cache write, o_proj into the residual, norm + gate|up + SwiGLU, down_proj into the
     // residual); the unfused path (cuBLAS GEMMs and the separate kernels, each checked against
-    // its reference above) is the reference. Both run eagerly over their own caches: a prefill
-    // of one short prompt (5 rows, fused), decode steps (1 row), tree steps of 6 and 8 rows
-    // (fused) and 9 rows (unfused on both sides, so the caches must still agree after it).
-    // Tolerance: 2e-3 of the largest logit / tap value (the matrix-vector sums run in another
-    // order than cuBLAS's, which can move a bf16 rounding of an activation by one step).
+    // its reference above) is the reference.
+    small_steps_match_the_unfused_kernels("fused", 32, false, |t| {
+        // Every row count the kernels take (the default only fuses steps of up to 4 rows).
+        t.set_fused_rows(tandem_cuda::GEMV_MAX_ROWS)
+    });
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn persistent_steps_match_the_unfused_kernels() {
+    // The persistent step (the whole step in one launch, grid barriers between the phases)
+    // against the unfused path, as the fused kernels are checked: eagerly at head_dim 32 and 64
+    // (q wider than hidden), and with CUDA graphs (its decode steps replayed, reading the
+    // step's first column and column count from the scalars the graph is given).
+    for (head_dim, graphs) in [(32, false), (64, false), (32, true)] {
+        small_steps_match_the_unfused_kernels("persistent", head_dim, graphs, |t| {
+            t.set_persistent_rows(tandem_cuda::GEMV_MAX_ROWS)
+        });
+    }
+}
+
+/// `configure`d small steps against the unfused path, both over their own caches: a prefill of
+/// one short prompt (5 rows), decode steps (1 row), tree steps of 6 and 8 rows and 9 rows (past
+/// GEMV_MAX_ROWS: unfused on both sides, so the caches must still agree after it). Tolerance:
+/// 2e-3 of the largest logit / tap value (the matrix-vector sums run in another order than
+/// cuBLAS's, which can move a bf16 rounding of an activation by one step).
+fn small_steps_match_the_unfused_kernels(
+    mode: &str,
+    head_dim: usize,
+    graphs: bool,
+    configure: impl Fn(&tandem_cuda::CudaTarget),
+) {
     for (architecture, tied) in [("LlamaForCausalLM", true), ("Qwen2ForCausalLM", false)] {
+        let architecture = architecture.to_string();
         let gpu = gpu();
-        let dir = tiny_model(architecture, tied, 23);
+        let dir = tiny_model_with(&architecture, tied, 23, head_dim);
         let fused = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
         let unfused = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
-        for target in [&fused, &unfused] {
-            target.set_graphs(false);
-        }
-        // Every row count the kernels take (the default only fuses steps of up to 4 rows).
-        fused.set_fused_rows(tandem_cuda::GEMV_MAX_ROWS);
+        fused.set_graphs(graphs);
+        unfused.set_graphs(false);
         unfused.set_fused_rows(0);
+        unfused.set_persistent_rows(0);
+        fused.set_fused_rows(0);
+        fused.set_persistent_rows(0);
+        configure(&fused);
+        let architecture = format!("{architecture} ({mode}, head_dim {head_dim}, graphs {graphs})");
         let taps = TapRequest::new(vec![TapId::Embed, TapId::Block(1), TapId::Final]);
         let mut caches = [
             fused.new_cache(1, 128).expect("cache"),
@@ -940,6 +970,115 @@ fn fused_small_steps_match_the_unfused_kernels() {
                 LogitsFor::Last,
                 &format!("decode after {width}"),
             );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn persistent_rows_are_batch_invariant() {
+    // A token's logits and taps must be the same bits whether the persistent step decodes it
+    // alone, verifies it inside a chain of four, or decodes it next to another sequence: what
+    // makes greedy speculative output equal target-only output. Cache A decodes t0..t3 one at a
+    // time; cache B verifies the chain [t0, t1, t2, t3] in one step; cache C decodes t0..t3 as
+    // sequence 0 of a batch of two (sequence 1 another prompt). The prompt (62 tokens, prefilled
+    // the same way everywhere) puts the four new columns across the attention chunk boundary
+    // at column 64. Graphs off and on (C's steps replay after two eager ones).
+    let gpu = gpu();
+    for (architecture, tied, head_dim) in [
+        ("LlamaForCausalLM", true, 32),
+        ("Qwen2ForCausalLM", false, 64),
+    ] {
+        for graphs in [false, true] {
+            let dir = tiny_model_with(architecture, tied, 31, head_dim);
+            let target = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
+            target.set_graphs(graphs);
+            target.set_fused_rows(0);
+            target.set_persistent_rows(tandem_cuda::GEMV_MAX_ROWS);
+            let label = format!("{architecture} head_dim {head_dim} graphs {graphs}");
+            let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final]);
+            let prompt: Vec<u32> = (0..62u32).map(|i| (i * 7 + 3) % 300).collect();
+            let other: Vec<u32> = (0..62u32).map(|i| (i * 11 + 5) % 300).collect();
+            let chain: [u32; 4] = [17, 230, 41, 99];
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+            let row = |v: &[u32], r: usize, n: usize| v[r * n..(r + 1) * n].to_vec();
+            let hidden = target.spec.hidden_size;
+            let vocab = target.spec.vocab_size;
+
+            let mut a = target.new_cache(1, 128).unwrap();
+            let mut b = target.new_cache(1, 128).unwrap();
+            let mut c = target.new_cache(2, 128).unwrap();
+            for cache in [&mut a, &mut b] {
+                let step = cache.layout().prefill_step(&[&prompt]).unwrap();
+                target
+                    .forward(&step, cache, &taps, LogitsFor::Last)
+                    .unwrap();
+            }
+            let step = c.layout().prefill_step(&[&prompt, &other]).unwrap();
+            target
+                .forward(&step, &mut c, &taps, LogitsFor::Last)
+                .unwrap();
+
+            let parents: Vec<Option<usize>> = (0..4).map(|i: usize| i.checked_sub(1)).collect();
+            let step = b.layout().tree_step(&[(&chain, &parents)]).unwrap();
+            let verified = target
+                .forward(&step, &mut b, &taps, LogitsFor::All)
+                .unwrap();
+            let v_logits = bits(verified.logits.unwrap().to_host().unwrap());
+            let v_taps: Vec<Vec<u32>> = verified
+                .taps
+                .tensors
+                .iter()
+                .map(|t| bits(t.to_host().unwrap()))
+                .collect();
+            for (i, &token) in chain.iter().enumerate() {
+                let step = a.layout().decode_step(&[token]).unwrap();
+                let alone = target
+                    .forward(&step, &mut a, &taps, LogitsFor::Last)
+                    .unwrap();
+                let step = c.layout().decode_step(&[token, (token + 1) % 300]).unwrap();
+                let paired = target
+                    .forward(&step, &mut c, &taps, LogitsFor::Last)
+                    .unwrap();
+                let a_logits = bits(alone.logits.unwrap().to_host().unwrap());
+                let c_logits = bits(paired.logits.unwrap().to_host().unwrap());
+                assert_eq!(
+                    a_logits,
+                    row(&v_logits, i, vocab),
+                    "{label}: token {i}'s logits decoded alone vs verified in a chain"
+                );
+                assert_eq!(
+                    a_logits,
+                    row(&c_logits, 0, vocab),
+                    "{label}: token {i}'s logits alone vs in a batch of two"
+                );
+                for (slot, (ta, tc)) in alone
+                    .taps
+                    .tensors
+                    .iter()
+                    .zip(&paired.taps.tensors)
+                    .enumerate()
+                {
+                    let ta = bits(ta.to_host().unwrap());
+                    let tc = bits(tc.to_host().unwrap());
+                    assert_eq!(
+                        ta,
+                        row(&v_taps[slot], i, hidden),
+                        "{label}: token {i} tap {slot} vs the chain"
+                    );
+                    assert_eq!(
+                        ta,
+                        row(&tc, 0, hidden),
+                        "{label}: token {i} tap {slot} vs the batch"
+                    );
+                }
+            }
+            if graphs {
+                assert!(
+                    target.graph_stats().replays > 0,
+                    "{label}: no step replayed a graph"
+                );
+            }
         }
     }
 }
