@@ -238,7 +238,9 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
         kernel_modes.push((0, tandem_cuda::GEMV_MAX_ROWS));
     }
     let (regs, spilled, sms) = gpu.persistent_resources()?;
-    eprintln!("persistent step: {regs} registers and {spilled} spilled bytes per thread, one block on each of {sms} SMs");
+    eprintln!(
+        "persistent step: {regs} registers and {spilled} spilled bytes per thread, one block on each of {sms} SMs"
+    );
     let modes = graph_modes
         .iter()
         .flat_map(|&g| kernel_modes.iter().map(move |&(f, p)| (g, f, p)));
