@@ -98,7 +98,11 @@ pub struct TrainArgs {
     #[arg(long)]
     pub max_steps: Option<usize>,
     /// Stop after the step during which this run has trained for this many seconds (then
-    /// validate, checkpoint and export as after --max-steps).
+    /// validate, checkpoint and export as after --max-steps). The cosine schedule is fitted to
+    /// the limit: 50 steps after the warm-up are timed, and the schedule then ends (at its
+    /// floor) after the steps that fit in 95% of the remaining time at that rate, or at
+    /// --epochs if sooner. The warm-up stays a share of --epochs; the fitted horizon is saved
+    /// in the checkpoints and kept by --resume.
     #[arg(long)]
     pub max_seconds: Option<f64>,
     /// Continue the run in --out from its latest checkpoint (same options required).

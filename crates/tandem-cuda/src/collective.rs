@@ -229,6 +229,17 @@ impl Collective {
             .map_err(nccl_err("ncclAllReduce"))?;
         Ok(stream.clone_dtoh(&value)?[0] > 0.0)
     }
+
+    /// The largest `value` over the ranks (one tiny all-reduce): how the replicas agree on a
+    /// number each measures on its own (the step times the learning-rate horizon is fitted to).
+    pub fn max(&self, value: f64) -> Result<f64, CudaError> {
+        let stream = self.gpu.stream();
+        let mut buffer = stream.clone_htod(&[value])?;
+        self.comm
+            .all_reduce_in_place(&mut buffer, &ReduceOp::Max)
+            .map_err(nccl_err("ncclAllReduce"))?;
+        Ok(stream.clone_dtoh(&buffer)?[0])
+    }
 }
 
 #[cfg(test)]

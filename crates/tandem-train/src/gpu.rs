@@ -22,7 +22,7 @@ use tandem_eagle::{Eagle3Config, Eagle3Draft, WeightDtype, load_pretrained, save
 use tandem_wiring::DumpRef;
 
 use crate::data::{Dataset, RowInfo};
-use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
+use crate::driver::{Run, StepEngine, StepOutcome, run_schedule, wall_clock};
 use crate::error::TrainError;
 use crate::metrics::{MetricsLog, StatsSum, read_lines};
 use crate::objective::StepStats;
@@ -455,6 +455,7 @@ fn train_gpu_with(
             log,
             start,
             trained_on,
+            clock: wall_clock(),
         },
         &mut engine,
     )
@@ -548,6 +549,13 @@ impl StepEngine for GpuEngine<'_> {
         match &self.collective {
             None => Ok(flag),
             Some(c) => c.any(flag).map_err(cuda_err),
+        }
+    }
+
+    fn largest_over_ranks(&mut self, seconds: f64) -> Result<f64, TrainError> {
+        match &self.collective {
+            None => Ok(seconds),
+            Some(c) => c.max(seconds).map_err(cuda_err),
         }
     }
 

@@ -21,11 +21,12 @@ use tandem_wiring::{DumpRef, Job, Producer, RawIds, TapPoint, WiringManifest, ch
 use tandem_format::DumpRecord;
 
 use crate::data::{Dataset, RowInfo, assemble, check_record, is_validation};
-use crate::driver::{Run, StepEngine, StepOutcome, run_schedule};
+use crate::driver::{Run, StepEngine, StepOutcome, run_schedule, wall_clock};
 use crate::error::TrainError;
 use crate::metrics::{MetricsLine, MetricsLog, StatsSum, read_lines};
 use crate::objective::{BatchTargets, draft_id_tensor, objective};
 use crate::plot;
+use crate::schedule::FittedHorizon;
 use crate::target::{TargetHead, fingerprint};
 
 /// Batches sorted together by length when planning an epoch.
@@ -80,9 +81,12 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Stop after this many optimizer steps in total (the schedule still spans all epochs).
     pub max_steps: Option<usize>,
-    /// Stop after the step during which this run has trained for this many seconds (the
-    /// schedule still spans all epochs; validation, checkpoint and export follow as after
-    /// `max_steps`). Not saved with the run's identity: a resumed run may use another limit.
+    /// Stop after the step during which this run has trained for this many seconds
+    /// (validation, checkpoint and export follow as after `max_steps`). The schedule's
+    /// horizon is fitted to the limit from the measured steps/s (never beyond the epochs), so
+    /// the learning rate reaches its floor when time is up; the fit is saved in the
+    /// checkpoints' [`TrainState`]. Not saved with the run's identity: a resumed run may use
+    /// another limit, and keeps a horizon fitted before.
     #[serde(default)]
     pub max_seconds: Option<f64>,
     /// Start from this head directory instead of a random initialisation.
@@ -239,8 +243,12 @@ pub struct TrainState {
     pub epoch: usize,
     /// Index of the next batch in that epoch's plan.
     pub batch_in_epoch: usize,
-    /// Steps of the whole schedule.
+    /// Steps of the whole `--epochs` schedule (the warm-up is a share of these).
     pub total_steps: usize,
+    /// The horizon fitted to `--max-seconds` once it is (the schedule then ends there);
+    /// kept on resume, since it came from measured step times.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fitted_horizon: Option<FittedHorizon>,
     /// Real tokens trained on so far.
     pub tokens_seen: u64,
     /// Rows in the dataset and in the training split (a resumed run must see the same).
@@ -256,7 +264,7 @@ pub struct TrainState {
 pub struct TrainReport {
     /// Optimizer steps done in total.
     pub steps: usize,
-    /// Steps of the whole schedule.
+    /// Steps of the whole schedule (the horizon fitted to `--max-seconds`, if one was).
     pub total_steps: usize,
     /// The step the run resumed from, if it did.
     pub resumed_from: Option<usize>,
@@ -413,6 +421,7 @@ pub fn train_on<B: AutodiffBackend>(
             log,
             start,
             trained_on,
+            clock: wall_clock(),
         },
         &mut engine,
     )
@@ -574,6 +583,7 @@ pub(crate) fn fresh_state(
         epoch: 0,
         batch_in_epoch: 0,
         total_steps,
+        fitted_horizon: None,
         tokens_seen: 0,
         rows,
         train_rows,
