@@ -5,12 +5,15 @@
 # throw-away branch without them (a 3 MB tree); `leave` returns to the branch you were on, the
 # files restored by git. Both refuse to run with uncommitted changes to tracked files.
 #   bash scripts/gpu/lean_tree.sh enter     # before a run of upload calls (qwen_chain.sh)
+#   KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter   # the same, for the SmolLM2 scripts
 #   bash scripts/gpu/lean_tree.sh leave     # after the last call
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LEAN=device-lean
 HEAVY=(heads/smollm2-135m-eagle3/model.safetensors heads/smollm2-135m-eagle3/metrics.jsonl
        heads/smollm2-135m-eagle3/curves.html tests/fixtures datasets/regenerated)
+# KEEP_HEAD=1 keeps the committed head's weights (20 MB): the SmolLM2 scripts bench with it.
+[[ "${KEEP_HEAD:-0}" == 1 ]] && HEAVY=("${HEAVY[@]:1}")
 if ! git diff --quiet HEAD; then
   echo "lean_tree: commit or stash your changes first (git checkout would carry them along)" >&2
   exit 1

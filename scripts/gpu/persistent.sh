@@ -8,6 +8,7 @@
 # plus tree 3/4/8 on the default kernels as the old baseline.
 # Knobs: SHAPES (default 3/1/4 3/4/8), HF=0, TESTS=0.
 #   here:     cargo build --release && bash scripts/gpu/persistent.sh pack   # .device/a .. .device/e
+#             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter   # the tree and a piece exceed 64 MiB otherwise
 #   call 1 (carry .device/a): bash scripts/gpu/persistent.sh a
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/persistent.sh piece b|c|d
 #   call 5 (carry .device/e): bash scripts/gpu/persistent.sh start;  later calls: bash ... wait
