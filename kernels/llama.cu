@@ -1038,7 +1038,9 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
 // token bit-identical logits, and greedy speculative output equals target-only output when
 // every step of both runs here.
 
+#ifndef PERSIST_THREADS  // TANDEM_CUDA_PERSISTENT_WARPS=8 compiles it with 256
 #define PERSIST_THREADS 512
+#endif
 #define PERSIST_WARPS (PERSIST_THREADS / 32)
 #define PERSIST_ATT_CHUNK 32
 #define PERSIST_MAX_DIMS 8   // head_dim <= 256
@@ -1063,16 +1065,26 @@ struct PersistLayer {
 // groups' grid sync): block 0 adds 2^31 - (blocks - 1), the others 1, so the top bit flips once
 // per barrier and the low bits come back to where they were; each block waits for the flip.
 // Every block must be resident (one block per SM, launched cooperatively).
-__device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
+__device__ __forceinline__ void grid_barrier(unsigned int* arrived, unsigned long long* profile,
+                                             int& slot) {
     __syncthreads();
     if (threadIdx.x == 0) {
+        // Profiling (TANDEM_CUDA_PERSISTENT_PROFILE=1): block 0's clock when it arrives and
+        // when it leaves each barrier, so the host can tell phases' work from their waits.
+        if (profile != nullptr && blockIdx.x == 0) {
+            profile[2 * slot] = clock64();
+        }
         const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
         __threadfence();
         const unsigned int old = atomicAdd(arrived, add);
         while (((old ^ *(volatile unsigned int*)arrived) & 0x80000000u) == 0) {
         }
         __threadfence();
+        if (profile != nullptr && blockIdx.x == 0) {
+            profile[2 * slot + 1] = clock64();
+        }
     }
+    ++slot;
     __syncthreads();
 }
 
@@ -1145,29 +1157,28 @@ __device__ __forceinline__ void persist_tap(const float* hidden, int point, int 
     }
 }
 
-// One warp's attention over one chunk of 32 cache columns for one row and head: the chunk's
-// largest score m, l = sum exp(s - m) and the unnormalised output sum exp(s - m) v (lane owns
-// output dims lane * DIMS ..), into out = [m, l, out[head_dim]]; m = -inf when the row sees no
-// column of the chunk. The value rows are loaded before the scores are known (they do not
-// depend on them), GROUP rows at a time (all 32 at head_dim <= 64), so a chunk waits for about
-// one trip to memory, not one per group of columns. `q_warp` holds the scaled query (shared).
+// One warp's attention over one chunk of up to 32 of a row's visible keys for one head:
+// `cols[0 .. n)` their cache columns (1 <= n <= 32). Writes out = [m, l, o[head_dim]]: the
+// chunk's largest score m, l = sum exp(s - m) and the unnormalised output o = sum exp(s - m) v
+// (lane owns output dims lane * DIMS ..). The value rows are loaded before the scores are known
+// (they do not depend on them), GROUP rows at a time (all 32 at head_dim <= 64), so a chunk
+// waits for about two trips to memory (its columns, then keys and values together).
+// `q_warp` holds the scaled query (shared).
 template <int DIMS>
 __device__ __forceinline__ void persist_attend(const float* q_warp, const unsigned short* k_cache,
                                                const unsigned short* v_cache, size_t base,
-                                               const float* mask_row, int c0, int total,
+                                               const int* cols, int n, const float* mask_row,
                                                int head_dim, float* out) {
     constexpr int VW = DIMS >= 2 ? DIMS / 2 : 1;  // 32-bit words of a lane's values per row
     constexpr int GROUP = 32 / VW;                 // value rows loaded at once
     const int lane = threadIdx.x & 31;
-    const int n = min(32, total - c0);
-    const int j = c0 + lane;
+    const int j = __ldcg(cols + min(lane, n - 1));  // lanes past n repeat the last key, weight 0
     unsigned int vv[GROUP][VW];
     auto load_values = [&](int g) {
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
-            // Columns past the chunk's last re-read it; their weight is 0.
-            const unsigned short* vj =
-                v_cache + base + (size_t)(c0 + min(g + u, n - 1)) * head_dim + lane * DIMS;
+            const int col = __shfl_sync(0xffffffffu, j, min(g + u, n - 1));
+            const unsigned short* vj = v_cache + base + (size_t)col * head_dim + lane * DIMS;
             if (DIMS == 1) {
                 vv[u][0] = __ldcg(vj);
             } else if (DIMS == 2) {
@@ -1187,54 +1198,48 @@ __device__ __forceinline__ void persist_attend(const float* q_warp, const unsign
     };
     load_values(0);
     float s = NEG_INF;
-    if (j < total) {
-        const float bias = mask_row[j];
-        if (bias != NEG_INF) {
-            const uint4* kj = reinterpret_cast<const uint4*>(k_cache + base + (size_t)j * head_dim);
-            float dot = 0.0f;
+    if (lane < n) {
+        const uint4* kj = reinterpret_cast<const uint4*>(k_cache + base + (size_t)j * head_dim);
+        float dot = 0.0f;
 #pragma unroll 8
-            for (int v8 = 0; v8 < (head_dim >> 3); ++v8) {
-                const uint4 w = __ldcg(kj + v8);
-                const float* qq = q_warp + v8 * 8;
-                dot += qq[0] * __uint_as_float(w.x << 16) + qq[1] * __uint_as_float(w.x & 0xffff0000u);
-                dot += qq[2] * __uint_as_float(w.y << 16) + qq[3] * __uint_as_float(w.y & 0xffff0000u);
-                dot += qq[4] * __uint_as_float(w.z << 16) + qq[5] * __uint_as_float(w.z & 0xffff0000u);
-                dot += qq[6] * __uint_as_float(w.w << 16) + qq[7] * __uint_as_float(w.w & 0xffff0000u);
-            }
-            s = dot + bias;
+        for (int v8 = 0; v8 < (head_dim >> 3); ++v8) {
+            const uint4 w = __ldcg(kj + v8);
+            const float* qq = q_warp + v8 * 8;
+            dot += qq[0] * __uint_as_float(w.x << 16) + qq[1] * __uint_as_float(w.x & 0xffff0000u);
+            dot += qq[2] * __uint_as_float(w.y << 16) + qq[3] * __uint_as_float(w.y & 0xffff0000u);
+            dot += qq[4] * __uint_as_float(w.z << 16) + qq[5] * __uint_as_float(w.z & 0xffff0000u);
+            dot += qq[6] * __uint_as_float(w.w << 16) + qq[7] * __uint_as_float(w.w & 0xffff0000u);
         }
+        s = dot + mask_row[j];
     }
     float m = s;
     for (int offset = 16; offset > 0; offset >>= 1) {
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     }
-    float l = 0.0f;
+    const float p = s == NEG_INF ? 0.0f : expf(s - m);
+    const float l = warp_sum(p);
     float acc[DIMS];
 #pragma unroll
     for (int t = 0; t < DIMS; ++t) {
         acc[t] = 0.0f;
     }
-    if (m != NEG_INF) {  // warp-uniform
-        const float p = s == NEG_INF ? 0.0f : expf(s - m);
-        l = warp_sum(p);
-        for (int g = 0; g < 32; g += GROUP) {
-            if (g >= n) {
-                break;  // warp-uniform
-            }
-            if (g > 0) {
-                load_values(g);
-            }
+    for (int g = 0; g < 32; g += GROUP) {
+        if (g >= n) {
+            break;  // warp-uniform
+        }
+        if (g > 0) {
+            load_values(g);
+        }
 #pragma unroll
-            for (int u = 0; u < GROUP; ++u) {
-                const float pj = __shfl_sync(0xffffffffu, p, g + u);
+        for (int u = 0; u < GROUP; ++u) {
+            const float pj = __shfl_sync(0xffffffffu, p, g + u);
 #pragma unroll
-                for (int t = 0; t < DIMS; ++t) {
-                    const unsigned int word = vv[u][t / 2 % VW];
-                    const float v = DIMS == 1 ? bf16_to_f32((unsigned short)word)
-                                              : (t % 2 == 0 ? __uint_as_float(word << 16)
-                                                            : __uint_as_float(word & 0xffff0000u));
-                    acc[t] += pj * v;
-                }
+            for (int t = 0; t < DIMS; ++t) {
+                const unsigned int word = vv[u][t / 2 % VW];
+                const float v = DIMS == 1 ? bf16_to_f32((unsigned short)word)
+                                          : (t % 2 == 0 ? __uint_as_float(word << 16)
+                                                        : __uint_as_float(word & 0xffff0000u));
+                acc[t] += pj * v;
             }
         }
     }
@@ -1248,15 +1253,66 @@ __device__ __forceinline__ void persist_attend(const float* q_warp, const unsign
     }
 }
 
+// One (row, head)'s attention output from its `chunks` partials (in chunk order, so the sums
+// do not depend on which warp combines nor when): bf16 into `dst` [head_dim]. Chunks the row
+// has no key in (m = -inf) add exact zeros, so a step with more chunks gives the same bits.
+__device__ __forceinline__ void persist_combine(const float* part, int chunks, int partial_width,
+                                                int dims, unsigned short* dst) {
+    const int lane = threadIdx.x & 31;
+    float m_all = NEG_INF;
+    for (int c = lane; c < chunks; c += 32) {
+        m_all = fmaxf(m_all, __ldcg(part + (size_t)c * partial_width));
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        m_all = fmaxf(m_all, __shfl_xor_sync(0xffffffffu, m_all, offset));
+    }
+    float l_all = 0.0f;
+    float o[PERSIST_MAX_DIMS];
+#pragma unroll
+    for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+        o[t] = 0.0f;
+    }
+    for (int c0 = 0; c0 < chunks; c0 += 32) {
+        const int c = min(c0 + lane, chunks - 1);
+        const float mc = __ldcg(part + (size_t)c * partial_width);
+        const float lc = __ldcg(part + (size_t)c * partial_width + 1);
+        const float f = c0 + lane >= chunks || mc == NEG_INF ? 0.0f : expf(mc - m_all);
+        const float lterm = f == 0.0f ? 0.0f : lc * f;
+        const int n = min(32, chunks - c0);
+#pragma unroll 4
+        for (int u = 0; u < n; ++u) {
+            const float fu = __shfl_sync(0xffffffffu, f, u);
+            l_all += __shfl_sync(0xffffffffu, lterm, u);
+            const float* pc = part + (size_t)(c0 + u) * partial_width + 2 + lane * dims;
+#pragma unroll
+            for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+                if (t < dims) {
+                    const float a = __ldcg(pc + t);
+                    o[t] += fu == 0.0f ? 0.0f : a * fu;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+        if (t < dims) {
+            dst[lane * dims + t] = f32_to_bf16(o[t] / l_all);
+        }
+    }
+}
+
 // One step of at most GEMV_MAX_ROWS rows (`rows` = batch * width, sequence-major) through
 // every layer: tokens -> `hidden` (the f32 residual, [rows, hidden]) -> logits of the rows in
 // `logit_rows` (null: rows 0 .. n_logit_rows - 1) into `logits` ([n_logit_rows, vocab] f32).
 // Scratch: `q` [rows, heads * head_dim] f32; `partials` [rows * heads, ceil(capacity / chunk),
-// head_dim + 2] f32 (each chunk's max, sum of exponentials and unnormalised output); `act`
-// [rows, inter] bf16; `arrived` one u32 (zero before the first launch, left as it was after
-// each). Cache columns, mask and `step_scalars` as in rope_qkv / attention. Grid: one block per
-// SM (cooperative launch); block PERSIST_THREADS; dynamic shared memory: rows * max(hidden,
-// heads * head_dim) bf16, then PERSIST_WARPS * head_dim f32.
+// head_dim + 2] f32 (each chunk's max, sum of exponentials and unnormalised output); `visible`
+// [rows, capacity] i32 then [rows] i32 (each row's visible columns in order, then their count);
+// `pair_arrivals` [rows * heads] i32 and `arrived` one u32 (zero before the first launch and
+// left so after each); `attn` [rows, heads * head_dim] bf16; `act` [rows, inter] bf16;
+// `profile` (optional) [2 * (5 * layers + 1) + 1] u64. Cache columns, mask and `step_scalars` as
+// in rope_qkv / attention. Grid: one block per SM (cooperative launch); block PERSIST_THREADS;
+// dynamic shared memory: rows * hidden bf16 (the normed rows), then PERSIST_WARPS * head_dim
+// f32 (each warp's query).
 extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 const unsigned short* __restrict__ embed, const unsigned int* __restrict__ tokens,
@@ -1264,8 +1320,10 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 const float* __restrict__ mask, const int* __restrict__ step_scalars,
                 const unsigned short* __restrict__ final_norm,
                 const unsigned short* __restrict__ lm_head, const int* __restrict__ logit_rows,
-                int n_logit_rows, float* hidden, float* q, float* partials, unsigned short* act,
-                float* __restrict__ logits, unsigned int* arrived, int layers, int rows,
+                int n_logit_rows, float* hidden, float* q, float* partials, int* visible,
+                int* pair_arrivals, unsigned short* attn, unsigned short* act,
+                float* __restrict__ logits, unsigned int* arrived,
+                unsigned long long* profile, int layers, int rows,
                 int width, int hidden_size, int heads, int kv_heads, int head_dim, int inter,
                 int capacity, int col0, int total, int vocab, float eps, float scale) {
     extern __shared__ uint4 persist_shared[];
@@ -1277,6 +1335,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
     const int nwarps = gridDim.x * PERSIST_WARPS;
     const int gthread = blockIdx.x * blockDim.x + threadIdx.x;
     const int nthreads = gridDim.x * blockDim.x;
+    int slot = 0;  // barriers passed (the profile's index)
     if (step_scalars != nullptr) {
         col0 = step_scalars[0];
         total = step_scalars[1];
@@ -1295,7 +1354,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
     const int max_chunks = (capacity + PERSIST_ATT_CHUNK - 1) / PERSIST_ATT_CHUNK;
     const int chunks = (total + PERSIST_ATT_CHUNK - 1) / PERSIST_ATT_CHUNK;
     const int partial_width = head_dim + 2;
-    const int stage_width = max(hidden_size, q_dim);
+    const int stage_width = hidden_size;
     unsigned short* stage = reinterpret_cast<unsigned short*>(persist_shared);
     float* q_warp =
         reinterpret_cast<float*>(stage + (size_t)rows * stage_width) + warp * head_dim;
@@ -1304,6 +1363,28 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
     for (int i = gthread; i < hidden_n; i += nthreads) {
         const int r = i / hidden_size;
         hidden[i] = bf16_to_f32(embed[(size_t)tokens[r] * hidden_size + i % hidden_size]);
+    }
+    // Each row's visible columns, in order. Attention chunks count a row's visible keys, not
+    // cache columns, so its sums do not depend on where the keys sit in the cache: a
+    // speculative cache keeps rejected drafts as hidden columns between accepted ones, a
+    // target-only cache has none, and both must give a token the same bits.
+    int* counts = visible + (size_t)rows * capacity;
+    for (int r = gwarp; r < rows; r += nwarps) {
+        const float* mask_row = mask + (size_t)r * total;
+        int* list = visible + (size_t)r * capacity;
+        int count = 0;
+        for (int c0 = 0; c0 < total; c0 += 32) {
+            const int j = c0 + lane;
+            const bool seen = j < total && mask_row[j] != NEG_INF;
+            const unsigned int ballot = __ballot_sync(0xffffffffu, seen);
+            if (seen) {
+                list[count + __popc(ballot & ((1u << lane) - 1u))] = j;
+            }
+            count += __popc(ballot);
+        }
+        if (lane == 0) {
+            counts[r] = count;
+        }
     }
     // This warp's first q|k|v pair, loaded before the barrier.
     auto qkv_weights = [&](const PersistLayer& layer, int t, bool load) {
@@ -1314,7 +1395,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                               load);
     };
     WarpWeights<2> first_qkv = qkv_weights(table_layers[0], gwarp, gwarp < pairs);
-    grid_barrier(arrived);
+    grid_barrier(arrived, profile, slot);
     persist_tap(hidden, 0, hidden_n, tap_point, tap_dst, tap_slots, gthread, nthreads);
 
     for (int k = 0; k < layers; ++k) {
@@ -1372,84 +1453,73 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 cur = next;
             }
         }
-        grid_barrier(arrived);
+        grid_barrier(arrived, profile, slot);
 
-        // ---- attention: one warp per (row, head, chunk of PERSIST_ATT_CHUNK columns) ----
+        // ---- attention: one warp per (row, head, chunk of PERSIST_ATT_CHUNK visible keys);
+        // the last warp of a (row, head) to finish combines its chunks into `attn` ----
         for (int item = gwarp; item < rows * heads * chunks; item += nwarps) {
             const int c = item % chunks;
             const int rh = item / chunks;  // r * heads + h
             const int r = rh / heads;
             const int h = rh % heads;
-            const int b = r / width;
-            const int kvh = h / (heads / kv_heads);
-            for (int d = lane; d < head_dim; d += 32) {
-                q_warp[d] = __ldcg(q + (size_t)rh * head_dim + d) * scale;
+            float* part = partials + (size_t)rh * max_chunks * partial_width;
+            float* out = part + (size_t)c * partial_width;
+            const int n = min(PERSIST_ATT_CHUNK, __ldcg(counts + r) - c * PERSIST_ATT_CHUNK);
+            if (n <= 0) {
+                // No key of this row here: a hidden chunk (exact zeros for the combine).
+                for (int i = lane; i < partial_width; i += 32) {
+                    out[i] = i == 0 ? NEG_INF : 0.0f;
+                }
+            } else {
+                const int b = r / width;
+                const int kvh = h / (heads / kv_heads);
+                for (int d = lane; d < head_dim; d += 32) {
+                    q_warp[d] = __ldcg(q + (size_t)rh * head_dim + d) * scale;
+                }
+                __syncwarp();
+                const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
+                const float* mask_row = mask + (size_t)r * total;
+                const int* cols = visible + (size_t)r * capacity + c * PERSIST_ATT_CHUNK;
+                switch (dims) {
+                case 1:
+                    persist_attend<1>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    break;
+                case 2:
+                    persist_attend<2>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    break;
+                case 4:
+                    persist_attend<4>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    break;
+                default:
+                    persist_attend<8>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    break;
+                }
             }
+            // Every lane's partial visible device-wide before the arrival is counted.
+            __threadfence();
             __syncwarp();
-            const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
-            const float* mask_row = mask + (size_t)r * total;
-            float* out = partials + ((size_t)rh * max_chunks + c) * partial_width;
-            const int c0 = c * PERSIST_ATT_CHUNK;
-            switch (dims) {
-            case 1:
-                persist_attend<1>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
-                break;
-            case 2:
-                persist_attend<2>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
-                break;
-            case 4:
-                persist_attend<4>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
-                break;
-            default:
-                persist_attend<8>(q_warp, layer.k_cache, layer.v_cache, base, mask_row, c0, total, head_dim, out);
-                break;
+            int arrival = 0;
+            if (lane == 0) {
+                arrival = atomicAdd(pair_arrivals + rh, 1);
+            }
+            arrival = __shfl_sync(0xffffffffu, arrival, 0);
+            if (arrival == chunks - 1) {
+                // Every chunk of this (row, head) is written: combine, and reset the counter for
+                // the next layer (whose arrivals follow a grid barrier).
+                __threadfence();
+                persist_combine(part, chunks, partial_width, dims,
+                                attn + (size_t)r * q_dim + h * head_dim);
+                if (lane == 0) {
+                    pair_arrivals[rh] = 0;
+                }
             }
             __syncwarp();
         }
         WarpWeights<1> first_o(layer.o + (size_t)min(gwarp, hidden_size - 1) * q_dim, nullptr,
                                q_dim, gwarp < hidden_size);
-        grid_barrier(arrived);
+        grid_barrier(arrived, profile, slot);
 
-        // ---- o_proj into the residual; every block first combines the chunks' partials into
-        // the attention output (bf16, as the attention kernel writes it) in shared memory ----
-        for (int rh = warp; rh < rows * heads; rh += PERSIST_WARPS) {
-            const float* part = partials + (size_t)rh * max_chunks * partial_width;
-            float m_all = NEG_INF;
-            for (int c = 0; c < chunks; ++c) {
-                m_all = fmaxf(m_all, __ldcg(part + (size_t)c * partial_width));
-            }
-            float l_all = 0.0f;
-            float o[PERSIST_MAX_DIMS];
-#pragma unroll
-            for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-                o[t] = 0.0f;
-            }
-            for (int c = 0; c < chunks; ++c) {
-                const float* pc = part + (size_t)c * partial_width;
-                const float mc = __ldcg(pc);
-                if (mc == NEG_INF) {
-                    continue;
-                }
-                const float f = expf(mc - m_all);
-                l_all += __ldcg(pc + 1) * f;
-#pragma unroll
-                for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-                    if (t < dims) {
-                        o[t] += __ldcg(pc + 2 + lane * dims + t) * f;
-                    }
-                }
-            }
-            const int r = rh / heads;
-            const int h = rh % heads;
-#pragma unroll
-            for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-                if (t < dims) {
-                    stage[(size_t)r * q_dim + h * head_dim + lane * dims + t] =
-                        f32_to_bf16(o[t] / l_all);
-                }
-            }
-        }
-        __syncthreads();
+        // ---- o_proj into the residual (attn read from L2: other blocks wrote it) ----
         {
             WarpWeights<1> cur = first_o;
             for (int o = gwarp; o < hidden_size; o += nwarps) {
@@ -1457,7 +1527,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 const WarpWeights<1> next(layer.o + (size_t)min(on, hidden_size - 1) * q_dim,
                                           nullptr, q_dim, on < hidden_size);
                 float sums[1];
-                warp_dots<1>(cur, stage, rows, sums);
+                warp_dots<1, true>(cur, attn, rows, sums);
                 const int r = lane >> 2;
                 if ((lane & 3) == 0 && r < rows) {
                     float* dst = hidden + (size_t)r * hidden_size + o;
@@ -1473,7 +1543,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                                   hidden_size, load);
         };
         WarpWeights<2> first_gate_up = gate_up_weights(gwarp, gwarp < inter);
-        grid_barrier(arrived);
+        grid_barrier(arrived, profile, slot);
 
         // ---- post-attention norm, gate|up, SwiGLU (norm_gate_up_silu) ----
         persist_stage_normed(hidden, layer.post_norm, stage, rows, hidden_size, eps, nullptr);
@@ -1493,7 +1563,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
         }
         WarpWeights<1> first_down(layer.down + (size_t)min(gwarp, hidden_size - 1) * inter,
                                   nullptr, inter, gwarp < hidden_size);
-        grid_barrier(arrived);
+        grid_barrier(arrived, profile, slot);
 
         // ---- down_proj into the residual (act read from L2: other blocks wrote it) ----
         {
@@ -1515,7 +1585,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
         if (k + 1 < layers) {
             first_qkv = qkv_weights(table_layers[k + 1], gwarp, gwarp < pairs);
         }
-        grid_barrier(arrived);
+        grid_barrier(arrived, profile, slot);
     }
 
     // ---- the last block's tap, the final norm (and its tap), the logits ----
@@ -1527,6 +1597,9 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
         }
     }
     if (n_logit_rows == 0) {
+        if (profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+            profile[2 * slot] = clock64();
+        }
         return;
     }
     // Two vocabulary rows per warp and unit; the next unit's weights load while this one sums.
@@ -1551,5 +1624,8 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
             }
         }
         cur = next;
+    }
+    if (profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+        profile[2 * slot] = clock64();
     }
 }

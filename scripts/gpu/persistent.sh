@@ -35,7 +35,9 @@ wait)
   cat "$R/phases.txt"
   grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -40
   grep -h "persistent step:" "$R"/fast-bench*.log
+  grep -h "persistent profile" "$R"/fast-bench-profile.log
   cat "$R/fast-bench.md" 2>/dev/null
+  grep -E "persistent" "$R/fast-bench-8warps.md" 2>/dev/null | sed 's/^/8 WARPS /'
   grep -E "^\|" "$R/fast-bench-plain.md" 2>/dev/null | sed 's/^/PLAIN /'
   tail -n 6 "$R/hf.log" 2>/dev/null
   cat "$R/summary.txt" 2>/dev/null
@@ -62,6 +64,16 @@ pipeline)
       > "$R/fast-bench-plain.md" 2> "$R/fast-bench-plain.log"
     echo "fast-bench, plain launch: exit $?" | tee -a "$R/summary.txt"
   fi
+  # Where a persistent step's time goes (block 0's clock at every grid barrier), and the same
+  # step compiled with 8 warps a block (twice the registers per thread).
+  TANDEM_CUDA_PERSISTENT_PROFILE=1 timeout 120 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4 \
+    --new-tokens 32 --repeats 1 --graphs-only --fused off --persistent \
+    > "$R/fast-bench-profile.md" 2> "$R/fast-bench-profile.log"
+  echo "fast-bench with the profile: exit $?" | tee -a "$R/summary.txt"
+  TANDEM_CUDA_PERSISTENT_WARPS=8 timeout 200 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4,8 \
+    --new-tokens 64 --repeats 3 --with-taps --graphs-only --fused off --persistent \
+    > "$R/fast-bench-8warps.md" 2> "$R/fast-bench-8warps.log"
+  echo "fast-bench, 8 warps a block: exit $?" | tee -a "$R/summary.txt"
   mark "fast-bench done"
   for s in ${SHAPES:-3/1/4 3/4/8}; do
     TANDEM_CUDA_PERSISTENT=8 bench "$W/head" persistent "$s"

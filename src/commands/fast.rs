@@ -237,9 +237,9 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     if args.persistent {
         kernel_modes.push((0, tandem_cuda::GEMV_MAX_ROWS));
     }
-    let (regs, spilled, sms) = gpu.persistent_resources()?;
+    let (regs, spilled, sms, warps) = gpu.persistent_resources()?;
     eprintln!(
-        "persistent step: {regs} registers and {spilled} spilled bytes per thread, one block on each of {sms} SMs"
+        "persistent step: {regs} registers and {spilled} spilled bytes per thread, one block of {warps} warps on each of {sms} SMs"
     );
     let modes = graph_modes
         .iter()
@@ -273,6 +273,23 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                         Ok(out.logits.expect("logits").argmax()?)
                     },
                 )?;
+                if let Some(profile) = model
+                    .persistent_profile()?
+                    .filter(|_| kernels == "persistent")
+                {
+                    // Block 0's clock over the last step (TANDEM_CUDA_PERSISTENT_PROFILE=1).
+                    let phases: Vec<String> = profile
+                        .phases
+                        .iter()
+                        .map(|(name, work, wait)| format!("{name} {work}+{wait}"))
+                        .collect();
+                    eprintln!(
+                        "persistent profile, decode batch {batch}, taps {}: cycles work+wait by phase (all layers): {}; final {}",
+                        taps.taps.len(),
+                        phases.join(", "),
+                        profile.final_cycles
+                    );
+                }
                 let row = FastBenchRow {
                     graphs,
                     kernels,

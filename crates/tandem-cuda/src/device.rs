@@ -32,17 +32,24 @@ const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
 /// start-up: `kernels/common.cuh` first (NVRTC gets no include path), then a `#line` directive
 /// so that messages give the line numbers of the source itself.
 pub(crate) fn compile_source(source: &str, name: &str) -> Result<Ptx, CudaError> {
-    compile_source_for(source, name, false)
+    compile_source_for(source, name, false, "")
 }
 
 /// [`compile_source`], with `programmatic` for a GPU that has programmatic dependent launch
 /// (sm_90 and later): `TANDEM_PDL` defined (see kernels/common.cuh) and PTX for compute_90.
-fn compile_source_for(source: &str, name: &str, programmatic: bool) -> Result<Ptx, CudaError> {
-    let define = if programmatic {
+/// `defines`: more `#define` lines in front of the source.
+fn compile_source_for(
+    source: &str,
+    name: &str,
+    programmatic: bool,
+    defines: &str,
+) -> Result<Ptx, CudaError> {
+    let pdl = if programmatic {
         "#define TANDEM_PDL 1\n"
     } else {
         ""
     };
+    let define = format!("{pdl}{defines}");
     Ok(compile_ptx_with_opts(
         format!("{define}{COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}"),
         CompileOptions {
@@ -71,7 +78,13 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
         ));
     }
     compile_source(KERNEL_SOURCE, "llama.cu")?;
-    compile_source_for(KERNEL_SOURCE, "llama.cu", true)?;
+    compile_source_for(KERNEL_SOURCE, "llama.cu", true, "")?;
+    compile_source_for(
+        KERNEL_SOURCE,
+        "llama.cu",
+        false,
+        "#define PERSIST_THREADS 256\n",
+    )?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
     Ok(vec!["kernels/llama.cu", "kernels/train.cu"])
 }
@@ -86,7 +99,8 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Threads per block of the fused small-step kernels (4 warps, one output row or pair each).
 const GEMV_THREADS: u32 = 128;
 
-/// Warps per block of `persistent_step` (PERSIST_WARPS in kernels/llama.cu).
+/// Warps per block of `persistent_step` (PERSIST_WARPS in kernels/llama.cu), the most it is
+/// compiled with (shared memory is sized for it).
 const PERSISTENT_WARPS: usize = 16;
 
 /// Cache columns per attention partial of `persistent_step` (PERSIST_ATT_CHUNK).
@@ -119,9 +133,17 @@ pub(crate) struct PersistentStep<'a> {
     pub hidden: &'a CudaSlice<f32>,
     pub q: &'a CudaSlice<f32>,
     pub partials: &'a CudaSlice<f32>,
+    /// Each row's visible columns, then their counts: `[rows, capacity]` then `[rows]`.
+    pub visible: &'a CudaSlice<i32>,
+    /// Chunks of each (row, head) done in the current layer (zero between launches).
+    pub pair_arrivals: &'a CudaSlice<i32>,
+    /// The attention output, `[rows, heads * head_dim]` bf16.
+    pub attn: &'a CudaSlice<u16>,
     pub act: &'a CudaSlice<u16>,
     /// The grid barrier's counter (one u32, zero before the first launch).
     pub arrived: &'a CudaSlice<u32>,
+    /// Block 0's clocks at each barrier ([`Gpu::persistent_profile_len`]), when profiling.
+    pub profile: Option<&'a CudaSlice<u64>>,
     pub layers: usize,
     pub shape: AttentionShape,
     pub hidden_size: usize,
@@ -178,6 +200,8 @@ pub struct Gpu {
     programmatic: bool,
     /// Streaming multiprocessors: the persistent step runs one block on each.
     sm_count: usize,
+    /// Warps per block of the persistent step (PERSIST_THREADS / 32 as compiled).
+    persistent_warps: usize,
     /// Whether the persistent step launches cooperatively (the driver then guarantees that
     /// every block is resident, which its grid barriers need); `TANDEM_CUDA_COOPERATIVE=0`
     /// launches it plainly (one block per SM is resident in practice).
@@ -276,7 +300,18 @@ impl Gpu {
         // Off unless asked for: on the H200 the fused batch-1 decode took 1.04 ms with it and
         // 0.86 ms without (BENCHMARKS.md, session 18).
         let programmatic = major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1");
-        let ptx = compile_source_for(KERNEL_SOURCE, "llama.cu", programmatic)?;
+        // The persistent step's block: 16 warps, or 8 with TANDEM_CUDA_PERSISTENT_WARPS=8
+        // (twice the registers per thread).
+        let persistent_warps = match std::env::var("TANDEM_CUDA_PERSISTENT_WARPS").as_deref() {
+            Ok("8") => 8,
+            _ => PERSISTENT_WARPS,
+        };
+        let ptx = compile_source_for(
+            KERNEL_SOURCE,
+            "llama.cu",
+            programmatic,
+            &format!("#define PERSIST_THREADS {}\n", persistent_warps * 32),
+        )?;
         let module = ctx.load_module(ptx)?;
         let kernels = Kernels {
             embed_rows: module.load_function("embed_rows")?,
@@ -312,6 +347,7 @@ impl Gpu {
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             programmatic,
             sm_count,
+            persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
@@ -1071,15 +1107,17 @@ impl Gpu {
             * (shape.head_dim + 2)
     }
 
-    /// Dynamic shared memory of `persistent_step` at `rows` rows: the staged bf16 input rows
-    /// (normed residual or attention output), then one f32 query per warp.
-    pub fn persistent_shared_bytes(
-        rows: usize,
-        hidden: usize,
-        q_dim: usize,
-        head_dim: usize,
-    ) -> usize {
-        rows * hidden.max(q_dim) * 2 + PERSISTENT_WARPS * head_dim * 4
+    /// Dynamic shared memory of `persistent_step` at `rows` rows: the staged bf16 normed rows,
+    /// then one f32 query per warp.
+    pub fn persistent_shared_bytes(rows: usize, hidden: usize, head_dim: usize) -> usize {
+        rows * hidden * 2 + PERSISTENT_WARPS * head_dim * 4
+    }
+
+    /// Entries of the persistent step's profile (`TANDEM_CUDA_PERSISTENT_PROFILE=1`): block 0's
+    /// clock at the arrival at and release from each of its `5 * layers + 1` barriers, then at
+    /// its end.
+    pub fn persistent_profile_len(layers: usize) -> usize {
+        2 * (5 * layers + 1) + 1
     }
 
     /// Whether `persistent_step` takes a step of `rows` rows of a model of these dimensions
@@ -1093,23 +1131,23 @@ impl Gpu {
         inter: usize,
         tap_slots: usize,
     ) -> bool {
-        let q_dim = heads * head_dim;
         Self::fused_layer_fits(rows, 1, hidden, heads, kv_heads, head_dim, inter)
             && [32, 64, 128, 256].contains(&head_dim)
             && tap_slots <= PERSISTENT_MAX_TAPS
-            && Self::persistent_shared_bytes(rows, hidden, q_dim, head_dim) <= GEMV_MAX_SHARED_BYTES
+            && Self::persistent_shared_bytes(rows, hidden, head_dim) <= GEMV_MAX_SHARED_BYTES
     }
 
     /// Registers per thread and local (spilled) bytes per thread of the persistent step as the
-    /// driver compiled it, and the SMs it runs one block on: what `fast-bench` prints next to
-    /// its times.
-    pub fn persistent_resources(&self) -> Result<(i32, i32, usize), CudaError> {
+    /// driver compiled it, the SMs it runs one block on and the warps of that block: what
+    /// `fast-bench` prints next to its times.
+    pub fn persistent_resources(&self) -> Result<(i32, i32, usize, usize), CudaError> {
         use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
         let f = &self.kernels.persistent_step;
         Ok((
             f.num_regs()?,
             f.get_attribute(Attr::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
             self.sm_count,
+            self.persistent_warps,
         ))
     }
 
@@ -1136,6 +1174,12 @@ impl Gpu {
         assert!(step.mask.len() >= rows * step.total && step.inv_freq.len() >= s.head_dim / 2);
         assert!(step.hidden.len() >= rows * h && step.q.len() >= rows * q_dim);
         assert!(step.partials.len() >= Self::persistent_partials(s));
+        assert!(step.visible.len() >= rows * (s.capacity + 1));
+        assert!(step.pair_arrivals.len() >= rows * s.heads && step.attn.len() >= rows * q_dim);
+        assert!(
+            step.profile
+                .is_none_or(|p| p.len() >= Self::persistent_profile_len(step.layers))
+        );
         assert!(step.act.len() >= rows * inter && step.embed.len() >= vocab * h);
         assert!(step.lm_head.len() >= vocab * h && step.final_norm.len() >= h);
         assert!(qkv_dim.is_multiple_of(2));
@@ -1163,9 +1207,13 @@ impl Gpu {
             .buffer(self, step.hidden)
             .buffer(self, step.q)
             .buffer(self, step.partials)
+            .buffer(self, step.visible)
+            .buffer(self, step.pair_arrivals)
+            .buffer(self, step.attn)
             .buffer(self, step.act)
             .optional(self, step.logits.map(|(l, _)| l))
             .buffer(self, step.arrived)
+            .optional(self, step.profile)
             .int(step.layers)
             .int(rows)
             .int(s.width)
@@ -1182,8 +1230,8 @@ impl Gpu {
             .float(1.0 / (s.head_dim as f32).sqrt());
         let cfg = LaunchConfig {
             grid_dim: (self.sm_count as u32, 1, 1),
-            block_dim: (PERSISTENT_WARPS as u32 * 32, 1, 1),
-            shared_mem_bytes: Self::persistent_shared_bytes(rows, h, q_dim, s.head_dim) as u32,
+            block_dim: (self.persistent_warps as u32 * 32, 1, 1),
+            shared_mem_bytes: Self::persistent_shared_bytes(rows, h, s.head_dim) as u32,
         };
         let attribute = self.cooperative.then(|| {
             use cudarc::driver::sys;

@@ -34,6 +34,7 @@ pub use error::CudaError;
 pub use graphs::GraphStats;
 pub use model::{
     CudaStepOutput, CudaTarget, DeviceLogits, FUSED_MAX_ROWS, GRAPH_BATCHES, GRAPH_MAX_WIDTH,
+    PersistentProfile,
 };
 pub use train::{
     AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, PinnedUpload, Replicas, STAGING_VALUES,

@@ -38,6 +38,9 @@ pub struct CudaTarget {
     persistent_rows: AtomicUsize,
     /// The persistent step's grid-barrier counter.
     barrier: CudaSlice<u32>,
+    /// Where the persistent step records block 0's clock at each barrier
+    /// (`TANDEM_CUDA_PERSISTENT_PROFILE=1`; see [`CudaTarget::persistent_profile`]).
+    profile: Option<CudaSlice<u64>>,
 }
 
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
@@ -60,8 +63,11 @@ struct StepBuffers {
     logits: Option<CudaSlice<f32>>,
     /// One per tap slot, `[rows, hidden]`.
     taps: Vec<CudaSlice<f32>>,
-    /// The persistent step's attention partials (steps it may take; empty otherwise).
+    /// The persistent step's attention partials, visible-column lists and per-(row, head)
+    /// arrival counters (steps it may take; one element otherwise).
     partials: CudaSlice<f32>,
+    visible: CudaSlice<i32>,
+    pair_arrivals: CudaSlice<i32>,
     /// The persistent step's table of layer and tap addresses, built for this step's cache
     /// before the step runs or is captured ([`CudaTarget::persistent_table`]).
     persistent_table: Option<CudaSlice<u64>>,
@@ -90,6 +96,7 @@ impl StepBuffers {
             LogitsFor::Last => shape.batch,
             LogitsFor::All => rows,
         };
+        let persists = target.persists(rows, taps.taps.len());
         let last_rows = if logits_for == LogitsFor::Last {
             shape.batch
         } else {
@@ -115,11 +122,17 @@ impl StepBuffers {
             taps: (0..taps.taps.len())
                 .map(|_| gpu.scratch(rows * h))
                 .collect::<Result<_, _>>()?,
-            partials: gpu.scratch(if target.persists(rows, taps.taps.len()) {
+            partials: gpu.scratch(if persists {
                 Gpu::persistent_partials(shape)
             } else {
                 1
             })?,
+            visible: gpu.scratch(if persists {
+                rows * (shape.capacity + 1)
+            } else {
+                1
+            })?,
+            pair_arrivals: gpu.zeros(if persists { rows * spec.num_heads } else { 1 })?,
             persistent_table: None,
             batch: shape.batch,
             width: shape.width,
@@ -324,6 +337,43 @@ fn rows_from_env(name: &str) -> usize {
         .map_or(0, |n| n.min(GEMV_MAX_ROWS))
 }
 
+/// [`CudaTarget::persistent_profile`]: block 0's cycles by phase of one persistent step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PersistentProfile {
+    /// `(phase, work cycles, barrier-wait cycles)`, phases in step order.
+    pub phases: Vec<(&'static str, u64, u64)>,
+    /// The final norm and the logits (no barrier after them).
+    pub final_cycles: u64,
+}
+
+impl PersistentProfile {
+    /// Phase names of a layer, in order.
+    pub const LAYER_PHASES: [&'static str; 5] = ["qkv", "attention", "o_proj", "gate_up", "down"];
+
+    /// From the clocks the kernel wrote: `[arrive, release]` per barrier, then the end.
+    pub fn from_clocks(clocks: &[u64], layers: usize) -> Self {
+        let barriers = 5 * layers + 1;
+        let mut phases: Vec<(&'static str, u64, u64)> = std::iter::once("embed")
+            .chain(Self::LAYER_PHASES)
+            .map(|name| (name, 0, 0))
+            .collect();
+        let mut released = None;
+        for i in 0..barriers {
+            let (arrive, release) = (clocks[2 * i], clocks[2 * i + 1]);
+            let phase = if i == 0 { 0 } else { 1 + (i - 1) % 5 };
+            let work = released.map_or(0, |r: u64| arrive.saturating_sub(r));
+            phases[phase].1 += work;
+            phases[phase].2 += release.saturating_sub(arrive);
+            released = Some(release);
+        }
+        let final_cycles = clocks[2 * barriers].saturating_sub(released.unwrap_or(0));
+        Self {
+            phases,
+            final_cycles,
+        }
+    }
+}
+
 /// A tap point's index in the persistent step's tap table: 0 the embedding, 1 + k block k,
 /// `layers + 1` the final norm.
 fn persistent_tap_point(tap: TapId, layers: usize) -> u64 {
@@ -366,6 +416,11 @@ impl CudaTarget {
             fused_rows: AtomicUsize::new(fused_rows_default()),
             persistent_rows: AtomicUsize::new(persistent_rows_default()),
             barrier: gpu.zeros::<u32>(1)?,
+            profile: if std::env::var("TANDEM_CUDA_PERSISTENT_PROFILE").is_ok_and(|v| v == "1") {
+                Some(gpu.zeros::<u64>(Gpu::persistent_profile_len(spec.num_layers))?)
+            } else {
+                None
+            },
             spec,
             gpu,
             weights,
@@ -398,6 +453,22 @@ impl CudaTarget {
 
     pub fn persistent_rows(&self) -> usize {
         self.persistent_rows.load(Ordering::Relaxed)
+    }
+
+    /// Where the last persistent step spent block 0's clock cycles, by phase (with
+    /// `TANDEM_CUDA_PERSISTENT_PROFILE=1`; `None` otherwise): for the embedding and each of a
+    /// layer's five phases (q|k|v, attention, o_proj, gate|up, down_proj; summed over layers)
+    /// the cycles its work took and the cycles it then waited at the grid barrier, and the
+    /// cycles of the final norm and logits.
+    pub fn persistent_profile(&self) -> Result<Option<PersistentProfile>, CudaError> {
+        let Some(buffer) = &self.profile else {
+            return Ok(None);
+        };
+        let clocks = self.gpu.download(buffer)?;
+        Ok(Some(PersistentProfile::from_clocks(
+            &clocks,
+            self.spec.num_layers,
+        )))
     }
 
     /// Whether a step of `rows` rows with `tap_slots` taps runs the persistent step: within the
@@ -716,8 +787,12 @@ impl CudaTarget {
                 hidden: &b.hidden,
                 q: &b.q,
                 partials: &b.partials,
+                visible: &b.visible,
+                pair_arrivals: &b.pair_arrivals,
+                attn: &b.attn,
                 act: &b.act,
                 arrived: &self.barrier,
+                profile: self.profile.as_ref(),
                 layers: spec.num_layers,
                 shape,
                 hidden_size: h,

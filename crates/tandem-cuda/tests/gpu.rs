@@ -981,9 +981,11 @@ fn persistent_rows_are_batch_invariant() {
     // alone, verifies it inside a chain of four, or decodes it next to another sequence: what
     // makes greedy speculative output equal target-only output. Cache A decodes t0..t3 one at a
     // time; cache B verifies the chain [t0, t1, t2, t3] in one step; cache C decodes t0..t3 as
-    // sequence 0 of a batch of two (sequence 1 another prompt). The prompt (62 tokens, prefilled
-    // the same way everywhere) puts the four new columns across the attention chunk boundary
-    // at column 64. Graphs off and on (C's steps replay after two eager ones).
+    // sequence 0 of a batch of two (sequence 1 another prompt); cache D verifies the tree
+    // [t0, x, t1, t2] (x a rejected sibling of t1), keeps t0 t1 t2 (x stays behind as a hidden
+    // column, as a speculative round leaves it) and then decodes t3. The prompt (62 tokens,
+    // prefilled the same way everywhere) puts the new columns across the attention chunk
+    // boundary at 64. Graphs off and on (C's steps replay after two eager ones).
     let gpu = gpu();
     for (architecture, tied, head_dim) in [
         ("LlamaForCausalLM", true, 32),
@@ -1008,7 +1010,8 @@ fn persistent_rows_are_batch_invariant() {
             let mut a = target.new_cache(1, 128).unwrap();
             let mut b = target.new_cache(1, 128).unwrap();
             let mut c = target.new_cache(2, 128).unwrap();
-            for cache in [&mut a, &mut b] {
+            let mut d = target.new_cache(1, 128).unwrap();
+            for cache in [&mut a, &mut b, &mut d] {
                 let step = cache.layout().prefill_step(&[&prompt]).unwrap();
                 target
                     .forward(&step, cache, &taps, LogitsFor::Last)
@@ -1031,6 +1034,7 @@ fn persistent_rows_are_batch_invariant() {
                 .iter()
                 .map(|t| bits(t.to_host().unwrap()))
                 .collect();
+            let mut a_all = Vec::new();
             for (i, &token) in chain.iter().enumerate() {
                 let step = a.layout().decode_step(&[token]).unwrap();
                 let alone = target
@@ -1041,6 +1045,7 @@ fn persistent_rows_are_batch_invariant() {
                     .forward(&step, &mut c, &taps, LogitsFor::Last)
                     .unwrap();
                 let a_logits = bits(alone.logits.unwrap().to_host().unwrap());
+                a_all.push(a_logits.clone());
                 let c_logits = bits(paired.logits.unwrap().to_host().unwrap());
                 assert_eq!(
                     a_logits,
@@ -1073,6 +1078,31 @@ fn persistent_rows_are_batch_invariant() {
                     );
                 }
             }
+            // D: a tree with a rejected sibling, its column kept as a hole, then a decode.
+            let tree = [chain[0], 5, chain[1], chain[2]];
+            let tree_parents = [None, Some(0), Some(0), Some(2)];
+            let step = d.layout().tree_step(&[(&tree, &tree_parents)]).unwrap();
+            let verified = target
+                .forward(&step, &mut d, &taps, LogitsFor::All)
+                .unwrap();
+            let tree_logits = bits(verified.logits.unwrap().to_host().unwrap());
+            for (slot, i) in [(0, 0), (2, 1), (3, 2)] {
+                assert_eq!(
+                    row(&tree_logits, slot, vocab),
+                    a_all[i],
+                    "{label}: token {i}'s logits in a tree beside a rejected sibling"
+                );
+            }
+            d.layout_mut().keep_only(0, 4, &[0, 2, 3]);
+            let step = d.layout().decode_step(&[chain[3]]).unwrap();
+            let after_hole = target
+                .forward(&step, &mut d, &taps, LogitsFor::Last)
+                .unwrap();
+            assert_eq!(
+                bits(after_hole.logits.unwrap().to_host().unwrap()),
+                a_all[3],
+                "{label}: token 3's logits decoded after a hidden column"
+            );
             if graphs {
                 assert!(
                     target.graph_stats().replays > 0,
