@@ -1158,7 +1158,8 @@ __device__ __forceinline__ void persist_tap(const float* hidden, int point, int 
 }
 
 // One warp's attention over one chunk of up to 32 of a row's visible keys for one head:
-// `cols[0 .. n)` their cache columns (1 <= n <= 32). Writes out = [m, l, o[head_dim]]: the
+// `j` the lane's key's cache column (lanes past the chunk's n keys, 1 <= n <= 32, pass the
+// last one's). Writes out = [m, l, o[head_dim]]: the
 // chunk's largest score m, l = sum exp(s - m) and the unnormalised output o = sum exp(s - m) v
 // (lane owns output dims lane * DIMS ..). The value rows are loaded before the scores are known
 // (they do not depend on them), GROUP rows at a time (all 32 at head_dim <= 64), so a chunk
@@ -1167,12 +1168,11 @@ __device__ __forceinline__ void persist_tap(const float* hidden, int point, int 
 template <int DIMS>
 __device__ __forceinline__ void persist_attend(const float* q_warp, const unsigned short* k_cache,
                                                const unsigned short* v_cache, size_t base,
-                                               const int* cols, int n, const float* mask_row,
+                                               int j, int n, const float* mask_row,
                                                int head_dim, float* out) {
     constexpr int VW = DIMS >= 2 ? DIMS / 2 : 1;  // 32-bit words of a lane's values per row
     constexpr int GROUP = 32 / VW;                 // value rows loaded at once
     const int lane = threadIdx.x & 31;
-    const int j = __ldcg(cols + min(lane, n - 1));  // lanes past n repeat the last key, weight 0
     unsigned int vv[GROUP][VW];
     auto load_values = [&](int g) {
 #pragma unroll
@@ -1480,18 +1480,19 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
                 const float* mask_row = mask + (size_t)r * total;
                 const int* cols = visible + (size_t)r * capacity + c * PERSIST_ATT_CHUNK;
+                const int j = __ldcg(cols + min(lane, n - 1));
                 switch (dims) {
                 case 1:
-                    persist_attend<1>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    persist_attend<1>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
                     break;
                 case 2:
-                    persist_attend<2>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    persist_attend<2>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
                     break;
                 case 4:
-                    persist_attend<4>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    persist_attend<4>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
                     break;
                 default:
-                    persist_attend<8>(q_warp, layer.k_cache, layer.v_cache, base, cols, n, mask_row, head_dim, out);
+                    persist_attend<8>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
                     break;
                 }
             }
@@ -1627,5 +1628,141 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
     }
     if (profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
         profile[2 * slot] = clock64();
+    }
+}
+
+// ---- Batch-invariant attention for the fused small steps ----
+//
+// The attention kernel above gives warp w the columns w * 32 + k * 256 of the cache, so a row's
+// sums group its keys by where they sit: a speculative cache, which keeps rejected drafts as
+// hidden columns between accepted ones, and a target-only cache give the same token different
+// bits, and greedy speculative output leaves target-only output at near-ties. These two kernels
+// group a row's keys by their order among its visible keys instead (chunks of 32, combined in
+// chunk order), as the persistent step does, so with the fused kernels (whose matrix-vector sums
+// already run in the same order at every row count) every step of up to GEMV_MAX_ROWS rows
+// gives a token the same bits.
+
+// Each row's visible columns in order, then their counts: `list` [rows, capacity], `counts`
+// [rows]. Built once a step (the mask is the same for every layer). Grid: rows; block: 32.
+extern "C" __global__ void visible_columns(const float* __restrict__ mask, int* list,
+                                           int* counts, int total, int capacity,
+                                           const int* step_scalars) {
+    if (step_scalars != nullptr) {
+        total = step_scalars[1];
+    }
+    const int r = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const float* mask_row = mask + (size_t)r * total;
+    int* row_list = list + (size_t)r * capacity;
+    int count = 0;
+    for (int c0 = 0; c0 < total; c0 += 32) {
+        const int j = c0 + lane;
+        const bool seen = j < total && mask_row[j] != NEG_INF;
+        const unsigned int ballot = __ballot_sync(0xffffffffu, seen);
+        if (seen) {
+            row_list[count + __popc(ballot & ((1u << lane) - 1u))] = j;
+        }
+        count += __popc(ballot);
+    }
+    if (lane == 0) {
+        counts[r] = count;
+    }
+}
+
+// Attention of row r, head h (block r * heads + h) over the row's visible keys (`list`,
+// `counts` from visible_columns): 8 warps take chunks of 32 keys (persist_attend), eight at a
+// time, and warp 0 folds each group's partials into a running maximum, sum and output in chunk
+// order. Output bf16 [rows, heads, head_dim] as `attention` writes it. Shared: 8 * (head_dim + 2)
+// f32 partials and head_dim f32 (the scaled query).
+extern "C" __global__ void attention_invariant(const float* q, const unsigned short* k_cache,
+                                               const unsigned short* v_cache,
+                                               const float* mask, const int* list,
+                                               const int* counts, unsigned short* out,
+                                               int width, int heads, int kv_heads, int head_dim,
+                                               int capacity, int total, float scale,
+                                               const int* step_scalars) {
+    if (step_scalars != nullptr) {
+        total = step_scalars[1];
+    }
+    extern __shared__ float invariant_shared[];
+    const int warps = blockDim.x >> 5;
+    const int partial_width = head_dim + 2;
+    float* partials = invariant_shared;
+    float* q_shared = invariant_shared + warps * partial_width;
+    const int r = blockIdx.x / heads;
+    const int h = blockIdx.x % heads;
+    const int b = r / width;
+    const int kvh = h / (heads / kv_heads);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int dims = head_dim >> 5;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        q_shared[d] = q[((size_t)r * heads + h) * head_dim + d] * scale;
+    }
+    __syncthreads();
+    const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
+    const float* mask_row = mask + (size_t)r * total;
+    const int* row_list = list + (size_t)r * capacity;
+    const int count = counts[r];
+    const int chunks = (count + 31) / 32;
+    float m_run = NEG_INF;
+    float l_run = 0.0f;
+    float o[PERSIST_MAX_DIMS];
+#pragma unroll
+    for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+        o[t] = 0.0f;
+    }
+    for (int g = 0; g < chunks; g += warps) {
+        const int c = g + warp;
+        if (c < chunks) {
+            const int n = min(32, count - c * 32);
+            const int j = row_list[c * 32 + min(lane, n - 1)];
+            float* part = partials + warp * partial_width;
+            switch (dims) {
+            case 1:
+                persist_attend<1>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
+            case 2:
+                persist_attend<2>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
+            case 4:
+                persist_attend<4>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
+            default:
+                persist_attend<8>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            for (int w = 0; w < warps && g + w < chunks; ++w) {
+                const float* part = partials + w * partial_width;
+                const float mc = part[0];
+                if (mc == NEG_INF) {
+                    continue;
+                }
+                const float m_new = fmaxf(m_run, mc);
+                const float keep = expf(m_run - m_new);
+                const float take = expf(mc - m_new);
+                l_run = l_run * keep + part[1] * take;
+#pragma unroll
+                for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+                    if (t < dims) {
+                        o[t] = o[t] * keep + part[2 + lane * dims + t] * take;
+                    }
+                }
+                m_run = m_new;
+            }
+        }
+        __syncthreads();
+    }
+    if (warp == 0) {
+#pragma unroll
+        for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+            if (t < dims) {
+                out[((size_t)r * heads + h) * head_dim + lane * dims + t] =
+                    f32_to_bf16(o[t] / l_run);
+            }
+        }
     }
 }

@@ -182,6 +182,8 @@ struct Kernels {
     norm_gate_up_silu: CudaFunction,
     norm_qkv_rope: CudaFunction,
     persistent_step: CudaFunction,
+    visible_columns: CudaFunction,
+    attention_invariant: CudaFunction,
 }
 
 /// One GPU: its context, the stream every launch goes to, cuBLAS bound to that stream, and the
@@ -333,6 +335,8 @@ impl Gpu {
             norm_gate_up_silu: module.load_function("norm_gate_up_silu")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope")?,
             persistent_step: module.load_function("persistent_step")?,
+            visible_columns: module.load_function("visible_columns")?,
+            attention_invariant: module.load_function("attention_invariant")?,
         };
         let sm_count = usize::try_from(
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
@@ -847,6 +851,103 @@ impl Gpu {
         // holds (warps + 1) * head_dim floats; the caches are whole allocations, so key rows are
         // 16-byte aligned (head_dim % 32 == 0); PDL_WAIT before reading anything.
         unsafe { self.launch_programmatic(&self.kernels.attention, cfg, args) }
+    }
+
+    /// Each row's visible cache columns in order (`list`, `[rows, capacity]`) and their number
+    /// (`counts`, `[rows]`), from the step's mask: what [`Gpu::attention_invariant`] reads
+    /// (see `visible_columns` in kernels/llama.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn visible_columns(
+        &self,
+        mask: &CudaSlice<f32>,
+        list: &CudaView<'_, i32>,
+        counts: &CudaView<'_, i32>,
+        rows: usize,
+        total: usize,
+        capacity: usize,
+        step_scalars: Option<&CudaView<'_, i32>>,
+    ) -> Result<(), CudaError> {
+        assert!(total <= capacity && mask.len() >= rows * total);
+        assert!(list.len() >= rows * capacity && counts.len() >= rows);
+        let args = KernelArgs::default()
+            .buffer(self, mask)
+            .view(self, list)
+            .view(self, counts)
+            .int(total)
+            .int(capacity)
+            .optional_view(self, step_scalars);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the signature of `visible_columns`; sizes asserted (with `step_scalars` the
+        // caller sized the mask and list for the capacity).
+        unsafe { self.launch_ex(&self.kernels.visible_columns, cfg, args, None) }
+    }
+
+    /// [`Gpu::attention`] with every row's keys grouped by their order among its visible keys
+    /// (`list` and `counts` from [`Gpu::visible_columns`]), so a row's output has the same bits
+    /// whatever else the step holds and wherever its keys sit in the cache (see
+    /// `attention_invariant` in kernels/llama.cu). head_dim 32, 64, 128 or 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_invariant(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        mask: &CudaSlice<f32>,
+        list: &CudaView<'_, i32>,
+        counts: &CudaView<'_, i32>,
+        out: &mut CudaSlice<u16>,
+        shape: AttentionShape,
+        total: usize,
+        step_scalars: Option<&CudaView<'_, i32>>,
+    ) -> Result<(), CudaError> {
+        let s = shape;
+        assert!(
+            [32, 64, 128, 256].contains(&s.head_dim),
+            "head_dim {}",
+            s.head_dim
+        );
+        assert!(s.heads.is_multiple_of(s.kv_heads) && total <= s.capacity);
+        assert!(
+            q.len() >= s.rows() * s.heads * s.head_dim
+                && out.len() >= s.rows() * s.heads * s.head_dim
+        );
+        assert!(mask.len() >= s.rows() * total);
+        assert!(list.len() >= s.rows() * s.capacity && counts.len() >= s.rows());
+        assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
+        let args = KernelArgs::default()
+            .buffer(self, q)
+            .buffer(self, k_cache)
+            .buffer(self, v_cache)
+            .buffer(self, mask)
+            .view(self, list)
+            .view(self, counts)
+            .buffer(self, out)
+            .int(s.width)
+            .int(s.heads)
+            .int(s.kv_heads)
+            .int(s.head_dim)
+            .int(s.capacity)
+            .int(total)
+            .float(1.0 / (s.head_dim as f32).sqrt())
+            .optional_view(self, step_scalars);
+        let warps = ATTENTION_THREADS / 32;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(s.rows() * s.heads).expect("rows x heads fit a grid dimension"),
+                1,
+                1,
+            ),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: (warps * (s.head_dim as u32 + 2) + s.head_dim as u32) * 4,
+        };
+        // SAFETY: the signature of `attention_invariant`; sizes asserted; dynamic shared memory
+        // holds one partial per warp and the query; the caches are whole allocations, so rows
+        // are 16-byte aligned; lists hold columns below `total`.
+        unsafe { self.launch_ex(&self.kernels.attention_invariant, cfg, args, None) }
     }
 
     /// Launches `func` on the stream with the programmatic-stream-serialization attribute (when

@@ -97,6 +97,7 @@ impl StepBuffers {
             LogitsFor::All => rows,
         };
         let persists = target.persists(rows, taps.taps.len());
+        let fuses = target.fuses(rows);
         let last_rows = if logits_for == LogitsFor::Last {
             shape.batch
         } else {
@@ -127,7 +128,7 @@ impl StepBuffers {
             } else {
                 1
             })?,
-            visible: gpu.scratch(if persists {
+            visible: gpu.scratch(if persists || fuses {
                 rows * (shape.capacity + 1)
             } else {
                 1
@@ -521,12 +522,13 @@ impl CudaTarget {
     }
 
     /// Whether a step of `rows` rows runs fused: small enough for the matrix-vector kernels,
-    /// and no per-head q/k norm (Qwen3 norms q and k between the projection and RoPE, which the
-    /// fused q|k|v kernel does not).
+    /// no per-head q/k norm (Qwen3 norms q and k between the projection and RoPE, which the
+    /// fused q|k|v kernel does not), and a head_dim the batch-invariant attention takes.
     fn fuses(&self, rows: usize) -> bool {
         let spec = &self.spec;
         rows <= self.fused_rows()
             && !spec.qk_norm
+            && [32, 64, 128, 256].contains(&spec.head_dim)
             && Gpu::fused_layer_fits(
                 rows,
                 1,
@@ -827,6 +829,7 @@ impl CudaTarget {
             selected,
             logits,
             taps,
+            visible,
             ..
         } = b;
         let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>| {
@@ -846,6 +849,19 @@ impl CudaTarget {
         // down_proj added into the residual. Either way `hidden` holds the block's output after
         // each layer.
         let fused = self.fuses(rows);
+        // Fused steps group each row's keys by their order among its visible keys (lists built
+        // once a step), so with the fused matrix-vector sums a row's bits do not depend on the
+        // step's other rows nor on rejected drafts left in the cache.
+        let capacity = shape.capacity;
+        let visible = fused.then(|| {
+            (
+                visible.slice(0..rows * capacity),
+                visible.slice(rows * capacity..rows * (capacity + 1)),
+            )
+        });
+        if let Some((list, counts)) = &visible {
+            gpu.visible_columns(&inputs.mask, list, counts, rows, total, capacity, scalars)?;
+        }
         if !fused {
             gpu.add_rms_norm(
                 hidden,
@@ -904,16 +920,31 @@ impl CudaTarget {
                     scalars,
                 )?;
             }
-            gpu.attention(
-                q,
-                &cache.keys[k],
-                &cache.values[k],
-                &inputs.mask,
-                attn,
-                shape,
-                total,
-                scalars,
-            )?;
+            if let Some((list, counts)) = &visible {
+                gpu.attention_invariant(
+                    q,
+                    &cache.keys[k],
+                    &cache.values[k],
+                    &inputs.mask,
+                    list,
+                    counts,
+                    attn,
+                    shape,
+                    total,
+                    scalars,
+                )?;
+            } else {
+                gpu.attention(
+                    q,
+                    &cache.keys[k],
+                    &cache.values[k],
+                    &inputs.mask,
+                    attn,
+                    shape,
+                    total,
+                    scalars,
+                )?;
+            }
             if fused {
                 gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
                 gpu.norm_gate_up_silu(
@@ -986,13 +1017,23 @@ impl CudaTarget {
         observe(TapId::Final, final_normed)?;
 
         let vocab = spec.vocab_size;
+        // Fused steps take the logits from the matrix-vector kernel too: cuBLAS picks its
+        // kernel by the number of rows, which would give a row other bits in a wider step.
         match (logits_for, logits.as_mut()) {
+            (LogitsFor::All, Some(out)) if fused => {
+                gpu.gemv_rows(normed, self.weights.lm_head(), out, rows, h, vocab, false)?
+            }
             (LogitsFor::All, Some(out)) => {
                 gpu.linear(normed, self.weights.lm_head(), out, rows, h, vocab)?
             }
             (LogitsFor::Last, Some(out)) => {
                 gpu.gather_rows(normed, last, selected, shape.batch, h)?;
-                gpu.linear(selected, self.weights.lm_head(), out, shape.batch, h, vocab)?;
+                if fused {
+                    let lm_head = self.weights.lm_head();
+                    gpu.gemv_rows(selected, lm_head, out, shape.batch, h, vocab, false)?;
+                } else {
+                    gpu.linear(selected, self.weights.lm_head(), out, shape.batch, h, vocab)?;
+                }
             }
             _ => {}
         }

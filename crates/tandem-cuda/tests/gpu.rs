@@ -976,8 +976,9 @@ fn small_steps_match_the_unfused_kernels(
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn persistent_rows_are_batch_invariant() {
-    // A token's logits and taps must be the same bits whether the persistent step decodes it
+fn small_step_rows_are_batch_invariant() {
+    // With the persistent step, and with the fused kernels on every step of up to
+    // GEMV_MAX_ROWS rows, a token's logits and taps must be the same bits whether the step decodes it
     // alone, verifies it inside a chain of four, or decodes it next to another sequence: what
     // makes greedy speculative output equal target-only output. Cache A decodes t0..t3 one at a
     // time; cache B verifies the chain [t0, t1, t2, t3] in one step; cache C decodes t0..t3 as
@@ -991,13 +992,19 @@ fn persistent_rows_are_batch_invariant() {
         ("LlamaForCausalLM", true, 32),
         ("Qwen2ForCausalLM", false, 64),
     ] {
-        for graphs in [false, true] {
+        for (graphs, mode) in [
+            (false, "persistent"),
+            (true, "persistent"),
+            (false, "fused"),
+            (true, "fused"),
+        ] {
             let dir = tiny_model_with(architecture, tied, 31, head_dim);
             let target = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
             target.set_graphs(graphs);
-            target.set_fused_rows(0);
-            target.set_persistent_rows(tandem_cuda::GEMV_MAX_ROWS);
-            let label = format!("{architecture} head_dim {head_dim} graphs {graphs}");
+            let all = tandem_cuda::GEMV_MAX_ROWS;
+            target.set_fused_rows(if mode == "fused" { all } else { 0 });
+            target.set_persistent_rows(if mode == "persistent" { all } else { 0 });
+            let label = format!("{architecture} {mode} head_dim {head_dim} graphs {graphs}");
             let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final]);
             let prompt: Vec<u32> = (0..62u32).map(|i| (i * 7 + 3) % 300).collect();
             let other: Vec<u32> = (0..62u32).map(|i| (i * 11 + 5) % 300).collect();
