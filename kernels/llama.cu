@@ -732,11 +732,11 @@ __device__ __forceinline__ float warp_sum8(float (&v)[GEMV_MAX_ROWS]) {
     return v[0];
 }
 
-// The weight rows w0 (and w1) of one warp: the lane's first GEMV_PRELOAD chunks, loaded at once.
-template <int NW>
+// The weight rows w0 (and w1) of one warp: the lane's first P chunks, loaded at once.
+template <int NW, int P = GEMV_PRELOAD>
 struct WarpWeights {
     const uint4* rows[NW];
-    uint4 first[NW][GEMV_PRELOAD];
+    uint4 first[NW][P];
     int chunks;
 
     // `load` false: nothing is read (a second input the step does not have).
@@ -749,7 +749,7 @@ struct WarpWeights {
             rows[NW - 1] = reinterpret_cast<const uint4*>(w1);
         }
 #pragma unroll
-        for (int k = 0; k < GEMV_PRELOAD; ++k) {
+        for (int k = 0; k < P; ++k) {
             const int c = lane + 32 * k;
 #pragma unroll
             for (int n = 0; n < NW; ++n) {
@@ -794,8 +794,9 @@ __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv
 
 // sums[n] = the warp's sum of w_n . x[r] for r = lane >> 2 (meaningful in lanes with
 // (lane & 3) == 0 and r < rows; see warp_sum8). `x` may be shared or global memory.
-template <int NW, bool GLOBAL_X = false>
-__device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsigned short* x,
+// The chunks go in the same order (lane, lane + 32, ..) whatever P is, so the sums are too.
+template <int NW, bool GLOBAL_X = false, int P = GEMV_PRELOAD>
+__device__ __forceinline__ void warp_dots(const WarpWeights<NW, P>& w, const unsigned short* x,
                                           int rows, float (&sums)[NW]) {
     const int lane = threadIdx.x & 31;
     float acc[NW][GEMV_MAX_ROWS];
@@ -809,7 +810,7 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsign
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     const int chunks = w.chunks;
 #pragma unroll
-    for (int k = 0; k < GEMV_PRELOAD; ++k) {
+    for (int k = 0; k < P; ++k) {
         const int c = lane + 32 * k;
         if (c < chunks) {
             uint4 wv[NW];
@@ -823,7 +824,7 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW>& w, const unsign
     // The rest of a wide row (hidden > 768 values), unrolled so the loads are in flight
     // together.
 #pragma unroll 4
-    for (int c = lane + 32 * GEMV_PRELOAD; c < chunks; c += 32) {
+    for (int c = lane + 32 * P; c < chunks; c += 32) {
         uint4 wv[NW];
 #pragma unroll
         for (int n = 0; n < NW; ++n) {
@@ -1031,20 +1032,23 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
 // Batch invariance: a row's results do not depend on how many rows the step has (1 to
 // GEMV_MAX_ROWS) nor on what else is in it. Every matrix-vector sum runs in the same order for
 // every row count (one warp per output, fixed chunk order, warp_sum8's fixed tree; the same
-// sums as the fused kernels above), an RMSNorm is one warp per row, and attention splits the
-// keys into fixed chunks of PERSIST_ATT_CHUNK columns (by absolute column, not by the step's
-// total) whose partial softmaxes combine in column order; keys a row may not see add exact
-// zeros. So a decode step and a verification whose first token is the decoded one give that
-// token bit-identical logits, and greedy speculative output equals target-only output when
-// every step of both runs here.
+// sums as the fused kernels above), an RMSNorm is one warp per row, and attention takes a
+// row's visible keys in their order, in chunks of 32 whose partial softmaxes fold in chunk
+// order (a block per row and head; the same arithmetic as attention_invariant), so neither the
+// step's other rows nor hidden columns (rejected drafts a speculative cache keeps between
+// accepted tokens) change a bit. So a decode step and a verification whose first token is the
+// decoded one give that token bit-identical logits, and greedy speculative output equals
+// target-only output when every step of both runs here (80/80 MT-Bench replies, BENCHMARKS.md).
+// Measured slower than the fused kernels so far (each phase is a chain of dependent trips to
+// memory; BENCHMARKS.md has the phase profile); off by default.
 
 #ifndef PERSIST_THREADS  // TANDEM_CUDA_PERSISTENT_WARPS=8 compiles it with 256
 #define PERSIST_THREADS 512
 #endif
 #define PERSIST_WARPS (PERSIST_THREADS / 32)
-#define PERSIST_ATT_CHUNK 32
 #define PERSIST_MAX_DIMS 8   // head_dim <= 256
 #define PERSIST_MAX_TAPS 8
+#define PERSIST_MAX_LAYERS 128
 
 // One layer of the step's table (9 device addresses; built by crates/tandem-cuda/src/model.rs,
 // `persistent_table`), then PERSIST tap slots of two words each: the tap point (0 the
@@ -1097,26 +1101,58 @@ __device__ void persist_stage_normed(const float* x, const unsigned short* __res
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const uint2* w4 = reinterpret_cast<const uint2*>(w);
+    const int n4 = n >> 2;
     for (int r = warp; r < rows; r += PERSIST_WARPS) {
         const int src = src_rows != nullptr ? src_rows[r] : r;
         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)src * n);
+        // Rows of up to 1,024 values are read once, all loads in flight together (one trip to
+        // L2, not one per pass); the sums run in the same order either way.
+        constexpr int HELD = 8;
+        float4 held[HELD];
+        const bool in_registers = n4 <= 32 * HELD;
         float squares = 0.0f;
+        if (in_registers) {
+#pragma unroll
+            for (int k = 0; k < HELD; ++k) {
+                const int i = lane + 32 * k;
+                held[k] = i < n4 ? __ldcg(xr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int k = 0; k < HELD; ++k) {
+                if (lane + 32 * k < n4) {
+                    const float4 v = held[k];
+                    squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                }
+            }
+        } else {
 #pragma unroll 4
-        for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = __ldcg(xr + i);
-            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            for (int i = lane; i < n4; i += 32) {
+                const float4 v = __ldcg(xr + i);
+                squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
         }
         const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
         uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
-#pragma unroll 4
-        for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = __ldcg(xr + i);
+        auto emit = [&](int i, const float4 v) {
             const uint2 wv = w4[i];
             const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
                                     ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
             const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
                                     ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
             out[i] = make_uint2(lo, hi);
+        };
+        if (in_registers) {
+#pragma unroll
+            for (int k = 0; k < HELD; ++k) {
+                if (lane + 32 * k < n4) {
+                    emit(lane + 32 * k, held[k]);
+                }
+            }
+        } else {
+#pragma unroll 4
+            for (int i = lane; i < n4; i += 32) {
+                emit(i, __ldcg(xr + i));
+            }
         }
     }
     __syncthreads();
@@ -1253,50 +1289,91 @@ __device__ __forceinline__ void persist_attend(const float* q_warp, const unsign
     }
 }
 
-// One (row, head)'s attention output from its `chunks` partials (in chunk order, so the sums
-// do not depend on which warp combines nor when): bf16 into `dst` [head_dim]. Chunks the row
-// has no key in (m = -inf) add exact zeros, so a step with more chunks gives the same bits.
-__device__ __forceinline__ void persist_combine(const float* part, int chunks, int partial_width,
-                                                int dims, unsigned short* dst) {
+// Folds one chunk's partial [m, l, o[head_dim]] (persist_attend) into a running maximum, sum
+// and output (lane's dims lane * dims ..), in the caller's chunk order. Hidden chunks (m = -inf)
+// change nothing. The persistent step and attention_invariant fold the same way, so the two
+// give an attention output the same bits.
+__device__ __forceinline__ void attention_fold(const float* part, int dims, float& m_run,
+                                               float& l_run, float (&o)[PERSIST_MAX_DIMS]) {
     const int lane = threadIdx.x & 31;
-    float m_all = NEG_INF;
-    for (int c = lane; c < chunks; c += 32) {
-        m_all = fmaxf(m_all, __ldcg(part + (size_t)c * partial_width));
+    const float mc = part[0];
+    if (mc == NEG_INF) {
+        return;
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        m_all = fmaxf(m_all, __shfl_xor_sync(0xffffffffu, m_all, offset));
+    const float m_new = fmaxf(m_run, mc);
+    const float keep = expf(m_run - m_new);
+    const float take = expf(mc - m_new);
+    l_run = l_run * keep + part[1] * take;
+#pragma unroll
+    for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+        if (t < dims) {
+            o[t] = o[t] * keep + part[2 + lane * dims + t] * take;
+        }
     }
-    float l_all = 0.0f;
+    m_run = m_new;
+}
+
+// One (row, head)'s attention by a whole block: its warps take chunks of 32 of the row's
+// visible keys (`list`, `count`), PERSIST-style, a group of one chunk per warp at a time, and
+// warp 0 folds each group's partials in chunk order; warp 0 writes the bf16 output to `dst`.
+// `q` the row and head's query (read through L2), `shared_partials` warps * (head_dim + 2)
+// f32 and `q_shared` head_dim f32 in shared memory.
+__device__ void attention_block(const float* q, float scale, const unsigned short* k_cache,
+                                const unsigned short* v_cache, size_t base, const int* list,
+                                int count, const float* mask_row, int head_dim,
+                                float* shared_partials, float* q_shared, unsigned short* dst) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const int dims = head_dim >> 5;
+    const int partial_width = head_dim + 2;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        q_shared[d] = __ldcg(q + d) * scale;
+    }
+    __syncthreads();
+    const int chunks = (count + 31) / 32;
+    float m_run = NEG_INF;
+    float l_run = 0.0f;
     float o[PERSIST_MAX_DIMS];
 #pragma unroll
     for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
         o[t] = 0.0f;
     }
-    for (int c0 = 0; c0 < chunks; c0 += 32) {
-        const int c = min(c0 + lane, chunks - 1);
-        const float mc = __ldcg(part + (size_t)c * partial_width);
-        const float lc = __ldcg(part + (size_t)c * partial_width + 1);
-        const float f = c0 + lane >= chunks || mc == NEG_INF ? 0.0f : expf(mc - m_all);
-        const float lterm = f == 0.0f ? 0.0f : lc * f;
-        const int n = min(32, chunks - c0);
-#pragma unroll 4
-        for (int u = 0; u < n; ++u) {
-            const float fu = __shfl_sync(0xffffffffu, f, u);
-            l_all += __shfl_sync(0xffffffffu, lterm, u);
-            const float* pc = part + (size_t)(c0 + u) * partial_width + 2 + lane * dims;
-#pragma unroll
-            for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-                if (t < dims) {
-                    const float a = __ldcg(pc + t);
-                    o[t] += fu == 0.0f ? 0.0f : a * fu;
-                }
+    for (int g = 0; g < chunks; g += warps) {
+        const int c = g + warp;
+        if (c < chunks) {
+            const int n = min(32, count - c * 32);
+            const int j = __ldcg(list + c * 32 + min(lane, n - 1));
+            float* part = shared_partials + warp * partial_width;
+            switch (dims) {
+            case 1:
+                persist_attend<1>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
+            case 2:
+                persist_attend<2>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
+            case 4:
+                persist_attend<4>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
+            default:
+                persist_attend<8>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
+                break;
             }
         }
+        __syncthreads();
+        if (warp == 0) {
+            for (int w = 0; w < warps && g + w < chunks; ++w) {
+                attention_fold(shared_partials + w * partial_width, dims, m_run, l_run, o);
+            }
+        }
+        __syncthreads();
     }
+    if (warp == 0) {
 #pragma unroll
-    for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-        if (t < dims) {
-            dst[lane * dims + t] = f32_to_bf16(o[t] / l_all);
+        for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
+            if (t < dims) {
+                dst[lane * dims + t] = f32_to_bf16(o[t] / l_run);
+            }
         }
     }
 }
@@ -1304,15 +1381,13 @@ __device__ __forceinline__ void persist_combine(const float* part, int chunks, i
 // One step of at most GEMV_MAX_ROWS rows (`rows` = batch * width, sequence-major) through
 // every layer: tokens -> `hidden` (the f32 residual, [rows, hidden]) -> logits of the rows in
 // `logit_rows` (null: rows 0 .. n_logit_rows - 1) into `logits` ([n_logit_rows, vocab] f32).
-// Scratch: `q` [rows, heads * head_dim] f32; `partials` [rows * heads, ceil(capacity / chunk),
-// head_dim + 2] f32 (each chunk's max, sum of exponentials and unnormalised output); `visible`
-// [rows, capacity] i32 then [rows] i32 (each row's visible columns in order, then their count);
-// `pair_arrivals` [rows * heads] i32 and `arrived` one u32 (zero before the first launch and
-// left so after each); `attn` [rows, heads * head_dim] bf16; `act` [rows, inter] bf16;
-// `profile` (optional) [2 * (5 * layers + 1) + 1] u64. Cache columns, mask and `step_scalars` as
-// in rope_qkv / attention. Grid: one block per SM (cooperative launch); block PERSIST_THREADS;
-// dynamic shared memory: rows * hidden bf16 (the normed rows), then PERSIST_WARPS * head_dim
-// f32 (each warp's query).
+// Scratch: `q` [rows, heads * head_dim] f32; `visible` [rows, capacity] i32 then [rows] i32
+// (each row's visible columns in order, then their count); `attn` [rows, heads * head_dim]
+// bf16; `act` [rows, inter] bf16; `arrived` one u32 (zero before the first launch and left so
+// after each); `profile` (optional) [2 * (5 * layers + 1) + 1] u64. Cache columns, mask and
+// `step_scalars` as in rope_qkv / attention. Grid: one block per SM (cooperative launch); block
+// PERSIST_THREADS; dynamic shared memory: rows * hidden bf16 (the normed rows), then
+// PERSIST_WARPS * (head_dim + 2) f32 (attention partials) and head_dim f32 (a query).
 extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 const unsigned short* __restrict__ embed, const unsigned int* __restrict__ tokens,
@@ -1320,8 +1395,8 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 const float* __restrict__ mask, const int* __restrict__ step_scalars,
                 const unsigned short* __restrict__ final_norm,
                 const unsigned short* __restrict__ lm_head, const int* __restrict__ logit_rows,
-                int n_logit_rows, float* hidden, float* q, float* partials, int* visible,
-                int* pair_arrivals, unsigned short* attn, unsigned short* act,
+                int n_logit_rows, float* hidden, float* q, int* visible,
+                unsigned short* attn, unsigned short* act,
                 float* __restrict__ logits, unsigned int* arrived,
                 unsigned long long* profile, int layers, int rows,
                 int width, int hidden_size, int heads, int kv_heads, int head_dim, int inter,
@@ -1341,6 +1416,11 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
         total = step_scalars[1];
     }
     const PersistLayer* table_layers = reinterpret_cast<const PersistLayer*>(table);
+    // The layer table in shared memory: each layer's addresses without a trip to memory.
+    __shared__ PersistLayer layer_table[PERSIST_MAX_LAYERS];
+    for (int i = threadIdx.x; i < layers * 9; i += blockDim.x) {
+        reinterpret_cast<unsigned long long*>(layer_table)[i] = table[i];
+    }
     if (threadIdx.x < tap_slots) {
         const unsigned long long* slot = table + (size_t)layers * 9 + 2 * threadIdx.x;
         tap_point[threadIdx.x] = (int)slot[0];
@@ -1350,14 +1430,10 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
     const int q_dim = heads * head_dim;
     const int half = head_dim / 2;
     const int pairs = (heads + 2 * kv_heads) * half;
-    const int dims = head_dim >> 5;
-    const int max_chunks = (capacity + PERSIST_ATT_CHUNK - 1) / PERSIST_ATT_CHUNK;
-    const int chunks = (total + PERSIST_ATT_CHUNK - 1) / PERSIST_ATT_CHUNK;
-    const int partial_width = head_dim + 2;
     const int stage_width = hidden_size;
     unsigned short* stage = reinterpret_cast<unsigned short*>(persist_shared);
-    float* q_warp =
-        reinterpret_cast<float*>(stage + (size_t)rows * stage_width) + warp * head_dim;
+    float* attention_partials = reinterpret_cast<float*>(stage + (size_t)rows * stage_width);
+    float* q_shared = attention_partials + PERSIST_WARPS * (head_dim + 2);
 
     // The embedding rows: the residual entering block 0.
     for (int i = gthread; i < hidden_n; i += nthreads) {
@@ -1399,7 +1475,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
     persist_tap(hidden, 0, hidden_n, tap_point, tap_dst, tap_slots, gthread, nthreads);
 
     for (int k = 0; k < layers; ++k) {
-        const PersistLayer layer = table_layers[k];
+        const PersistLayer layer = layer_table[k];
         if (k > 0) {
             persist_tap(hidden, k, hidden_n, tap_point, tap_dst, tap_slots, gthread, nthreads);
         }
@@ -1455,66 +1531,17 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
         }
         grid_barrier(arrived, profile, slot);
 
-        // ---- attention: one warp per (row, head, chunk of PERSIST_ATT_CHUNK visible keys);
-        // the last warp of a (row, head) to finish combines its chunks into `attn` ----
-        for (int item = gwarp; item < rows * heads * chunks; item += nwarps) {
-            const int c = item % chunks;
-            const int rh = item / chunks;  // r * heads + h
+        // ---- attention: a block per (row, head), over the row's visible keys ----
+        for (int rh = blockIdx.x; rh < rows * heads; rh += gridDim.x) {
             const int r = rh / heads;
             const int h = rh % heads;
-            float* part = partials + (size_t)rh * max_chunks * partial_width;
-            float* out = part + (size_t)c * partial_width;
-            const int n = min(PERSIST_ATT_CHUNK, __ldcg(counts + r) - c * PERSIST_ATT_CHUNK);
-            if (n <= 0) {
-                // No key of this row here: a hidden chunk (exact zeros for the combine).
-                for (int i = lane; i < partial_width; i += 32) {
-                    out[i] = i == 0 ? NEG_INF : 0.0f;
-                }
-            } else {
-                const int b = r / width;
-                const int kvh = h / (heads / kv_heads);
-                for (int d = lane; d < head_dim; d += 32) {
-                    q_warp[d] = __ldcg(q + (size_t)rh * head_dim + d) * scale;
-                }
-                __syncwarp();
-                const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
-                const float* mask_row = mask + (size_t)r * total;
-                const int* cols = visible + (size_t)r * capacity + c * PERSIST_ATT_CHUNK;
-                const int j = __ldcg(cols + min(lane, n - 1));
-                switch (dims) {
-                case 1:
-                    persist_attend<1>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
-                    break;
-                case 2:
-                    persist_attend<2>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
-                    break;
-                case 4:
-                    persist_attend<4>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
-                    break;
-                default:
-                    persist_attend<8>(q_warp, layer.k_cache, layer.v_cache, base, j, n, mask_row, head_dim, out);
-                    break;
-                }
-            }
-            // Every lane's partial visible device-wide before the arrival is counted.
-            __threadfence();
-            __syncwarp();
-            int arrival = 0;
-            if (lane == 0) {
-                arrival = atomicAdd(pair_arrivals + rh, 1);
-            }
-            arrival = __shfl_sync(0xffffffffu, arrival, 0);
-            if (arrival == chunks - 1) {
-                // Every chunk of this (row, head) is written: combine, and reset the counter for
-                // the next layer (whose arrivals follow a grid barrier).
-                __threadfence();
-                persist_combine(part, chunks, partial_width, dims,
-                                attn + (size_t)r * q_dim + h * head_dim);
-                if (lane == 0) {
-                    pair_arrivals[rh] = 0;
-                }
-            }
-            __syncwarp();
+            const int b = r / width;
+            const int kvh = h / (heads / kv_heads);
+            attention_block(q + (size_t)rh * head_dim, scale, layer.k_cache, layer.v_cache,
+                            ((size_t)b * kv_heads + kvh) * capacity * head_dim,
+                            visible + (size_t)r * capacity, __ldcg(counts + r),
+                            mask + (size_t)r * total, head_dim, attention_partials, q_shared,
+                            attn + (size_t)r * q_dim + h * head_dim);
         }
         WarpWeights<1> first_o(layer.o + (size_t)min(gwarp, hidden_size - 1) * q_dim, nullptr,
                                q_dim, gwarp < hidden_size);
@@ -1562,19 +1589,22 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 cur = next;
             }
         }
-        WarpWeights<1> first_down(layer.down + (size_t)min(gwarp, hidden_size - 1) * inter,
-                                  nullptr, inter, gwarp < hidden_size);
+        // down_proj's rows are the widest (intermediate): twice the chunks loaded ahead.
+        WarpWeights<1, 2 * GEMV_PRELOAD> first_down(
+            layer.down + (size_t)min(gwarp, hidden_size - 1) * inter, nullptr, inter,
+            gwarp < hidden_size);
         grid_barrier(arrived, profile, slot);
 
         // ---- down_proj into the residual (act read from L2: other blocks wrote it) ----
         {
-            WarpWeights<1> cur = first_down;
+            WarpWeights<1, 2 * GEMV_PRELOAD> cur = first_down;
             for (int o = gwarp; o < hidden_size; o += nwarps) {
                 const int on = o + nwarps;
-                const WarpWeights<1> next(layer.down + (size_t)min(on, hidden_size - 1) * inter,
-                                          nullptr, inter, on < hidden_size);
+                const WarpWeights<1, 2 * GEMV_PRELOAD> next(
+                    layer.down + (size_t)min(on, hidden_size - 1) * inter, nullptr, inter,
+                    on < hidden_size);
                 float sums[1];
-                warp_dots<1, true>(cur, act, rows, sums);
+                warp_dots<1, true, 2 * GEMV_PRELOAD>(cur, act, rows, sums);
                 const int r = lane >> 2;
                 if ((lane & 3) == 0 && r < rows) {
                     float* dst = hidden + (size_t)r * hidden_size + o;
@@ -1584,7 +1614,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
             }
         }
         if (k + 1 < layers) {
-            first_qkv = qkv_weights(table_layers[k + 1], gwarp, gwarp < pairs);
+            first_qkv = qkv_weights(layer_table[k + 1], gwarp, gwarp < pairs);
         }
         grid_barrier(arrived, profile, slot);
     }
@@ -1686,83 +1716,13 @@ extern "C" __global__ void attention_invariant(const float* q, const unsigned sh
     }
     extern __shared__ float invariant_shared[];
     const int warps = blockDim.x >> 5;
-    const int partial_width = head_dim + 2;
-    float* partials = invariant_shared;
-    float* q_shared = invariant_shared + warps * partial_width;
     const int r = blockIdx.x / heads;
     const int h = blockIdx.x % heads;
     const int b = r / width;
     const int kvh = h / (heads / kv_heads);
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int dims = head_dim >> 5;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        q_shared[d] = q[((size_t)r * heads + h) * head_dim + d] * scale;
-    }
-    __syncthreads();
-    const size_t base = ((size_t)b * kv_heads + kvh) * capacity * head_dim;
-    const float* mask_row = mask + (size_t)r * total;
-    const int* row_list = list + (size_t)r * capacity;
-    const int count = counts[r];
-    const int chunks = (count + 31) / 32;
-    float m_run = NEG_INF;
-    float l_run = 0.0f;
-    float o[PERSIST_MAX_DIMS];
-#pragma unroll
-    for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-        o[t] = 0.0f;
-    }
-    for (int g = 0; g < chunks; g += warps) {
-        const int c = g + warp;
-        if (c < chunks) {
-            const int n = min(32, count - c * 32);
-            const int j = row_list[c * 32 + min(lane, n - 1)];
-            float* part = partials + warp * partial_width;
-            switch (dims) {
-            case 1:
-                persist_attend<1>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
-                break;
-            case 2:
-                persist_attend<2>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
-                break;
-            case 4:
-                persist_attend<4>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
-                break;
-            default:
-                persist_attend<8>(q_shared, k_cache, v_cache, base, j, n, mask_row, head_dim, part);
-                break;
-            }
-        }
-        __syncthreads();
-        if (warp == 0) {
-            for (int w = 0; w < warps && g + w < chunks; ++w) {
-                const float* part = partials + w * partial_width;
-                const float mc = part[0];
-                if (mc == NEG_INF) {
-                    continue;
-                }
-                const float m_new = fmaxf(m_run, mc);
-                const float keep = expf(m_run - m_new);
-                const float take = expf(mc - m_new);
-                l_run = l_run * keep + part[1] * take;
-#pragma unroll
-                for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-                    if (t < dims) {
-                        o[t] = o[t] * keep + part[2 + lane * dims + t] * take;
-                    }
-                }
-                m_run = m_new;
-            }
-        }
-        __syncthreads();
-    }
-    if (warp == 0) {
-#pragma unroll
-        for (int t = 0; t < PERSIST_MAX_DIMS; ++t) {
-            if (t < dims) {
-                out[((size_t)r * heads + h) * head_dim + lane * dims + t] =
-                    f32_to_bf16(o[t] / l_run);
-            }
-        }
-    }
+    attention_block(q + ((size_t)r * heads + h) * head_dim, scale, k_cache, v_cache,
+                    ((size_t)b * kv_heads + kvh) * capacity * head_dim,
+                    list + (size_t)r * capacity, counts[r], mask + (size_t)r * total, head_dim,
+                    invariant_shared, invariant_shared + warps * (head_dim + 2),
+                    out + ((size_t)r * heads + h) * head_dim);
 }

@@ -103,8 +103,13 @@ const GEMV_THREADS: u32 = 128;
 /// compiled with (shared memory is sized for it).
 const PERSISTENT_WARPS: usize = 16;
 
-/// Cache columns per attention partial of `persistent_step` (PERSIST_ATT_CHUNK).
-pub const PERSISTENT_ATTENTION_CHUNK: usize = 32;
+/// Most layers `persistent_step` takes (PERSIST_MAX_LAYERS: its layer table is in shared
+/// memory).
+pub const PERSISTENT_MAX_LAYERS: usize = 128;
+
+/// `persistent_step`'s static shared memory: the layer table and the tap slots.
+const PERSISTENT_STATIC_SHARED_BYTES: usize =
+    PERSISTENT_MAX_LAYERS * PERSISTENT_TABLE_WORDS * 8 + PERSISTENT_MAX_TAPS * (4 + 8);
 
 /// Tap slots `persistent_step` writes (PERSIST_MAX_TAPS).
 pub const PERSISTENT_MAX_TAPS: usize = 8;
@@ -132,11 +137,8 @@ pub(crate) struct PersistentStep<'a> {
     pub logits: Option<(&'a CudaSlice<f32>, usize)>,
     pub hidden: &'a CudaSlice<f32>,
     pub q: &'a CudaSlice<f32>,
-    pub partials: &'a CudaSlice<f32>,
     /// Each row's visible columns, then their counts: `[rows, capacity]` then `[rows]`.
     pub visible: &'a CudaSlice<i32>,
-    /// Chunks of each (row, head) done in the current layer (zero between launches).
-    pub pair_arrivals: &'a CudaSlice<i32>,
     /// The attention output, `[rows, heads * head_dim]` bf16.
     pub attn: &'a CudaSlice<u16>,
     pub act: &'a CudaSlice<u16>,
@@ -1198,20 +1200,10 @@ impl Gpu {
         unsafe { self.launch_programmatic(&self.kernels.norm_qkv_rope, cfg, args) }
     }
 
-    /// Rows of a `persistent_step` attention partial: each chunk of
-    /// [`PERSISTENT_ATTENTION_CHUNK`] cache columns of each row and head keeps its maximum,
-    /// its sum of exponentials and its `head_dim` unnormalised outputs.
-    pub fn persistent_partials(shape: AttentionShape) -> usize {
-        shape.rows()
-            * shape.heads
-            * shape.capacity.div_ceil(PERSISTENT_ATTENTION_CHUNK)
-            * (shape.head_dim + 2)
-    }
-
     /// Dynamic shared memory of `persistent_step` at `rows` rows: the staged bf16 normed rows,
-    /// then one f32 query per warp.
+    /// then one attention partial per warp and a query (f32).
     pub fn persistent_shared_bytes(rows: usize, hidden: usize, head_dim: usize) -> usize {
-        rows * hidden * 2 + PERSISTENT_WARPS * head_dim * 4
+        rows * hidden * 2 + (PERSISTENT_WARPS * (head_dim + 2) + head_dim) * 4
     }
 
     /// Entries of the persistent step's profile (`TANDEM_CUDA_PERSISTENT_PROFILE=1`): block 0's
@@ -1222,10 +1214,11 @@ impl Gpu {
     }
 
     /// Whether `persistent_step` takes a step of `rows` rows of a model of these dimensions
-    /// with `tap_slots` taps: the fused kernels' limits (rows, 16-byte vectors), head_dim 32,
+    /// of `layers` layers with `tap_slots` taps: the fused kernels' limits (rows, 16-byte vectors), head_dim 32,
     /// 64, 128 or 256 (a lane's share of a value row is one vector), and its shared memory
     /// within the default 48 KiB.
     pub(crate) fn persistent_fits(
+        layers: usize,
         rows: usize,
         hidden: usize,
         [heads, kv_heads, head_dim]: [usize; 3],
@@ -1235,7 +1228,10 @@ impl Gpu {
         Self::fused_layer_fits(rows, 1, hidden, heads, kv_heads, head_dim, inter)
             && [32, 64, 128, 256].contains(&head_dim)
             && tap_slots <= PERSISTENT_MAX_TAPS
-            && Self::persistent_shared_bytes(rows, hidden, head_dim) <= GEMV_MAX_SHARED_BYTES
+            && layers <= PERSISTENT_MAX_LAYERS
+            && Self::persistent_shared_bytes(rows, hidden, head_dim)
+                + PERSISTENT_STATIC_SHARED_BYTES
+                <= GEMV_MAX_SHARED_BYTES
     }
 
     /// Registers per thread and local (spilled) bytes per thread of the persistent step as the
@@ -1262,6 +1258,7 @@ impl Gpu {
         let qkv_dim = q_dim + 2 * s.kv_heads * s.head_dim;
         let (h, inter, vocab) = (step.hidden_size, step.inter, step.vocab);
         assert!(Self::persistent_fits(
+            step.layers,
             rows,
             h,
             [s.heads, s.kv_heads, s.head_dim],
@@ -1274,9 +1271,8 @@ impl Gpu {
         assert!(step.tokens.len() >= rows && step.positions.len() >= rows);
         assert!(step.mask.len() >= rows * step.total && step.inv_freq.len() >= s.head_dim / 2);
         assert!(step.hidden.len() >= rows * h && step.q.len() >= rows * q_dim);
-        assert!(step.partials.len() >= Self::persistent_partials(s));
         assert!(step.visible.len() >= rows * (s.capacity + 1));
-        assert!(step.pair_arrivals.len() >= rows * s.heads && step.attn.len() >= rows * q_dim);
+        assert!(step.attn.len() >= rows * q_dim);
         assert!(
             step.profile
                 .is_none_or(|p| p.len() >= Self::persistent_profile_len(step.layers))
@@ -1307,9 +1303,7 @@ impl Gpu {
             .int(n_logit_rows)
             .buffer(self, step.hidden)
             .buffer(self, step.q)
-            .buffer(self, step.partials)
             .buffer(self, step.visible)
-            .buffer(self, step.pair_arrivals)
             .buffer(self, step.attn)
             .buffer(self, step.act)
             .optional(self, step.logits.map(|(l, _)| l))

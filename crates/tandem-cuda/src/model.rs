@@ -63,11 +63,9 @@ struct StepBuffers {
     logits: Option<CudaSlice<f32>>,
     /// One per tap slot, `[rows, hidden]`.
     taps: Vec<CudaSlice<f32>>,
-    /// The persistent step's attention partials, visible-column lists and per-(row, head)
-    /// arrival counters (steps it may take; one element otherwise).
-    partials: CudaSlice<f32>,
+    /// Each row's visible columns and their counts, for the persistent step and the fused
+    /// steps' attention (steps that may take them; one element otherwise).
     visible: CudaSlice<i32>,
-    pair_arrivals: CudaSlice<i32>,
     /// The persistent step's table of layer and tap addresses, built for this step's cache
     /// before the step runs or is captured ([`CudaTarget::persistent_table`]).
     persistent_table: Option<CudaSlice<u64>>,
@@ -123,17 +121,11 @@ impl StepBuffers {
             taps: (0..taps.taps.len())
                 .map(|_| gpu.scratch(rows * h))
                 .collect::<Result<_, _>>()?,
-            partials: gpu.scratch(if persists {
-                Gpu::persistent_partials(shape)
-            } else {
-                1
-            })?,
             visible: gpu.scratch(if persists || fuses {
                 rows * (shape.capacity + 1)
             } else {
                 1
             })?,
-            pair_arrivals: gpu.zeros(if persists { rows * spec.num_heads } else { 1 })?,
             persistent_table: None,
             batch: shape.batch,
             width: shape.width,
@@ -479,6 +471,7 @@ impl CudaTarget {
         rows <= self.persistent_rows()
             && !spec.qk_norm
             && Gpu::persistent_fits(
+                spec.num_layers,
                 rows,
                 spec.hidden_size,
                 [spec.num_heads, spec.num_kv_heads, spec.head_dim],
@@ -788,9 +781,7 @@ impl CudaTarget {
                 logits: b.logits.as_ref().map(|l| (l, b.logits_rows)),
                 hidden: &b.hidden,
                 q: &b.q,
-                partials: &b.partials,
                 visible: &b.visible,
-                pair_arrivals: &b.pair_arrivals,
                 attn: &b.attn,
                 act: &b.act,
                 arrived: &self.barrier,
