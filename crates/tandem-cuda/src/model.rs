@@ -295,16 +295,17 @@ impl CudaStepOutput {
 }
 
 /// The cut-off the fused small-step kernels are measured and offered with (`fast-bench --fused
-/// on`, `TANDEM_CUDA_FUSED=4`): they win at 1 to 4 rows (H200, SmolLM2, batch-1 decode 0.83 vs
-/// 1.05 ms, a 4-token verification 1.02 vs 1.11 ms) and lose at 8 (1.41 vs 1.19 ms), where
-/// cuBLAS's GEMMs keep more loads in flight (BENCHMARKS.md, session 18).
+/// on`, `TANDEM_CUDA_FUSED=4`): they win at 1 to 4 rows (H200, SmolLM2, batch-1 decode 0.81 vs
+/// 1.04 ms, a 4-token verification 1.02 vs 1.10 ms) and lose at 8 (1.36 vs 1.19 ms), where
+/// cuBLAS's GEMMs keep more loads in flight (BENCHMARKS.md, sessions 18 and 24).
 ///
-/// They are off by default: their sums run in another order than cuBLAS's, so a sequence whose
-/// decode steps run fused and whose wider verification steps do not gets logits that differ
-/// in the last bits between the two, and greedy speculative output can leave the target-only
-/// output at a near-tie (`fast_policy_rounds_and_the_deferred_head_extension_are_exact` did at
-/// token 38 of 40 with this cut-off). Turning them on by default needs kernels whose rows agree
-/// bit for bit at every step width.
+/// The fused kernels are batch invariant (a row gets the same bits at every step width, and
+/// attention groups its keys by their rank among its visible keys), but a sequence whose decode
+/// steps run fused and whose wider verifications run on cuBLAS still gets logits that differ in
+/// the last bits between the two, so greedy speculative output can leave target-only output at
+/// a near-tie. With `TANDEM_CUDA_FUSED=8` every step of a batch-1 round is fused and the two
+/// outputs agree bit for bit (80/80 MT-Bench replies, session 24). Off by default until a serve
+/// load test prices the slower 8-row steps.
 pub const FUSED_MAX_ROWS: usize = 4;
 
 /// Rows of recorded hidden states [`CudaTarget::last_block_argmax`] turns into logits at once
