@@ -84,6 +84,15 @@ for c in (1, 8, 32, 64):
           f"{tail['accept_length']:.3f})") if tail else ""
     print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
           f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} | {tl} |")
+for c in (1, 8, 32, 64):
+    try:
+        base = json.load(open(os.path.join(r, f"load_target-only_fused8_c{c}.json")))
+        ada = json.load(open(os.path.join(r, f"load_adaptive_fused8_c{c}.json")))
+    except (OSError, ValueError):
+        continue
+    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
+    print(f"| {c} (fused8) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
+          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | | |")
 for f in sorted(glob.glob(os.path.join(r, "load_adaptive_c*_r*.json"))):
     c, run = os.path.basename(f)[len("load_adaptive_c"):-len(".json")].split("_r")
     ada = json.load(open(f))
@@ -121,6 +130,12 @@ pipeline)
   for c in ${CONCURRENCIES:-1 8 32 64}; do
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
+    # Session 24: the same pair with every step of up to 8 rows on the batch-invariant fused
+    # kernels (KERNELS=fused8), to price TANDEM_CUDA_FUSED=8 as a default.
+    if [[ " ${KERNELS:-} " == *" fused8 "* ]]; then
+      TANDEM_CUDA_FUSED=8 serve_load "target-only_fused8_c$c" "$c" --no-draft
+      TANDEM_CUDA_FUSED=8 serve_load "adaptive_fused8_c$c" "$c" --draft "$W/head"
+    fi
     mark "serve c$c done"
   done
   # Session 17: more same-run pairs at the concurrencies REPEAT_AT (default 32), where the
