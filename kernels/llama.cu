@@ -352,9 +352,11 @@ extern "C" __global__ void gather_rows(const unsigned short* src, const int* row
     }
 }
 
-// Greedy token of each logits row (first index among equal maxima, like torch.argmax).
-// Grid: rows. Block: 1024.
-extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned int* out) {
+// Greedy token of each logits row (first index among equal maxima, like torch.argmax), mapped
+// through `map` when given (a draft head's draft id -> target id table, so a chain drafted on
+// the device feeds its next step without the host). Grid: rows. Block: 1024.
+extern "C" __global__ void argmax_rows(const float* logits, int vocab, const unsigned int* map,
+                                       unsigned int* out) {
     __shared__ float best_value[32];
     __shared__ int best_index[32];
     const float* row = logits + (size_t)blockIdx.x * vocab;
@@ -362,7 +364,8 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, unsigned 
     const int index = row_argmax(row, vocab, best_value, best_index, &max_value);
     if (threadIdx.x == 0) {
         // A row of NaNs has no maximum: token 0 rather than an out-of-vocabulary id.
-        out[blockIdx.x] = (unsigned int)(index == 0x7fffffff ? 0 : index);
+        const unsigned int id = (unsigned int)(index == 0x7fffffff ? 0 : index);
+        out[blockIdx.x] = map != nullptr ? map[id] : id;
     }
 }
 

@@ -70,12 +70,13 @@ MAX_TOKENS="${MAX_TOKENS:-128}"
 FRESH="${FRESH:-160}"
 
 # bench_set PROMPTS BATCH SHAPE [fused]: one `tandem bench` run, its summary line into
-# summary.txt; "fused" runs it with the fused small-step kernels (TANDEM_CUDA_FUSED=4).
+# summary.txt; "fused" runs it with the fused small-step kernels (TANDEM_CUDA_FUSED=8, the
+# default since session 25), anything else with them off (TANDEM_CUDA_FUSED=0).
 bench_set() {
   local prompts=$1 batch=$2 shape=$3 fused=${4:-} suffix=${5:-} s k n
   IFS=/ read -r s k n <<< "$shape"
   local tag="${prompts}_b${batch}_${s}_${k}_${n}${fused:+_fused}${suffix:+_$suffix}"
-  TANDEM_CUDA_FUSED=${fused:+4} timeout 400 "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts "$prompts" \
+  TANDEM_CUDA_FUSED=${fused:+8} timeout 400 "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts "$prompts" \
     --data-root "$W/data" --max-new-tokens 128 --steps "$s" --topk "$k" --num-draft-tokens "$n" \
     --batch "$batch" --json "$R/bench_${tag}.json" > "$R/bench_${tag}.log" 2>&1
   python3 - "$R/bench_${tag}.json" "$tag" <<'PY' | tee -a "$LOG" "$R/summary.txt"

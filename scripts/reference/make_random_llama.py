@@ -1,10 +1,10 @@
-"""A Llama-3.1-8B-shaped model with random bf16 weights, written as HF safetensors shards
-(`model-0000N-of-0000M.safetensors` + `model.safetensors.index.json`) and an HF config.json, for
+"""A Llama-3.1-8B-shaped model (or, with --shape qwen2.5-1.5b, a Qwen2.5-1.5B-shaped one) with
+random bf16 weights, written as HF safetensors shards (`model-0000N-of-0000M.safetensors` + `model.safetensors.index.json`) and an HF config.json, for
 speed tables of a target the size users train heads for (issue #16). Made on the GPU machine
 (uploads there are limited to 64 MiB a call): the weights are drawn on the GPU with a fixed seed.
 The tokenizer files are copied from another model directory (token ids stay below its vocab).
 
-Usage: python3 make_random_llama.py OUT_DIR --tokenizer-from MODEL_DIR [--layers 32]
+Usage: python3 make_random_llama.py OUT_DIR --tokenizer-from MODEL_DIR [--shape S] [--layers N]
 """
 import argparse
 import json
@@ -38,16 +38,43 @@ LLAMA_31_8B = {
     "eos_token_id": 2,
 }
 
+# Qwen2.5-Coder-1.5B-Instruct's shape (the second real target): q/k/v biases, tied embeddings.
+QWEN25_15B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen2.5-1.5b": QWEN25_15B}
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--tokenizer-from", required=True)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    ap.add_argument("--layers", type=int, help="default: the shape's")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    cfg = dict(LLAMA_31_8B, num_hidden_layers=args.layers)
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    base = SHAPES[args.shape]
+    args.layers = args.layers or base["num_hidden_layers"]
+    cfg = dict(base, num_hidden_layers=args.layers)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    bias = cfg["model_type"] == "qwen2"
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
 
@@ -73,7 +100,13 @@ def main():
             f"{p}.mlp.up_proj.weight": rand(inter, h),
             f"{p}.mlp.down_proj.weight": rand(h, inter),
         })
-    shards.append({"model.norm.weight": ones(h), "lm_head.weight": rand(cfg["vocab_size"], h)})
+        if bias:
+            shards[-1].update({f"{p}.self_attn.{n}_proj.bias": rand(d)
+                               for n, d in (("q", q), ("k", kv), ("v", kv))})
+    last = {"model.norm.weight": ones(h)}
+    if not cfg["tie_word_embeddings"]:
+        last["lm_head.weight"] = rand(cfg["vocab_size"], h)
+    shards.append(last)
     # About 4 GB per file, as HF shards.
     files, current, size = [], {}, 0
     for part in shards:

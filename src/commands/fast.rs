@@ -134,9 +134,10 @@ pub struct FastBenchArgs {
     /// baseline, then graphs, in the same run).
     #[arg(long)]
     pub graphs_only: bool,
-    /// The fused small-step kernels (steps of at most 4 rows): `default` (as serving runs: off
-    /// unless TANDEM_CUDA_FUSED=N turns them on), `on`, `off` (cuBLAS GEMMs and separate
-    /// kernels), or `both` (off first, as the baseline, then on, in the same run).
+    /// The fused small-step kernels (steps of at most 8 rows): `default` (as serving runs: on,
+    /// unless TANDEM_CUDA_FUSED=N sets another cut-off or 0 turns them off), `on`, `off` (cuBLAS
+    /// GEMMs and separate kernels), or `both` (off first, as the baseline, then on, in the same
+    /// run).
     #[arg(long, value_enum, default_value_t = FusedModes::Default)]
     pub fused: FusedModes,
     /// Also measure the persistent step (every step of at most 8 rows in one launch, batch
@@ -158,7 +159,8 @@ pub enum FusedModes {
 
 impl FusedModes {
     /// The fused-row cut-offs to measure, in order (0: unfused), given the cut-off the engine
-    /// loaded with (`loaded`, 0 unless TANDEM_CUDA_FUSED=N) and the one `on` means (`on`).
+    /// loaded with (`loaded`: FUSED_MAX_ROWS, or TANDEM_CUDA_FUSED=N) and the one `on` means
+    /// (`on`).
     fn cut_offs(self, loaded: usize, on: usize) -> Vec<usize> {
         match self {
             Self::Default => vec![loaded],
@@ -215,7 +217,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     }
     let mut first_token_s = None;
     let mut rows = Vec::new();
-    // `--fused on` runs FUSED_MAX_ROWS (or TANDEM_CUDA_FUSED=N's cut-off).
+    // `--fused on` runs FUSED_MAX_ROWS (or TANDEM_CUDA_FUSED=N's cut-off when not 0).
     let loaded = model.fused_rows();
     let cut_offs = args.fused.cut_offs(
         loaded,

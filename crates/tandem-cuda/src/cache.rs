@@ -3,10 +3,10 @@
 //! ([`ColumnLayout`]) as the burn cache, so steps, masks, commits and rollbacks are built by
 //! one piece of code for both paths.
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use tandem_model::{ColumnLayout, MaskParts, ModelError, StepInput};
 
-use crate::device::{AttentionShape, Gpu, Word, words};
+use crate::device::{AttentionShape, Gpu, Word, first_words_mut, words};
 use crate::error::CudaError;
 
 /// A step's inputs on the host: see [`CudaKvCache::step_host`].
@@ -98,6 +98,13 @@ impl StepInputs {
 
     pub fn tokens(&self) -> CudaView<'_, u32> {
         self.words(0, self.rows)
+    }
+
+    /// The tokens for a kernel or copy that writes them on the device, after [`Self::load`]:
+    /// a chained draft step's tokens are the previous step's greedy ids, never on the host.
+    pub fn tokens_mut(&mut self) -> CudaViewMut<'_, u32> {
+        // The tokens are the buffer's first 4 * rows bytes.
+        first_words_mut(&mut self.bytes, self.rows)
     }
 
     pub fn positions(&self) -> CudaView<'_, i32> {

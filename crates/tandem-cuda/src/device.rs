@@ -16,8 +16,8 @@ use cudarc::driver::sys::{
     CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut,
-    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
@@ -446,6 +446,20 @@ impl Gpu {
         Ok(self
             .stream
             .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))?)
+    }
+
+    /// `dst[..src.len()] = src` on the GPU, views of buffers.
+    pub fn copy_view_into<T: DeviceRepr>(
+        &self,
+        src: &CudaView<'_, T>,
+        dst: &mut CudaViewMut<'_, T>,
+    ) -> Result<(), CudaError> {
+        let n = src.len();
+        assert!(dst.len() >= n);
+        if n == 0 {
+            return Ok(());
+        }
+        Ok(self.stream.memcpy_dtod(src, &mut dst.slice_mut(0..n))?)
     }
 
     /// `dst[at..at + n] = src[..n]` on the GPU.
@@ -1562,18 +1576,38 @@ impl Gpu {
         rows: usize,
         vocab: usize,
     ) -> Result<Vec<u32>, CudaError> {
-        assert!(logits.len() >= rows * vocab);
         let mut out = self.scratch::<u32>(rows)?;
-        let vocab_i = vocab as i32;
-        {
-            let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows);
-            launch.arg(logits).arg(&vocab_i).arg(&mut out);
-            // SAFETY: one block per row, each reads `vocab` values; sizes asserted.
-            unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
-        }
+        self.argmax_rows_into(logits, rows, vocab, None, &mut out.slice_mut(..))?;
         let mut host = self.download(&out)?;
         host.truncate(rows);
         Ok(host)
+    }
+
+    /// The greedy token of each of `rows` logits rows, mapped through `map` when given (a
+    /// draft head's draft id -> target id table), written into `out` on the device.
+    pub fn argmax_rows_into(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        map: Option<&CudaSlice<u32>>,
+        out: &mut CudaViewMut<'_, u32>,
+    ) -> Result<(), CudaError> {
+        assert!(logits.len() >= rows * vocab && out.len() >= rows);
+        assert!(map.is_none_or(|m| m.len() >= vocab));
+        let vocab_i = vocab as i32;
+        let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows);
+        launch.arg(logits).arg(&vocab_i);
+        match map {
+            Some(m) => launch.arg(m),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(out);
+        // SAFETY: signature (const f32*, int, const u32* or null, u32*); one block per row,
+        // each reads `vocab` values (and one `map` entry) and writes its row's id; sizes
+        // asserted.
+        unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
+        Ok(())
     }
 
     /// One token per row of `[rows, vocab]` f32 logits drawn from softmax(logits /
@@ -1661,6 +1695,14 @@ pub(crate) fn words<T: Word>(bytes: &CudaSlice<u8>, at: usize, n: usize) -> Cuda
     // SAFETY: `T` takes any bit pattern (`Word`); the range lies inside the buffer (`slice`
     // panics otherwise) and starts 4-byte aligned.
     unsafe { bytes.slice(at..at + 4 * n).transmute::<T>(n) }.expect("the range holds n values")
+}
+
+/// The first `n` values of `T` of `bytes`, writable ([`words`] at byte 0).
+pub(crate) fn first_words_mut<T: Word>(bytes: &mut CudaSlice<u8>, n: usize) -> CudaViewMut<'_, T> {
+    assert!(std::mem::size_of::<T>() == 4);
+    // SAFETY: `T` takes any bit pattern (`Word`); `transmute_mut` checks that the buffer holds
+    // `n` values.
+    unsafe { bytes.transmute_mut::<T>(n) }.expect("the buffer holds n values")
 }
 
 /// The attention geometry of one step.

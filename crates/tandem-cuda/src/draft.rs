@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
@@ -51,6 +51,9 @@ pub struct CudaDraft {
     graphs: Graphs<DraftBuffers>,
     /// Steps of at most this many rows run the fused small-step kernels (as the target's).
     fused_rows: AtomicUsize,
+    /// `[draft_vocab]`: the target id of each draft id (`d2t` applied), for chains drafted on
+    /// the device.
+    draft_to_target: CudaSlice<u32>,
 }
 
 impl std::fmt::Debug for CudaDraft {
@@ -136,6 +139,9 @@ impl CudaDraft {
         let mut gate_up = get("midlayer.mlp.gate_proj.weight")?.clone();
         gate_up.extend(get("midlayer.mlp.up_proj.weight")?);
         let inv_freq: Vec<f32> = spec.inv_freq.iter().map(|&f| f as f32).collect();
+        let draft_to_target: Vec<u32> = (0..vocab.draft_size())
+            .map(|d| vocab.to_target(d))
+            .collect();
         Ok(Self {
             embed: target.embedding().clone(),
             fc: bf16(get("fc.weight")?)?,
@@ -152,6 +158,7 @@ impl CudaDraft {
             inv_freq: gpu.upload(&inv_freq)?,
             graphs: Graphs::new(gpu.graphs_default()),
             fused_rows: AtomicUsize::new(fused_rows_default()),
+            draft_to_target: gpu.upload(&draft_to_target)?,
             spec,
             vocab,
             gpu,
@@ -272,6 +279,78 @@ impl CudaDraft {
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
     ) -> Result<DraftStepOutput, CudaError> {
+        self.forward_step_from(step, hidden, cache, None)
+    }
+
+    /// Greedy draft chains drafted on the device: for each of the `batch` sequences, the
+    /// argmax of its root logits (`logits` row `b`, `[batch, draft_vocab]`), then `steps - 1`
+    /// head steps, each fed the previous step's token and hidden output (`hidden` row `b`, `[batch,
+    /// H]`, for the first). Every step's greedy id goes through `d2t` on the device into the
+    /// next step's input tokens, so the chain never waits for the host between its steps (the
+    /// loop of `tandem_infer`'s default `head_chain` reads each argmax back and builds the next
+    /// step from it); the tokens come back once, `[batch][steps]` target ids. The steps' keys
+    /// stay in `cache` (the caller rolls them back), as with [`CudaDraft::forward_step`].
+    pub fn draft_chain(
+        &self,
+        cache: &mut CudaKvCache,
+        hidden: &CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        batch: usize,
+        steps: usize,
+    ) -> Result<Vec<Vec<u32>>, CudaError> {
+        let gpu = &*self.gpu;
+        let (h, vocab) = (self.spec.hidden_size, self.spec.draft_vocab_size);
+        if hidden.len() < batch * h || logits.len() < batch * vocab {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "a chain of {batch} sequences needs {batch} root rows of {h} hidden values \
+                     and {vocab} logits; got {} and {} values",
+                    hidden.len(),
+                    logits.len()
+                ),
+            }
+            .into());
+        }
+        if steps == 0 || batch == 0 {
+            return Ok(vec![Vec::new(); batch]);
+        }
+        // Step s's target ids at [s * batch, (s + 1) * batch).
+        let mut ids = gpu.scratch::<u32>(steps * batch)?;
+        let map = Some(&self.draft_to_target);
+        gpu.argmax_rows_into(logits, batch, vocab, map, &mut ids.slice_mut(0..batch))?;
+        // The roots stay the caller's: the first step's residual is a copy.
+        let mut input = gpu.scratch::<f32>(batch * h)?;
+        gpu.copy_into(hidden, &mut input, batch * h)?;
+        // Placeholder tokens for the host-side bookkeeping; the device writes the real ones.
+        let placeholder = vec![0u32; batch];
+        for s in 1..steps {
+            let step = cache.layout().decode_step(&placeholder)?;
+            let previous = ids.slice((s - 1) * batch..s * batch);
+            let out = self.forward_step_from(&step, input, cache, Some(&previous))?;
+            gpu.argmax_rows_into(
+                &out.logits.data,
+                batch,
+                vocab,
+                map,
+                &mut ids.slice_mut(s * batch..(s + 1) * batch),
+            )?;
+            input = out.hidden.data;
+        }
+        let ids = gpu.download(&ids)?;
+        Ok((0..batch)
+            .map(|b| (0..steps).map(|s| ids[s * batch + b]).collect())
+            .collect())
+    }
+
+    /// [`CudaDraft::forward_step`], with the step's tokens taken from the device when
+    /// `tokens` is given (`[batch]`, over whatever `step.tokens` holds).
+    fn forward_step_from(
+        &self,
+        step: &StepInput,
+        hidden: CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+        tokens: Option<&CudaView<'_, u32>>,
+    ) -> Result<DraftStepOutput, CudaError> {
         let spec = &self.spec;
         let host = cache.step_host(
             step,
@@ -292,9 +371,9 @@ impl CudaDraft {
         let mut output = if self.graphs.enabled() && step.width <= GRAPH_MAX_WIDTH {
             // Padded to a graph batch size, as the target's steps are.
             let padded = graph_batch(step.batch, cache.rows_allocated());
-            self.step_graphed(host, padded, hidden, cache)?
+            self.step_graphed(host, padded, hidden, cache, tokens)?
         } else {
-            self.step_eager(&host, hidden, cache)?
+            self.step_eager(&host, hidden, cache, tokens)?
         };
         output.hidden.batch = step.batch;
         output.logits.rows = rows;
@@ -307,9 +386,10 @@ impl CudaDraft {
         host: &HostStep,
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
+        tokens: Option<&CudaView<'_, u32>>,
     ) -> Result<DraftStepOutput, CudaError> {
         let mut buffers = DraftBuffers::new(self, host.shape, host.total, Some(hidden))?;
-        buffers.load(&self.gpu, host)?;
+        buffers.load(&self.gpu, host, tokens)?;
         self.encode(&mut buffers, cache, host, false)?;
         Ok(buffers.into_output(self))
     }
@@ -332,6 +412,7 @@ impl CudaDraft {
         padded: usize,
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
+        tokens: Option<&CudaView<'_, u32>>,
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let rows = host.shape.rows();
@@ -351,7 +432,7 @@ impl CudaDraft {
             // A new shape or cache runs eagerly (unpadded) for its first steps; the next one is
             // captured.
             drop(graphs);
-            return self.step_eager(&host, hidden, cache);
+            return self.step_eager(&host, hidden, cache, tokens);
         }
         let host = host.padded(padded);
         if !graphs.captured.contains_key(&key) {
@@ -367,7 +448,7 @@ impl CudaDraft {
             );
         }
         let entry = graphs.captured.get_mut(&key).expect("captured above");
-        entry.buffers.load(gpu, &host)?;
+        entry.buffers.load(gpu, &host, tokens)?;
         gpu.copy_into(
             &hidden,
             &mut entry.buffers.hidden,
@@ -578,8 +659,19 @@ impl DraftBuffers {
         })
     }
 
-    fn load(&mut self, gpu: &Gpu, host: &HostStep) -> Result<(), CudaError> {
-        self.inputs.load(gpu, host)
+    /// The step's inputs, with the tokens copied over from the device when given (after the
+    /// host's placeholders, on the same stream).
+    fn load(
+        &mut self,
+        gpu: &Gpu,
+        host: &HostStep,
+        tokens: Option<&CudaView<'_, u32>>,
+    ) -> Result<(), CudaError> {
+        self.inputs.load(gpu, host)?;
+        if let Some(tokens) = tokens {
+            gpu.copy_view_into(tokens, &mut self.inputs.tokens_mut())?;
+        }
+        Ok(())
     }
 
     fn into_output(self, draft: &CudaDraft) -> DraftStepOutput {

@@ -294,28 +294,33 @@ impl CudaStepOutput {
     }
 }
 
-/// The cut-off the fused small-step kernels are measured and offered with (`fast-bench --fused
-/// on`, `TANDEM_CUDA_FUSED=4`): they win at 1 to 4 rows (H200, SmolLM2, batch-1 decode 0.81 vs
-/// 1.04 ms, a 4-token verification 1.02 vs 1.10 ms) and lose at 8 (1.36 vs 1.19 ms), where
-/// cuBLAS's GEMMs keep more loads in flight (BENCHMARKS.md, sessions 18 and 24).
+/// The default cut-off of the fused small-step kernels: every step of at most 8 rows (a batch-1
+/// decode, chain and tree verifications of up to 8 tokens, the head's steps, small batches) runs
+/// them, `TANDEM_CUDA_FUSED=N` sets another cut-off and `TANDEM_CUDA_FUSED=0` turns them off.
 ///
 /// The fused kernels are batch invariant (a row gets the same bits at every step width, and
-/// attention groups its keys by their rank among its visible keys), but a sequence whose decode
-/// steps run fused and whose wider verifications run on cuBLAS still gets logits that differ in
-/// the last bits between the two, so greedy speculative output can leave target-only output at
-/// a near-tie. With `TANDEM_CUDA_FUSED=8` every step of a batch-1 round is fused and the two
-/// outputs agree bit for bit (80/80 MT-Bench replies, session 24). Off by default until a serve
-/// load test prices the slower 8-row steps.
-pub const FUSED_MAX_ROWS: usize = 4;
+/// attention groups its keys by their rank among its visible keys). With every step of a
+/// batch-1 round fused, greedy speculative output equals target-only output bit for bit (80/80
+/// MT-Bench replies, session 24), where a cut-off of 4 (8-row verifications on cuBLAS) left it
+/// at near-ties (52/80) and cuBLAS alone at 45/80. The price is the 8-row steps: on SmolLM2 a
+/// tree-8 verification costs 1.36 ms fused against 1.19 on cuBLAS, while a batch-1 decode costs
+/// 0.81 against 1.04 ms; `tandem serve` with the speculation policy was faster with them than
+/// without at every concurrency (1.30x/1.34x/1.14x/1.04x target-only at c1/8/32/64, the
+/// highest adaptive throughput of the run at each; BENCHMARKS.md, session 24), which made it
+/// the default in session 25.
+pub const FUSED_MAX_ROWS: usize = GEMV_MAX_ROWS;
 
 /// Rows of recorded hidden states [`CudaTarget::last_block_argmax`] turns into logits at once
 /// (512 rows of a 152K vocabulary are 311 MB of f32 logits).
 pub const LAST_BLOCK_ROWS: usize = 512;
 
-/// `TANDEM_CUDA_FUSED=N` (steps of at most N rows fused, N capped at [`GEMV_MAX_ROWS`]); 0, the
-/// fused kernels off, without it.
+/// [`FUSED_MAX_ROWS`], or `TANDEM_CUDA_FUSED=N` (steps of at most N rows fused, N capped at
+/// [`GEMV_MAX_ROWS`]; 0, empty or not a number: the fused kernels off).
 pub(crate) fn fused_rows_default() -> usize {
-    rows_from_env("TANDEM_CUDA_FUSED")
+    match std::env::var_os("TANDEM_CUDA_FUSED") {
+        None => FUSED_MAX_ROWS,
+        Some(_) => rows_from_env("TANDEM_CUDA_FUSED"),
+    }
 }
 
 /// `TANDEM_CUDA_PERSISTENT=N`: steps of at most N rows (capped at [`GEMV_MAX_ROWS`]) run the
@@ -425,8 +430,8 @@ impl CudaTarget {
     /// Steps of at most `rows` rows (capped at [`GEMV_MAX_ROWS`]) run the fused small-step
     /// kernels; 0 turns them off: every step then runs the cuBLAS GEMMs and the separate norm,
     /// RoPE and SwiGLU kernels, the baseline `fast-bench --fused both` measures and the
-    /// reference the GPU tests compare the fused kernels with. Default 0 (off; see
-    /// [`FUSED_MAX_ROWS`]), or `TANDEM_CUDA_FUSED=N`.
+    /// reference the GPU tests compare the fused kernels with. Default [`FUSED_MAX_ROWS`] (8),
+    /// or `TANDEM_CUDA_FUSED=N`.
     pub fn set_fused_rows(&self, rows: usize) {
         self.fused_rows
             .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);

@@ -1315,34 +1315,15 @@ impl<T: SpecBackend> Engine<'_, T> {
         roots: &Roots<T>,
         dcache: &mut T::Cache,
     ) -> Result<Vec<DraftTree>, InferError> {
-        let batch = root_tokens.len();
         let steps = shape.steps.min(shape.tokens - 1);
-        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); batch];
-        let mut next: Option<(T::Rows, T::Logits)> = None;
-        for s in 0..steps {
-            let logits = next.as_ref().map_or(&roots.logits, |n| &n.1);
-            let tokens: Vec<u32> = self
-                .target
-                .argmax(logits)?
-                .into_iter()
-                .map(|d| T::to_target(draft, d))
-                .collect();
-            for (b, &t) in tokens.iter().enumerate() {
-                drafts[b].push(t);
-            }
-            if s + 1 == steps {
-                break;
-            }
-            let step = T::layout(dcache).decode_step(&tokens)?;
-            let hidden = match next.take() {
-                Some((hidden, _)) => hidden,
-                None => {
-                    let all: Vec<(usize, usize)> = (0..batch).map(|b| (0, b)).collect();
-                    self.target.gather_rows(&[&roots.hidden], &all)?
-                }
-            };
-            next = Some(self.target.head_step(draft, dcache, &step, hidden)?);
-        }
+        let drafts = self.target.head_chain(
+            draft,
+            dcache,
+            &roots.hidden,
+            &roots.logits,
+            root_tokens.len(),
+            steps,
+        )?;
         Ok(root_tokens
             .iter()
             .zip(drafts)

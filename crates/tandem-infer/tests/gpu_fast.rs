@@ -185,6 +185,116 @@ fn fast_head_graph_replay_gives_the_eager_outputs() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn device_chain_drafts_what_the_host_loop_drafts() {
+    // `CudaDraft::draft_chain` (each greedy id mapped through d2t on the GPU into the next
+    // step's tokens, one read-back) against the loop it replaces (read each argmax back, map it
+    // on the host, build and run the next step), on two caches with the same history, with a
+    // draft vocabulary smaller than the target's so the map matters: the same tokens, and the
+    // same keys and values in the caches, bit for bit, over rounds of 4 that roll back their
+    // draft columns as the driver does (the later rounds replay CUDA graphs).
+    let mut config: HfConfig = tiny_config("LlamaForCausalLM", 4);
+    config.hidden_size = 128;
+    config.intermediate_size = 192;
+    config.vocab_size = 300;
+    let dir = scratch_dir("gpu-fast-device-chain");
+    write_random_model(&dir, &config, 11).expect("model written");
+    let gpu: Arc<Gpu> = Gpu::new(0).expect("these tests need a CUDA GPU");
+    let target = CudaTarget::load(&dir, gpu.clone()).expect("fast target");
+    let cpu_target = TargetModel::<B>::load(&dir, &Default::default()).expect("cpu target");
+    let taps = default_aux_taps(config.num_hidden_layers).unwrap();
+    let draft_vocab = 200;
+    // Every odd id is frequent, so the draft vocabulary is not a prefix of the target's.
+    let counts: Vec<u64> = (0..300)
+        .map(|j| if j % 2 == 1 { 50 } else { j % 7 })
+        .collect();
+    let vocab = tandem_eagle::build_vocab_map(&counts, draft_vocab, 300).unwrap();
+    assert!((0..draft_vocab).any(|d| vocab.to_target(d) != d as u32));
+    let spec = Eagle3Config::for_target(&config, draft_vocab, taps.len())
+        .resolve()
+        .unwrap();
+    let cpu_draft = Eagle3Draft::init(
+        spec.clone(),
+        vocab.clone(),
+        cpu_target.embed_tokens.clone(),
+        5,
+        &Default::default(),
+    )
+    .unwrap();
+    let draft = CudaDraft::new(&target, spec, vocab, &cpu_draft.to_host()).expect("fast head");
+    let h = draft.spec.hidden_size;
+    let mut seed = 7u32;
+    let mut random = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                ((seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    };
+    let mut host_cache = draft.new_cache(2, 96).unwrap();
+    let mut device_cache = draft.new_cache(2, 96).unwrap();
+    let chunks: [&[u32]; 2] = [&[3, 14, 15, 92, 65], &[2, 71]];
+    let step = host_cache.layout().prefill_step(&chunks).unwrap();
+    let prefix = random(step.batch * step.width * h, 1.0);
+    for cache in [&mut host_cache, &mut device_cache] {
+        draft
+            .forward_step(&step, gpu.upload(&prefix).unwrap(), cache)
+            .expect("extend");
+    }
+    let steps = 4;
+    for round in 0..4 {
+        let roots_hidden = gpu.upload(&random(2 * h, 1.0)).unwrap();
+        let roots_logits = gpu.upload(&random(2 * draft_vocab, 4.0)).unwrap();
+        // The host loop.
+        let mut expected: Vec<Vec<u32>> = vec![Vec::new(); 2];
+        let mut logits = tandem_cuda::DeviceLogits::new(
+            gpu.duplicate(&roots_logits).unwrap(),
+            2,
+            draft_vocab,
+            gpu.clone(),
+        );
+        let mut hidden = gpu.duplicate(&roots_hidden).unwrap();
+        for s in 0..steps {
+            let tokens: Vec<u32> = logits
+                .argmax()
+                .unwrap()
+                .into_iter()
+                .map(|d| draft.vocab.to_target(d as usize))
+                .collect();
+            for (b, &t) in tokens.iter().enumerate() {
+                expected[b].push(t);
+            }
+            if s + 1 == steps {
+                break;
+            }
+            let step = host_cache.layout().decode_step(&tokens).unwrap();
+            let out = draft.forward_step(&step, hidden, &mut host_cache).unwrap();
+            hidden = out.hidden.data;
+            logits = out.logits;
+        }
+        let drafted = draft
+            .draft_chain(&mut device_cache, &roots_hidden, &roots_logits, 2, steps)
+            .expect("device chain");
+        assert_eq!(drafted, expected, "round {round}: draft tokens");
+        assert_eq!(
+            device_cache.layout().used(),
+            host_cache.layout().used(),
+            "round {round}: columns"
+        );
+        assert!(
+            device_cache.to_host(&gpu).unwrap() == host_cache.to_host(&gpu).unwrap(),
+            "round {round}: the caches' keys or values differ"
+        );
+        for cache in [&mut host_cache, &mut device_cache] {
+            cache.layout_mut().rollback(steps - 1);
+        }
+    }
+    let stats = draft.graph_stats();
+    assert!(stats.replays > 0, "{stats:?}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn fast_head_matches_the_burn_head_in_extend_chain_and_tree_steps() {
     let f = fixture("parity");
     let prompts: Vec<Vec<u32>> = vec![

@@ -5,7 +5,7 @@
 use tandem_cuda::{CudaDraft, CudaKvCache, CudaSlice, CudaTarget, DeviceLogits, DeviceRows, Gpu};
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
-use super::SpecBackend;
+use super::{SpecBackend, host_chain};
 use crate::engine::InferError;
 
 /// Rows `picks[j] = (source, row)` of `[_, cols]` f32 device matrices, as a new
@@ -138,6 +138,24 @@ impl SpecBackend for CudaTarget {
     ) -> Result<(DeviceRows, DeviceLogits), InferError> {
         let out = head.forward_step(step, hidden.data, cache)?;
         Ok((out.hidden, out.logits))
+    }
+
+    /// The chain stays on the GPU ([`CudaDraft::draft_chain`]): one read-back for the whole
+    /// chain instead of one per draft step. `TANDEM_CUDA_DEVICE_CHAIN=0` drafts step by step
+    /// through the host instead ([`host_chain`], the same-run baseline).
+    fn head_chain(
+        &self,
+        head: &CudaDraft,
+        cache: &mut CudaKvCache,
+        hidden: &DeviceRows,
+        logits: &DeviceLogits,
+        batch: usize,
+        steps: usize,
+    ) -> Result<Vec<Vec<u32>>, InferError> {
+        if !device_chain() {
+            return host_chain(self, head, cache, hidden, logits, batch, steps);
+        }
+        Ok(head.draft_chain(cache, &hidden.data, &logits.data, batch, steps)?)
     }
 
     fn gather_rows(
@@ -285,4 +303,10 @@ impl SpecBackend for CudaTarget {
         }
         Some(text)
     }
+}
+
+/// Whether greedy chains are drafted on the GPU (`TANDEM_CUDA_DEVICE_CHAIN=0` turns it off).
+fn device_chain() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_CUDA_DEVICE_CHAIN").map_or(true, |v| v != "0"))
 }

@@ -90,6 +90,28 @@ pub trait SpecBackend {
         hidden: Self::Rows,
     ) -> Result<(Self::Rows, Self::Logits), InferError>;
 
+    /// Greedy draft chains: `steps` draft tokens (target ids) for each of the `batch`
+    /// sequences, from the roots (`hidden` and `logits`, row `b` sequence `b`): the argmax of
+    /// the roots' logits, then `steps - 1` head steps, each fed the previous step's token and
+    /// hidden output. The draft steps' keys stay in `cache` (the caller rolls them back).
+    ///
+    /// This default reads each step's argmax back and builds the next step on the host; a
+    /// backend may keep the whole chain on its device and read the tokens back once.
+    fn head_chain(
+        &self,
+        head: &Self::Head,
+        cache: &mut Self::Cache,
+        hidden: &Self::Rows,
+        logits: &Self::Logits,
+        batch: usize,
+        steps: usize,
+    ) -> Result<Vec<Vec<u32>>, InferError>
+    where
+        Self: Sized,
+    {
+        host_chain(self, head, cache, hidden, logits, batch, steps)
+    }
+
     /// New rows: `picks[j] = (source, row)` is row `j`.
     fn gather_rows(
         &self,
@@ -153,4 +175,45 @@ pub trait SpecBackend {
     fn graph_report(&self, _head: Option<&Self::Head>) -> Option<String> {
         None
     }
+}
+
+/// [`SpecBackend::head_chain`] step by step: read each step's argmax back, map it through
+/// `d2t` on the host, build and run the next step. The default, and the baseline a backend
+/// that drafts on its device is measured against (`TANDEM_CUDA_DEVICE_CHAIN=0`).
+pub fn host_chain<T: SpecBackend>(
+    backend: &T,
+    head: &T::Head,
+    cache: &mut T::Cache,
+    hidden: &T::Rows,
+    logits: &T::Logits,
+    batch: usize,
+    steps: usize,
+) -> Result<Vec<Vec<u32>>, InferError> {
+    let mut drafts: Vec<Vec<u32>> = vec![Vec::with_capacity(steps); batch];
+    let mut next: Option<(T::Rows, T::Logits)> = None;
+    for s in 0..steps {
+        let logits = next.as_ref().map_or(logits, |n| &n.1);
+        let tokens: Vec<u32> = backend
+            .argmax(logits)?
+            .into_iter()
+            .take(batch)
+            .map(|d| T::to_target(head, d))
+            .collect();
+        for (b, &t) in tokens.iter().enumerate() {
+            drafts[b].push(t);
+        }
+        if s + 1 == steps {
+            break;
+        }
+        let step = T::layout(cache).decode_step(&tokens)?;
+        let input = match next.take() {
+            Some((hidden, _)) => hidden,
+            None => {
+                let all: Vec<(usize, usize)> = (0..batch).map(|b| (0, b)).collect();
+                backend.gather_rows(&[hidden], &all)?
+            }
+        };
+        next = Some(backend.head_step(head, cache, &step, input)?);
+    }
+    Ok(drafts)
 }

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# H200, issue #16: greedy draft chains on the GPU (`CudaDraft::draft_chain`: each step's argmax
+# mapped through d2t on the device into the next step's tokens, one read-back a chain) against
+# the host loop (`TANDEM_CUDA_DEVICE_CHAIN=0`: read each argmax back, build the next step), same
+# binary, same run. Then the Qwen2.5-1.5B-shaped random model's step times with the fused
+# kernels at 8 rows against cuBLAS (whether `TANDEM_CUDA_FUSED=8` can be the default for the
+# second target too), and every GPU suite (tandem-infer's also with TANDEM_CUDA_FUSED=8).
+# Knobs: SHAPES (chain shapes, default 3/1/4 5/1/6), QWEN=0, TESTS=0.
+#   here:     cargo build --release && bash scripts/gpu/persistent.sh pack   # .device/a .. .device/e
+#             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
+#   call 1 (carry .device/a): bash scripts/gpu/draft_chain.sh a
+#   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/draft_chain.sh piece b|c|d
+#   call 5 (carry .device/e): bash scripts/gpu/draft_chain.sh start;  later calls: ... wait
+set -uo pipefail
+PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
+source "$(dirname "$0")/head_lib.sh"
+use_cublas_libraries
+
+# rounds_line NAME SHAPE: draft and extend ms per round from a bench JSON (rounds = speculative
+# tokens / accept length), and their ratio to a target-only decode step of the same run.
+rounds_line() {
+  python3 - "$R/bench_$1_${2//\//_}.json" "$1" "$2" <<'PY' | tee -a "$R/summary.txt"
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    print(f"{sys.argv[2]} {sys.argv[3]}: no report ({e})"); sys.exit()
+t = d["timings"]
+rounds = d["spec_tokens"] / d["accept_length"]
+draft, extend, verify = (1e3 * t[k] / rounds for k in ("draft_s", "extend_s", "verify_s"))
+decode = 1e3 / d["target_tokens_per_second"] if d.get("target_tokens_per_second") else float("nan")
+print(f"ROUND {sys.argv[2]:22s} {sys.argv[3]:6s} draft {draft:.3f} extend {extend:.3f} verify {verify:.3f} "
+      f"ms/round; decode {decode:.3f} ms; (draft+extend)/decode {(draft + extend) / decode:.2f} "
+      f"verify/decode {verify / decode:.2f}")
+PY
+}
+
+case "$PHASE" in
+pack) pack_smollm2 ;;
+a) phase_a ;;
+piece) phase_piece "$2" ;;
+start)
+  phase_import
+  cp "$0" "$W/draft_chain.sh"
+  cp scripts/reference/make_random_llama.py "$W/"
+  cd /tmp
+  setsid nohup bash "$W/draft_chain.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
+  sleep 2
+  cd - > /dev/null
+  exec bash "$0" wait
+  ;;
+wait)
+  wait_for done
+  cat "$R/phases.txt"
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -50
+  cat "$R/qwen-fast-bench.md" 2>/dev/null
+  cat "$R/summary.txt" 2>/dev/null
+  collect results.tar.xz none
+  ;;
+pipeline)
+  cd "$W"
+  mark "pipeline start"
+  if [[ "${TESTS:-1}" == 1 ]]; then
+    timeout 200 "$W/gpu-fast-tests" --ignored --test-threads 1 device_chain > "$R/tests-chain.log" 2>&1
+    echo "device chain GPU test: exit $?" | tee -a "$R/summary.txt"
+  fi
+  # Device chain vs host chain, each with every step of up to 8 rows fused (the default now)
+  # and on cuBLAS (TANDEM_CUDA_FUSED=0, the old default); each bench measures its own
+  # target-only baseline on the same kernels.
+  for s in ${SHAPES:-3/1/4 5/1/6}; do
+    for kernels in fused8 cublas; do
+      fused=0; [[ $kernels == fused8 ]] && fused=8
+      TANDEM_CUDA_FUSED=$fused bench "$W/head" "$kernels-device" "$s"
+      rounds_line "$kernels-device" "$s"
+      TANDEM_CUDA_FUSED=$fused TANDEM_CUDA_DEVICE_CHAIN=0 bench "$W/head" "$kernels-host" "$s"
+      rounds_line "$kernels-host" "$s"
+    done
+  done
+  TANDEM_CUDA_FUSED=8 bench "$W/head" fused8-tree 3/4/8
+  rounds_line fused8-tree 3/4/8
+  mark "spec bench done"
+  if [[ "${QWEN:-1}" == 1 ]]; then
+    python3 make_random_llama.py "$W/qwen-random" --shape qwen2.5-1.5b --tokenizer-from "$M" \
+      > "$R/qwen-make.log" 2>&1
+    echo "qwen-shaped model: $(tail -1 "$R/qwen-make.log")" | tee -a "$R/summary.txt"
+    TANDEM_CUDA_FUSED=8 timeout 300 "$T" fast-bench --model "$W/qwen-random" --batch 1,8 \
+      --verify-widths 4,8 --new-tokens 32 --repeats 3 --with-taps --graphs-only --fused both \
+      --json "$R/qwen-fast-bench.json" > "$R/qwen-fast-bench.md" 2> "$R/qwen-fast-bench.log"
+    echo "qwen-shaped fast-bench: exit $?" | tee -a "$R/summary.txt"
+    rm -rf "$W/qwen-random"
+    mark "qwen-shaped fast-bench done"
+  fi
+  if [[ "${TESTS:-1}" == 1 ]]; then
+    run_gpu_tests 400
+    TANDEM_CUDA_FUSED=8 timeout 400 "$W/gpu-fast-tests" --ignored --test-threads 1 \
+      > "$R/tests-infer-fused8.log" 2>&1
+    echo "tandem-infer GPU tests with TANDEM_CUDA_FUSED=8: exit $?" | tee -a "$R/summary.txt"
+  fi
+  touch "$R/done"
+  ;;
+esac
