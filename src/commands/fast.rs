@@ -134,8 +134,9 @@ pub struct FastBenchArgs {
     /// baseline, then graphs, in the same run).
     #[arg(long)]
     pub graphs_only: bool,
-    /// The fused small-step kernels (steps of at most 8 rows): `default` (as serving runs: on,
-    /// unless TANDEM_CUDA_FUSED=N sets another cut-off or 0 turns them off), `on`, `off` (cuBLAS
+    /// The fused small-step kernels (steps of at most 8 rows): `default` (as serving runs: on
+    /// for targets of hidden size up to 1,024, off above, unless TANDEM_CUDA_FUSED=N sets the
+    /// cut-off; 0 turns them off), `on`, `off` (cuBLAS
     /// GEMMs and separate kernels), or `both` (off first, as the baseline, then on, in the same
     /// run).
     #[arg(long, value_enum, default_value_t = FusedModes::Default)]
@@ -159,7 +160,7 @@ pub enum FusedModes {
 
 impl FusedModes {
     /// The fused-row cut-offs to measure, in order (0: unfused), given the cut-off the engine
-    /// loaded with (`loaded`: FUSED_MAX_ROWS, or TANDEM_CUDA_FUSED=N) and the one `on` means
+    /// loaded with (`loaded`: by hidden size, or TANDEM_CUDA_FUSED=N) and the one `on` means
     /// (`on`).
     fn cut_offs(self, loaded: usize, on: usize) -> Vec<usize> {
         match self {

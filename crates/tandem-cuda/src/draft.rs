@@ -157,7 +157,7 @@ impl CudaDraft {
             lm_head: bf16(get("lm_head.weight")?)?,
             inv_freq: gpu.upload(&inv_freq)?,
             graphs: Graphs::new(gpu.graphs_default()),
-            fused_rows: AtomicUsize::new(fused_rows_default()),
+            fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             draft_to_target: gpu.upload(&draft_to_target)?,
             spec,
             vocab,

@@ -14,7 +14,8 @@ use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, StepInputs};
 use crate::device::{
-    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
+    AttentionShape, DeviceRows, FusedOProj, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS,
+    PersistentStep,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -66,6 +67,10 @@ struct StepBuffers {
     /// Each row's visible columns and their counts, for the persistent step and the fused
     /// steps' attention (steps that may take them; one element otherwise).
     visible: CudaSlice<i32>,
+    /// Fused steps: each (row, head)'s share of o_proj, `[rows, heads, hidden]`, and each row's
+    /// arrival counter (zero between launches); see [`FusedOProj`].
+    o_parts: CudaSlice<f32>,
+    arrived: CudaSlice<u32>,
     /// The persistent step's table of layer and tap addresses, built for this step's cache
     /// before the step runs or is captured ([`CudaTarget::persistent_table`]).
     persistent_table: Option<CudaSlice<u64>>,
@@ -126,6 +131,8 @@ impl StepBuffers {
             } else {
                 1
             })?,
+            o_parts: gpu.scratch(if fuses { rows * spec.num_heads * h } else { 1 })?,
+            arrived: gpu.zeros(if fuses { rows } else { 1 })?,
             persistent_table: None,
             batch: shape.batch,
             width: shape.width,
@@ -294,32 +301,41 @@ impl CudaStepOutput {
     }
 }
 
-/// The default cut-off of the fused small-step kernels: every step of at most 8 rows (a batch-1
-/// decode, chain and tree verifications of up to 8 tokens, the head's steps, small batches) runs
-/// them, `TANDEM_CUDA_FUSED=N` sets another cut-off and `TANDEM_CUDA_FUSED=0` turns them off.
+/// The cut-off of the fused small-step kernels on targets they are the default for (hidden size
+/// at most [`FUSED_DEFAULT_MAX_HIDDEN`]): every step of at most 8 rows (a batch-1 decode, chain
+/// and tree verifications of up to 8 tokens, the head's steps, small batches) runs them.
+/// `TANDEM_CUDA_FUSED=N` sets another cut-off on any target, `TANDEM_CUDA_FUSED=0` turns them
+/// off.
 ///
 /// The fused kernels are batch invariant (a row gets the same bits at every step width, and
 /// attention groups its keys by their rank among its visible keys). With every step of a
 /// batch-1 round fused, greedy speculative output equals target-only output bit for bit (80/80
-/// MT-Bench replies, session 24), where a cut-off of 4 (8-row verifications on cuBLAS) left it
-/// at near-ties (52/80) and cuBLAS alone at 45/80. The price is the 8-row steps: on SmolLM2 a
-/// tree-8 verification costs 1.36 ms fused against 1.19 on cuBLAS, while a batch-1 decode costs
-/// 0.81 against 1.04 ms; `tandem serve` with the speculation policy was faster with them than
-/// without at every concurrency (1.30x/1.34x/1.14x/1.04x target-only at c1/8/32/64, the
-/// highest adaptive throughput of the run at each; BENCHMARKS.md, session 24), which made it
-/// the default in session 25.
+/// MT-Bench replies, sessions 24 and 25), where a cut-off of 4 (8-row verifications on cuBLAS)
+/// left it at near-ties (52/80) and cuBLAS alone at 45-54/80. On SmolLM2 they cost less than
+/// cuBLAS at one row and more at 8 (a tree-8 verification 1.36 ms against 1.19), and `tandem
+/// serve` with the speculation policy was faster with them than without at every concurrency
+/// (1.30x/1.34x/1.14x/1.04x target-only at c1/8/32/64; BENCHMARKS.md, session 24), which made
+/// them the default there in session 25.
 pub const FUSED_MAX_ROWS: usize = GEMV_MAX_ROWS;
+
+/// The largest hidden size the fused kernels are on by default for. Their one-warp-per-output
+/// products keep too few loads in flight for wide rows: on a Qwen2.5-1.5B-shaped model (hidden
+/// 1,536, intermediate 8,960) a fused batch-1 decode took 2.29 ms against 2.08 on cuBLAS and a
+/// batch-8 decode 3.85 against 2.06 (H200, session 25), where SmolLM2 (hidden 576) gains.
+pub const FUSED_DEFAULT_MAX_HIDDEN: usize = 1024;
 
 /// Rows of recorded hidden states [`CudaTarget::last_block_argmax`] turns into logits at once
 /// (512 rows of a 152K vocabulary are 311 MB of f32 logits).
 pub const LAST_BLOCK_ROWS: usize = 512;
 
-/// [`FUSED_MAX_ROWS`], or `TANDEM_CUDA_FUSED=N` (steps of at most N rows fused, N capped at
-/// [`GEMV_MAX_ROWS`]; 0, empty or not a number: the fused kernels off).
-pub(crate) fn fused_rows_default() -> usize {
+/// The fused cut-off for a model of hidden size `hidden`: `TANDEM_CUDA_FUSED=N` (steps of at
+/// most N rows fused, N capped at [`GEMV_MAX_ROWS`]; 0, empty or not a number: off), else
+/// [`FUSED_MAX_ROWS`] up to [`FUSED_DEFAULT_MAX_HIDDEN`] and off above it.
+pub(crate) fn fused_rows_default(hidden: usize) -> usize {
     match std::env::var_os("TANDEM_CUDA_FUSED") {
-        None => FUSED_MAX_ROWS,
         Some(_) => rows_from_env("TANDEM_CUDA_FUSED"),
+        None if hidden <= FUSED_DEFAULT_MAX_HIDDEN => FUSED_MAX_ROWS,
+        None => 0,
     }
 }
 
@@ -412,7 +428,7 @@ impl CudaTarget {
         let inv_freq = gpu.upload(&inv_freq)?;
         Ok(Self {
             graphs: Graphs::new(gpu.graphs_default()),
-            fused_rows: AtomicUsize::new(fused_rows_default()),
+            fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             persistent_rows: AtomicUsize::new(persistent_rows_default()),
             barrier: gpu.zeros::<u32>(1)?,
             profile: if std::env::var("TANDEM_CUDA_PERSISTENT_PROFILE").is_ok_and(|v| v == "1") {
@@ -430,8 +446,9 @@ impl CudaTarget {
     /// Steps of at most `rows` rows (capped at [`GEMV_MAX_ROWS`]) run the fused small-step
     /// kernels; 0 turns them off: every step then runs the cuBLAS GEMMs and the separate norm,
     /// RoPE and SwiGLU kernels, the baseline `fast-bench --fused both` measures and the
-    /// reference the GPU tests compare the fused kernels with. Default [`FUSED_MAX_ROWS`] (8),
-    /// or `TANDEM_CUDA_FUSED=N`.
+    /// reference the GPU tests compare the fused kernels with. Default: [`FUSED_MAX_ROWS`] (8)
+    /// on targets of hidden size up to [`FUSED_DEFAULT_MAX_HIDDEN`], off above, or
+    /// `TANDEM_CUDA_FUSED=N`.
     pub fn set_fused_rows(&self, rows: usize) {
         self.fused_rows
             .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
@@ -827,6 +844,8 @@ impl CudaTarget {
             logits,
             taps,
             visible,
+            o_parts,
+            arrived,
             ..
         } = b;
         let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>| {
@@ -840,10 +859,10 @@ impl CudaTarget {
         gpu.embed_rows(&self.weights.embed, &tokens, hidden, rows, h)?;
         observe(TapId::Embed, hidden)?;
         let layers = &self.weights.layers;
-        // Small steps may run fused (see the small-step kernels in kernels/llama.cu): five
-        // launches a layer, the input norm inside q|k|v with RoPE and the cache write, attention,
-        // o_proj added into the residual, the post-attention norm inside gate|up with SwiGLU,
-        // down_proj added into the residual. Either way `hidden` holds the block's output after
+        // Small steps may run fused (see the small-step kernels in kernels/llama.cu): four
+        // launches a layer, the input norm inside q|k|v with RoPE and the cache write,
+        // attention with o_proj added into the residual, the post-attention norm inside
+        // gate|up with SwiGLU, down_proj added into the residual. Either way `hidden` holds the block's output after
         // each layer.
         let fused = self.fuses(rows);
         // Fused steps group each row's keys by their order among its visible keys (lists built
@@ -918,6 +937,7 @@ impl CudaTarget {
                 )?;
             }
             if let Some((list, counts)) = &visible {
+                // o_proj and its residual add run inside the attention launch (FusedOProj).
                 gpu.attention_invariant(
                     q,
                     &cache.keys[k],
@@ -929,6 +949,13 @@ impl CudaTarget {
                     shape,
                     total,
                     scalars,
+                    Some(FusedOProj {
+                        weight: &layer.o,
+                        parts: o_parts,
+                        arrived,
+                        residual: hidden,
+                        hidden: h,
+                    }),
                 )?;
             } else {
                 gpu.attention(
@@ -943,7 +970,6 @@ impl CudaTarget {
                 )?;
             }
             if fused {
-                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
                 gpu.norm_gate_up_silu(
                     hidden,
                     &layer.post_norm,
