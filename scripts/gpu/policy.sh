@@ -51,6 +51,7 @@ wait)
   cat "$R/phases.txt"
   grep -E "^test |test result|panicked" "$R"/tests-*.log | tail -40
   cat "$R/summary.txt" 2>/dev/null
+  grep -E "^\|" "$R/fast_bench_fused.md" 2>/dev/null
   tail -n 4 "$R/generate_cuda.txt" 2>/dev/null
   python3 - "$R" <<'PY'
 import json, glob, os, sys
@@ -84,14 +85,15 @@ for c in (1, 8, 32, 64):
           f"{tail['accept_length']:.3f})") if tail else ""
     print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
           f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} | {tl} |")
-for c in (1, 8, 32, 64):
+for kernels in ("fused8", "cublas"):
+  for c in (1, 8, 32, 64):
     try:
-        base = json.load(open(os.path.join(r, f"load_target-only_fused8_c{c}.json")))
-        ada = json.load(open(os.path.join(r, f"load_adaptive_fused8_c{c}.json")))
+        base = json.load(open(os.path.join(r, f"load_target-only_{kernels}_c{c}.json")))
+        ada = json.load(open(os.path.join(r, f"load_adaptive_{kernels}_c{c}.json")))
     except (OSError, ValueError):
         continue
     shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
-    print(f"| {c} (fused8) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
+    print(f"| {c} ({kernels}) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
           f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | | |")
 for f in sorted(glob.glob(os.path.join(r, "load_adaptive_c*_r*.json"))):
     c, run = os.path.basename(f)[len("load_adaptive_c"):-len(".json")].split("_r")
@@ -118,7 +120,15 @@ pipeline)
   for s in ${SHAPES-3/1/4 3/4/8 5/8/32}; do
     bench "$W/head" head "$s"
   done
+  [[ " ${KERNELS:-} " == *" cublas "* ]] && TANDEM_CUDA_FUSED=0 bench "$W/head" cublas 3/4/8
   mark "bench done"
+  # Step times of the default kernels against cuBLAS alone (FAST_FUSED=1), as session 24 ran them.
+  if [[ "${FAST_FUSED:-0}" == 1 ]]; then
+    timeout 300 "$T" fast-bench --model "$M" --batch 1,8 --verify-widths 4,8 --new-tokens 64 \
+      --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast_bench_fused.json" \
+      > "$R/fast_bench_fused.md" 2> "$R/fast_bench_fused.log"
+    echo "fast-bench --fused both: exit $?" | tee -a "$R/summary.txt"
+  fi
   # Session 16: how decode and verify costs grow with the context every row's attention reads
   # (the policy's start-up table is measured at one context; serving runs at others).
   for p in ${CONTEXTS-128 512}; do
@@ -131,10 +141,15 @@ pipeline)
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
     # Session 24: the same pair with every step of up to 8 rows on the batch-invariant fused
-    # kernels (KERNELS=fused8), to price TANDEM_CUDA_FUSED=8 as a default.
+    # kernels (KERNELS=fused8), to price TANDEM_CUDA_FUSED=8 as a default; session 25, where
+    # that is SmolLM2's default: the pair on cuBLAS alone (KERNELS=cublas).
     if [[ " ${KERNELS:-} " == *" fused8 "* ]]; then
       TANDEM_CUDA_FUSED=8 serve_load "target-only_fused8_c$c" "$c" --no-draft
       TANDEM_CUDA_FUSED=8 serve_load "adaptive_fused8_c$c" "$c" --draft "$W/head"
+    fi
+    if [[ " ${KERNELS:-} " == *" cublas "* ]]; then
+      TANDEM_CUDA_FUSED=0 serve_load "target-only_cublas_c$c" "$c" --no-draft
+      TANDEM_CUDA_FUSED=0 serve_load "adaptive_cublas_c$c" "$c" --draft "$W/head"
     fi
     mark "serve c$c done"
   done
