@@ -1700,27 +1700,14 @@ extern "C" __global__ void visible_columns(const float* __restrict__ mask, int* 
 // `counts` from visible_columns): 8 warps take chunks of 32 keys (persist_attend), eight at a
 // time, and warp 0 folds each group's partials into a running maximum, sum and output in chunk
 // order. Output bf16 [rows, heads, head_dim] as `attention` writes it. Shared: 8 * (head_dim + 2)
-// f32 partials, head_dim f32 (the scaled query), then head_dim f32 (room for the output).
-//
-// With `o_w` (o_proj's weight, [hidden, heads * head_dim]) the block also runs o_proj for its
-// head, so a fused layer is four launches, not five: the head's bf16 output stays in shared
-// memory, the block writes its head's share of o_proj, `parts[r, h, :] = o_w[:, h * head_dim
-// ..] . out[r, h]`, and the last of row r's blocks to finish (an arrival counter per row,
-// `arrived[r]`, zero before and after every launch) adds the row's parts to the residual in
-// head order: `residual[r] = (((residual[r] + parts[r, 0]) + parts[r, 1]) + ..)`. Every row's
-// sums are the same whatever else the step holds and whichever block ends last, so the step
-// stays batch invariant. The weight slice is prefetched into L2 before the attention, so its
-// trip to memory overlaps the attention's. `out` is not written then.
+// f32 partials and head_dim f32 (the scaled query).
 extern "C" __global__ void attention_invariant(const float* q, const unsigned short* k_cache,
                                                const unsigned short* v_cache,
                                                const float* mask, const int* list,
                                                const int* counts, unsigned short* out,
                                                int width, int heads, int kv_heads, int head_dim,
                                                int capacity, int total, float scale,
-                                               const int* step_scalars,
-                                               const unsigned short* __restrict__ o_w,
-                                               float* parts, unsigned int* arrived,
-                                               float* residual, int hidden) {
+                                               const int* step_scalars) {
     if (step_scalars != nullptr) {
         total = step_scalars[1];
     }
@@ -1730,93 +1717,9 @@ extern "C" __global__ void attention_invariant(const float* q, const unsigned sh
     const int h = blockIdx.x % heads;
     const int b = r / width;
     const int kvh = h / (heads / kv_heads);
-    const int q_dim = heads * head_dim;
-    float* q_shared = invariant_shared + warps * (head_dim + 2);
-    unsigned short* o_shared = reinterpret_cast<unsigned short*>(q_shared + head_dim);
-    if (o_w != nullptr) {
-        // o_w[o, h * head_dim ..] for every output o: head_dim * 2 bytes each, in 64-byte steps.
-        const int segments = head_dim / 32;
-        for (int i = threadIdx.x; i < hidden * segments; i += blockDim.x) {
-            const unsigned short* line =
-                o_w + (size_t)(i / segments) * q_dim + h * head_dim + (i % segments) * 32;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-        }
-    }
     attention_block(q + ((size_t)r * heads + h) * head_dim, scale, k_cache, v_cache,
                     ((size_t)b * kv_heads + kvh) * capacity * head_dim,
                     list + (size_t)r * capacity, counts[r], mask + (size_t)r * total, head_dim,
-                    invariant_shared, q_shared,
-                    o_w != nullptr ? o_shared : out + ((size_t)r * heads + h) * head_dim);
-    if (o_w == nullptr) {
-        return;
-    }
-    __syncthreads();
-    // o_proj for this head: a group of head_dim / 8 lanes per output, each lane one 16-byte
-    // chunk of the output's weight row, the group summed by shuffles in a fixed order.
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int group = head_dim >> 3;  // 4, 8, 16 or 32 lanes
-    const int per_warp = 32 / group;
-    const int sub = lane / group;
-    const int chunk = lane % group;
-    float ov[8];
-    {
-        const uint4 v = *reinterpret_cast<const uint4*>(o_shared + chunk * 8);
-        unpack8_bf16(v, ov);
-    }
-    const unsigned short* w_lane = o_w + h * head_dim + chunk * 8;
-    float* part = parts + ((size_t)r * heads + h) * hidden;
-    constexpr int BATCH = 6;  // outputs a lane has in flight at once
-    const int stride = warps * per_warp;
-    // `base` is the same in every lane of a warp, so the shuffles see the whole warp.
-    for (int base = warp * per_warp; base < hidden; base += BATCH * stride) {
-        const int o0 = base + sub;
-        uint4 wv[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const int o = o0 + k * stride;
-            wv[k] = o < hidden ? __ldg(reinterpret_cast<const uint4*>(w_lane + (size_t)o * q_dim))
-                               : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            float wf[8];
-            unpack8_bf16(wv[k], wf);
-            float d = 0.0f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                d += wf[e] * ov[e];
-            }
-            for (int offset = group >> 1; offset > 0; offset >>= 1) {
-                d += __shfl_xor_sync(0xffffffffu, d, offset);
-            }
-            const int o = o0 + k * stride;
-            if (chunk == 0 && o < hidden) {
-                part[o] = d;
-            }
-        }
-    }
-    // The last of the row's blocks adds the row's parts to the residual, in head order.
-    __shared__ bool last;
-    __threadfence();  // this thread's parts, visible to the block that ends last
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(arrived + r, 1u) == (unsigned int)(heads - 1);
-    }
-    __syncthreads();
-    if (!last) {
-        return;
-    }
-    __threadfence();
-    const float* row_parts = parts + (size_t)r * heads * hidden;
-    for (int o = threadIdx.x; o < hidden; o += blockDim.x) {
-        float v = residual[(size_t)r * hidden + o];
-        for (int k = 0; k < heads; ++k) {
-            v += __ldcg(row_parts + (size_t)k * hidden + o);
-        }
-        residual[(size_t)r * hidden + o] = v;
-    }
-    if (threadIdx.x == 0) {
-        arrived[r] = 0;
-    }
+                    invariant_shared, invariant_shared + warps * (head_dim + 2),
+                    out + ((size_t)r * heads + h) * head_dim);
 }

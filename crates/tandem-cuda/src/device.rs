@@ -919,7 +919,6 @@ impl Gpu {
         shape: AttentionShape,
         total: usize,
         step_scalars: Option<&CudaView<'_, i32>>,
-        o_proj: Option<FusedOProj<'_>>,
     ) -> Result<(), CudaError> {
         let s = shape;
         assert!(
@@ -951,25 +950,6 @@ impl Gpu {
             .int(total)
             .float(1.0 / (s.head_dim as f32).sqrt())
             .optional_view(self, step_scalars);
-        let args = match o_proj {
-            Some(o) => {
-                let q_dim = s.heads * s.head_dim;
-                assert!(o.weight.len() >= o.hidden * q_dim);
-                assert!(o.parts.len() >= s.rows() * s.heads * o.hidden);
-                assert!(o.arrived.len() >= s.rows() && o.residual.len() >= s.rows() * o.hidden);
-                args.buffer(self, o.weight)
-                    .buffer(self, o.parts)
-                    .buffer(self, o.arrived)
-                    .buffer(self, o.residual)
-                    .int(o.hidden)
-            }
-            None => args
-                .optional::<u16>(self, None)
-                .optional::<f32>(self, None)
-                .optional::<u32>(self, None)
-                .optional::<f32>(self, None)
-                .int(0),
-        };
         let warps = ATTENTION_THREADS / 32;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -978,12 +958,11 @@ impl Gpu {
                 1,
             ),
             block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: (warps * (s.head_dim as u32 + 2) + 2 * s.head_dim as u32) * 4,
+            shared_mem_bytes: (warps * (s.head_dim as u32 + 2) + s.head_dim as u32) * 4,
         };
         // SAFETY: the signature of `attention_invariant`; sizes asserted; dynamic shared memory
-        // holds one partial per warp, the query and the output; the caches are whole
-        // allocations, so rows are 16-byte aligned; lists hold columns below `total`; the
-        // arrival counters are zero (each launch leaves them so).
+        // holds one partial per warp and the query; the caches are whole allocations, so rows
+        // are 16-byte aligned; lists hold columns below `total`.
         unsafe { self.launch_ex(&self.kernels.attention_invariant, cfg, args, None) }
     }
 
@@ -1724,18 +1703,6 @@ pub(crate) fn first_words_mut<T: Word>(bytes: &mut CudaSlice<u8>, n: usize) -> C
     // SAFETY: `T` takes any bit pattern (`Word`); `transmute_mut` checks that the buffer holds
     // `n` values.
     unsafe { bytes.transmute_mut::<T>(n) }.expect("the buffer holds n values")
-}
-
-/// o_proj run by [`Gpu::attention_invariant`] itself (fused layers): each (row, head) block
-/// writes its head's share of `weight . attn` into `parts` (`[rows, heads, hidden]` f32), and
-/// the last block of each row adds the row's shares to `residual` (`[rows, hidden]` f32) in
-/// head order. `arrived` (`[rows]` u32) must be zero; each launch leaves it so.
-pub struct FusedOProj<'a> {
-    pub weight: &'a CudaSlice<u16>,
-    pub parts: &'a mut CudaSlice<f32>,
-    pub arrived: &'a mut CudaSlice<u32>,
-    pub residual: &'a mut CudaSlice<f32>,
-    pub hidden: usize,
 }
 
 /// The attention geometry of one step.

@@ -14,8 +14,7 @@ use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, StepInputs};
 use crate::device::{
-    AttentionShape, DeviceRows, FusedOProj, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS,
-    PersistentStep,
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -67,10 +66,6 @@ struct StepBuffers {
     /// Each row's visible columns and their counts, for the persistent step and the fused
     /// steps' attention (steps that may take them; one element otherwise).
     visible: CudaSlice<i32>,
-    /// Fused steps: each (row, head)'s share of o_proj, `[rows, heads, hidden]`, and each row's
-    /// arrival counter (zero between launches); see [`FusedOProj`].
-    o_parts: CudaSlice<f32>,
-    arrived: CudaSlice<u32>,
     /// The persistent step's table of layer and tap addresses, built for this step's cache
     /// before the step runs or is captured ([`CudaTarget::persistent_table`]).
     persistent_table: Option<CudaSlice<u64>>,
@@ -131,8 +126,6 @@ impl StepBuffers {
             } else {
                 1
             })?,
-            o_parts: gpu.scratch(if fuses { rows * spec.num_heads * h } else { 1 })?,
-            arrived: gpu.zeros(if fuses { rows } else { 1 })?,
             persistent_table: None,
             batch: shape.batch,
             width: shape.width,
@@ -844,8 +837,6 @@ impl CudaTarget {
             logits,
             taps,
             visible,
-            o_parts,
-            arrived,
             ..
         } = b;
         let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>| {
@@ -859,10 +850,10 @@ impl CudaTarget {
         gpu.embed_rows(&self.weights.embed, &tokens, hidden, rows, h)?;
         observe(TapId::Embed, hidden)?;
         let layers = &self.weights.layers;
-        // Small steps may run fused (see the small-step kernels in kernels/llama.cu): four
-        // launches a layer, the input norm inside q|k|v with RoPE and the cache write,
-        // attention with o_proj added into the residual, the post-attention norm inside
-        // gate|up with SwiGLU, down_proj added into the residual. Either way `hidden` holds the block's output after
+        // Small steps may run fused (see the small-step kernels in kernels/llama.cu): five
+        // launches a layer, the input norm inside q|k|v with RoPE and the cache write, attention,
+        // o_proj added into the residual, the post-attention norm inside gate|up with SwiGLU,
+        // down_proj added into the residual. Either way `hidden` holds the block's output after
         // each layer.
         let fused = self.fuses(rows);
         // Fused steps group each row's keys by their order among its visible keys (lists built
@@ -937,7 +928,6 @@ impl CudaTarget {
                 )?;
             }
             if let Some((list, counts)) = &visible {
-                // o_proj and its residual add run inside the attention launch (FusedOProj).
                 gpu.attention_invariant(
                     q,
                     &cache.keys[k],
@@ -949,13 +939,6 @@ impl CudaTarget {
                     shape,
                     total,
                     scalars,
-                    Some(FusedOProj {
-                        weight: &layer.o,
-                        parts: o_parts,
-                        arrived,
-                        residual: hidden,
-                        hidden: h,
-                    }),
                 )?;
             } else {
                 gpu.attention(
@@ -970,6 +953,7 @@ impl CudaTarget {
                 )?;
             }
             if fused {
+                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
                 gpu.norm_gate_up_silu(
                     hidden,
                     &layer.post_norm,
