@@ -226,3 +226,41 @@ for (name, grid), xs in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]:
 PY
   return $status
 }
+
+# run_phases SCRIPT PHASE [ARG]: the five-call transfer and the detached pipeline every SmolLM2
+# H200 script shares. SCRIPT defines `pipeline` (runs in $W on the GPU machine; the dispatcher
+# marks its start and touches $R/done after it) and `report` (prints what the last call shows),
+# and may set EXTRA_FILES (files copied into $W at `start`). Phases: pack (here), a, piece
+# b|c|d, start (imports the GGUF, starts the pipeline, then waits), wait (later calls),
+# pipeline (internal).
+run_phases() {
+  local script=$1 phase=$2 arg=${3:-} name f
+  name=$(basename "$script")
+  case "$phase" in
+  pack) pack_smollm2 ;;
+  a) phase_a ;;
+  piece) phase_piece "$arg" ;;
+  start)
+    phase_import
+    cp "$script" "$W/$name"
+    for f in ${EXTRA_FILES:-}; do cp "$f" "$W/"; done
+    (cd /tmp && setsid nohup bash "$W/$name" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &)
+    sleep 2
+    exec bash "$script" wait
+    ;;
+  wait)
+    wait_for done
+    cat "$R/phases.txt"
+    report
+    collect results.tar.xz none
+    ;;
+  pipeline)
+    cd "$W"
+    mark "pipeline start"
+    pipeline
+    mark "pipeline done"
+    touch "$R/done"
+    ;;
+  *) echo "usage: $script pack|a|piece X|start|wait" >&2; return 2 ;;
+  esac
+}

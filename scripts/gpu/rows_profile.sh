@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# H200, issue #16: why the fused small-step kernels slow down with rows (SmolLM2 batch-1 decode
+# 0.82 ms, a tree-8 verification 1.36 ms, though both read the same weights once). Step times
+# by row count (`tandem fast-bench --fused both`, CUDA graphs: 1, 2, 4, 8 rows as batch-1 verify
+# widths and batch 2..8 decodes), then ncu kernel by kernel (eager launches, fused on) with
+# duration, registers, achieved occupancy and DRAM bytes, grouped by the step's row count
+# (read from the attention grid: rows x heads blocks).
+# Knobs: NCU=0, BENCH=0.
+#   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
+#             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
+#   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
+#   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/rows_profile.sh piece b|c|d
+#   call 5 (carry .device/e): bash scripts/gpu/rows_profile.sh start;  later calls: ... wait
+set -uo pipefail
+source "$(dirname "$0")/head_lib.sh"
+use_cublas_libraries
+
+# ncu_rows NAME FAST_BENCH_ARGS...: ncu over one fast-bench run, summarised by rows and kernel.
+ncu_rows() {
+  local name=$1 ncu
+  shift
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  [[ -n "$ncu" ]] || { echo "ncu missing" | tee -a "$R/summary.txt"; return 1; }
+  TANDEM_CUDA_GRAPHS=0 TANDEM_CUDA_FUSED=8 timeout 280 "$ncu" --clock-control none \
+    --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum \
+    --csv --launch-count 5000 "$T" fast-bench --model "$M" --prompt-tokens 128 --new-tokens 8 \
+    --repeats 1 --fused on "$@" > "$R/$name.csv" 2> "$R/$name.err"
+  echo "ncu $name: exit $?" | tee -a "$R/summary.txt"
+  python3 - "$R/$name.csv" "$name" > "$R/${name}_summary.txt" 2>&1 <<'PY'
+import csv, sys, collections, re
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, body = rows[0], rows[1:]
+col = {c: head.index(c) for c in ("ID", "Kernel Name", "Grid Size", "Metric Name", "Metric Value", "Metric Unit")}
+kernels = {}
+for r in body:
+    k = kernels.setdefault(int(r[col["ID"]]), {"name": r[col["Kernel Name"]][:40], "grid": r[col["Grid Size"]]})
+    v = float(r[col["Metric Value"]].replace(",", "") or "nan")
+    unit = r[col["Metric Unit"]]
+    if r[col["Metric Name"]] == "gpu__time_duration.sum":
+        v *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, float("nan"))
+    elif r[col["Metric Name"]] == "dram__bytes_read.sum":
+        v *= {"byte": 1e-3, "Kbyte": 1.0, "Mbyte": 1e3, "Gbyte": 1e6}.get(unit, float("nan"))
+    k[r[col["Metric Name"]]] = v
+heads = 9  # SmolLM2
+label = "?"
+by = collections.defaultdict(list)
+for i in sorted(kernels):
+    k = kernels[i]
+    if k["name"].startswith("attention_invariant"):
+        blocks = int(re.findall(r"[0-9]+", k["grid"])[0])
+        label = f"{blocks // heads} rows"
+    elif k["name"].startswith("attention"):
+        label = "unfused"
+    by[(label, k["name"], k["grid"])].append(k)
+print(f"{sys.argv[2]}: {len(kernels)} kernels. Per (rows, kernel, grid): count, mean us, registers, achieved occupancy %, DRAM KB read")
+for key in sorted(by, key=lambda key: (key[0], -sum(k.get("gpu__time_duration.sum", 0) for k in by[key]))):
+    ks = by[key]
+    mean = lambda m: sum(k.get(m, float("nan")) for k in ks) / len(ks)
+    if len(ks) < 20:
+        continue
+    print(f"{key[0]:>8} {key[1]:40s} {key[2]:>14} {len(ks):6d} {mean('gpu__time_duration.sum'):8.2f} us "
+          f"{mean('launch__registers_per_thread'):5.0f} reg {mean('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f}% "
+          f"{mean('dram__bytes_read.sum'):8.1f} KB")
+PY
+}
+
+pipeline() {
+  if [[ "${BENCH:-1}" == 1 ]]; then
+    timeout 300 "$T" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 --new-tokens 64 \
+      --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast-bench.json" \
+      > "$R/fast-bench.md" 2> "$R/fast-bench.log"
+    echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
+    mark "fast-bench done"
+  fi
+  if [[ "${NCU:-1}" == 1 ]]; then
+    ncu_rows ncu-b1 --batch 1 --verify-widths 4,8
+    ncu_rows ncu-b8 --batch 8 --verify-widths 1
+  fi
+}
+
+report() {
+  cat "$R/summary.txt" 2>/dev/null
+  cat "$R/fast-bench.md" 2>/dev/null
+  cat "$R/ncu-b1_summary.txt" "$R/ncu-b8_summary.txt" 2>/dev/null
+}
+
+run_phases "$0" "${1:-}" "${2:-}"
