@@ -570,8 +570,7 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k,
         list_index[t] = 0x7fffffff;
     }
     float m = NEG_INF;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = row[i];
+    scan_row<8>(row, vocab, [&](float v, int i) {
         m = fmaxf(m, v);
         if (listed && topk_better(v, i, list_value[TOPK_LIST - 1], list_index[TOPK_LIST - 1])) {
             // Indices rise along the share, so an equal value already listed stays ahead.
@@ -590,7 +589,7 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k,
                 }
             }
         }
-    }
+    });
     for (int offset = 16; offset > 0; offset >>= 1) {
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     }
@@ -604,9 +603,7 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k,
     }
     __syncthreads();
     float s = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        s += expf(row[i] - m);
-    }
+    scan_row<8>(row, vocab, [&](float v, int) { s += expf(v - m); });
     const float total = block_sum(s, scratch);
 
     for (int j = 0; j < k; ++j) {
@@ -851,50 +848,181 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const uint2* w4 = reinterpret_cast<const uint2*>(w);
-    for (int r = warp; r < rows; r += warps) {
-        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * n);
-        float squares = 0.0f;
+    // A warp takes rows r and r + warps together (eight rows on four warps: one pass of two
+    // rows' loads in flight instead of two passes one after the other); each row's arithmetic
+    // is what one row alone gets.
+    for (int r = warp; r < rows; r += 2 * warps) {
+        const bool pair = r + warps < rows;
+        const float4* xr[2] = {reinterpret_cast<const float4*>(x + (size_t)r * n),
+                               reinterpret_cast<const float4*>(x + (size_t)(pair ? r + warps : r) * n)};
+        float squares[2] = {0.0f, 0.0f};
 #pragma unroll 4
         for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = xr[i];
-            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const float4 v = xr[p][i];
+                squares[p] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
         }
-        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
-        uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
+        float inv[2];
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            inv[p] = 1.0f / sqrtf(warp_sum(squares[p]) / (float)n + eps);
+        }
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            if (p == 1 && !pair) {
+                break;
+            }
+            uint2* out = reinterpret_cast<uint2*>(xs + (size_t)(r + p * warps) * n);
 #pragma unroll 4
-        for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = xr[i];
-            const uint2 wv = w4[i];
-            const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
-                                    ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
-            const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
-                                    ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
-            out[i] = make_uint2(lo, hi);
+            for (int i = lane; i < (n >> 2); i += 32) {
+                const float4 v = xr[p][i];
+                const uint2 wv = w4[i];
+                const unsigned int lo = f32_to_bf16(v.x * inv[p] * __uint_as_float(wv.x << 16)) |
+                                        ((unsigned int)f32_to_bf16(v.y * inv[p] * __uint_as_float(wv.x & 0xffff0000u)) << 16);
+                const unsigned int hi = f32_to_bf16(v.z * inv[p] * __uint_as_float(wv.y << 16)) |
+                                        ((unsigned int)f32_to_bf16(v.w * inv[p] * __uint_as_float(wv.y & 0xffff0000u)) << 16);
+                out[i] = make_uint2(lo, hi);
+            }
         }
     }
     __syncthreads();
 }
 
 // y[r, o] (f32) = x[r, :] (bf16) . w[o, :] (bf16), or y[r, o] += that when `accumulate` (the
-// residual add of o_proj and down_proj). Grid: ceil(out / warps); one warp per output o.
+// residual add of o_proj and down_proj; the logits). Session 26's ncu profile (BENCHMARKS.md)
+// had the one-warp-per-output form at 5.7 us for SmolLM2's o_proj and down_proj at one row and
+// 13.0 us at eight: 576 warps, about four an SM, each walking its whole row as a chain of
+// dependent trips to memory, 8x the input loads at eight rows. Here `split` warps share an
+// output's dot product, each over its own contiguous slice of the 16-byte chunks, their sums
+// added in slice order through shared memory, and each warp computes NW outputs so that one
+// load of an input chunk serves NW weight rows. An output's arithmetic (its chunk order within
+// each slice, the shuffle tree, the slice order) depends on `inp` and `split` only, never on
+// `rows` or NW: the launcher picks NW by row count and `split` by the shape, and a row's bits
+// stay the same at every step width (batch invariance). Block: GEMV_THREADS (4 warps), `split`
+// in {1, 2, 4}; 4 / split groups of NW outputs a block. Grid: ceil(out / (4 / split * NW)).
+#define GEMV_BLOCK_WARPS 4
+template <int NW>
+__device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
+                                           const unsigned short* __restrict__ w,
+                                           float* __restrict__ y, int rows, int inp, int out,
+                                           int accumulate, int split) {
+    __shared__ float partial[GEMV_BLOCK_WARPS][NW][GEMV_MAX_ROWS];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int slice = warp % split;
+    const int group = warp / split;
+    const int o0 = (blockIdx.x * (GEMV_BLOCK_WARPS / split) + group) * NW;
+    const int chunks = inp >> 3;
+    const int per_slice = (chunks + split - 1) / split;
+    const int begin = slice * per_slice;
+    const int end = min(chunks, begin + per_slice);
+    const uint4* rows_w[NW];
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+        // Outputs past the end read a valid row and write nothing.
+        rows_w[n] = reinterpret_cast<const uint4*>(w + (size_t)min(o0 + n, out - 1) * inp);
+    }
+    PDL_LAUNCH_DEPENDENTS();
+    // The slice's weight chunks go in flight before the inputs are waited for: U chunks a lane
+    // (U * NW 16-byte loads), the rest in further passes of the same order.
+    constexpr int U = NW >= 4 ? 1 : 4 / NW;
+    uint4 wv[U][NW];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = begin + lane + 32 * u;
+#pragma unroll
+        for (int n = 0; n < NW; ++n) {
+            wv[u][n] = c < end ? __ldg(rows_w[n] + c) : make_uint4(0, 0, 0, 0);
+        }
+    }
+    PDL_WAIT();
+    float acc[NW][GEMV_MAX_ROWS];
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+            acc[n][r] = 0.0f;
+        }
+    }
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    for (int base = begin + lane;; base += 32 * U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = base + 32 * u;
+            if (c < end) {
+                dot_chunk<NW>(wv[u], xv, chunks, c, rows, acc);
+            }
+        }
+        if (base + 32 * U >= end) {
+            break;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = base + 32 * U + 32 * u;
+#pragma unroll
+            for (int n = 0; n < NW; ++n) {
+                wv[u][n] = c < end ? __ldg(rows_w[n] + c) : make_uint4(0, 0, 0, 0);
+            }
+        }
+    }
+    float sums[NW];
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+        sums[n] = warp_sum8(acc[n]);
+    }
+    const int r = lane >> 2;
+    const bool holder = (lane & 3) == 0 && r < rows;
+    if (split > 1) {
+        if (holder) {
+#pragma unroll
+            for (int n = 0; n < NW; ++n) {
+                partial[warp][n][r] = sums[n];
+            }
+        }
+        __syncthreads();
+        if (slice != 0) {
+            return;
+        }
+        if (holder) {
+#pragma unroll
+            for (int n = 0; n < NW; ++n) {
+                float total = partial[warp][n][r];
+                for (int s = 1; s < split; ++s) {
+                    total += partial[warp + s][n][r];
+                }
+                sums[n] = total;
+            }
+        }
+    }
+    if (holder) {
+#pragma unroll
+        for (int n = 0; n < NW; ++n) {
+            if (o0 + n < out) {
+                float* dst = y + (size_t)r * out + o0 + n;
+                *dst = accumulate ? *dst + sums[n] : sums[n];
+            }
+        }
+    }
+}
+
 extern "C" __global__ void gemv_rows(const unsigned short* __restrict__ x,
                                      const unsigned short* __restrict__ w, float* __restrict__ y,
-                                     int rows, int inp, int out, int accumulate) {
-    const int lane = threadIdx.x & 31;
-    PDL_LAUNCH_DEPENDENTS();
-    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= out) {
-        return;
-    }
-    const WarpWeights<1> weights(w + (size_t)o * inp, nullptr, inp);
-    PDL_WAIT();
-    float sums[1];
-    warp_dots<1>(weights, x, rows, sums);
-    const int r = lane >> 2;
-    if ((lane & 3) == 0 && r < rows) {
-        float* dst = y + (size_t)r * out + o;
-        *dst = accumulate ? *dst + sums[0] : sums[0];
-    }
+                                     int rows, int inp, int out, int accumulate, int split) {
+    gemv_split<1>(x, w, y, rows, inp, out, accumulate, split);
+}
+
+extern "C" __global__ void gemv_rows2(const unsigned short* __restrict__ x,
+                                      const unsigned short* __restrict__ w, float* __restrict__ y,
+                                      int rows, int inp, int out, int accumulate, int split) {
+    gemv_split<2>(x, w, y, rows, inp, out, accumulate, split);
+}
+
+extern "C" __global__ void gemv_rows4(const unsigned short* __restrict__ x,
+                                      const unsigned short* __restrict__ w, float* __restrict__ y,
+                                      int rows, int inp, int out, int accumulate, int split) {
+    gemv_split<4>(x, w, y, rows, inp, out, accumulate, split);
 }
 
 // act[r, j] = bf16(silu(g) * u) with g, u the gate and up projections (rows j and inter + j of

@@ -99,6 +99,29 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Threads per block of the fused small-step kernels (4 warps, one output row or pair each).
 const GEMV_THREADS: u32 = 128;
 
+/// How many warps of a `gemv_rows` block share one output's dot product (each over its own
+/// slice of the input, added in slice order): 4 for the narrow projections of a small model
+/// (SmolLM2's o_proj and down_proj have 576 outputs: four warps an SM otherwise), 2 up to 4,095
+/// outputs, 1 for wide ones (the logits). A function of the output width only, so a row's bits
+/// do not depend on how many rows the step has.
+pub(crate) fn gemv_split(out: usize) -> usize {
+    match out {
+        0..1024 => 4,
+        1024..4096 => 2,
+        _ => 1,
+    }
+}
+
+/// Outputs each warp of `gemv_rows` computes at `rows` rows: one input chunk loaded serves that
+/// many weight rows, which pays once the rows multiply the input loads. Does not change bits.
+pub(crate) fn gemv_outputs_for(rows: usize) -> usize {
+    match rows {
+        0..=2 => 1,
+        3..=4 => 2,
+        _ => 4,
+    }
+}
+
 /// Warps per block of `persistent_step` (PERSIST_WARPS in kernels/llama.cu), the most it is
 /// compiled with (shared memory is sized for it).
 const PERSISTENT_WARPS: usize = 16;
@@ -181,6 +204,8 @@ struct Kernels {
     rows_to_bf16: CudaFunction,
     topk_softmax: CudaFunction,
     gemv_rows: CudaFunction,
+    gemv_rows2: CudaFunction,
+    gemv_rows4: CudaFunction,
     norm_gate_up_silu: CudaFunction,
     norm_qkv_rope: CudaFunction,
     persistent_step: CudaFunction,
@@ -210,6 +235,10 @@ pub struct Gpu {
     /// every block is resident, which its grid barriers need); `TANDEM_CUDA_COOPERATIVE=0`
     /// launches it plainly (one block per SM is resident in practice).
     cooperative: bool,
+    /// Outputs a warp of `gemv_rows` computes, forced by TANDEM_CUDA_GEMV_OUTPUTS=1|2|4 (an
+    /// experiment knob; the default picks by row count, [`gemv_outputs_for`]). It never
+    /// changes the results' bits.
+    gemv_outputs: Option<usize>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -334,6 +363,8 @@ impl Gpu {
             rows_to_bf16: module.load_function("rows_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
             gemv_rows: module.load_function("gemv_rows")?,
+            gemv_rows2: module.load_function("gemv_rows2")?,
+            gemv_rows4: module.load_function("gemv_rows4")?,
             norm_gate_up_silu: module.load_function("norm_gate_up_silu")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope")?,
             persistent_step: module.load_function("persistent_step")?,
@@ -355,6 +386,10 @@ impl Gpu {
             sm_count,
             persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
+            gemv_outputs: std::env::var("TANDEM_CUDA_GEMV_OUTPUTS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|n| [1, 2, 4].contains(n)),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -1093,8 +1128,33 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        let outputs = self.gemv_outputs.unwrap_or_else(|| gemv_outputs_for(rows));
+        self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, outputs)
+    }
+
+    /// [`Gpu::gemv_rows`] with `outputs` (1, 2 or 4) outputs a warp instead of the default for
+    /// the row count: the same bits whatever `outputs` is (a GPU test holds it to that).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_rows_by(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+        accumulate: bool,
+        outputs: usize,
+    ) -> Result<(), CudaError> {
         assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
         assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
+        assert!([1, 2, 4].contains(&outputs), "{outputs} outputs a warp");
+        let split = gemv_split(out);
+        let func = match outputs {
+            1 => &self.kernels.gemv_rows,
+            2 => &self.kernels.gemv_rows2,
+            _ => &self.kernels.gemv_rows4,
+        };
         let args = KernelArgs::default()
             .buffer(self, x)
             .buffer(self, w)
@@ -1102,12 +1162,19 @@ impl Gpu {
             .int(rows)
             .int(inp)
             .int(out)
-            .int(usize::from(accumulate));
-        let cfg = Self::gemv_config(out, 0);
-        // SAFETY: signature (u16*, u16*, f32*, int, int, int, int); sizes asserted; rows of x
-        // and w start on 16-byte boundaries (whole allocations, inp a multiple of 8); one warp
-        // per output, guarded by `out`; the kernel waits (PDL_WAIT) before reading x or y.
-        unsafe { self.launch_programmatic(&self.kernels.gemv_rows, cfg, args) }
+            .int(usize::from(accumulate))
+            .int(split);
+        let per_block = (GEMV_THREADS as usize / 32) / split * outputs;
+        let cfg = LaunchConfig {
+            grid_dim: (out.div_ceil(per_block) as u32, 1, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: signature (u16*, u16*, f32*, int, int, int, int, int); sizes asserted; rows of
+        // x and w start on 16-byte boundaries (whole allocations, inp a multiple of 8); `split`
+        // divides the block's four warps; outputs past `out` are guarded in the kernel, which
+        // waits (PDL_WAIT) before reading x or y.
+        unsafe { self.launch_programmatic(func, cfg, args) }
     }
 
     /// `act[r, j] = silu(gate) * up` of the gate|up projection of `rms_norm(x[r]) * norm_w`

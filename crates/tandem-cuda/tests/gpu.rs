@@ -1151,3 +1151,74 @@ fn pinned_upload_delivers_every_value_in_place() {
         .count();
     assert_eq!(wrong, 0, "{wrong} of {n} values differ");
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemv_rows_matches_a_host_reference_with_the_same_bits_at_every_row_count() {
+    // `gemv_rows` (o_proj, down_proj and the logits of the fused small steps) splits an
+    // output's dot product over up to four warps and gives a warp 1, 2 or 4 outputs by row
+    // count. Against an f64 host reference at every row count 1..=8, with and without the
+    // residual add, for each split (576 and 577 outputs: 4 warps, the odd width leaving a
+    // block part-empty; 1,536: 2; 5,000: 1); and a row's result must be the same bits at every
+    // row count and every outputs-a-warp setting, which is what keeps speculative greedy output
+    // equal to target-only output.
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(26);
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
+    for (inp, out) in [(576, 576), (1536, 577), (576, 1536), (128, 5000)] {
+        let x: Vec<u16> = (0..8 * inp)
+            .map(|_| bf16(rng.random_range(-1.0..1.0)))
+            .collect();
+        let w: Vec<u16> = (0..out * inp)
+            .map(|_| bf16(rng.random_range(-0.1..0.1)))
+            .collect();
+        let residual: Vec<f32> = (0..8 * out).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (xd, wd) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
+        let to_f64 = |b: u16| f64::from(half::bf16::from_bits(b).to_f32());
+        let reference: Vec<f64> = (0..8 * out)
+            .map(|i| {
+                let (r, o) = (i / out, i % out);
+                (0..inp)
+                    .map(|k| to_f64(x[r * inp + k]) * to_f64(w[o * inp + k]))
+                    .sum()
+            })
+            .collect();
+        for accumulate in [false, true] {
+            let run = |rows: usize, outputs: usize| {
+                let mut y = gpu.upload(&residual).unwrap();
+                gpu.gemv_rows_by(&xd, &wd, &mut y, rows, inp, out, accumulate, outputs)
+                    .unwrap();
+                gpu.download(&y).unwrap()
+            };
+            let all_rows = run(8, 1);
+            for rows in 1..=8 {
+                for outputs in [1, 2, 4] {
+                    let got = run(rows, outputs);
+                    for i in 0..rows * out {
+                        let expected = reference[i]
+                            + if accumulate {
+                                f64::from(residual[i])
+                            } else {
+                                0.0
+                            };
+                        let err = (f64::from(got[i]) - expected).abs();
+                        assert!(
+                            err <= 1e-4 * (1.0 + expected.abs()),
+                            "{inp}x{out} rows {rows} outputs {outputs} acc {accumulate} [{i}]: \
+                             {} vs {expected}",
+                            got[i]
+                        );
+                        assert_eq!(
+                            got[i].to_bits(),
+                            all_rows[i].to_bits(),
+                            "{inp}x{out} rows {rows} outputs {outputs} [{i}]: not the bits the \
+                             same row gets in a step of eight"
+                        );
+                    }
+                    // Rows past `rows` are left alone.
+                    assert_eq!(got[rows * out..], residual[rows * out..]);
+                }
+            }
+        }
+    }
+}
