@@ -16,25 +16,6 @@ PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 
-# rounds_line NAME SHAPE: draft and extend ms per round from a bench JSON (rounds = speculative
-# tokens / accept length), and their ratio to a target-only decode step of the same run.
-rounds_line() {
-  python3 - "$R/bench_$1_${2//\//_}.json" "$1" "$2" <<'PY' | tee -a "$R/summary.txt"
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except (OSError, ValueError) as e:
-    print(f"{sys.argv[2]} {sys.argv[3]}: no report ({e})"); sys.exit()
-t = d["timings"]
-rounds = d["spec_tokens"] / d["accept_length"]
-draft, extend, verify = (1e3 * t[k] / rounds for k in ("draft_s", "extend_s", "verify_s"))
-decode = 1e3 / d["target_tokens_per_second"] if d.get("target_tokens_per_second") else float("nan")
-print(f"ROUND {sys.argv[2]:22s} {sys.argv[3]:6s} draft {draft:.3f} extend {extend:.3f} verify {verify:.3f} "
-      f"ms/round; decode {decode:.3f} ms; (draft+extend)/decode {(draft + extend) / decode:.2f} "
-      f"verify/decode {verify / decode:.2f}")
-PY
-}
-
 case "$PHASE" in
 pack) pack_smollm2 ;;
 a) phase_a ;;

@@ -227,6 +227,45 @@ PY
   return $status
 }
 
+# serve_load LABEL CONCURRENCY [serve options...]: one server, a warm-up, the measured run
+# (REQUESTS, default 64, of MAX_TOKENS, default 128).
+serve_load() {
+  local label=$1 concurrency=$2
+  shift 2
+  "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
+    --round-log "$R/rounds_$label.csv" "$@" > "$R/serve_$label.txt" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 180); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
+  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
+    --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
+  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "${REQUESTS:-64}" \
+    --concurrency "$concurrency" --max-tokens "${MAX_TOKENS:-128}" --label "$label" \
+    --json "$R/load_$label.json" > "$R/load_$label.log" 2>&1
+  curl -s http://127.0.0.1:8199/metrics | grep -E "^tandem_policy_rounds_total" > "$R/metrics_$label.txt"
+  kill -TERM $pid
+  wait $pid
+  tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
+}
+
+# rounds_line NAME SHAPE: draft and extend ms per round from a bench JSON (rounds = speculative
+# tokens / accept length), and their ratio to a target-only decode step of the same run.
+rounds_line() {
+  python3 - "$R/bench_$1_${2//\//_}.json" "$1" "$2" <<'PY' | tee -a "$R/summary.txt"
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    print(f"{sys.argv[2]} {sys.argv[3]}: no report ({e})"); sys.exit()
+t = d["timings"]
+rounds = d["spec_tokens"] / d["accept_length"]
+draft, extend, verify = (1e3 * t[k] / rounds for k in ("draft_s", "extend_s", "verify_s"))
+decode = 1e3 / d["target_tokens_per_second"] if d.get("target_tokens_per_second") else float("nan")
+print(f"ROUND {sys.argv[2]:22s} {sys.argv[3]:6s} draft {draft:.3f} extend {extend:.3f} verify {verify:.3f} "
+      f"ms/round; decode {decode:.3f} ms; (draft+extend)/decode {(draft + extend) / decode:.2f} "
+      f"verify/decode {verify / decode:.2f}")
+PY
+}
+
 # run_phases SCRIPT PHASE [ARG]: the five-call transfer and the detached pipeline every SmolLM2
 # H200 script shares. SCRIPT defines `pipeline` (runs in $W on the GPU machine; the dispatcher
 # marks its start and touches $R/done after it) and `report` (prints what the last call shows),

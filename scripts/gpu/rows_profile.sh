@@ -5,7 +5,9 @@
 # widths and batch 2..8 decodes), then ncu kernel by kernel (eager launches, fused on) with
 # duration, registers, achieved occupancy and DRAM bytes, grouped by the step's row count
 # (read from the attention grid: rows x heads blocks).
-# Knobs: NCU=0, BENCH=0.
+# Then every GPU suite, MT-Bench at batch 1 (SHAPES, default 3/1/4 3/4/8 5/8/32) and, with
+# SERVE="1 8 32 64", the serve load test at those concurrencies.
+# Knobs: TESTS=0, NCU=0, BENCH=0, SHAPES, SERVE.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
@@ -65,6 +67,7 @@ PY
 }
 
 pipeline() {
+  [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 300
   if [[ "${BENCH:-1}" == 1 ]]; then
     timeout 300 "$T" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 --new-tokens 64 \
       --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast-bench.json" \
@@ -72,16 +75,39 @@ pipeline() {
     echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
     mark "fast-bench done"
   fi
+  # MT-Bench at batch 1 with the committed head and the default kernels, each bench with its
+  # own target-only baseline; the round's parts against a decode step of that baseline.
+  local s
+  for s in ${SHAPES:-3/1/4 3/4/8 5/8/32}; do
+    bench "$W/head" default "$s"
+    rounds_line default "$s"
+  done
+  mark "spec bench done"
   if [[ "${NCU:-1}" == 1 ]]; then
     ncu_rows ncu-b1 --batch 1 --verify-widths 4,8
     ncu_rows ncu-b8 --batch 8 --verify-widths 1
+    mark "ncu done"
   fi
+  # The serve load test (64 MT-Bench requests, 128 tokens), target-only then the adaptive
+  # policy, one server after the other, at each concurrency in SERVE (default none).
+  local c
+  for c in ${SERVE:-}; do
+    serve_load "target-only_c$c" "$c" --no-draft
+    serve_load "adaptive_c$c" "$c" --draft "$W/head"
+  done
 }
 
 report() {
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log 2>/dev/null | tail -40
   cat "$R/summary.txt" 2>/dev/null
-  cat "$R/fast-bench.md" 2>/dev/null
-  cat "$R/ncu-b1_summary.txt" "$R/ncu-b8_summary.txt" 2>/dev/null
+  grep -E "^\|" "$R/fast-bench.md" 2>/dev/null
+  cat "$R/ncu-b1_summary.txt" "$R/ncu-b8_summary.txt" 2>/dev/null | head -40
+  python3 - "$R" <<'PY'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "load_*.json"))):
+    d = json.load(open(path))
+    print(os.path.basename(path), {k: d[k] for k in d if isinstance(d[k], (int, float))})
+PY
 }
 
 run_phases "$0" "${1:-}" "${2:-}"
