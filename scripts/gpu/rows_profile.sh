@@ -7,7 +7,7 @@
 # (read from the attention grid: rows x heads blocks).
 # Then every GPU suite, MT-Bench at batch 1 (SHAPES, default 3/1/4 3/4/8 5/8/32) and, with
 # SERVE="1 8 32 64", the serve load test at those concurrencies.
-# Knobs: TESTS=0, NCU=0, BENCH=0, SHAPES, SERVE.
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
@@ -85,7 +85,7 @@ pipeline() {
   mark "spec bench done"
   if [[ "${NCU:-1}" == 1 ]]; then
     ncu_rows ncu-b1 --batch 1 --verify-widths 4,8
-    ncu_rows ncu-b8 --batch 8 --verify-widths 1
+    [[ "${NCU:-1}" == 2 ]] && ncu_rows ncu-b8 --batch 8 --verify-widths 1
     mark "ncu done"
   fi
   # The serve load test (64 MT-Bench requests, 128 tokens), target-only then the adaptive
