@@ -768,7 +768,9 @@ __device__ __forceinline__ uint4 load_x(const uint4* p) {
 }
 
 // acc[n][r] += w_n[chunk c] . x[r][chunk c] for the input rows r < rows.
-template <int NW, bool GLOBAL_X = false>
+// ROWS: the most rows the caller's kernel takes (fewer registers for small steps); a row's
+// arithmetic does not depend on it.
+template <int NW, bool GLOBAL_X = false, int ROWS = GEMV_MAX_ROWS>
 __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv, int chunks,
                                           int c, int rows, float (&acc)[NW][GEMV_MAX_ROWS]) {
     float wf[NW][8];
@@ -777,7 +779,7 @@ __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv
         unpack8_bf16(wv[n], wf[n]);
     }
 #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
         if (r < rows) {
             float xf[8];
             unpack8_bf16(load_x<GLOBAL_X>(xv + (size_t)r * chunks + c), xf);
@@ -848,43 +850,25 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const uint2* w4 = reinterpret_cast<const uint2*>(w);
-    // A warp takes rows r and r + warps together (eight rows on four warps: one pass of two
-    // rows' loads in flight instead of two passes one after the other); each row's arithmetic
-    // is what one row alone gets.
-    for (int r = warp; r < rows; r += 2 * warps) {
-        const bool pair = r + warps < rows;
-        const float4* xr[2] = {reinterpret_cast<const float4*>(x + (size_t)r * n),
-                               reinterpret_cast<const float4*>(x + (size_t)(pair ? r + warps : r) * n)};
-        float squares[2] = {0.0f, 0.0f};
+    for (int r = warp; r < rows; r += warps) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * n);
+        float squares = 0.0f;
 #pragma unroll 4
         for (int i = lane; i < (n >> 2); i += 32) {
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                const float4 v = xr[p][i];
-                squares[p] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
+            const float4 v = xr[i];
+            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
-        float inv[2];
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            inv[p] = 1.0f / sqrtf(warp_sum(squares[p]) / (float)n + eps);
-        }
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            if (p == 1 && !pair) {
-                break;
-            }
-            uint2* out = reinterpret_cast<uint2*>(xs + (size_t)(r + p * warps) * n);
+        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
+        uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
 #pragma unroll 4
-            for (int i = lane; i < (n >> 2); i += 32) {
-                const float4 v = xr[p][i];
-                const uint2 wv = w4[i];
-                const unsigned int lo = f32_to_bf16(v.x * inv[p] * __uint_as_float(wv.x << 16)) |
-                                        ((unsigned int)f32_to_bf16(v.y * inv[p] * __uint_as_float(wv.x & 0xffff0000u)) << 16);
-                const unsigned int hi = f32_to_bf16(v.z * inv[p] * __uint_as_float(wv.y << 16)) |
-                                        ((unsigned int)f32_to_bf16(v.w * inv[p] * __uint_as_float(wv.y & 0xffff0000u)) << 16);
-                out[i] = make_uint2(lo, hi);
-            }
+        for (int i = lane; i < (n >> 2); i += 32) {
+            const float4 v = xr[i];
+            const uint2 wv = w4[i];
+            const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
+            const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
+            out[i] = make_uint2(lo, hi);
         }
     }
     __syncthreads();
@@ -899,11 +883,12 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
 // added in slice order through shared memory, and each warp computes NW outputs so that one
 // load of an input chunk serves NW weight rows. An output's arithmetic (its chunk order within
 // each slice, the shuffle tree, the slice order) depends on `inp` and `split` only, never on
-// `rows` or NW: the launcher picks NW by row count and `split` by the shape, and a row's bits
-// stay the same at every step width (batch invariance). Block: GEMV_THREADS (4 warps), `split`
+// `rows`, NW or ROWS (the most rows the kernel takes): the launcher picks the kernel by row
+// count and `split` by the shape, and a row's bits stay the same at every step width (batch
+// invariance). Block: GEMV_THREADS (4 warps), `split`
 // in {1, 2, 4}; 4 / split groups of NW outputs a block. Grid: ceil(out / (4 / split * NW)).
 #define GEMV_BLOCK_WARPS 4
-template <int NW>
+template <int NW, int ROWS>
 __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
                                            const unsigned short* __restrict__ w,
                                            float* __restrict__ y, int rows, int inp, int out,
@@ -927,7 +912,7 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
     PDL_LAUNCH_DEPENDENTS();
     // The slice's weight chunks go in flight before the inputs are waited for: U chunks a lane
     // (U * NW 16-byte loads), the rest in further passes of the same order.
-    constexpr int U = NW >= 4 ? 1 : 4 / NW;
+    constexpr int U = NW >= 4 ? 1 : (NW == 2 ? 2 : GEMV_PRELOAD);
     uint4 wv[U][NW];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -952,7 +937,7 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
         for (int u = 0; u < U; ++u) {
             const int c = base + 32 * u;
             if (c < end) {
-                dot_chunk<NW>(wv[u], xv, chunks, c, rows, acc);
+                dot_chunk<NW, false, ROWS>(wv[u], xv, chunks, c, rows, acc);
             }
         }
         if (base + 32 * U >= end) {
@@ -1007,23 +992,20 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
     }
 }
 
-extern "C" __global__ void gemv_rows(const unsigned short* __restrict__ x,
-                                     const unsigned short* __restrict__ w, float* __restrict__ y,
-                                     int rows, int inp, int out, int accumulate, int split) {
-    gemv_split<1>(x, w, y, rows, inp, out, accumulate, split);
-}
-
-extern "C" __global__ void gemv_rows2(const unsigned short* __restrict__ x,
-                                      const unsigned short* __restrict__ w, float* __restrict__ y,
-                                      int rows, int inp, int out, int accumulate, int split) {
-    gemv_split<2>(x, w, y, rows, inp, out, accumulate, split);
-}
-
-extern "C" __global__ void gemv_rows4(const unsigned short* __restrict__ x,
-                                      const unsigned short* __restrict__ w, float* __restrict__ y,
-                                      int rows, int inp, int out, int accumulate, int split) {
-    gemv_split<4>(x, w, y, rows, inp, out, accumulate, split);
-}
+// One kernel per row bucket (steps of up to 1, 2, 4 and 8 rows), each with the outputs a warp
+// that pays at that size (1, 1, 2, 4: at one row the extra registers of more outputs or of
+// eight rows' accumulators cost the 49,152-row logits a third of their occupancy). Every bucket
+// gives a row the same bits.
+#define GEMV_ROWS_KERNEL(NAME, NW, ROWS)                                                        \
+    extern "C" __global__ void NAME(const unsigned short* __restrict__ x,                       \
+                                    const unsigned short* __restrict__ w, float* __restrict__ y, \
+                                    int rows, int inp, int out, int accumulate, int split) {     \
+        gemv_split<NW, ROWS>(x, w, y, rows, inp, out, accumulate, split);                      \
+    }
+GEMV_ROWS_KERNEL(gemv_rows_1, 1, 1)
+GEMV_ROWS_KERNEL(gemv_rows_2, 1, 2)
+GEMV_ROWS_KERNEL(gemv_rows_4, 2, 4)
+GEMV_ROWS_KERNEL(gemv_rows_8, 4, 8)
 
 // act[r, j] = bf16(silu(g) * u) with g, u the gate and up projections (rows j and inter + j of
 // the fused gate|up weight) of rms_norm(x[r]) * norm_w. Grid: ceil(inter / warps). Dynamic

@@ -112,14 +112,12 @@ pub(crate) fn gemv_split(out: usize) -> usize {
     }
 }
 
-/// Outputs each warp of `gemv_rows` computes at `rows` rows: one input chunk loaded serves that
-/// many weight rows, which pays once the rows multiply the input loads. Does not change bits.
-pub(crate) fn gemv_outputs_for(rows: usize) -> usize {
-    match rows {
-        0..=2 => 1,
-        3..=4 => 2,
-        _ => 4,
-    }
+/// The `gemv_rows` kernel for a step of `rows` rows: the smallest of 1, 2, 4 and 8 rows that
+/// holds them. Buckets differ in registers and outputs a warp (1, 1, 2, 4: one input chunk
+/// loaded serves that many weight rows, which pays once the rows multiply the input loads),
+/// never in a row's bits.
+pub(crate) fn gemv_bucket(rows: usize) -> usize {
+    rows.next_power_of_two()
 }
 
 /// Warps per block of `persistent_step` (PERSIST_WARPS in kernels/llama.cu), the most it is
@@ -203,9 +201,8 @@ struct Kernels {
     move_rows_u16: CudaFunction,
     rows_to_bf16: CudaFunction,
     topk_softmax: CudaFunction,
-    gemv_rows: CudaFunction,
-    gemv_rows2: CudaFunction,
-    gemv_rows4: CudaFunction,
+    /// `gemv_rows_1`, `_2`, `_4`, `_8`: one per row bucket ([`gemv_bucket`]).
+    gemv_rows: [CudaFunction; 4],
     norm_gate_up_silu: CudaFunction,
     norm_qkv_rope: CudaFunction,
     persistent_step: CudaFunction,
@@ -235,10 +232,6 @@ pub struct Gpu {
     /// every block is resident, which its grid barriers need); `TANDEM_CUDA_COOPERATIVE=0`
     /// launches it plainly (one block per SM is resident in practice).
     cooperative: bool,
-    /// Outputs a warp of `gemv_rows` computes, forced by TANDEM_CUDA_GEMV_OUTPUTS=1|2|4 (an
-    /// experiment knob; the default picks by row count, [`gemv_outputs_for`]). It never
-    /// changes the results' bits.
-    gemv_outputs: Option<usize>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -362,9 +355,12 @@ impl Gpu {
             move_rows_u16: module.load_function("move_rows_u16")?,
             rows_to_bf16: module.load_function("rows_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
-            gemv_rows: module.load_function("gemv_rows")?,
-            gemv_rows2: module.load_function("gemv_rows2")?,
-            gemv_rows4: module.load_function("gemv_rows4")?,
+            gemv_rows: [
+                module.load_function("gemv_rows_1")?,
+                module.load_function("gemv_rows_2")?,
+                module.load_function("gemv_rows_4")?,
+                module.load_function("gemv_rows_8")?,
+            ],
             norm_gate_up_silu: module.load_function("norm_gate_up_silu")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope")?,
             persistent_step: module.load_function("persistent_step")?,
@@ -386,10 +382,6 @@ impl Gpu {
             sm_count,
             persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
-            gemv_outputs: std::env::var("TANDEM_CUDA_GEMV_OUTPUTS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|n| [1, 2, 4].contains(n)),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -1128,12 +1120,12 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        let outputs = self.gemv_outputs.unwrap_or_else(|| gemv_outputs_for(rows));
-        self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, outputs)
+        self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, gemv_bucket(rows))
     }
 
-    /// [`Gpu::gemv_rows`] with `outputs` (1, 2 or 4) outputs a warp instead of the default for
-    /// the row count: the same bits whatever `outputs` is (a GPU test holds it to that).
+    /// [`Gpu::gemv_rows`] with the kernel of row bucket `bucket` (1, 2, 4 or 8, at least
+    /// `rows`) instead of the smallest that fits: the same bits whichever it is (a GPU test
+    /// holds it to that).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_rows_by(
         &self,
@@ -1144,16 +1136,21 @@ impl Gpu {
         inp: usize,
         out: usize,
         accumulate: bool,
-        outputs: usize,
+        bucket: usize,
     ) -> Result<(), CudaError> {
         assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
         assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
-        assert!([1, 2, 4].contains(&outputs), "{outputs} outputs a warp");
+        assert!(
+            bucket.is_power_of_two() && (rows..=GEMV_MAX_ROWS).contains(&bucket),
+            "row bucket {bucket} for {rows} rows"
+        );
         let split = gemv_split(out);
-        let func = match outputs {
-            1 => &self.kernels.gemv_rows,
-            2 => &self.kernels.gemv_rows2,
-            _ => &self.kernels.gemv_rows4,
+        // Outputs a warp of each bucket's kernel (GEMV_ROWS_KERNEL in kernels/llama.cu).
+        let (func, outputs) = match bucket {
+            1 => (&self.kernels.gemv_rows[0], 1),
+            2 => (&self.kernels.gemv_rows[1], 1),
+            4 => (&self.kernels.gemv_rows[2], 2),
+            _ => (&self.kernels.gemv_rows[3], 4),
         };
         let args = KernelArgs::default()
             .buffer(self, x)
