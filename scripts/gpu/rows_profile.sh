@@ -7,7 +7,8 @@
 # (read from the attention grid: rows x heads blocks).
 # Then every GPU suite, MT-Bench at batch 1 (SHAPES, default 3/1/4 3/4/8 5/8/32) and, with
 # SERVE="1 8 32 64", the serve load test at those concurrencies.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE.
+# QWEN=1: a Qwen2.5-1.5B-shaped random model's step times too, fused against cuBLAS.
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, QWEN.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
@@ -16,6 +17,7 @@
 set -uo pipefail
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
+EXTRA_FILES="scripts/reference/make_random_llama.py"
 
 # ncu_rows NAME FAST_BENCH_ARGS...: ncu over one fast-bench run, summarised by rows and kernel.
 ncu_rows() {
@@ -88,6 +90,19 @@ pipeline() {
     [[ "${NCU:-1}" == 2 ]] && ncu_rows ncu-b8 --batch 8 --verify-widths 1
     mark "ncu done"
   fi
+  # A Qwen2.5-1.5B-shaped random model (hidden 1,536; fused kernels off by default there since
+  # session 25): fused (cut-off 8) against cuBLAS at 1 and 8 rows.
+  if [[ "${QWEN:-0}" == 1 ]]; then
+    python3 "$W/make_random_llama.py" "$W/qwen-random" --shape qwen2.5-1.5b --tokenizer-from "$M" \
+      > "$R/qwen-make.log" 2>&1
+    echo "qwen-shaped model: $(tail -1 "$R/qwen-make.log")" | tee -a "$R/summary.txt"
+    TANDEM_CUDA_FUSED=8 timeout 300 "$T" fast-bench --model "$W/qwen-random" --batch 1,2,4,8 \
+      --verify-widths 4,8 --new-tokens 32 --repeats 3 --with-taps --graphs-only --fused both \
+      --json "$R/qwen-fast-bench.json" > "$R/qwen-fast-bench.md" 2> "$R/qwen-fast-bench.log"
+    echo "qwen-shaped fast-bench: exit $?" | tee -a "$R/summary.txt"
+    rm -rf "$W/qwen-random"
+    mark "qwen done"
+  fi
   # The serve load test (64 MT-Bench requests, 128 tokens), target-only then the adaptive
   # policy, one server after the other, at each concurrency in SERVE (default none).
   local c
@@ -101,6 +116,7 @@ report() {
   grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log 2>/dev/null | tail -40
   cat "$R/summary.txt" 2>/dev/null
   grep -E "^\|" "$R/fast-bench.md" 2>/dev/null
+  grep -E "^\|" "$R/qwen-fast-bench.md" 2>/dev/null | sed 's/^/QWEN /'
   cat "$R/ncu-b1_summary.txt" "$R/ncu-b8_summary.txt" 2>/dev/null | head -40
   python3 - "$R" <<'PY'
 import glob, json, os, sys
