@@ -839,7 +839,12 @@ impl Gpu {
         Ok(())
     }
 
-    /// See `attention` in kernels/llama.cu. `mask` is `[rows, total]`.
+    /// Masked GQA attention of a step's queries over the cache (`mask` is `[rows, total]`).
+    /// With `visible` (`list` and `counts` from [`Gpu::visible_columns`]) every row's keys are
+    /// grouped by their order among its visible keys, so a row's output has the same bits
+    /// whatever else the step holds and wherever its keys sit in the cache
+    /// (`attention_invariant` in kernels/llama.cu; head_dim 32, 64, 128 or 256); without, the
+    /// plain kernel (`attention`; head_dim a multiple of 32 up to 256).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -847,17 +852,18 @@ impl Gpu {
         k_cache: &CudaSlice<u16>,
         v_cache: &CudaSlice<u16>,
         mask: &CudaSlice<f32>,
+        visible: Option<(&CudaView<'_, i32>, &CudaView<'_, i32>)>,
         out: &mut CudaSlice<u16>,
         shape: AttentionShape,
         total: usize,
         step_scalars: Option<&CudaView<'_, i32>>,
     ) -> Result<(), CudaError> {
         let s = shape;
-        assert!(
-            s.head_dim.is_multiple_of(32) && s.head_dim <= 256,
-            "head_dim {}",
-            s.head_dim
-        );
+        let head_dim_ok = match visible {
+            Some(_) => [32, 64, 128, 256].contains(&s.head_dim),
+            None => s.head_dim.is_multiple_of(32) && s.head_dim <= 256,
+        };
+        assert!(head_dim_ok, "head_dim {}", s.head_dim);
         assert!(s.heads.is_multiple_of(s.kv_heads) && total <= s.capacity);
         assert!(
             q.len() >= s.rows() * s.heads * s.head_dim
@@ -865,12 +871,16 @@ impl Gpu {
         );
         assert!(mask.len() >= s.rows() * total);
         assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
-        let scale = 1.0 / (s.head_dim as f32).sqrt();
-        let args = KernelArgs::default()
+        let mut args = KernelArgs::default()
             .buffer(self, q)
             .buffer(self, k_cache)
             .buffer(self, v_cache)
-            .buffer(self, mask)
+            .buffer(self, mask);
+        if let Some((list, counts)) = visible {
+            assert!(list.len() >= s.rows() * s.capacity && counts.len() >= s.rows());
+            args = args.view(self, list).view(self, counts);
+        }
+        let args = args
             .buffer(self, out)
             .int(s.width)
             .int(s.heads)
@@ -878,8 +888,10 @@ impl Gpu {
             .int(s.head_dim)
             .int(s.capacity)
             .int(total)
-            .float(scale)
+            .float(1.0 / (s.head_dim as f32).sqrt())
             .optional_view(self, step_scalars);
+        let warps = ATTENTION_THREADS / 32;
+        let head_dim = s.head_dim as u32;
         let cfg = LaunchConfig {
             // Block r * heads + h: a KV head's query heads run as neighbours (kernels/llama.cu).
             grid_dim: (
@@ -888,16 +900,28 @@ impl Gpu {
                 1,
             ),
             block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: (ATTENTION_THREADS / 32 + 1) * s.head_dim as u32 * 4,
+            // `attention_invariant`: one partial (head_dim + 2 floats) per warp and the query;
+            // `attention`: (warps + 1) * head_dim floats.
+            shared_mem_bytes: match visible {
+                Some(_) => (warps * (head_dim + 2) + head_dim) * 4,
+                None => (warps + 1) * head_dim * 4,
+            },
         };
-        // SAFETY: the signature of `attention`; sizes asserted above; dynamic shared memory
-        // holds (warps + 1) * head_dim floats; the caches are whole allocations, so key rows are
-        // 16-byte aligned (head_dim % 32 == 0); PDL_WAIT before reading anything.
-        unsafe { self.launch_programmatic(&self.kernels.attention, cfg, args) }
+        // SAFETY: the argument list matches the kernel's signature (q, caches, mask, [list,
+        // counts,] out, seven scalars, step scalars); sizes asserted above; dynamic shared memory
+        // as each kernel declares; the caches are whole allocations, so key rows are 16-byte
+        // aligned (head_dim % 32 == 0); lists hold columns below `total`; `attention` waits
+        // (PDL_WAIT) before reading anything.
+        unsafe {
+            match visible {
+                Some(_) => self.launch_ex(&self.kernels.attention_invariant, cfg, args, None),
+                None => self.launch_programmatic(&self.kernels.attention, cfg, args),
+            }
+        }
     }
 
     /// Each row's visible cache columns in order (`list`, `[rows, capacity]`) and their number
-    /// (`counts`, `[rows]`), from the step's mask: what [`Gpu::attention_invariant`] reads
+    /// (`counts`, `[rows]`), from the step's mask: what [`Gpu::attention`] reads with `visible`
     /// (see `visible_columns` in kernels/llama.cu).
     #[allow(clippy::too_many_arguments)]
     pub fn visible_columns(
@@ -927,70 +951,6 @@ impl Gpu {
         // SAFETY: the signature of `visible_columns`; sizes asserted (with `step_scalars` the
         // caller sized the mask and list for the capacity).
         unsafe { self.launch_ex(&self.kernels.visible_columns, cfg, args, None) }
-    }
-
-    /// [`Gpu::attention`] with every row's keys grouped by their order among its visible keys
-    /// (`list` and `counts` from [`Gpu::visible_columns`]), so a row's output has the same bits
-    /// whatever else the step holds and wherever its keys sit in the cache (see
-    /// `attention_invariant` in kernels/llama.cu). head_dim 32, 64, 128 or 256.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_invariant(
-        &self,
-        q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<u16>,
-        v_cache: &CudaSlice<u16>,
-        mask: &CudaSlice<f32>,
-        list: &CudaView<'_, i32>,
-        counts: &CudaView<'_, i32>,
-        out: &mut CudaSlice<u16>,
-        shape: AttentionShape,
-        total: usize,
-        step_scalars: Option<&CudaView<'_, i32>>,
-    ) -> Result<(), CudaError> {
-        let s = shape;
-        assert!(
-            [32, 64, 128, 256].contains(&s.head_dim),
-            "head_dim {}",
-            s.head_dim
-        );
-        assert!(s.heads.is_multiple_of(s.kv_heads) && total <= s.capacity);
-        assert!(
-            q.len() >= s.rows() * s.heads * s.head_dim
-                && out.len() >= s.rows() * s.heads * s.head_dim
-        );
-        assert!(mask.len() >= s.rows() * total);
-        assert!(list.len() >= s.rows() * s.capacity && counts.len() >= s.rows());
-        assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
-        let args = KernelArgs::default()
-            .buffer(self, q)
-            .buffer(self, k_cache)
-            .buffer(self, v_cache)
-            .buffer(self, mask)
-            .view(self, list)
-            .view(self, counts)
-            .buffer(self, out)
-            .int(s.width)
-            .int(s.heads)
-            .int(s.kv_heads)
-            .int(s.head_dim)
-            .int(s.capacity)
-            .int(total)
-            .float(1.0 / (s.head_dim as f32).sqrt())
-            .optional_view(self, step_scalars);
-        let warps = ATTENTION_THREADS / 32;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(s.rows() * s.heads).expect("rows x heads fit a grid dimension"),
-                1,
-                1,
-            ),
-            block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: (warps * (s.head_dim as u32 + 2) + s.head_dim as u32) * 4,
-        };
-        // SAFETY: the signature of `attention_invariant`; sizes asserted; dynamic shared memory
-        // holds one partial per warp and the query; the caches are whole allocations, so rows
-        // are 16-byte aligned; lists hold columns below `total`.
-        unsafe { self.launch_ex(&self.kernels.attention_invariant, cfg, args, None) }
     }
 
     /// Launches `func` on the stream with the programmatic-stream-serialization attribute (when

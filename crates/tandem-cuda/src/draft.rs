@@ -551,6 +551,7 @@ impl CudaDraft {
             &cache.keys[0],
             &cache.values[0],
             &b.inputs.mask,
+            None,
             &mut b.attn,
             shape,
             total,

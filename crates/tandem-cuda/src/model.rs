@@ -927,31 +927,17 @@ impl CudaTarget {
                     scalars,
                 )?;
             }
-            if let Some((list, counts)) = &visible {
-                gpu.attention_invariant(
-                    q,
-                    &cache.keys[k],
-                    &cache.values[k],
-                    &inputs.mask,
-                    list,
-                    counts,
-                    attn,
-                    shape,
-                    total,
-                    scalars,
-                )?;
-            } else {
-                gpu.attention(
-                    q,
-                    &cache.keys[k],
-                    &cache.values[k],
-                    &inputs.mask,
-                    attn,
-                    shape,
-                    total,
-                    scalars,
-                )?;
-            }
+            gpu.attention(
+                q,
+                &cache.keys[k],
+                &cache.values[k],
+                &inputs.mask,
+                visible.as_ref().map(|(list, counts)| (list, counts)),
+                attn,
+                shape,
+                total,
+                scalars,
+            )?;
             if fused {
                 gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
                 gpu.norm_gate_up_silu(

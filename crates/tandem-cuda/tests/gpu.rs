@@ -450,6 +450,7 @@ fn rope_cache_write_and_attention_kernels_match_their_references() {
         &k_cache,
         &v_cache,
         &gpu.upload(&mask).unwrap(),
+        None,
         &mut out,
         shape,
         total,
