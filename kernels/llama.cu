@@ -992,20 +992,25 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
     }
 }
 
-// One kernel per row bucket (steps of up to 1, 2, 4 and 8 rows), each with the outputs a warp
-// that pays at that size (1, 1, 2, 4: at one row the extra registers of more outputs or of
-// eight rows' accumulators cost the 49,152-row logits a third of their occupancy). Every bucket
-// gives a row the same bits.
-#define GEMV_ROWS_KERNEL(NAME, NW, ROWS)                                                        \
-    extern "C" __global__ void NAME(const unsigned short* __restrict__ x,                       \
-                                    const unsigned short* __restrict__ w, float* __restrict__ y, \
-                                    int rows, int inp, int out, int accumulate, int split) {     \
+// One kernel per row bucket (steps of up to 1, 2, 4 and 8 rows) and outputs a warp (1, 2, 4):
+// the launcher takes the bucket that holds the step and the outputs its table gives the bucket
+// (at one row the extra registers of more outputs or of eight rows' accumulators cost the
+// 49,152-row logits a third of their occupancy; more outputs pay once the rows multiply the
+// input loads). Every kernel gives a row the same bits.
+#define GEMV_ROWS_KERNEL(ROWS, NW)                                                              \
+    extern "C" __global__ void gemv_rows_r##ROWS##_o##NW(                                       \
+        const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,             \
+        float* __restrict__ y, int rows, int inp, int out, int accumulate, int split) {         \
         gemv_split<NW, ROWS>(x, w, y, rows, inp, out, accumulate, split);                      \
     }
-GEMV_ROWS_KERNEL(gemv_rows_1, 1, 1)
-GEMV_ROWS_KERNEL(gemv_rows_2, 1, 2)
-GEMV_ROWS_KERNEL(gemv_rows_4, 2, 4)
-GEMV_ROWS_KERNEL(gemv_rows_8, 4, 8)
+#define GEMV_ROWS_KERNELS(ROWS) \
+    GEMV_ROWS_KERNEL(ROWS, 1)   \
+    GEMV_ROWS_KERNEL(ROWS, 2)   \
+    GEMV_ROWS_KERNEL(ROWS, 4)
+GEMV_ROWS_KERNELS(1)
+GEMV_ROWS_KERNELS(2)
+GEMV_ROWS_KERNELS(4)
+GEMV_ROWS_KERNELS(8)
 
 // act[r, j] = bf16(silu(g) * u) with g, u the gate and up projections (rows j and inter + j of
 // the fused gate|up weight) of rms_norm(x[r]) * norm_w. Grid: ceil(inter / warps). Dynamic

@@ -8,7 +8,10 @@
 # Then every GPU suite, MT-Bench at batch 1 (SHAPES, default 3/1/4 3/4/8 5/8/32) and, with
 # SERVE="1 8 32 64", the serve load test at those concurrencies.
 # QWEN=1: a Qwen2.5-1.5B-shaped random model's step times too, fused against cuBLAS.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, QWEN.
+# GEMV_SWEEP="1,1,2,4 1,1,1,1 ..": fused step times for each outputs-a-warp setting of gemv_rows
+# (TANDEM_CUDA_GEMV_OUTPUTS), the fastest then used by the bench and serve; SERVE_LONG="64":
+# 256 requests at those concurrencies too.
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
@@ -77,6 +80,44 @@ pipeline() {
     echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
     mark "fast-bench done"
   fi
+  # Outputs a warp of gemv_rows per row bucket (TANDEM_CUDA_GEMV_OUTPUTS; bits never change):
+  # fused step times for each setting in GEMV_SWEEP, and the fastest over the 4- and 8-row
+  # steps is exported for the bench and the serve load test below.
+  if [[ -n "${GEMV_SWEEP:-}" ]]; then
+    local g
+    for g in $GEMV_SWEEP; do
+      TANDEM_CUDA_GEMV_OUTPUTS=$g timeout 120 "$T" fast-bench --model "$M" --batch 1,2,4,8 \
+        --verify-widths 4,8 --new-tokens 64 --repeats 3 --with-taps --graphs-only --fused on \
+        --json "$R/sweep_${g//,/-}.json" > "$R/sweep_${g//,/-}.md" 2>&1
+    done
+    python3 - "$R" $GEMV_SWEEP > "$R/sweep.txt" <<'PY'
+import json, os, sys
+r, settings = sys.argv[1], sys.argv[2:]
+def ms(rows, step, width, batch):
+    return next((x["step_ms_median"] for x in rows if x["step"] == step and x["width"] == width
+                 and x["batch"] == batch and x["taps"] == 3), float("nan"))
+cols = [("decode", 1, 1), ("decode", 1, 2), ("decode", 1, 4), ("decode", 1, 8), ("verify", 4, 1), ("verify", 8, 1)]
+print("| outputs a warp (buckets 1,2,4,8) | decode b1 | b2 | b4 | b8 | verify 4 b1 | verify 8 b1 | 4- and 8-row steps |")
+print("|---|---|---|---|---|---|---|---|")
+best = None
+for g in settings:
+    try:
+        rows = json.load(open(os.path.join(r, f"sweep_{g.replace(',', '-')}.json")))
+    except (OSError, ValueError):
+        continue
+    v = [ms(rows, *c) for c in cols]
+    score = v[2] + v[3] + v[4] + v[5]
+    print(f"| {g} | " + " | ".join(f"{x:.3f}" for x in v) + f" | {score:.3f} |")
+    if score == score and (best is None or score < best[0]):
+        best = (score, g)
+print(f"BEST {best[1] if best else ''}")
+PY
+    cat "$R/sweep.txt" | tee -a "$R/summary.txt"
+    export TANDEM_CUDA_GEMV_OUTPUTS
+    TANDEM_CUDA_GEMV_OUTPUTS=$(awk '/^BEST/ {print $2}' "$R/sweep.txt")
+    echo "bench and serve with TANDEM_CUDA_GEMV_OUTPUTS=$TANDEM_CUDA_GEMV_OUTPUTS" | tee -a "$R/summary.txt"
+    mark "sweep done"
+  fi
   # MT-Bench at batch 1 with the committed head and the default kernels, each bench with its
   # own target-only baseline; the round's parts against a decode step of that baseline.
   local s
@@ -109,6 +150,11 @@ pipeline() {
   for c in ${SERVE:-}; do
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
+  done
+  # Steady state: 256 requests at the concurrencies in SERVE_LONG.
+  for c in ${SERVE_LONG:-}; do
+    REQUESTS=256 serve_load "target-only_long_c$c" "$c" --no-draft
+    REQUESTS=256 serve_load "adaptive_long_c$c" "$c" --draft "$W/head"
   done
 }
 

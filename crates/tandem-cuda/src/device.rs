@@ -112,12 +112,24 @@ pub(crate) fn gemv_split(out: usize) -> usize {
     }
 }
 
-/// The `gemv_rows` kernel for a step of `rows` rows: the smallest of 1, 2, 4 and 8 rows that
-/// holds them. Buckets differ in registers and outputs a warp (1, 1, 2, 4: one input chunk
-/// loaded serves that many weight rows, which pays once the rows multiply the input loads),
-/// never in a row's bits.
+/// The `gemv_rows` row bucket of a step of `rows` rows: the smallest of 1, 2, 4 and 8 that
+/// holds them. Buckets differ in registers and in outputs a warp, never in a row's bits.
 pub(crate) fn gemv_bucket(rows: usize) -> usize {
     rows.next_power_of_two()
+}
+
+/// Outputs a warp of `gemv_rows` for row buckets 1, 2, 4 and 8 (one input chunk loaded serves
+/// that many weight rows, which pays once the rows multiply the input loads; more outputs also
+/// mean fewer warps).
+pub const GEMV_OUTPUTS: [usize; 4] = [1, 1, 2, 4];
+
+/// `"a,b,c,d"` (each 1, 2 or 4) as outputs a warp for the four row buckets; `None` otherwise.
+pub fn parse_gemv_outputs(text: &str) -> Option<[usize; 4]> {
+    let values: Vec<usize> = text
+        .split(',')
+        .map(|v| v.trim().parse().ok().filter(|n| [1, 2, 4].contains(n)))
+        .collect::<Option<_>>()?;
+    values.try_into().ok()
 }
 
 /// Warps per block of `persistent_step` (PERSIST_WARPS in kernels/llama.cu), the most it is
@@ -201,8 +213,9 @@ struct Kernels {
     move_rows_u16: CudaFunction,
     rows_to_bf16: CudaFunction,
     topk_softmax: CudaFunction,
-    /// `gemv_rows_1`, `_2`, `_4`, `_8`: one per row bucket ([`gemv_bucket`]).
-    gemv_rows: [CudaFunction; 4],
+    /// `gemv_rows_r{R}_o{N}`: `[bucket][outputs]` for row buckets 1, 2, 4, 8 ([`gemv_bucket`])
+    /// and 1, 2, 4 outputs a warp.
+    gemv_rows: [[CudaFunction; 3]; 4],
     norm_gate_up_silu: CudaFunction,
     norm_qkv_rope: CudaFunction,
     persistent_step: CudaFunction,
@@ -232,6 +245,9 @@ pub struct Gpu {
     /// every block is resident, which its grid barriers need); `TANDEM_CUDA_COOPERATIVE=0`
     /// launches it plainly (one block per SM is resident in practice).
     cooperative: bool,
+    /// Outputs a warp of `gemv_rows` for row buckets 1, 2, 4 and 8: [`GEMV_OUTPUTS`], or
+    /// TANDEM_CUDA_GEMV_OUTPUTS="a,b,c,d" (each 1, 2 or 4; a speed knob: bits never change).
+    gemv_outputs: [usize; 4],
 }
 
 impl std::fmt::Debug for Gpu {
@@ -355,12 +371,16 @@ impl Gpu {
             move_rows_u16: module.load_function("move_rows_u16")?,
             rows_to_bf16: module.load_function("rows_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
-            gemv_rows: [
-                module.load_function("gemv_rows_1")?,
-                module.load_function("gemv_rows_2")?,
-                module.load_function("gemv_rows_4")?,
-                module.load_function("gemv_rows_8")?,
-            ],
+            gemv_rows: {
+                let load = |rows: usize| -> Result<[CudaFunction; 3], CudaError> {
+                    Ok([
+                        module.load_function(&format!("gemv_rows_r{rows}_o1"))?,
+                        module.load_function(&format!("gemv_rows_r{rows}_o2"))?,
+                        module.load_function(&format!("gemv_rows_r{rows}_o4"))?,
+                    ])
+                };
+                [load(1)?, load(2)?, load(4)?, load(8)?]
+            },
             norm_gate_up_silu: module.load_function("norm_gate_up_silu")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope")?,
             persistent_step: module.load_function("persistent_step")?,
@@ -382,6 +402,10 @@ impl Gpu {
             sm_count,
             persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
+            gemv_outputs: std::env::var("TANDEM_CUDA_GEMV_OUTPUTS")
+                .ok()
+                .and_then(|v| parse_gemv_outputs(&v))
+                .unwrap_or(GEMV_OUTPUTS),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -1080,12 +1104,14 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, gemv_bucket(rows))
+        let bucket = gemv_bucket(rows);
+        let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
+        self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, bucket, outputs)
     }
 
     /// [`Gpu::gemv_rows`] with the kernel of row bucket `bucket` (1, 2, 4 or 8, at least
-    /// `rows`) instead of the smallest that fits: the same bits whichever it is (a GPU test
-    /// holds it to that).
+    /// `rows`) and `outputs` (1, 2 or 4) outputs a warp instead of the defaults: the same bits
+    /// whichever it is (a GPU test holds it to that).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_rows_by(
         &self,
@@ -1097,6 +1123,7 @@ impl Gpu {
         out: usize,
         accumulate: bool,
         bucket: usize,
+        outputs: usize,
     ) -> Result<(), CudaError> {
         assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
         assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
@@ -1105,13 +1132,9 @@ impl Gpu {
             "row bucket {bucket} for {rows} rows"
         );
         let split = gemv_split(out);
-        // Outputs a warp of each bucket's kernel (GEMV_ROWS_KERNEL in kernels/llama.cu).
-        let (func, outputs) = match bucket {
-            1 => (&self.kernels.gemv_rows[0], 1),
-            2 => (&self.kernels.gemv_rows[1], 1),
-            4 => (&self.kernels.gemv_rows[2], 2),
-            _ => (&self.kernels.gemv_rows[3], 4),
-        };
+        assert!([1, 2, 4].contains(&outputs), "{outputs} outputs a warp");
+        let func = &self.kernels.gemv_rows[bucket.trailing_zeros() as usize]
+            [outputs.trailing_zeros() as usize];
         let args = KernelArgs::default()
             .buffer(self, x)
             .buffer(self, w)
@@ -1780,5 +1803,27 @@ impl DeviceRows {
         let mut values = self.data.stream().clone_dtoh(&self.data)?;
         values.truncate(self.batch * self.width * self.hidden);
         Ok(values)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_buckets_splits_and_outputs_parse_as_documented() {
+        let buckets: Vec<usize> = (1..=8).map(gemv_bucket).collect();
+        assert_eq!(buckets, [1, 2, 4, 4, 8, 8, 8, 8]);
+        // SmolLM2's o_proj/down_proj (576), Qwen2.5-1.5B's (1,536), the logits (49,152).
+        assert_eq!(
+            [576, 1023, 1024, 1536, 4095, 4096, 49152].map(gemv_split),
+            [4, 4, 2, 2, 2, 1, 1]
+        );
+        assert_eq!(parse_gemv_outputs("1,1,2,4"), Some(GEMV_OUTPUTS));
+        assert_eq!(parse_gemv_outputs(" 4, 4,1 ,2"), Some([4, 4, 1, 2]));
+        assert_eq!(parse_gemv_outputs("1,1,3,4"), None);
+        assert_eq!(parse_gemv_outputs("1,1,2"), None);
+        assert_eq!(parse_gemv_outputs("1,1,2,4,4"), None);
+        assert_eq!(parse_gemv_outputs(""), None);
     }
 }

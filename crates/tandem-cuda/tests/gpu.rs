@@ -1158,11 +1158,11 @@ fn pinned_upload_delivers_every_value_in_place() {
 fn gemv_rows_matches_a_host_reference_with_the_same_bits_at_every_row_count() {
     // `gemv_rows` (o_proj, down_proj and the logits of the fused small steps) splits an
     // output's dot product over up to four warps and has a kernel per row bucket (1, 2, 4, 8
-    // rows; 1, 1, 2, 4 outputs a warp). Against an f64 host reference at every row count
-    // 1..=8 in every bucket that holds it, with and without the residual add, for each split
+    // rows) and outputs a warp (1, 2, 4). Against an f64 host reference at every row count
+    // 1..=8 in every kernel that holds it, with and without the residual add, for each split
     // (576 and 577 outputs: 4 warps, the odd width leaving a block part-empty; 1,536: 2;
     // 5,000: 1); and a row's result must be the same bits at every row count and in every
-    // bucket, which is what keeps speculative greedy output equal to target-only output.
+    // kernel, which is what keeps speculative greedy output equal to target-only output.
     let gpu = gpu();
     let mut rng = rand::rngs::StdRng::seed_from_u64(26);
     let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
@@ -1185,16 +1185,21 @@ fn gemv_rows_matches_a_host_reference_with_the_same_bits_at_every_row_count() {
             })
             .collect();
         for accumulate in [false, true] {
-            let run = |rows: usize, bucket: usize| {
+            let run = |rows: usize, bucket: usize, outputs: usize| {
                 let mut y = gpu.upload(&residual).unwrap();
-                gpu.gemv_rows_by(&xd, &wd, &mut y, rows, inp, out, accumulate, bucket)
-                    .unwrap();
+                gpu.gemv_rows_by(
+                    &xd, &wd, &mut y, rows, inp, out, accumulate, bucket, outputs,
+                )
+                .unwrap();
                 gpu.download(&y).unwrap()
             };
-            let all_rows = run(8, 8);
-            for rows in 1..=8 {
-                for bucket in [1, 2, 4, 8].into_iter().filter(|&b| b >= rows) {
-                    let got = run(rows, bucket);
+            let all_rows = run(8, 8, 4);
+            let kernels = [1, 2, 4, 8]
+                .into_iter()
+                .flat_map(|bucket| [1, 2, 4].map(|outputs| (bucket, outputs)));
+            for (bucket, outputs) in kernels {
+                for rows in 1..=bucket {
+                    let got = run(rows, bucket, outputs);
                     for i in 0..rows * out {
                         let expected = reference[i]
                             + if accumulate {
@@ -1205,14 +1210,14 @@ fn gemv_rows_matches_a_host_reference_with_the_same_bits_at_every_row_count() {
                         let err = (f64::from(got[i]) - expected).abs();
                         assert!(
                             err <= 1e-4 * (1.0 + expected.abs()),
-                            "{inp}x{out} rows {rows} bucket {bucket} acc {accumulate} [{i}]: \
+                            "{inp}x{out} rows {rows} bucket {bucket}/{outputs} acc {accumulate} [{i}]: \
                              {} vs {expected}",
                             got[i]
                         );
                         assert_eq!(
                             got[i].to_bits(),
                             all_rows[i].to_bits(),
-                            "{inp}x{out} rows {rows} bucket {bucket} [{i}]: not the bits the \
+                            "{inp}x{out} rows {rows} bucket {bucket}/{outputs} [{i}]: not the bits the \
                              same row gets in a step of eight"
                         );
                     }
