@@ -12,35 +12,11 @@
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/draft_chain.sh piece b|c|d
 #   call 5 (carry .device/e): bash scripts/gpu/draft_chain.sh start;  later calls: ... wait
 set -uo pipefail
-PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
+EXTRA_FILES="scripts/reference/make_random_llama.py"
 
-case "$PHASE" in
-pack) pack_smollm2 ;;
-a) phase_a ;;
-piece) phase_piece "$2" ;;
-start)
-  phase_import
-  cp "$0" "$W/draft_chain.sh"
-  cp scripts/reference/make_random_llama.py "$W/"
-  cd /tmp
-  setsid nohup bash "$W/draft_chain.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
-  sleep 2
-  cd - > /dev/null
-  exec bash "$0" wait
-  ;;
-wait)
-  wait_for done
-  cat "$R/phases.txt"
-  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -50
-  cat "$R/qwen-fast-bench.md" 2>/dev/null
-  cat "$R/summary.txt" 2>/dev/null
-  collect results.tar.xz none
-  ;;
-pipeline)
-  cd "$W"
-  mark "pipeline start"
+pipeline() {
   if [[ "${TESTS:-1}" == 1 ]]; then
     timeout 200 "$W/gpu-fast-tests" --ignored --test-threads 1 device_chain > "$R/tests-chain.log" 2>&1
     echo "device chain GPU test: exit $?" | tee -a "$R/summary.txt"
@@ -77,6 +53,12 @@ pipeline)
       > "$R/tests-infer-fused8.log" 2>&1
     echo "tandem-infer GPU tests with TANDEM_CUDA_FUSED=8: exit $?" | tee -a "$R/summary.txt"
   fi
-  touch "$R/done"
-  ;;
-esac
+}
+
+report() {
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -50
+  cat "$R/qwen-fast-bench.md" 2>/dev/null
+  cat "$R/summary.txt" 2>/dev/null
+}
+
+run_phases "$0" "${1:-}" "${2:-}"

@@ -12,38 +12,10 @@
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/fused.sh piece b|c|d
 #   call 5 (carry .device/e): bash scripts/gpu/fused.sh start;  later calls: bash ... wait
 set -uo pipefail
-PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 
-case "$PHASE" in
-pack) pack_smollm2 ;;
-a) phase_a ;;
-piece) phase_piece "$2" ;;
-start)
-  phase_import
-  cp "$0" "$W/fused.sh"
-  cd /tmp
-  setsid nohup bash "$W/fused.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
-  sleep 2
-  cd - > /dev/null
-  exec bash "$0" wait
-  ;;
-wait)
-  wait_for done
-  cat "$R/phases.txt"
-  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -30
-  grep -h "time split" "$R"/bench_*.log
-  cat "$R/fast-bench.md" 2>/dev/null
-  grep -E "^\|" "$R/fast-bench-pdl.md" 2>/dev/null | sed 's/^/PDL /'
-  tail -n 12 "$R/hf.log" 2>/dev/null
-  head -n 24 "$R/ncu_summary.txt" 2>/dev/null
-  cat "$R/summary.txt" 2>/dev/null
-  collect results.tar.xz none
-  ;;
-pipeline)
-  cd "$W"
-  mark "pipeline start"
+pipeline() {
   [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 300
   timeout 400 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --new-tokens 64 \
     --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast-bench.json" \
@@ -68,6 +40,16 @@ pipeline)
     ncu_decode_profile ncu 1200
     mark "ncu exit $?"
   fi
-  touch "$R/done"
-  ;;
-esac
+}
+
+report() {
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -30
+  grep -h "time split" "$R"/bench_*.log
+  cat "$R/fast-bench.md" 2>/dev/null
+  grep -E "^\|" "$R/fast-bench-pdl.md" 2>/dev/null | sed 's/^/PDL /'
+  tail -n 12 "$R/hf.log" 2>/dev/null
+  head -n 24 "$R/ncu_summary.txt" 2>/dev/null
+  cat "$R/summary.txt" 2>/dev/null
+}
+
+run_phases "$0" "${1:-}" "${2:-}"

@@ -11,35 +11,11 @@
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/graphs.sh piece b|c|d
 #   call 5 (carry .device/e): bash scripts/gpu/graphs.sh start;  then: bash ... wait
 set -uo pipefail
-PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
 HEAD=heads/smollm2-135m-eagle3
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 
-case "$PHASE" in
-pack) pack_smollm2 ;;
-a) phase_a ;;
-piece) phase_piece "$2" ;;
-start)
-  phase_import
-  cp "$0" "$W/graphs.sh"
-  setsid nohup bash "$W/graphs.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
-  sleep 2
-  exec bash "$0" wait
-  ;;
-wait)
-  wait_for done
-  cat "$R/phases.txt"
-  grep -E "^test |test result|panicked|graphs:" "$R"/tests-*.log | tail -30
-  grep -h "time split" "$R"/bench_*.log
-  cat "$R/fast-bench.md" 2>/dev/null
-  tail -n 12 "$R/hf.log" 2>/dev/null
-  cat "$R/summary.txt" 2>/dev/null
-  collect results.tar.xz none
-  ;;
-pipeline)
-  cd "$W"
-  mark "pipeline start"
+pipeline() {
   run_gpu_tests 300
   if [[ "${FAST_BENCH:-1}" == 1 ]]; then
     timeout 300 "$T" fast-bench --model "$M" --batch 1,8,32 --verify-widths 4,8 --new-tokens 64 \
@@ -58,6 +34,14 @@ pipeline)
     timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8,32 --attn sdpa --json "$R/hf.json" > "$R/hf.log" 2>&1
     mark "hf done"
   fi
-  touch "$R/done"
-  ;;
-esac
+}
+
+report() {
+  grep -E "^test |test result|panicked|graphs:" "$R"/tests-*.log | tail -30
+  grep -h "time split" "$R"/bench_*.log
+  cat "$R/fast-bench.md" 2>/dev/null
+  tail -n 12 "$R/hf.log" 2>/dev/null
+  cat "$R/summary.txt" 2>/dev/null
+}
+
+run_phases "$0" "${1:-}" "${2:-}"

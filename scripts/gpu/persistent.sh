@@ -14,39 +14,10 @@
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/persistent.sh piece b|c|d
 #   call 5 (carry .device/e): bash scripts/gpu/persistent.sh start;  later calls: bash ... wait
 set -uo pipefail
-PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 
-case "$PHASE" in
-pack) pack_smollm2 ;;
-a) phase_a ;;
-piece) phase_piece "$2" ;;
-start)
-  phase_import
-  cp "$0" "$W/persistent.sh"
-  cd /tmp
-  setsid nohup bash "$W/persistent.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
-  sleep 2
-  cd - > /dev/null
-  exec bash "$0" wait
-  ;;
-wait)
-  wait_for done
-  cat "$R/phases.txt"
-  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -40
-  grep -h "persistent step:" "$R"/fast-bench*.log
-  grep -h "persistent profile" "$R"/fast-bench-profile.log
-  cat "$R/fast-bench.md" 2>/dev/null
-  grep -E "persistent" "$R/fast-bench-8warps.md" 2>/dev/null | sed 's/^/8 WARPS /'
-  grep -E "^\|" "$R/fast-bench-plain.md" 2>/dev/null | sed 's/^/PLAIN /'
-  tail -n 6 "$R/hf.log" 2>/dev/null
-  cat "$R/summary.txt" 2>/dev/null
-  collect results.tar.xz none
-  ;;
-pipeline)
-  cd "$W"
-  mark "pipeline start"
+pipeline() {
   if [[ "${TESTS:-1}" == 1 ]]; then
     timeout 240 "$W/gpu-tests" --ignored --test-threads 1 persistent invariant fused \
       > "$R/tests-persistent.log" 2>&1
@@ -99,6 +70,17 @@ pipeline)
       > "$R/tests-infer-fused8.log" 2>&1
     echo "tandem-infer GPU tests with TANDEM_CUDA_FUSED=8: exit $?" | tee -a "$R/summary.txt"
   fi
-  touch "$R/done"
-  ;;
-esac
+}
+
+report() {
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -40
+  grep -h "persistent step:" "$R"/fast-bench*.log
+  grep -h "persistent profile" "$R"/fast-bench-profile.log
+  cat "$R/fast-bench.md" 2>/dev/null
+  grep -E "persistent" "$R/fast-bench-8warps.md" 2>/dev/null | sed 's/^/8 WARPS /'
+  grep -E "^\|" "$R/fast-bench-plain.md" 2>/dev/null | sed 's/^/PLAIN /'
+  tail -n 6 "$R/hf.log" 2>/dev/null
+  cat "$R/summary.txt" 2>/dev/null
+}
+
+run_phases "$0" "${1:-}" "${2:-}"
