@@ -120,8 +120,10 @@ pub(crate) fn gemv_bucket(rows: usize) -> usize {
 
 /// Outputs a warp of `gemv_rows` for row buckets 1, 2, 4 and 8 (one input chunk loaded serves
 /// that many weight rows, which pays once the rows multiply the input loads; more outputs also
-/// mean fewer warps).
-pub const GEMV_OUTPUTS: [usize; 4] = [1, 1, 2, 4];
+/// mean fewer warps). The fastest of six settings swept on the H200 over SmolLM2's 4- and 8-row
+/// steps (BENCHMARKS.md, session 26 run 4: 1,1,1,2 and 1,1,2,2 within 0.3%, 1,1,2,4 3% slower,
+/// 1,1,1,1 6%).
+pub const GEMV_OUTPUTS: [usize; 4] = [1, 1, 1, 2];
 
 /// `"a,b,c,d"` (each 1, 2 or 4) as outputs a warp for the four row buckets; `None` otherwise.
 pub fn parse_gemv_outputs(text: &str) -> Option<[usize; 4]> {
@@ -1819,7 +1821,7 @@ mod tests {
             [576, 1023, 1024, 1536, 4095, 4096, 49152].map(gemv_split),
             [4, 4, 2, 2, 2, 1, 1]
         );
-        assert_eq!(parse_gemv_outputs("1,1,2,4"), Some(GEMV_OUTPUTS));
+        assert_eq!(parse_gemv_outputs("1,1,2,4"), Some([1, 1, 2, 4]));
         assert_eq!(parse_gemv_outputs(" 4, 4,1 ,2"), Some([4, 4, 1, 2]));
         assert_eq!(parse_gemv_outputs("1,1,3,4"), None);
         assert_eq!(parse_gemv_outputs("1,1,2"), None);
