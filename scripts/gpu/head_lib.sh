@@ -228,17 +228,18 @@ PY
 }
 
 # serve_load LABEL CONCURRENCY [serve options...]: one server, a warm-up, the measured run
-# (REQUESTS, default 64, of MAX_TOKENS, default 128).
+# (REQUESTS, default 64, of MAX_TOKENS, default 128; SERVE_WAIT seconds for the server to
+# listen, default 180).
 serve_load() {
   local label=$1 concurrency=$2
   shift 2
   "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
     --round-log "$R/rounds_$label.csv" "$@" > "$R/serve_$label.txt" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 180); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
+  for _ in $(seq 1 "${SERVE_WAIT:-180}"); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
   "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
     --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
-  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "${REQUESTS:-64}" \
+  timeout 300 "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "${REQUESTS:-64}" \
     --concurrency "$concurrency" --max-tokens "${MAX_TOKENS:-128}" --label "$label" \
     --json "$R/load_$label.json" > "$R/load_$label.log" 2>&1
   curl -s http://127.0.0.1:8199/metrics | grep -E "^tandem_policy_rounds_total" > "$R/metrics_$label.txt"

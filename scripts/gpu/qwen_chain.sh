@@ -104,24 +104,8 @@ opt_bench() {
   mark "HumanEval 3/4/8 with tandem-opt done"
 }
 
-# serve_load LABEL CONCURRENCY [serve options...]: one server, a warm-up, the measured run.
-serve_load() {
-  local label=$1 concurrency=$2
-  shift 2
-  "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
-    --round-log "$R/rounds_$label.csv" "$@" > "$R/serve_$label.txt" 2>&1 &
-  local pid=$!
-  for _ in $(seq 1 240); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
-  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
-    --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
-  timeout 300 "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$REQUESTS" \
-    --concurrency "$concurrency" --max-tokens "$MAX_TOKENS" --label "$label" \
-    --json "$R/load_$label.json" > "$R/load_$label.log" 2>&1
-  curl -s http://127.0.0.1:8199/metrics | grep -E "^tandem_policy_rounds_total" > "$R/metrics_$label.txt"
-  kill -TERM $pid
-  wait $pid
-  tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
-}
+# serve_load (head_lib.sh): the 1.5B target takes longer to start.
+SERVE_WAIT=240
 
 case "$PHASE" in
 pack)

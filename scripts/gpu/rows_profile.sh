@@ -11,7 +11,8 @@
 # GEMV_SWEEP="1,1,2,4 1,1,1,1 ..": fused step times for each outputs-a-warp setting of gemv_rows
 # (TANDEM_CUDA_GEMV_OUTPUTS), the fastest then used by the bench and serve; SERVE_LONG="64":
 # 256 requests at those concurrencies too.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP.
+# HF=1: HF transformers (sdpa) decode of the same model, batch 1 and 8, in the same run.
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
@@ -118,6 +119,13 @@ PY
     echo "bench and serve with TANDEM_CUDA_GEMV_OUTPUTS=$TANDEM_CUDA_GEMV_OUTPUTS" | tee -a "$R/summary.txt"
     mark "sweep done"
   fi
+  # HF transformers (sdpa, bf16) decoding the same imported model in the same run.
+  if [[ "${HF:-0}" == 1 ]]; then
+    timeout 200 python3 "$W/hf_decode_bench.py" "$M" --batch 1,8 --attn sdpa --json "$R/hf.json" \
+      > "$R/hf.log" 2>&1
+    echo "HF sdpa decode: exit $?" | tee -a "$R/summary.txt"
+    mark "hf done"
+  fi
   # MT-Bench at batch 1 with the committed head and the default kernels, each bench with its
   # own target-only baseline; the round's parts against a decode step of that baseline.
   local s
@@ -163,6 +171,7 @@ report() {
   cat "$R/summary.txt" 2>/dev/null
   grep -E "^\|" "$R/fast-bench.md" 2>/dev/null
   grep -E "^\|" "$R/qwen-fast-bench.md" 2>/dev/null | sed 's/^/QWEN /'
+  tail -n 12 "$R/hf.log" 2>/dev/null
   cat "$R/ncu-b1_summary.txt" "$R/ncu-b8_summary.txt" 2>/dev/null | head -40
   python3 - "$R" <<'PY'
 import glob, json, os, sys
