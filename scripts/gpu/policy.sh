@@ -10,89 +10,12 @@
 #   calls 2-4 (carry .device/b, c, d): bash scripts/gpu/policy.sh piece b|c|d
 #   call 5 (carry .device/e): bash scripts/gpu/policy.sh start;  then: bash ... wait
 set -uo pipefail
-PHASE="${1:?usage: $0 pack|a|piece X|start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 REQUESTS="${REQUESTS:-64}"
 MAX_TOKENS="${MAX_TOKENS:-128}"
 
-case "$PHASE" in
-pack) pack_smollm2 ;;
-a) phase_a ;;
-piece) phase_piece "$2" ;;
-start)
-  phase_import
-  cp "$0" "$W/policy.sh"
-  setsid nohup bash "$W/policy.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
-  sleep 2
-  exec bash "$0" wait
-  ;;
-wait)
-  wait_for done
-  cat "$R/phases.txt"
-  grep -E "^test |test result|panicked" "$R"/tests-*.log | tail -40
-  cat "$R/summary.txt" 2>/dev/null
-  grep -E "^\|" "$R/fast_bench_fused.md" 2>/dev/null
-  tail -n 4 "$R/generate_cuda.txt" 2>/dev/null
-  python3 - "$R" <<'PY'
-import json, glob, os, sys
-r = sys.argv[1]
-print("| shape | accept | spec tok/s | target tok/s | speedup | decode ms | verify ms/round | verify/decode | draft+extend ms/round | (draft+extend)/decode |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for f in sorted(glob.glob(os.path.join(r, "bench_head_*.json"))):
-    d = json.load(open(f))
-    c, t = d["config"], d["timings"]
-    rounds = d["spec_tokens"] / d["accept_length"]
-    decode = d["target_seconds"] / d["target_tokens"] * 1e3
-    verify = t["verify_s"] / rounds * 1e3
-    de = (t["draft_s"] + t["extend_s"]) / rounds * 1e3
-    print(f"| {c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} | {d['accept_length']:.3f} | {d['spec_tokens_per_second']:.1f} | "
-          f"{d['target_tokens_per_second']:.1f} | {d['speedup']:.3f} | {decode:.3f} | {verify:.3f} | {verify/decode:.2f} | {de:.3f} | {de/decode:.2f} |")
-print()
-print("| concurrency | target-only tok/s | adaptive tok/s | adaptive / target-only | adaptive tau | rounds by shape | fixed 3/1/4 tok/s | tail-16 catch-up tok/s (ratio, tau) |")
-print("|---|---|---|---|---|---|---|---|")
-for c in (1, 8, 32, 64):
-    def load(label):
-        try:
-            return json.load(open(os.path.join(r, f"load_{label}_c{c}.json")))
-        except (OSError, ValueError):
-            return None
-    base, ada, fixed, tail = load("target-only"), load("adaptive"), load("fixed"), load("tail16")
-    if not base or not ada:
-        print(f"| {c} | missing |"); continue
-    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
-    fx = f"{fixed['tokens_per_second']:.1f}" if fixed else ""
-    tl = (f"{tail['tokens_per_second']:.1f} ({tail['tokens_per_second'] / base['tokens_per_second']:.3f}, "
-          f"{tail['accept_length']:.3f})") if tail else ""
-    print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
-          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} | {tl} |")
-for kernels in ("fused8", "cublas"):
-  for c in (1, 8, 32, 64):
-    try:
-        base = json.load(open(os.path.join(r, f"load_target-only_{kernels}_c{c}.json")))
-        ada = json.load(open(os.path.join(r, f"load_adaptive_{kernels}_c{c}.json")))
-    except (OSError, ValueError):
-        continue
-    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
-    print(f"| {c} ({kernels}) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
-          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | | |")
-for f in sorted(glob.glob(os.path.join(r, "load_adaptive_c*_r*.json"))):
-    c, run = os.path.basename(f)[len("load_adaptive_c"):-len(".json")].split("_r")
-    ada = json.load(open(f))
-    base = json.load(open(os.path.join(r, f"load_target-only_c{c}_r{run}.json")))
-    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
-    print(f"| {c} (repeat {run}) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
-          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | | |")
-PY
-  for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
-  grep -H "engine time\|scheduler time" "$R"/serve_*.txt | sed "s|$R/||"
-  grep -h -A 16 "policy at the end" "$R"/serve_adaptive_long_c64.txt
-  grep -h -A 20 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
-  collect results.tar.xz none
-  ;;
-pipeline)
-  cd "$W"
-  mark "pipeline start"
+pipeline() {
   run_gpu_tests 400
   # Issue #17 papercut: the target alone on the fast path from a default build.
   timeout 120 "$T" generate --model "$M" --device cuda --chat --prompt "Name three colours." \
@@ -154,6 +77,67 @@ pipeline)
     REQUESTS=256 serve_load "adaptive_long_c$c" "$c" --draft "$W/head"
   done
   mark "long serve done"
-  touch "$R/done"
-  ;;
-esac
+}
+
+report() {
+  grep -E "^test |test result|panicked" "$R"/tests-*.log | tail -40
+  cat "$R/summary.txt" 2>/dev/null
+  grep -E "^\|" "$R/fast_bench_fused.md" 2>/dev/null
+  tail -n 4 "$R/generate_cuda.txt" 2>/dev/null
+  python3 - "$R" <<'PY'
+import json, glob, os, sys
+r = sys.argv[1]
+print("| shape | accept | spec tok/s | target tok/s | speedup | decode ms | verify ms/round | verify/decode | draft+extend ms/round | (draft+extend)/decode |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for f in sorted(glob.glob(os.path.join(r, "bench_head_*.json"))):
+    d = json.load(open(f))
+    c, t = d["config"], d["timings"]
+    rounds = d["spec_tokens"] / d["accept_length"]
+    decode = d["target_seconds"] / d["target_tokens"] * 1e3
+    verify = t["verify_s"] / rounds * 1e3
+    de = (t["draft_s"] + t["extend_s"]) / rounds * 1e3
+    print(f"| {c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} | {d['accept_length']:.3f} | {d['spec_tokens_per_second']:.1f} | "
+          f"{d['target_tokens_per_second']:.1f} | {d['speedup']:.3f} | {decode:.3f} | {verify:.3f} | {verify/decode:.2f} | {de:.3f} | {de/decode:.2f} |")
+print()
+print("| concurrency | target-only tok/s | adaptive tok/s | adaptive / target-only | adaptive tau | rounds by shape | fixed 3/1/4 tok/s | tail-16 catch-up tok/s (ratio, tau) |")
+print("|---|---|---|---|---|---|---|---|")
+for c in (1, 8, 32, 64):
+    def load(label):
+        try:
+            return json.load(open(os.path.join(r, f"load_{label}_c{c}.json")))
+        except (OSError, ValueError):
+            return None
+    base, ada, fixed, tail = load("target-only"), load("adaptive"), load("fixed"), load("tail16")
+    if not base or not ada:
+        print(f"| {c} | missing |"); continue
+    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
+    fx = f"{fixed['tokens_per_second']:.1f}" if fixed else ""
+    tl = (f"{tail['tokens_per_second']:.1f} ({tail['tokens_per_second'] / base['tokens_per_second']:.3f}, "
+          f"{tail['accept_length']:.3f})") if tail else ""
+    print(f"| {c} | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
+          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | {fx} | {tl} |")
+for kernels in ("fused8", "cublas"):
+  for c in (1, 8, 32, 64):
+    try:
+        base = json.load(open(os.path.join(r, f"load_target-only_{kernels}_c{c}.json")))
+        ada = json.load(open(os.path.join(r, f"load_adaptive_{kernels}_c{c}.json")))
+    except (OSError, ValueError):
+        continue
+    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
+    print(f"| {c} ({kernels}) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
+          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | | |")
+for f in sorted(glob.glob(os.path.join(r, "load_adaptive_c*_r*.json"))):
+    c, run = os.path.basename(f)[len("load_adaptive_c"):-len(".json")].split("_r")
+    ada = json.load(open(f))
+    base = json.load(open(os.path.join(r, f"load_target-only_c{c}_r{run}.json")))
+    shapes = ", ".join(f"{k} {v}" for k, v in ada.get("shapes", {}).items())
+    print(f"| {c} (repeat {run}) | {base['tokens_per_second']:.1f} | {ada['tokens_per_second']:.1f} | "
+          f"{ada['tokens_per_second'] / base['tokens_per_second']:.3f} | {ada['accept_length']:.3f} | {shapes} | | |")
+PY
+  for f in "$R"/load_*long*.log; do tail -n 2 "$f"; done
+  grep -H "engine time\|scheduler time" "$R"/serve_*.txt | sed "s|$R/||"
+  grep -h -A 16 "policy at the end" "$R"/serve_adaptive_long_c64.txt
+  grep -h -A 20 "round costs measured" "$R"/serve_adaptive_c64.txt 2>/dev/null
+}
+
+run_phases "$0" "${1:-}" "${2:-}"
