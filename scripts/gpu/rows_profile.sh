@@ -12,7 +12,8 @@
 # (TANDEM_CUDA_GEMV_OUTPUTS), the fastest then used by the bench and serve; SERVE_LONG="64":
 # 256 requests at those concurrencies too.
 # HF=1: HF transformers (sdpa) decode of the same model, batch 1 and 8, in the same run.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF.
+# NSYS=1: an nsys timeline of 3/1/4 speculative rounds (the raw kernel and API traces come back).
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
@@ -139,6 +140,26 @@ PY
     [[ "${NCU:-1}" == 2 ]] && ncu_rows ncu-b8 --batch 8 --verify-widths 1
     mark "ncu done"
   fi
+  # NSYS=1: an nsys timeline of speculative rounds (3/1/4, 8 MT-Bench prompts): where a round's
+  # draft and extend go between kernels (host step building, copies, syncs). The raw traces come
+  # back (nsys-*.csv); the API and kernel summaries are printed.
+  if [[ "${NSYS:-0}" == 1 ]]; then
+    local nsys
+    nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -1)
+    if [[ -n "$nsys" ]]; then
+      timeout 240 "$nsys" profile --trace cuda,osrt --sample none -o "$R/round" --force-overwrite true \
+        "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts mtbench --data-root "$W/data" \
+        --max-prompts 8 --max-new-tokens 128 --steps 3 --topk 1 --num-draft-tokens 4 --batch 1 \
+        > "$R/nsys-bench.log" 2>&1
+      echo "nsys bench: exit $?" | tee -a "$R/summary.txt"
+      timeout 120 "$nsys" stats --report cuda_api_sum,cuda_gpu_kern_sum,cuda_gpu_trace,cuda_api_trace \
+        --format csv --output "$R/nsys" "$R/round.nsys-rep" > "$R/nsys-stats.log" 2>&1
+      rm -f "$R/round.sqlite"
+    else
+      echo "nsys missing" | tee -a "$R/summary.txt"
+    fi
+    mark "nsys done"
+  fi
   # A Qwen2.5-1.5B-shaped random model (hidden 1,536; fused kernels off by default there since
   # session 25): fused (cut-off 8) against cuBLAS at 1 and 8 rows.
   if [[ "${QWEN:-0}" == 1 ]]; then
@@ -172,6 +193,7 @@ report() {
   grep -E "^\|" "$R/fast-bench.md" 2>/dev/null
   grep -E "^\|" "$R/qwen-fast-bench.md" 2>/dev/null | sed 's/^/QWEN /'
   tail -n 12 "$R/hf.log" 2>/dev/null
+  head -n 25 "$R"/nsys_cuda_api_sum.csv "$R"/nsys_cuda_gpu_kern_sum.csv 2>/dev/null
   cat "$R/ncu-b1_summary.txt" "$R/ncu-b8_summary.txt" 2>/dev/null | head -40
   python3 - "$R" <<'PY'
 import glob, json, os, sys
