@@ -248,22 +248,26 @@ serve_load() {
   tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
 }
 
-# rounds_line NAME SHAPE: draft and extend ms per round from a bench JSON (rounds = speculative
-# tokens / accept length), and their ratio to a target-only decode step of the same run.
+# rounds_line NAME SHAPE [PHASES]: draft, extend and verify ms per round (rounds = speculative
+# tokens / accept length) and their ratio to a target-only decode step of bench NAME. The split
+# comes from bench PHASES when given (a `--phase-timing` bench of the same shape: each phase
+# waited for its device work), else from NAME's own (host time to each phase's end).
 rounds_line() {
-  python3 - "$R/bench_$1_${2//\//_}.json" "$1" "$2" <<'PY' | tee -a "$R/summary.txt"
+  python3 - "$R/bench_$1_${2//\//_}.json" "$1" "$2" "$R/bench_${3:-$1}_${2//\//_}.json" <<'PY' | tee -a "$R/summary.txt"
 import json, sys
 try:
     d = json.load(open(sys.argv[1]))
+    p = json.load(open(sys.argv[4]))
 except (OSError, ValueError) as e:
     print(f"{sys.argv[2]} {sys.argv[3]}: no report ({e})"); sys.exit()
-t = d["timings"]
-rounds = d["spec_tokens"] / d["accept_length"]
+t = p["timings"]
+rounds = p["spec_tokens"] / p["accept_length"]
 draft, extend, verify = (1e3 * t[k] / rounds for k in ("draft_s", "extend_s", "verify_s"))
 decode = 1e3 / d["target_tokens_per_second"] if d.get("target_tokens_per_second") else float("nan")
+split = "device time a phase" if p.get("phase_timing") else "host time"
 print(f"ROUND {sys.argv[2]:22s} {sys.argv[3]:6s} draft {draft:.3f} extend {extend:.3f} verify {verify:.3f} "
-      f"ms/round; decode {decode:.3f} ms; (draft+extend)/decode {(draft + extend) / decode:.2f} "
-      f"verify/decode {verify / decode:.2f}")
+      f"ms/round ({split}); decode {decode:.3f} ms; (draft+extend)/decode {(draft + extend) / decode:.2f} "
+      f"verify/decode {verify / decode:.2f}; wall {1e3 * d['spec_seconds'] * d['accept_length'] / d['spec_tokens']:.3f} ms/round")
 PY
 }
 

@@ -132,7 +132,9 @@ PY
   local s
   for s in ${SHAPES:-3/1/4 3/4/8 5/8/32}; do
     bench "$W/head" default "$s"
-    rounds_line default "$s"
+    # The same bench with each phase waiting for its device work: the round's split.
+    bench "$W/head" phases "$s" --phase-timing --no-baseline
+    rounds_line default "$s" phases
   done
   mark "spec bench done"
   if [[ "${NCU:-1}" == 1 ]]; then

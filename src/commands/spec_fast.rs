@@ -242,7 +242,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
                     ..config
                 },
             };
-            Ok(engine.generate(chunk, args.max_new_tokens, &stop)?)
+            Ok(engine.generate_with(chunk, args.max_new_tokens, &stop, args.phase_timing)?)
         },
         |context| {
             let mut cache = target.new_cache(1, context.len() + 1)?;

@@ -209,6 +209,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
+    scatter_chain_tokens: CudaFunction,
     sample_rows: CudaFunction,
     copy_rows: CudaFunction,
     copy_rows_u16: CudaFunction,
@@ -367,6 +368,7 @@ impl Gpu {
             silu_mul: module.load_function("silu_mul")?,
             gather_rows: module.load_function("gather_rows")?,
             argmax_rows: module.load_function("argmax_rows")?,
+            scatter_chain_tokens: module.load_function("scatter_chain_tokens")?,
             sample_rows: module.load_function("sample_rows")?,
             copy_rows: module.load_function("copy_rows")?,
             copy_rows_u16: module.load_function("copy_rows_u16")?,
@@ -1656,6 +1658,38 @@ impl Gpu {
         // each reads `vocab` values (and one `map` entry) and writes its row's id; sizes
         // asserted.
         unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
+        Ok(())
+    }
+
+    /// Greedy chains' drafted tokens into a verification step's tokens: `ids` `[steps,
+    /// batch]` (as [`crate::CudaDraft::draft_chain_ids`] leaves them) to `tokens[b * width + 1 +
+    /// s]`, after each sequence's root slot. `width` must exceed `steps`.
+    pub fn scatter_chain_tokens(
+        &self,
+        ids: &CudaSlice<u32>,
+        batch: usize,
+        steps: usize,
+        tokens: &mut CudaViewMut<'_, u32>,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        assert!(steps < width, "a chain of {steps} drafts needs a step wider than {steps}");
+        assert!(ids.len() >= batch * steps && tokens.len() >= batch * width);
+        let n = batch * steps;
+        if n == 0 {
+            return Ok(());
+        }
+        let (batch_i, steps_i, width_i) = (batch as i32, steps as i32, width as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.scatter_chain_tokens);
+        launch
+            .arg(ids)
+            .arg(&batch_i)
+            .arg(&steps_i)
+            .arg(tokens)
+            .arg(&width_i);
+        // SAFETY: signature (const u32*, int, int, u32*, int); thread i < batch * steps reads
+        // ids[i] and writes tokens[b * width + 1 + s] with s < steps < width, b < batch; sizes
+        // asserted.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }?;
         Ok(())
     }
 

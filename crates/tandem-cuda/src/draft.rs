@@ -287,9 +287,9 @@ impl CudaDraft {
     /// head steps, each fed the previous step's token and hidden output (`hidden` row `b`, `[batch,
     /// H]`, for the first). Every step's greedy id goes through `d2t` on the device into the
     /// next step's input tokens, so the chain never waits for the host between its steps (the
-    /// loop of `tandem_infer`'s default `head_chain` reads each argmax back and builds the next
-    /// step from it); the tokens come back once, `[batch][steps]` target ids. The steps' keys
-    /// stay in `cache` (the caller rolls them back), as with [`CudaDraft::forward_step`].
+    /// loop of `tandem_infer`'s `host_chain` reads each argmax back and builds the next step
+    /// from it); the tokens come back once, `[batch][steps]` target ids. The steps' keys stay
+    /// in `cache` (the caller rolls them back), as with [`CudaDraft::forward_step`].
     pub fn draft_chain(
         &self,
         cache: &mut CudaKvCache,
@@ -298,6 +298,22 @@ impl CudaDraft {
         batch: usize,
         steps: usize,
     ) -> Result<Vec<Vec<u32>>, CudaError> {
+        let ids = self.draft_chain_ids(cache, hidden, logits, batch, steps)?;
+        chain_ids_to_host(&self.gpu, &ids, batch, steps)
+    }
+
+    /// [`CudaDraft::draft_chain`] without the read-back: the target ids stay on the device,
+    /// `[steps, batch]` (step `s` of sequence `b` at `s * batch + b`), for a verification that
+    /// reads them there ([`crate::CudaTarget::forward_chains`]) before the host sees them
+    /// ([`chain_ids_to_host`]). Nothing here waits for the device.
+    pub fn draft_chain_ids(
+        &self,
+        cache: &mut CudaKvCache,
+        hidden: &CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        batch: usize,
+        steps: usize,
+    ) -> Result<CudaSlice<u32>, CudaError> {
         let gpu = &*self.gpu;
         let (h, vocab) = (self.spec.hidden_size, self.spec.draft_vocab_size);
         if hidden.len() < batch * h || logits.len() < batch * vocab {
@@ -311,11 +327,11 @@ impl CudaDraft {
             }
             .into());
         }
-        if steps == 0 || batch == 0 {
-            return Ok(vec![Vec::new(); batch]);
-        }
         // Step s's target ids at [s * batch, (s + 1) * batch).
         let mut ids = gpu.scratch::<u32>(steps * batch)?;
+        if steps == 0 || batch == 0 {
+            return Ok(ids);
+        }
         let map = Some(&self.draft_to_target);
         gpu.argmax_rows_into(logits, batch, vocab, map, &mut ids.slice_mut(0..batch))?;
         // The roots stay the caller's: the first step's residual is a copy.
@@ -336,10 +352,7 @@ impl CudaDraft {
             )?;
             input = out.hidden.data;
         }
-        let ids = gpu.download(&ids)?;
-        Ok((0..batch)
-            .map(|b| (0..steps).map(|s| ids[s * batch + b]).collect())
-            .collect())
+        Ok(ids)
     }
 
     /// [`CudaDraft::forward_step`], with the step's tokens taken from the device when
@@ -714,4 +727,21 @@ impl DraftBuffers {
             ),
         })
     }
+}
+
+/// The tokens of [`CudaDraft::draft_chain_ids`] on the host, `[batch][steps]` (one read-back,
+/// which waits for everything queued before it).
+pub fn chain_ids_to_host(
+    gpu: &Gpu,
+    ids: &CudaSlice<u32>,
+    batch: usize,
+    steps: usize,
+) -> Result<Vec<Vec<u32>>, CudaError> {
+    if steps == 0 || batch == 0 {
+        return Ok(vec![Vec::new(); batch]);
+    }
+    let ids = gpu.download(ids)?;
+    Ok((0..batch)
+        .map(|b| (0..steps).map(|s| ids[s * batch + b]).collect())
+        .collect())
 }

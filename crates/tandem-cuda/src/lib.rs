@@ -29,7 +29,7 @@ pub use cudarc::driver::{CudaSlice, CudaView};
 pub use device::{
     AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, compile_all_kernels, nvrtc_present,
 };
-pub use draft::{CudaDraft, DraftStepOutput};
+pub use draft::{CudaDraft, DraftStepOutput, chain_ids_to_host};
 pub use error::CudaError;
 pub use graphs::GraphStats;
 pub use model::{

@@ -43,6 +43,15 @@ pub struct CudaTarget {
     profile: Option<CudaSlice<u64>>,
 }
 
+/// Drafted chain tokens on the device for a verification step (see
+/// [`CudaTarget::forward_chains`]): `ids` `[steps, batch]`, `batch` the live sequences.
+#[derive(Clone, Copy)]
+struct ChainTokens<'a> {
+    ids: &'a CudaSlice<u32>,
+    batch: usize,
+    steps: usize,
+}
+
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
 /// replays with the next step's inputs copied into the same buffers.
 struct StepBuffers {
@@ -136,8 +145,24 @@ impl StepBuffers {
 
     /// Copies the step's inputs in (the scalars only matter to a graph, `last` only to
     /// `LogitsFor::Last`).
-    fn load(&mut self, gpu: &Gpu, host: &HostStep, last: &[i32]) -> Result<(), CudaError> {
+    fn load(
+        &mut self,
+        gpu: &Gpu,
+        host: &HostStep,
+        last: &[i32],
+        chain: Option<ChainTokens<'_>>,
+    ) -> Result<(), CudaError> {
         self.inputs.load(gpu, host)?;
+        if let Some(chain) = chain {
+            // The live sequences only: padding rows of a graph batch keep their placeholders.
+            gpu.scatter_chain_tokens(
+                chain.ids,
+                chain.batch,
+                chain.steps,
+                &mut self.inputs.tokens_mut(),
+                self.width,
+            )?;
+        }
         if self.needs_last {
             gpu.upload_into(last, &mut self.last)?;
         }
@@ -640,6 +665,51 @@ impl CudaTarget {
         taps: &TapRequest,
         logits_for: LogitsFor,
     ) -> Result<CudaStepOutput, CudaError> {
+        self.forward_with(step, cache, taps, logits_for, None)
+    }
+
+    /// [`CudaTarget::forward`] of a verification of greedy chains whose drafted tokens are
+    /// still on the device: `ids` `[steps, batch]` as [`crate::CudaDraft::draft_chain_ids`]
+    /// leaves them, copied into each sequence's slots 1..=steps of `step` (whatever `step`
+    /// holds there) after the step's inputs are loaded. Nothing waits for the device: the
+    /// verification is queued behind the drafting.
+    pub fn forward_chains(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        ids: &CudaSlice<u32>,
+        steps: usize,
+    ) -> Result<CudaStepOutput, CudaError> {
+        if steps >= step.width || ids.len() < steps * step.batch {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "chains of {steps} drafts for {} sequences do not fit a step of width {} \
+                     ({} ids on the device)",
+                    step.batch,
+                    step.width,
+                    ids.len()
+                ),
+            }
+            .into());
+        }
+        let chain = ChainTokens {
+            ids,
+            batch: step.batch,
+            steps,
+        };
+        self.forward_with(step, cache, taps, logits_for, Some(chain))
+    }
+
+    fn forward_with(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        chain: Option<ChainTokens<'_>>,
+    ) -> Result<CudaStepOutput, CudaError> {
         let spec = &self.spec;
         taps.validate(spec.num_layers)?;
         let host = cache.step_host(
@@ -661,9 +731,9 @@ impl CudaTarget {
             for b in step.batch..padded {
                 last.push((b * step.width) as i32 + last[0]);
             }
-            self.forward_graphed(&host, &last, cache, taps, logits_for)?
+            self.forward_graphed(&host, &last, cache, taps, logits_for, chain)?
         } else {
-            self.forward_eager(&host, &last, cache, taps, logits_for)?
+            self.forward_eager(&host, &last, cache, taps, logits_for, chain)?
         };
         output.keep_sequences(step.batch, step.width, logits_for);
         cache.advance(step);
@@ -693,10 +763,11 @@ impl CudaTarget {
         cache: &mut CudaKvCache,
         taps: &TapRequest,
         logits_for: LogitsFor,
+        chain: Option<ChainTokens<'_>>,
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let mut buffers = StepBuffers::new(self, host.shape, host.total, taps, logits_for)?;
-        buffers.load(gpu, host, last)?;
+        buffers.load(gpu, host, last, chain)?;
         if self.persists(host.shape.rows(), taps.taps.len()) {
             buffers.persistent_table = Some(self.persistent_table(cache, taps, &buffers.taps)?);
         }
@@ -713,6 +784,7 @@ impl CudaTarget {
         cache: &mut CudaKvCache,
         taps: &TapRequest,
         logits_for: LogitsFor,
+        chain: Option<ChainTokens<'_>>,
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let key = GraphKey::new(gpu, host.shape, cache, logits_for as u8, &taps.taps)
@@ -723,7 +795,7 @@ impl CudaTarget {
             // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS
             // pick its kernels outside a capture); the step after them is captured.
             drop(graphs);
-            return self.forward_eager(host, last, cache, taps, logits_for);
+            return self.forward_eager(host, last, cache, taps, logits_for, chain);
         }
         if !graphs.captured.contains_key(&key) {
             let mut buffers =
@@ -747,7 +819,7 @@ impl CudaTarget {
             );
         }
         let entry = graphs.captured.get_mut(&key).expect("captured above");
-        entry.buffers.load(gpu, host, last)?;
+        entry.buffers.load(gpu, host, last, chain)?;
         gpu.replay(&entry.graph)?;
         let output = entry
             .buffers

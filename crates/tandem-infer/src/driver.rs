@@ -947,35 +947,79 @@ impl<T: SpecBackend> Engine<'_, T> {
         }
         let round_start = Instant::now();
         let captures_before = self.graphs_captured();
+        let recording = batch.trace.is_some();
         let caches = batch.caches.as_mut().expect("checked above");
         let rows = &mut batch.rows;
         let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
 
-        // Draft (the head's scratch columns are rolled back afterwards).
+        // Draft (the head's scratch columns are rolled back afterwards). Chains stay where the
+        // backend drafted them until the verification has been queued.
         let t0 = Instant::now();
-        let trees = match (self.draft, &mut caches.head, shape) {
+        let drafted = match (self.draft, &mut caches.head, shape) {
             (Some(draft), Some((dcache, head_roots)), Some(shape)) => {
                 let draft_columns = T::layout(dcache).used();
-                let trees = self.draft_trees(draft, shape, &roots, head_roots, dcache)?;
+                let drafted = if shape.topk == 1 {
+                    let steps = chain_steps(shape);
+                    let chains = self.target.head_chains(
+                        draft,
+                        dcache,
+                        &head_roots.hidden,
+                        &head_roots.logits,
+                        roots.len(),
+                        steps,
+                    )?;
+                    Drafted::Chains(chains, steps)
+                } else {
+                    Drafted::Trees(self.draft_beams(draft, shape, &roots, head_roots, dcache)?)
+                };
                 T::layout_mut(dcache).rollback(draft_columns);
-                trees
+                drafted
             }
-            _ => roots.iter().map(|&t| DraftTree::chain(t, &[])).collect(),
+            _ => Drafted::Trees(roots.iter().map(|&t| DraftTree::chain(t, &[])).collect()),
         };
+        // Recorded rounds wait here so that the draft's device time is in its own column.
+        if recording {
+            self.target.synchronize()?;
+        }
         batch.timings.draft_s += t0.elapsed().as_secs_f64();
 
-        // Verify all trees in one target step.
+        // Verify all trees in one target step. Chains on the device are verified before the
+        // host has seen them: their tokens come back after the verification's results, in the
+        // same wait.
         let t0 = Instant::now();
-        let tree_refs: Vec<(&[u32], &[Option<usize>])> = trees
-            .iter()
-            .map(|t| (t.tokens.as_slice(), t.parents.as_slice()))
-            .collect();
-        let step = T::layout(&caches.target).tree_step(&tree_refs)?;
-        let verify_width = step.width;
-        let (logits, step_taps) =
-            self.target
-                .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?;
-        let acceptances = verify_rows(self.target, &trees, &logits, verify_width, rows)?;
+        let (trees, verify_width, step_taps, reads) = match drafted {
+            Drafted::Trees(trees) => {
+                let step = T::layout(&caches.target).tree_step(&tree_refs(&trees))?;
+                let (logits, step_taps) =
+                    self.target
+                        .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?;
+                let reads = VerifyReads::of(self.target, &logits, rows)?;
+                (trees, step.width, step_taps, reads)
+            }
+            Drafted::Chains(chains, steps) => {
+                // The chain's tree shape does not depend on its tokens: placeholders lay it out.
+                let placeholders: Vec<DraftTree> = roots
+                    .iter()
+                    .map(|&t| DraftTree::chain(t, &vec![0; steps]))
+                    .collect();
+                let step = T::layout(&caches.target).tree_step(&tree_refs(&placeholders))?;
+                let (logits, step_taps) = self.target.forward_chains(
+                    &step,
+                    &mut caches.target,
+                    &self.taps,
+                    LogitsFor::All,
+                    &chains,
+                )?;
+                let reads = VerifyReads::of(self.target, &logits, rows)?;
+                let trees = roots
+                    .iter()
+                    .zip(self.target.chains_to_host(&chains)?)
+                    .map(|(&t, d)| DraftTree::chain(t, &d))
+                    .collect();
+                (trees, step.width, step_taps, reads)
+            }
+        };
+        let acceptances = reads.accept(self.target, &trees, verify_width, rows);
         batch.timings.verify_s += t0.elapsed().as_secs_f64();
 
         // Commit the accepted path in the target cache, record statistics, and extend the
@@ -1024,13 +1068,16 @@ impl<T: SpecBackend> Engine<'_, T> {
             (Some(draft), Some((dcache, head_roots)), Some(_)) => {
                 *head_roots =
                     self.draft_extend(draft, dcache, &chunks, &step_taps, verify_width, &slots)?;
-                self.target.synchronize()?;
             }
             (Some(_), Some(_), None) => {
                 batch.backlog.push(self.target, &step_taps)?;
             }
             _ => {}
         }
+        // The extend's launches are left queued: the next round's host work (policy, draft
+        // step building) overlaps them, and the draft's read-back waits for them. Only a
+        // recorded run waits here, so that its extend column holds the extend's device time.
+        self.drain_when_recording(batch)?;
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
         // A round that captured a CUDA graph paid a one-time cost: its time says nothing about
         // the next rounds.
@@ -1217,6 +1264,19 @@ impl<T: SpecBackend> Engine<'_, T> {
         max_new_tokens: usize,
         stop_ids: &[u32],
     ) -> Result<BatchOutput, InferError> {
+        self.generate_with(prompts, max_new_tokens, stop_ids, false)
+    }
+
+    /// [`Engine::generate`]; with `phase_timing`, every phase of a round (draft, verify,
+    /// extend) waits for its device work, so that [`BatchOutput::timings`] splits a round by
+    /// device time. The rounds are then slower by those waits: time throughput without it.
+    pub fn generate_with(
+        &self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        stop_ids: &[u32],
+        phase_timing: bool,
+    ) -> Result<BatchOutput, InferError> {
         let cfg = self.config;
         cfg.validate()?;
         if prompts.is_empty() {
@@ -1241,6 +1301,10 @@ impl<T: SpecBackend> Engine<'_, T> {
         };
         let capacity = max_prompt + (max_new_tokens + 1) * width + 1;
         let mut batch = self.new_batch(capacity);
+        if phase_timing {
+            // Recorded rounds wait for each phase's device work.
+            batch.record_rounds();
+        }
         let requests =
             Request::for_prompts(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
         let sequences = run_to_completion(
@@ -1315,15 +1379,15 @@ impl<T: SpecBackend> Engine<'_, T> {
         roots: &Roots<T>,
         dcache: &mut T::Cache,
     ) -> Result<Vec<DraftTree>, InferError> {
-        let steps = shape.steps.min(shape.tokens - 1);
-        let drafts = self.target.head_chain(
+        let chains = self.target.head_chains(
             draft,
             dcache,
             &roots.hidden,
             &roots.logits,
             root_tokens.len(),
-            steps,
+            chain_steps(shape),
         )?;
+        let drafts = self.target.chains_to_host(&chains)?;
         Ok(root_tokens
             .iter()
             .zip(drafts)
@@ -1468,46 +1532,80 @@ pub(crate) fn pick<T: SpecBackend>(
         .collect())
 }
 
-/// Acceptance of each row's tree from the verification logits `[batch * width, vocab]`.
-fn verify_rows<T: SpecBackend>(
-    target: &T,
-    trees: &[DraftTree],
-    logits: &T::Logits,
-    width: usize,
-    rows: &mut [Row],
-) -> Result<Vec<Acceptance>, InferError> {
-    let greedy = |r: &Row| r.request.sampling.is_greedy();
-    let argmax = rows
+/// What a round drafted: trees on the host, or greedy chains of `steps` drafts where the
+/// backend left them ([`SpecBackend::head_chains`]).
+enum Drafted<C> {
+    Trees(Vec<DraftTree>),
+    Chains(C, usize),
+}
+
+/// Drafts a chain of `shape` holds (its tree has one more node, the root).
+fn chain_steps(shape: Shape) -> usize {
+    shape.steps.min(shape.tokens - 1)
+}
+
+fn tree_refs(trees: &[DraftTree]) -> Vec<(&[u32], &[Option<usize>])> {
+    trees
         .iter()
-        .any(greedy)
-        .then(|| target.argmax(logits))
-        .transpose()?;
-    let host = (!rows.iter().all(greedy))
-        .then(|| target.logits_to_host(logits))
-        .transpose()?;
-    let vocab = target.vocab_size();
-    Ok(trees
-        .iter()
-        .zip(rows.iter_mut())
-        .enumerate()
-        .map(|(b, (tree, row))| match (&argmax, &host) {
-            (Some(argmax), _) if row.request.sampling.is_greedy() => {
-                verify_greedy(tree, &argmax[b * width..b * width + tree.len()])
-            }
-            (_, Some(host)) => {
-                let params: SamplingParams = row.request.sampling;
-                verify_sampling(
-                    tree,
-                    |node| {
-                        let at = (b * width + node) * vocab;
-                        distribution(&host[at..at + vocab], &params)
-                    },
-                    &mut row.rng,
-                )
-            }
-            _ => unreachable!("argmax is computed for greedy rows, host logits for the rest"),
+        .map(|t| (t.tokens.as_slice(), t.parents.as_slice()))
+        .collect()
+}
+
+/// The verification logits `[batch * width, vocab]` as the host reads them: their argmax for
+/// greedy rows, the logits themselves for sampled rows. Reading them is the round's wait for
+/// the device.
+struct VerifyReads {
+    argmax: Option<Vec<u32>>,
+    host: Option<Vec<f32>>,
+}
+
+impl VerifyReads {
+    fn of<T: SpecBackend>(target: &T, logits: &T::Logits, rows: &[Row]) -> Result<Self, InferError> {
+        let greedy = |r: &Row| r.request.sampling.is_greedy();
+        Ok(Self {
+            argmax: rows
+                .iter()
+                .any(greedy)
+                .then(|| target.argmax(logits))
+                .transpose()?,
+            host: (!rows.iter().all(greedy))
+                .then(|| target.logits_to_host(logits))
+                .transpose()?,
         })
-        .collect())
+    }
+
+    /// Acceptance of each row's tree.
+    fn accept<T: SpecBackend>(
+        &self,
+        target: &T,
+        trees: &[DraftTree],
+        width: usize,
+        rows: &mut [Row],
+    ) -> Vec<Acceptance> {
+        let vocab = target.vocab_size();
+        trees
+            .iter()
+            .zip(rows.iter_mut())
+            .enumerate()
+            .map(|(b, (tree, row))| match (&self.argmax, &self.host) {
+                (Some(argmax), _) if row.request.sampling.is_greedy() => {
+                    verify_greedy(tree, &argmax[b * width..b * width + tree.len()])
+                }
+                (_, Some(host)) => {
+                    let params: SamplingParams = row.request.sampling;
+                    verify_sampling(
+                        tree,
+                        |node| {
+                            let at = (b * width + node) * vocab;
+                            distribution(&host[at..at + vocab], &params)
+                        },
+                        &mut row.rng,
+                    )
+                }
+                _ => unreachable!("argmax is read for greedy rows, host logits for the rest"),
+            })
+            .collect()
+    }
 }
 
 impl<T: SpecBackend> SpecGenerate for Engine<'_, T> {

@@ -90,8 +90,12 @@ pub struct Timings {
     /// Part of `prefill_s`: allocating the newcomers' target cache and laying out their
     /// prefill (fast path).
     pub prefill_setup_s: f64,
+    /// Drafting, including the device time of the previous round's extend still queued when
+    /// it starts (the round does not wait for its extend unless rounds are recorded).
     pub draft_s: f64,
     pub verify_s: f64,
+    /// Host time queuing the head's extend over the accepted tokens (its device time shows in
+    /// the next round's `draft_s`, or here while rounds are recorded).
     pub extend_s: f64,
     /// Wall time of whole rounds and admissions (engines that record it; the phases above are
     /// parts of it, the rest is host bookkeeping between them).

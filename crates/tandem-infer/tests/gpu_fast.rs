@@ -295,6 +295,92 @@ fn device_chain_drafts_what_the_host_loop_drafts() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn verification_of_device_chain_tokens_equals_verification_of_host_tokens() {
+    // `CudaTarget::forward_chains` (a chain verification whose drafted tokens are copied into
+    // the step on the device, `[steps, batch]` as the device chain leaves them) against
+    // `forward` of the same step with the tokens written on the host: the same logits, taps
+    // and cache, bit for bit. Batch 3 runs padded to a graph batch (the padding rows must keep
+    // their placeholders); rounds 3 and 4 replay the graph captured in round 3.
+    let f = fixture("chain-verify");
+    let gpu = f.target.gpu().clone();
+    let prompts: [&[u32]; 3] = [&[3, 14, 15, 92, 65], &[2, 71], &[8, 28, 18, 28]];
+    let mut host_cache = f.target.new_cache(3, 64).unwrap();
+    let mut device_cache = f.target.new_cache(3, 64).unwrap();
+    let step = host_cache.layout().prefill_step(&prompts).unwrap();
+    for cache in [&mut host_cache, &mut device_cache] {
+        f.target
+            .forward(&step, cache, &f.taps, LogitsFor::Last)
+            .expect("prefill");
+    }
+    let steps = 3;
+    for round in 0..4u32 {
+        // drafts[b][s], and the same ids [steps, batch] on the device.
+        let drafts: Vec<Vec<u32>> = (0..3u32)
+            .map(|b| (0..steps as u32).map(|s| (round * 37 + b * 11 + s * 5 + 1) % 300).collect())
+            .collect();
+        let ids: Vec<u32> = (0..steps).flat_map(|s| drafts.iter().map(move |d| d[s])).collect();
+        let roots = [1u32 + round, 40, 250];
+        let trees: Vec<(Vec<u32>, Vec<Option<usize>>)> = roots
+            .iter()
+            .zip(&drafts)
+            .map(|(&r, d)| {
+                let tokens: Vec<u32> = std::iter::once(r).chain(d.iter().copied()).collect();
+                let parents = (0..tokens.len()).map(|i| i.checked_sub(1)).collect();
+                (tokens, parents)
+            })
+            .collect();
+        let refs: Vec<(&[u32], &[Option<usize>])> =
+            trees.iter().map(|(t, p)| (t.as_slice(), p.as_slice())).collect();
+        let step = host_cache.layout().tree_step(&refs).unwrap();
+        let mut placeholders = step.clone();
+        for (b, _) in roots.iter().enumerate() {
+            for s in 0..steps {
+                placeholders.tokens[b * step.width + 1 + s] = 0;
+            }
+        }
+        let expected = f
+            .target
+            .forward(&step, &mut host_cache, &f.taps, LogitsFor::All)
+            .expect("host-token verification");
+        let device_ids = gpu.upload(&ids).unwrap();
+        let got = f
+            .target
+            .forward_chains(
+                &placeholders,
+                &mut device_cache,
+                &f.taps,
+                LogitsFor::All,
+                &device_ids,
+                steps,
+            )
+            .expect("device-token verification");
+        let logits = |o: &tandem_cuda::CudaStepOutput| o.logits.as_ref().unwrap().to_host().unwrap();
+        assert!(logits(&got) == logits(&expected), "round {round}: logits differ");
+        for (i, (a, b)) in got.taps.tensors.iter().zip(&expected.taps.tensors).enumerate() {
+            assert!(a.to_host().unwrap() == b.to_host().unwrap(), "round {round}: tap {i}");
+        }
+        for cache in [&mut host_cache, &mut device_cache] {
+            for b in 0..3 {
+                cache.layout_mut().keep_only(b, step.width, &[0, 1]);
+            }
+        }
+        assert!(
+            device_cache.to_host(&gpu).unwrap() == host_cache.to_host(&gpu).unwrap(),
+            "round {round}: the caches' keys or values differ"
+        );
+    }
+    // Too long a chain for the step is refused by name, before anything runs.
+    let step = host_cache.layout().decode_step(&[1, 2, 3]).unwrap();
+    let err = f
+        .target
+        .forward_chains(&step, &mut device_cache, &f.taps, LogitsFor::All, &gpu.upload(&[0u32; 3]).unwrap(), 1)
+        .unwrap_err();
+    assert!(err.to_string().contains("do not fit a step of width 1"), "{err}");
+    assert!(f.target.graph_stats().replays > 0, "{:?}", f.target.graph_stats());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn fast_head_matches_the_burn_head_in_extend_chain_and_tree_steps() {
     let f = fixture("parity");
     let prompts: Vec<Vec<u32>> = vec![

@@ -8,7 +8,7 @@ use burn::tensor::activation::softmax;
 use tandem_eagle::Eagle3Draft;
 use tandem_model::{ColumnLayout, KvCache, LogitsFor, StepInput, TapRequest, Taps, TargetModel};
 
-use super::SpecBackend;
+use super::{SpecBackend, host_chain, with_chain_tokens};
 use crate::engine::InferError;
 
 /// `t: [b, w, d]` as `[b * w, d]`.
@@ -157,6 +157,34 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
         let hidden = hidden.reshape([step.batch, step.width, h]);
         let out = head.forward_step(step, hidden, cache)?;
         Ok((out.hidden, out.logits))
+    }
+
+    /// Chains are drafted step by step through the host ([`host_chain`]).
+    type Chains = Vec<Vec<u32>>;
+    fn head_chains(
+        &self,
+        head: &Eagle3Draft<B>,
+        cache: &mut KvCache<B>,
+        hidden: &Tensor<B, 3>,
+        logits: &Tensor<B, 3>,
+        batch: usize,
+        steps: usize,
+    ) -> Result<Vec<Vec<u32>>, InferError> {
+        host_chain(self, head, cache, hidden, logits, batch, steps)
+    }
+    fn chains_to_host(&self, chains: &Vec<Vec<u32>>) -> Result<Vec<Vec<u32>>, InferError> {
+        Ok(chains.clone())
+    }
+    fn forward_chains(
+        &self,
+        step: &StepInput,
+        cache: &mut KvCache<B>,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        chains: &Vec<Vec<u32>>,
+    ) -> Result<(Tensor<B, 3>, Taps<Tensor<B, 3>>), InferError> {
+        let step = with_chain_tokens(step, chains)?;
+        SpecBackend::forward(self, &step, cache, taps, logits_for)
     }
 
     fn gather_rows(

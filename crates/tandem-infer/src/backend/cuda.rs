@@ -2,10 +2,13 @@
 //! rows are f32 device matrices, gathers are `copy_rows` launches (one per source), greedy
 //! tokens and the head's top-k are computed on the GPU and only they come back.
 
-use tandem_cuda::{CudaDraft, CudaKvCache, CudaSlice, CudaTarget, DeviceLogits, DeviceRows, Gpu};
+use tandem_cuda::{
+    CudaDraft, CudaKvCache, CudaSlice, CudaStepOutput, CudaTarget, DeviceLogits, DeviceRows, Gpu,
+    chain_ids_to_host,
+};
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
-use super::{SpecBackend, host_chain};
+use super::{SpecBackend, host_chain, with_chain_tokens};
 use crate::engine::InferError;
 
 /// Rows `picks[j] = (source, row)` of `[_, cols]` f32 device matrices, as a new
@@ -49,6 +52,15 @@ fn gather_f32(
     Ok(out)
 }
 
+/// A target step's logits and taps (the driver's steps always ask for logits).
+fn with_logits(out: CudaStepOutput) -> Result<(DeviceLogits, Taps<DeviceRows>), InferError> {
+    let logits = out.logits.ok_or_else(|| InferError::Config {
+        field: "logits",
+        reason: "the driver's target steps ask for logits".into(),
+    })?;
+    Ok((logits, out.taps))
+}
+
 impl SpecBackend for CudaTarget {
     type Head = CudaDraft;
     type Cache = CudaKvCache;
@@ -77,12 +89,7 @@ impl SpecBackend for CudaTarget {
         taps: &TapRequest,
         logits_for: LogitsFor,
     ) -> Result<(DeviceLogits, Taps<DeviceRows>), InferError> {
-        let out = CudaTarget::forward(self, step, cache, taps, logits_for)?;
-        let logits = out.logits.ok_or_else(|| InferError::Config {
-            field: "logits",
-            reason: "the driver's target steps ask for logits".into(),
-        })?;
-        Ok((logits, out.taps))
+        with_logits(CudaTarget::forward(self, step, cache, taps, logits_for)?)
     }
 
     fn logit_rows(logits: &DeviceLogits) -> usize {
@@ -140,10 +147,13 @@ impl SpecBackend for CudaTarget {
         Ok((out.hidden, out.logits))
     }
 
-    /// The chain stays on the GPU ([`CudaDraft::draft_chain`]): one read-back for the whole
-    /// chain instead of one per draft step. `TANDEM_CUDA_DEVICE_CHAIN=0` drafts step by step
-    /// through the host instead ([`host_chain`], the same-run baseline).
-    fn head_chain(
+    /// The chain stays on the GPU ([`CudaDraft::draft_chain_ids`]) and so do its tokens: the
+    /// verification reads them there, and the host reads them once, after the verification's
+    /// own results (one wait for the device a round, not one per draft step plus one before
+    /// verifying). `TANDEM_CUDA_DEVICE_CHAIN=0` drafts step by step through the host instead
+    /// ([`host_chain`], the same-run baseline).
+    type Chains = CudaChains;
+    fn head_chains(
         &self,
         head: &CudaDraft,
         cache: &mut CudaKvCache,
@@ -151,11 +161,49 @@ impl SpecBackend for CudaTarget {
         logits: &DeviceLogits,
         batch: usize,
         steps: usize,
-    ) -> Result<Vec<Vec<u32>>, InferError> {
+    ) -> Result<CudaChains, InferError> {
         if !device_chain() {
-            return host_chain(self, head, cache, hidden, logits, batch, steps);
+            let host = host_chain(self, head, cache, hidden, logits, batch, steps)?;
+            return Ok(CudaChains::Host(host));
         }
-        Ok(head.draft_chain(cache, &hidden.data, &logits.data, batch, steps)?)
+        let ids = head.draft_chain_ids(cache, &hidden.data, &logits.data, batch, steps)?;
+        Ok(CudaChains::Device { ids, batch, steps })
+    }
+    fn chains_to_host(&self, chains: &CudaChains) -> Result<Vec<Vec<u32>>, InferError> {
+        match chains {
+            CudaChains::Host(host) => Ok(host.clone()),
+            CudaChains::Device { ids, batch, steps } => {
+                Ok(chain_ids_to_host(self.gpu(), ids, *batch, *steps)?)
+            }
+        }
+    }
+    fn forward_chains(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        chains: &CudaChains,
+    ) -> Result<(DeviceLogits, Taps<DeviceRows>), InferError> {
+        let out = match chains {
+            CudaChains::Host(host) => {
+                let step = with_chain_tokens(step, host)?;
+                CudaTarget::forward(self, &step, cache, taps, logits_for)?
+            }
+            CudaChains::Device { ids, batch, steps } => {
+                if *batch != step.batch {
+                    return Err(InferError::Config {
+                        field: "chains",
+                        reason: format!(
+                            "{batch} chains for a verification of {} sequences",
+                            step.batch
+                        ),
+                    });
+                }
+                CudaTarget::forward_chains(self, step, cache, taps, logits_for, ids, *steps)?
+            }
+        };
+        with_logits(out)
     }
 
     fn gather_rows(
@@ -303,6 +351,17 @@ impl SpecBackend for CudaTarget {
         }
         Some(text)
     }
+}
+
+/// Greedy chains drafted for a verification: on the device (`ids` `[steps, batch]`, see
+/// [`CudaDraft::draft_chain_ids`]) or, with `TANDEM_CUDA_DEVICE_CHAIN=0`, on the host.
+pub enum CudaChains {
+    Device {
+        ids: CudaSlice<u32>,
+        batch: usize,
+        steps: usize,
+    },
+    Host(Vec<Vec<u32>>),
 }
 
 /// Whether greedy chains are drafted on the GPU (`TANDEM_CUDA_DEVICE_CHAIN=0` turns it off).

@@ -90,14 +90,19 @@ pub trait SpecBackend {
         hidden: Self::Rows,
     ) -> Result<(Self::Rows, Self::Logits), InferError>;
 
+    /// Greedy draft chains where the backend drafted them: the host's tokens, or a device
+    /// buffer the verification reads without the host ([`SpecBackend::forward_chains`]).
+    type Chains;
+
     /// Greedy draft chains: `steps` draft tokens (target ids) for each of the `batch`
     /// sequences, from the roots (`hidden` and `logits`, row `b` sequence `b`): the argmax of
     /// the roots' logits, then `steps - 1` head steps, each fed the previous step's token and
     /// hidden output. The draft steps' keys stay in `cache` (the caller rolls them back).
     ///
-    /// This default reads each step's argmax back and builds the next step on the host; a
-    /// backend may keep the whole chain on its device and read the tokens back once.
-    fn head_chain(
+    /// [`host_chain`] reads each step's argmax back and builds the next step on the host; a
+    /// backend may keep the whole chain on its device, leave the tokens there for the
+    /// verification, and read them back once, after it.
+    fn head_chains(
         &self,
         head: &Self::Head,
         cache: &mut Self::Cache,
@@ -105,12 +110,21 @@ pub trait SpecBackend {
         logits: &Self::Logits,
         batch: usize,
         steps: usize,
-    ) -> Result<Vec<Vec<u32>>, InferError>
-    where
-        Self: Sized,
-    {
-        host_chain(self, head, cache, hidden, logits, batch, steps)
-    }
+    ) -> Result<Self::Chains, InferError>;
+    /// The chains' tokens on the host, `[batch][steps]` (for a device buffer, one read-back,
+    /// which waits for the work queued before it).
+    fn chains_to_host(&self, chains: &Self::Chains) -> Result<Vec<Vec<u32>>, InferError>;
+    /// [`SpecBackend::forward`] of the verification of `chains`: `step` is the tree step of
+    /// each sequence's root followed by its chain, with any tokens in the chain's slots; the
+    /// step verifies the tokens of `chains` there.
+    fn forward_chains(
+        &self,
+        step: &StepInput,
+        cache: &mut Self::Cache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        chains: &Self::Chains,
+    ) -> Result<(Self::Logits, Taps<Self::Rows>), InferError>;
 
     /// New rows: `picks[j] = (source, row)` is row `j`.
     fn gather_rows(
@@ -177,9 +191,9 @@ pub trait SpecBackend {
     }
 }
 
-/// [`SpecBackend::head_chain`] step by step: read each step's argmax back, map it through
-/// `d2t` on the host, build and run the next step. The default, and the baseline a backend
-/// that drafts on its device is measured against (`TANDEM_CUDA_DEVICE_CHAIN=0`).
+/// [`SpecBackend::head_chains`] step by step: read each step's argmax back, map it through
+/// `d2t` on the host, build and run the next step. The burn backend's chains, and the baseline
+/// a backend that drafts on its device is measured against (`TANDEM_CUDA_DEVICE_CHAIN=0`).
 pub fn host_chain<T: SpecBackend>(
     backend: &T,
     head: &T::Head,
@@ -216,4 +230,57 @@ pub fn host_chain<T: SpecBackend>(
         next = Some(backend.head_step(head, cache, &step, input)?);
     }
     Ok(drafts)
+}
+
+/// `step` (a tree step of chains: each sequence's root, then its drafts) with the drafts of
+/// `chains[b]` in sequence `b`'s slots 1..: how a backend whose chains are on the host verifies
+/// them ([`SpecBackend::forward_chains`]).
+pub fn with_chain_tokens(step: &StepInput, chains: &[Vec<u32>]) -> Result<StepInput, InferError> {
+    if chains.len() != step.batch || chains.iter().any(|c| c.len() >= step.width) {
+        return Err(InferError::Config {
+            field: "chains",
+            reason: format!(
+                "{} chains of lengths {:?} do not fit a step of {} sequences of width {}",
+                chains.len(),
+                chains.iter().map(Vec::len).collect::<Vec<_>>(),
+                step.batch,
+                step.width
+            ),
+        });
+    }
+    let mut step = step.clone();
+    for (b, chain) in chains.iter().enumerate() {
+        let at = b * step.width + 1;
+        step.tokens[at..at + chain.len()].copy_from_slice(chain);
+    }
+    Ok(step)
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_model::ColumnLayout;
+
+    use super::with_chain_tokens;
+
+    #[test]
+    fn chain_tokens_go_after_each_root_and_misfits_are_refused() {
+        let mut layout = ColumnLayout::new(2, 32);
+        let prompt = layout.prefill_step(&[&[5, 6, 7], &[8]]).unwrap();
+        layout.advance(&prompt);
+        // Roots 11 and 12, each with three placeholder drafts.
+        let trees: [(&[u32], &[Option<usize>]); 2] = [
+            (&[11, 0, 0, 0], &[None, Some(0), Some(1), Some(2)]),
+            (&[12, 0, 0, 0], &[None, Some(0), Some(1), Some(2)]),
+        ];
+        let step = layout.tree_step(&trees).unwrap();
+        let filled = with_chain_tokens(&step, &[vec![1, 2, 3], vec![4, 5, 6]]).unwrap();
+        assert_eq!(filled.tokens, vec![11, 1, 2, 3, 12, 4, 5, 6]);
+        // Everything but the tokens is the step's.
+        assert_eq!(filled.positions, step.positions);
+        assert_eq!(filled.sees, step.sees);
+        // A chain as wide as the step, or a missing sequence, is named.
+        let err = with_chain_tokens(&step, &[vec![1, 2, 3, 4], vec![4]]).unwrap_err();
+        assert!(err.to_string().contains("lengths [4, 1]"), "{err}");
+        assert!(with_chain_tokens(&step, &[vec![1]]).is_err());
+    }
 }
