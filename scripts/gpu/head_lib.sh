@@ -265,6 +265,9 @@ rounds = p["spec_tokens"] / p["accept_length"]
 draft, extend, verify = (1e3 * t[k] / rounds for k in ("draft_s", "extend_s", "verify_s"))
 decode = 1e3 / d["target_tokens_per_second"] if d.get("target_tokens_per_second") else float("nan")
 split = "device time a phase" if p.get("phase_timing") else "host time"
+if p.get("phase_timing"):
+    queued = " ".join(f"{k[:-8]} {1e3 * t.get(k, 0) / rounds:.3f}" for k in ("draft_queue_s", "verify_queue_s", "extend_queue_s"))
+    split += f", host queued: {queued}"
 print(f"ROUND {sys.argv[2]:22s} {sys.argv[3]:6s} draft {draft:.3f} extend {extend:.3f} verify {verify:.3f} "
       f"ms/round ({split}); decode {decode:.3f} ms; (draft+extend)/decode {(draft + extend) / decode:.2f} "
       f"verify/decode {verify / decode:.2f}; wall {1e3 * d['spec_seconds'] * d['accept_length'] / d['spec_tokens']:.3f} ms/round")

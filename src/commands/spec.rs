@@ -503,6 +503,12 @@ fn print_report(r: &BenchReport, device: &str) {
         t.verify_s,
         t.extend_s
     );
+    if r.phase_timing {
+        println!(
+            "of which the host queued: draft {:.2}s, verify {:.2}s, extend {:.2}s",
+            t.draft_queue_s, t.verify_queue_s, t.extend_queue_s
+        );
+    }
     if let Some(m) = &r.first_mismatch {
         println!("first mismatch: {m}");
     }

@@ -250,22 +250,53 @@ impl CudaDraft {
         aux: &CudaSlice<u16>,
         cache: &mut CudaKvCache,
     ) -> Result<DraftStepOutput, CudaError> {
+        let hidden = self.fc(aux, step.batch * step.width)?;
+        self.forward_step(step, hidden, cache)
+    }
+
+    /// [`CudaDraft::extend`] returning only the slots `last` names (flat slot indices; row `j`
+    /// of the output is slot `last[j]`, `[last.len(), _]`): the roots the next drafts start
+    /// from, gathered straight out of the step's buffers (one index upload, two row copies)
+    /// instead of copying every slot's hidden state and logits out and gathering from those.
+    pub fn extend_rows(
+        &self,
+        step: &StepInput,
+        aux: &CudaSlice<u16>,
+        cache: &mut CudaKvCache,
+        last: &[i32],
+    ) -> Result<DraftStepOutput, CudaError> {
         let rows = step.batch * step.width;
-        let h = self.spec.hidden_size;
-        if aux.len() < rows * self.spec.fc_in() {
+        if let Some(&bad) = last.iter().find(|&&r| r < 0 || r as usize >= rows) {
+            return Err(ModelError::InvalidStep {
+                reason: format!("extend output row {bad} is outside the step's {rows} slots"),
+            }
+            .into());
+        }
+        let hidden = self.fc(aux, rows)?;
+        self.forward_step_kept(step, hidden, cache, None, Some(last))
+    }
+
+    /// `fc(aux)` for `rows` rows, f32 `[rows, H]`: through `gemv_rows` on steps the fused
+    /// kernels take (one launch, no cuBLAS call on the host's path), cuBLAS otherwise.
+    fn fc(&self, aux: &CudaSlice<u16>, rows: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let (h, fc_in) = (self.spec.hidden_size, self.spec.fc_in());
+        if aux.len() < rows * fc_in {
             return Err(ModelError::InvalidStep {
                 reason: format!(
-                    "the fc input holds {} values, the step needs {rows} rows of {}",
-                    aux.len(),
-                    self.spec.fc_in()
+                    "the fc input holds {} values, the step needs {rows} rows of {fc_in}",
+                    aux.len()
                 ),
             }
             .into());
         }
         let mut hidden = self.gpu.scratch::<f32>(rows * h)?;
-        self.gpu
-            .linear(aux, &self.fc, &mut hidden, rows, self.spec.fc_in(), h)?;
-        self.forward_step(step, hidden, cache)
+        if self.fuses(rows) {
+            self.gpu
+                .gemv_rows(aux, &self.fc, &mut hidden, rows, fc_in, h, false)?;
+        } else {
+            self.gpu.linear(aux, &self.fc, &mut hidden, rows, fc_in, h)?;
+        }
+        Ok(hidden)
     }
 
     /// One step of the decoder layer over the cache. `hidden: [batch * width, H]` f32 is each
@@ -364,6 +395,18 @@ impl CudaDraft {
         cache: &mut CudaKvCache,
         tokens: Option<&CudaView<'_, u32>>,
     ) -> Result<DraftStepOutput, CudaError> {
+        self.forward_step_kept(step, hidden, cache, tokens, None)
+    }
+
+    /// [`CudaDraft::forward_step_from`], returning only the rows `keep` names when given.
+    fn forward_step_kept(
+        &self,
+        step: &StepInput,
+        hidden: CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+        tokens: Option<&CudaView<'_, u32>>,
+        keep: Option<&[i32]>,
+    ) -> Result<DraftStepOutput, CudaError> {
         let spec = &self.spec;
         let host = cache.step_host(
             step,
@@ -384,12 +427,14 @@ impl CudaDraft {
         let mut output = if self.graphs.enabled() && step.width <= GRAPH_MAX_WIDTH {
             // Padded to a graph batch size, as the target's steps are.
             let padded = graph_batch(step.batch, cache.rows_allocated());
-            self.step_graphed(host, padded, hidden, cache, tokens)?
+            self.step_graphed(host, padded, hidden, cache, tokens, keep)?
         } else {
-            self.step_eager(&host, hidden, cache, tokens)?
+            self.step_eager(&host, hidden, cache, tokens, keep)?
         };
-        output.hidden.batch = step.batch;
-        output.logits.rows = rows;
+        if keep.is_none() {
+            output.hidden.batch = step.batch;
+            output.logits.rows = rows;
+        }
         cache.advance(step);
         Ok(output)
     }
@@ -400,11 +445,15 @@ impl CudaDraft {
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
         tokens: Option<&CudaView<'_, u32>>,
+        keep: Option<&[i32]>,
     ) -> Result<DraftStepOutput, CudaError> {
         let mut buffers = DraftBuffers::new(self, host.shape, host.total, Some(hidden))?;
         buffers.load(&self.gpu, host, tokens)?;
         self.encode(&mut buffers, cache, host, false)?;
-        Ok(buffers.into_output(self))
+        match keep {
+            Some(keep) => buffers.kept_output(self, keep),
+            None => Ok(buffers.into_output(self)),
+        }
     }
 
     /// Turns graph replay of the head's decode-sized steps on or off.
@@ -426,6 +475,7 @@ impl CudaDraft {
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
         tokens: Option<&CudaView<'_, u32>>,
+        keep: Option<&[i32]>,
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let rows = host.shape.rows();
@@ -445,7 +495,7 @@ impl CudaDraft {
             // A new shape or cache runs eagerly (unpadded) for its first steps; the next one is
             // captured.
             drop(graphs);
-            return self.step_eager(&host, hidden, cache, tokens);
+            return self.step_eager(&host, hidden, cache, tokens, keep);
         }
         let host = host.padded(padded);
         if !graphs.captured.contains_key(&key) {
@@ -468,7 +518,10 @@ impl CudaDraft {
             rows * self.spec.hidden_size,
         )?;
         gpu.replay(&entry.graph)?;
-        let output = entry.buffers.copy_output(self);
+        let output = match keep {
+            Some(keep) => entry.buffers.kept_output(self, keep),
+            None => entry.buffers.copy_output(self),
+        };
         graphs.stats.replays += 1;
         output
     }
@@ -704,6 +757,31 @@ impl DraftBuffers {
                 draft.gpu.clone(),
             ),
         }
+    }
+
+    /// The rows `keep` of the step's hidden output and logits (flat slot indices, checked by
+    /// the caller), as new `[keep.len(), _]` buffers: one index upload, two row copies.
+    fn kept_output(&self, draft: &CudaDraft, keep: &[i32]) -> Result<DraftStepOutput, CudaError> {
+        let gpu = &*draft.gpu;
+        let n = keep.len();
+        let (h, vocab) = (draft.spec.hidden_size, draft.spec.draft_vocab_size);
+        // Source rows, then destination rows 0..n.
+        let index: Vec<i32> = keep.iter().copied().chain(0..n as i32).collect();
+        let index = gpu.upload(&index)?;
+        let (from, to) = (index.slice(0..n), index.slice(n..2 * n));
+        let mut hidden = gpu.scratch::<f32>(n * h)?;
+        let mut logits = gpu.scratch::<f32>(n * vocab)?;
+        gpu.copy_rows(&self.hidden, &from, &mut hidden, &to, n, h)?;
+        gpu.copy_rows(&self.logits, &from, &mut logits, &to, n, vocab)?;
+        Ok(DraftStepOutput {
+            hidden: DeviceRows {
+                data: hidden,
+                batch: n,
+                width: 1,
+                hidden: h,
+            },
+            logits: DeviceLogits::new(logits, n, vocab, draft.gpu.clone()),
+        })
     }
 
     fn copy_output(&self, draft: &CudaDraft) -> Result<DraftStepOutput, CudaError> {

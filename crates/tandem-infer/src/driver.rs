@@ -136,6 +136,11 @@ pub struct RunningBatch<T: SpecBackend> {
     pub retirements: usize,
     /// Every round and admission since [`RunningBatch::record_rounds`] (off: `None`).
     trace: Option<(Instant, Vec<RoundRecord>)>,
+    /// Each phase of a round (draft, verify, extend) and each admission waits for its device
+    /// work, so that [`RunningBatch::timings`] and the round records split time by device
+    /// work. Off (the default), rounds overlap the host's work with the device's and wait for
+    /// it only where they read results back.
+    pub phase_timing: bool,
 }
 
 impl<T: SpecBackend> RunningBatch<T> {
@@ -331,6 +336,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             compactions: 0,
             retirements: 0,
             trace: None,
+            phase_timing: false,
         }
     }
 
@@ -523,7 +529,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
         let wall = Instant::now();
-        let queued_s = self.drain_when_recording(batch)?;
+        let queued_s = self.drain_when_timing(batch)?;
         let (rows, tokens) = (
             requests.len(),
             requests.iter().map(|r| r.prompt.len()).sum::<usize>(),
@@ -560,10 +566,10 @@ impl<T: SpecBackend> Engine<'_, T> {
         result
     }
 
-    /// While recording, waits for the GPU work queued before this call and says how long that
-    /// took (0 when not recording: serving keeps its overlap).
-    fn drain_when_recording(&self, batch: &RunningBatch<T>) -> Result<f64, InferError> {
-        if batch.trace.is_none() {
+    /// With [`RunningBatch::phase_timing`], waits for the device work queued before this call
+    /// and says how long that took (0 otherwise: serving keeps its overlap).
+    fn drain_when_timing(&self, batch: &RunningBatch<T>) -> Result<f64, InferError> {
+        if !batch.phase_timing {
             return Ok(0.0);
         }
         let t0 = Instant::now();
@@ -858,7 +864,7 @@ impl<T: SpecBackend> Engine<'_, T> {
     /// leave the batch.
     pub fn step(&self, batch: &mut RunningBatch<T>) -> Result<Vec<Progress>, InferError> {
         let wall = Instant::now();
-        let queued_s = self.drain_when_recording(batch)?;
+        let queued_s = self.drain_when_timing(batch)?;
         let before = (batch.timings, batch.columns(), self.graphs_captured());
         let mut chosen = None;
         let result = self.round(batch, &mut chosen);
@@ -947,7 +953,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         }
         let round_start = Instant::now();
         let captures_before = self.graphs_captured();
-        let recording = batch.trace.is_some();
+        let timing = batch.phase_timing;
         let caches = batch.caches.as_mut().expect("checked above");
         let rows = &mut batch.rows;
         let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
@@ -977,8 +983,9 @@ impl<T: SpecBackend> Engine<'_, T> {
             }
             _ => Drafted::Trees(roots.iter().map(|&t| DraftTree::chain(t, &[])).collect()),
         };
-        // Recorded rounds wait here so that the draft's device time is in its own column.
-        if recording {
+        // Phase-timed rounds wait here so that the draft's device time is in its own column.
+        if timing {
+            batch.timings.draft_queue_s += t0.elapsed().as_secs_f64();
             self.target.synchronize()?;
         }
         batch.timings.draft_s += t0.elapsed().as_secs_f64();
@@ -993,6 +1000,9 @@ impl<T: SpecBackend> Engine<'_, T> {
                 let (logits, step_taps) =
                     self.target
                         .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?;
+                if timing {
+                    batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
+                }
                 let reads = VerifyReads::of(self.target, &logits, rows)?;
                 (trees, step.width, step_taps, reads)
             }
@@ -1010,6 +1020,9 @@ impl<T: SpecBackend> Engine<'_, T> {
                     LogitsFor::All,
                     &chains,
                 )?;
+                if timing {
+                    batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
+                }
                 let reads = VerifyReads::of(self.target, &logits, rows)?;
                 let trees = roots
                     .iter()
@@ -1075,9 +1088,12 @@ impl<T: SpecBackend> Engine<'_, T> {
             _ => {}
         }
         // The extend's launches are left queued: the next round's host work (policy, draft
-        // step building) overlaps them, and the draft's read-back waits for them. Only a
-        // recorded run waits here, so that its extend column holds the extend's device time.
-        self.drain_when_recording(batch)?;
+        // step building) overlaps them, and the verification's read-back waits for them. Only
+        // a phase-timed run waits here, so that its extend column holds the extend's device time.
+        if timing {
+            batch.timings.extend_queue_s += t0.elapsed().as_secs_f64();
+        }
+        self.drain_when_timing(batch)?;
         batch.timings.extend_s += t0.elapsed().as_secs_f64();
         // A round that captured a CUDA graph paid a one-time cost: its time says nothing about
         // the next rounds.
@@ -1236,17 +1252,21 @@ impl<T: SpecBackend> Engine<'_, T> {
                 (0..step.width).map(move |slot| piece.get(slot).map_or(fallback, |e| e.1))
             })
             .collect();
+        // Each row's output at the last token of its piece (row b of the result; rows without
+        // a piece read any slot and keep their old root below).
+        let last: Vec<usize> = chunks
+            .iter()
+            .enumerate()
+            .map(|(b, c)| b * step.width + c.len().max(1) - 1)
+            .collect();
         let (hidden, logits) = self
             .target
-            .head_extend(draft, dcache, &step, backlog, &tap_rows)?;
+            .head_extend(draft, dcache, &step, backlog, &tap_rows, &last)?;
         // New roots: each row's output at the last token of its piece, or its old root.
         let picks: Vec<(usize, usize)> = chunks
             .iter()
             .enumerate()
-            .map(|(b, c)| match c.len() {
-                0 => (0, b),
-                n => (1, b * step.width + n - 1),
-            })
+            .map(|(b, c)| if c.is_empty() { (0, b) } else { (1, b) })
             .collect();
         let out = Roots { hidden, logits };
         *roots = self.gather_roots(&[&*roots, &out], &picks)?;
@@ -1301,10 +1321,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         };
         let capacity = max_prompt + (max_new_tokens + 1) * width + 1;
         let mut batch = self.new_batch(capacity);
-        if phase_timing {
-            // Recorded rounds wait for each phase's device work.
-            batch.record_rounds();
-        }
+        batch.phase_timing = phase_timing;
         let requests =
             Request::for_prompts(prompts, max_new_tokens, stop_ids, cfg.sampling, cfg.seed);
         let sequences = run_to_completion(
@@ -1342,15 +1359,15 @@ impl<T: SpecBackend> Engine<'_, T> {
                 tap_rows.push(b * step_width + *s.get(i).unwrap_or(&s[0]));
             }
         }
-        let (hidden, logits) = self
-            .target
-            .head_extend(draft, dcache, &step, taps, &tap_rows)?;
-        let last: Vec<(usize, usize)> = chunks
+        let last: Vec<usize> = chunks
             .iter()
             .enumerate()
-            .map(|(b, c)| (0, b * step.width + c.len() - 1))
+            .map(|(b, c)| b * step.width + c.len() - 1)
             .collect();
-        self.gather_roots(&[&Roots { hidden, logits }], &last)
+        let (hidden, logits) = self
+            .target
+            .head_extend(draft, dcache, &step, taps, &tap_rows, &last)?;
+        Ok(Roots { hidden, logits })
     }
 
     /// Each sequence's draft tree from its root (`tokens[b]`, the head's state `roots` row

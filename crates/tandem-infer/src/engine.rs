@@ -82,21 +82,28 @@ pub enum Finish {
     ContextFull,
 }
 
-/// Where the time of a generation went (host wall clock; device work is synchronised by the
-/// token read-backs at the end of verification and drafting).
+/// Where the time of a generation went (host wall clock). A round waits for the device where
+/// it reads results back (the verification's, and the drafts' of tree rounds); with phase
+/// timing ([`crate::RunningBatch::phase_timing`]) every phase waits for its own device work.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Timings {
     pub prefill_s: f64,
     /// Part of `prefill_s`: allocating the newcomers' target cache and laying out their
     /// prefill (fast path).
     pub prefill_setup_s: f64,
-    /// Drafting, including the device time of the previous round's extend still queued when
-    /// it starts (the round does not wait for its extend unless rounds are recorded).
+    /// Drafting. Without phase timing, chains are only queued here (their device time shows
+    /// in `verify_s`, whose read-back waits for them).
     pub draft_s: f64,
     pub verify_s: f64,
-    /// Host time queuing the head's extend over the accepted tokens (its device time shows in
-    /// the next round's `draft_s`, or here while rounds are recorded).
+    /// The head's extend over the accepted tokens. Without phase timing only queued here (its
+    /// device time shows where the next round waits).
     pub extend_s: f64,
+    /// With phase timing, the host's part of `draft_s`, `verify_s` and `extend_s`: the time
+    /// to queue the phase's device work, before waiting for it (0 otherwise). A phase whose
+    /// queue time is close to its total leaves the device waiting for the host.
+    pub draft_queue_s: f64,
+    pub verify_queue_s: f64,
+    pub extend_queue_s: f64,
     /// Wall time of whole rounds and admissions (engines that record it; the phases above are
     /// parts of it, the rest is host bookkeeping between them).
     pub rounds_wall_s: f64,
@@ -120,6 +127,9 @@ impl std::ops::AddAssign for Timings {
         self.draft_s += other.draft_s;
         self.verify_s += other.verify_s;
         self.extend_s += other.extend_s;
+        self.draft_queue_s += other.draft_queue_s;
+        self.verify_queue_s += other.verify_queue_s;
+        self.extend_queue_s += other.extend_queue_s;
         self.rounds_wall_s += other.rounds_wall_s;
         self.admits_wall_s += other.admits_wall_s;
         self.catch_up_s += other.catch_up_s;

@@ -132,6 +132,7 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
         step: &StepInput,
         taps: &Taps<Tensor<B, 3>>,
         tap_rows: &[usize],
+        last: &[usize],
     ) -> Result<(Tensor<B, 3>, Tensor<B, 3>), InferError> {
         let aux = taps.concatenated().ok_or_else(|| InferError::Config {
             field: "taps",
@@ -144,7 +145,8 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
             .select(0, index::<B>(tap_rows, &device))
             .reshape([step.batch, step.width, d]);
         let out = head.extend(step, aux, cache)?;
-        Ok((out.hidden, out.logits))
+        let picks: Vec<(usize, usize)> = last.iter().map(|&r| (0, r)).collect();
+        Ok((gather(&[&out.hidden], &picks), gather(&[&out.logits], &picks)))
     }
     fn head_step(
         &self,

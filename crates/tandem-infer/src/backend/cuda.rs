@@ -130,10 +130,12 @@ impl SpecBackend for CudaTarget {
         step: &StepInput,
         taps: &Taps<DeviceRows>,
         tap_rows: &[usize],
+        last: &[usize],
     ) -> Result<(DeviceRows, DeviceLogits), InferError> {
         let rows: Vec<i32> = tap_rows.iter().map(|&r| r as i32).collect();
         let aux = head.fc_input(taps, &rows)?;
-        let out = head.extend(step, &aux, cache)?;
+        let last: Vec<i32> = last.iter().map(|&r| r as i32).collect();
+        let out = head.extend_rows(step, &aux, cache, &last)?;
         Ok((out.hidden, out.logits))
     }
     fn head_step(

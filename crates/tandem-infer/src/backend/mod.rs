@@ -71,7 +71,9 @@ pub trait SpecBackend {
     ) -> Result<Self::Cache, InferError>;
     /// Draft extend: the head over `step` with hidden input `fc(aux)`, where slot `i` of
     /// sequence `b` reads the aux state of tap row `tap_rows[b * step.width + i]` of `taps`.
-    /// Returns every slot's `(hidden, logits)`.
+    /// Every slot's keys and values go to `cache`; returns the `(hidden, logits)` of the slots
+    /// `last` names (flat slot indices, row `j` of the result slot `last[j]`): the roots the
+    /// next drafts start from, with nothing else copied out.
     fn head_extend(
         &self,
         head: &Self::Head,
@@ -79,6 +81,7 @@ pub trait SpecBackend {
         step: &StepInput,
         taps: &Taps<Self::Rows>,
         tap_rows: &[usize],
+        last: &[usize],
     ) -> Result<(Self::Rows, Self::Logits), InferError>;
     /// One draft step: the head over `step` with `hidden` (`[step.batch * step.width, H]`) as
     /// each slot's hidden input.
