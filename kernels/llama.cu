@@ -528,13 +528,18 @@ extern "C" __global__ void move_rows_u16(const unsigned long long* sources,
     }
 }
 
-// Gathers f32 rows into a bf16 matrix at a column offset: dst[k * dst_stride + offset + i] =
-// bf16(src[rows[k] * hidden + i]). Concatenates the target's taps (one call per slot) into
-// the `fc` input of the draft head, taking only the rows of accepted tokens. Grid: count.
-extern "C" __global__ void rows_to_bf16(const float* src, const int* rows, unsigned short* dst,
-                                        int hidden, int dst_stride, int offset) {
+// Gathers f32 rows of up to four taps into a bf16 matrix, each tap at its own columns:
+// dst[k * dst_stride + (first + y) * hidden + i] = bf16(src_y[rows[k] * hidden + i]) for source
+// y = blockIdx.y. Concatenates the target's taps into the `fc` input of the draft head, taking
+// only the rows of accepted tokens; an EAGLE-3 head's three taps are one launch. Grid: (count,
+// sources).
+extern "C" __global__ void taps_to_bf16(const float* src0, const float* src1, const float* src2,
+                                        const float* src3, const int* rows, unsigned short* dst,
+                                        int hidden, int dst_stride, int first) {
+    const int y = blockIdx.y;
+    const float* src = y == 0 ? src0 : (y == 1 ? src1 : (y == 2 ? src2 : src3));
     const float* s = src + (size_t)rows[blockIdx.x] * hidden;
-    unsigned short* d = dst + (size_t)blockIdx.x * dst_stride + offset;
+    unsigned short* d = dst + (size_t)blockIdx.x * dst_stride + (size_t)(first + y) * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         d[i] = f32_to_bf16(s[i]);
     }

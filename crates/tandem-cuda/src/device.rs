@@ -214,7 +214,7 @@ struct Kernels {
     copy_rows: CudaFunction,
     copy_rows_u16: CudaFunction,
     move_rows_u16: CudaFunction,
-    rows_to_bf16: CudaFunction,
+    taps_to_bf16: CudaFunction,
     topk_softmax: CudaFunction,
     /// `gemv_rows_r{R}_o{N}`: `[bucket][outputs]` for row buckets 1, 2, 4, 8 ([`gemv_bucket`])
     /// and 1, 2, 4 outputs a warp.
@@ -373,7 +373,7 @@ impl Gpu {
             copy_rows: module.load_function("copy_rows")?,
             copy_rows_u16: module.load_function("copy_rows_u16")?,
             move_rows_u16: module.load_function("move_rows_u16")?,
-            rows_to_bf16: module.load_function("rows_to_bf16")?,
+            taps_to_bf16: module.load_function("taps_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
             gemv_rows: {
                 let load = |rows: usize| -> Result<[CudaFunction; 3], CudaError> {
@@ -1590,33 +1590,51 @@ impl Gpu {
         Ok(())
     }
 
-    /// `dst[k, offset..offset + hidden] = bf16(src[rows[k]])`, `dst` rows `stride` wide.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rows_to_bf16(
+    /// `dst[k, t * hidden..(t + 1) * hidden] = bf16(sources[t][rows[k], ..])` for every tap `t`
+    /// (`[count, stride]` bf16, `stride >= sources.len() * hidden`): the draft head's `fc`
+    /// input, four taps a launch.
+    pub fn taps_to_bf16(
         &self,
-        src: &CudaSlice<f32>,
+        sources: &[&CudaSlice<f32>],
         rows: &CudaSlice<i32>,
         dst: &mut CudaSlice<u16>,
         count: usize,
         hidden: usize,
         stride: usize,
-        offset: usize,
     ) -> Result<(), CudaError> {
-        assert!(rows.len() >= count && offset + hidden <= stride && dst.len() >= count * stride);
+        assert!(rows.len() >= count && sources.len() * hidden <= stride);
+        assert!(dst.len() >= count * stride);
+        assert!(sources.iter().all(|s| s.len() >= hidden));
         if count == 0 {
             return Ok(());
         }
-        let (hidden_i, stride_i, offset_i) = (hidden as i32, stride as i32, offset as i32);
-        let mut launch = self.stream.launch_builder(&self.kernels.rows_to_bf16);
-        launch
-            .arg(src)
-            .arg(rows)
-            .arg(dst)
-            .arg(&hidden_i)
-            .arg(&stride_i)
-            .arg(&offset_i);
-        // SAFETY: row indices come from the step's own slots (< rows of `src`); sizes asserted.
-        unsafe { launch.launch(Self::rows_config(count, 256)) }?;
+        let (hidden_i, stride_i) = (hidden as i32, stride as i32);
+        for (chunk, group) in sources.chunks(4).enumerate() {
+            let first = (4 * chunk) as i32;
+            let mut launch = self.stream.launch_builder(&self.kernels.taps_to_bf16);
+            for y in 0..4 {
+                match group.get(y) {
+                    Some(src) => launch.arg(*src),
+                    None => launch.arg(&NULL),
+                };
+            }
+            launch
+                .arg(rows)
+                .arg(&mut *dst)
+                .arg(&hidden_i)
+                .arg(&stride_i)
+                .arg(&first);
+            let config = LaunchConfig {
+                grid_dim: (count as u32, group.len() as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: signature (4 x const f32* (null past the group), const int*, u16*, int,
+            // int, int); block (k, y) reads row rows[k] of source y < group.len() (row indices
+            // are the step's own slots, below the rows of every tap) and writes columns [(first
+            // + y) * hidden, +hidden) < stride of dst row k; sizes asserted.
+            unsafe { launch.launch(config) }?;
+        }
         Ok(())
     }
 

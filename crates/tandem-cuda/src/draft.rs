@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
@@ -235,10 +235,9 @@ impl CudaDraft {
         }
         let index = self.gpu.upload(rows)?;
         let mut out = self.gpu.scratch::<u16>(rows.len() * width)?;
-        for (slot, tap) in taps.tensors.iter().enumerate() {
-            self.gpu
-                .rows_to_bf16(&tap.data, &index, &mut out, rows.len(), t, width, slot * t)?;
-        }
+        let sources: Vec<&CudaSlice<f32>> = taps.tensors.iter().map(|tap| &tap.data).collect();
+        self.gpu
+            .taps_to_bf16(&sources, &index, &mut out, rows.len(), t, width)?;
         Ok(out)
     }
 
@@ -365,25 +364,105 @@ impl CudaDraft {
         }
         let map = Some(&self.draft_to_target);
         gpu.argmax_rows_into(logits, batch, vocab, map, &mut ids.slice_mut(0..batch))?;
-        // The roots stay the caller's: the first step's residual is a copy.
-        let mut input = gpu.scratch::<f32>(batch * h)?;
-        gpu.copy_into(hidden, &mut input, batch * h)?;
         // Placeholder tokens for the host-side bookkeeping; the device writes the real ones.
         let placeholder = vec![0u32; batch];
+        // The previous step's hidden output when it came out of the general path (`None`
+        // after a step replayed in place: it is still in that graph's buffers).
+        let mut carried: Option<CudaSlice<f32>> = None;
+        let mut in_place: Option<GraphKey> = None;
         for s in 1..steps {
             let step = cache.layout().decode_step(&placeholder)?;
-            let previous = ids.slice((s - 1) * batch..s * batch);
+            let (done, mut rest) = ids.split_at_mut(s * batch);
+            let previous = done.slice((s - 1) * batch..s * batch);
+            let mut next = rest.slice_mut(0..batch);
+            let input = if s == 1 { Some(hidden) } else { carried.as_ref() };
+            if self.chain_step_in_place(&step, cache, &previous, input, &mut in_place, &mut next)? {
+                carried = None;
+                continue;
+            }
+            let input = match (s, carried.take()) {
+                (_, Some(h)) => h,
+                // The roots stay the caller's: the first step's residual is a copy.
+                (1, None) => {
+                    let mut copy = gpu.scratch::<f32>(batch * h)?;
+                    gpu.copy_into(hidden, &mut copy, batch * h)?;
+                    copy
+                }
+                _ => {
+                    return Err(ModelError::InvalidStep {
+                        reason: "a draft chain's graph left the cache between its steps".into(),
+                    }
+                    .into());
+                }
+            };
             let out = self.forward_step_from(&step, input, cache, Some(&previous))?;
-            gpu.argmax_rows_into(
-                &out.logits.data,
-                batch,
-                vocab,
-                map,
-                &mut ids.slice_mut(s * batch..(s + 1) * batch),
-            )?;
-            input = out.hidden.data;
+            gpu.argmax_rows_into(&out.logits.data, batch, vocab, map, &mut next)?;
+            carried = Some(out.hidden.data);
+            in_place = None;
         }
         Ok(ids)
+    }
+
+    /// One step of a greedy draft chain on a graph already captured for it, with nothing
+    /// copied out: the step's tokens from `tokens` (the previous step's ids), its hidden input
+    /// copied into the graph's buffers from `hidden`, or with `None` left there (the previous
+    /// chain step's output in the same graph, whose key `in_place` holds), and its greedy ids
+    /// through `d2t` into `ids`. A chain step otherwise copies its hidden output and logits out
+    /// of the graph and copies the hidden output back in at the next step: five device calls
+    /// the host pays for at every step. Returns false, having done nothing, where no captured
+    /// graph takes the step in place; the caller then takes the general path.
+    fn chain_step_in_place(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        tokens: &CudaView<'_, u32>,
+        hidden: Option<&CudaSlice<f32>>,
+        in_place: &mut Option<GraphKey>,
+        ids: &mut CudaViewMut<'_, u32>,
+    ) -> Result<bool, CudaError> {
+        if !self.graphs.enabled() || step.width > GRAPH_MAX_WIDTH {
+            return Ok(false);
+        }
+        let gpu = &*self.gpu;
+        let spec = &self.spec;
+        let host = cache.step_host(
+            step,
+            spec.vocab_size,
+            [spec.num_heads, spec.num_kv_heads, spec.head_dim],
+        )?;
+        // The key `step_graphed` would replay the step under.
+        let padded = graph_batch(step.batch, cache.rows_allocated());
+        let shape = AttentionShape {
+            batch: padded.max(step.batch),
+            ..host.shape
+        };
+        let key = GraphKey::new(gpu, shape, cache, 0, &[]).with_fused(self.fuses(shape.rows()));
+        let mut graphs = self.graphs.lock();
+        let resident = in_place.as_ref() == Some(&key);
+        if !graphs.captured.contains_key(&key) || (hidden.is_none() && !resident) {
+            return Ok(false);
+        }
+        let host = host.padded(padded);
+        let entry = graphs.captured.get_mut(&key).expect("checked above");
+        entry.buffers.load(gpu, &host, Some(tokens))?;
+        if let Some(hidden) = hidden {
+            let n = step.batch * spec.hidden_size;
+            gpu.copy_into(hidden, &mut entry.buffers.hidden, n)?;
+        }
+        gpu.replay(&entry.graph)?;
+        let map = Some(&self.draft_to_target);
+        gpu.argmax_rows_into(
+            &entry.buffers.logits,
+            step.batch,
+            spec.draft_vocab_size,
+            map,
+            ids,
+        )?;
+        graphs.stats.replays += 1;
+        drop(graphs);
+        cache.advance(step);
+        *in_place = Some(key);
+        Ok(true)
     }
 
     /// [`CudaDraft::forward_step`], with the step's tokens taken from the device when
