@@ -1690,14 +1690,19 @@ impl Gpu {
         tokens: &mut CudaViewMut<'_, u32>,
         width: usize,
     ) -> Result<(), CudaError> {
-        assert!(steps < width, "a chain of {steps} drafts needs a step wider than {steps}");
+        assert!(
+            steps < width,
+            "a chain of {steps} drafts needs a step wider than {steps}"
+        );
         assert!(ids.len() >= batch * steps && tokens.len() >= batch * width);
         let n = batch * steps;
         if n == 0 {
             return Ok(());
         }
         let (batch_i, steps_i, width_i) = (batch as i32, steps as i32, width as i32);
-        let mut launch = self.stream.launch_builder(&self.kernels.scatter_chain_tokens);
+        let mut launch = self
+            .stream
+            .launch_builder(&self.kernels.scatter_chain_tokens);
         launch
             .arg(ids)
             .arg(&batch_i)

@@ -293,7 +293,8 @@ impl CudaDraft {
             self.gpu
                 .gemv_rows(aux, &self.fc, &mut hidden, rows, fc_in, h, false)?;
         } else {
-            self.gpu.linear(aux, &self.fc, &mut hidden, rows, fc_in, h)?;
+            self.gpu
+                .linear(aux, &self.fc, &mut hidden, rows, fc_in, h)?;
         }
         Ok(hidden)
     }
@@ -375,7 +376,11 @@ impl CudaDraft {
             let (done, mut rest) = ids.split_at_mut(s * batch);
             let previous = done.slice((s - 1) * batch..s * batch);
             let mut next = rest.slice_mut(0..batch);
-            let input = if s == 1 { Some(hidden) } else { carried.as_ref() };
+            let input = if s == 1 {
+                Some(hidden)
+            } else {
+                carried.as_ref()
+            };
             if self.chain_step_in_place(&step, cache, &previous, input, &mut in_place, &mut next)? {
                 carried = None;
                 continue;

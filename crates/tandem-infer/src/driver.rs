@@ -1577,7 +1577,11 @@ struct VerifyReads {
 }
 
 impl VerifyReads {
-    fn of<T: SpecBackend>(target: &T, logits: &T::Logits, rows: &[Row]) -> Result<Self, InferError> {
+    fn of<T: SpecBackend>(
+        target: &T,
+        logits: &T::Logits,
+        rows: &[Row],
+    ) -> Result<Self, InferError> {
         let greedy = |r: &Row| r.request.sampling.is_greedy();
         Ok(Self {
             argmax: rows

@@ -316,9 +316,15 @@ fn verification_of_device_chain_tokens_equals_verification_of_host_tokens() {
     for round in 0..4u32 {
         // drafts[b][s], and the same ids [steps, batch] on the device.
         let drafts: Vec<Vec<u32>> = (0..3u32)
-            .map(|b| (0..steps as u32).map(|s| (round * 37 + b * 11 + s * 5 + 1) % 300).collect())
+            .map(|b| {
+                (0..steps as u32)
+                    .map(|s| (round * 37 + b * 11 + s * 5 + 1) % 300)
+                    .collect()
+            })
             .collect();
-        let ids: Vec<u32> = (0..steps).flat_map(|s| drafts.iter().map(move |d| d[s])).collect();
+        let ids: Vec<u32> = (0..steps)
+            .flat_map(|s| drafts.iter().map(move |d| d[s]))
+            .collect();
         let roots = [1u32 + round, 40, 250];
         let trees: Vec<(Vec<u32>, Vec<Option<usize>>)> = roots
             .iter()
@@ -329,8 +335,10 @@ fn verification_of_device_chain_tokens_equals_verification_of_host_tokens() {
                 (tokens, parents)
             })
             .collect();
-        let refs: Vec<(&[u32], &[Option<usize>])> =
-            trees.iter().map(|(t, p)| (t.as_slice(), p.as_slice())).collect();
+        let refs: Vec<(&[u32], &[Option<usize>])> = trees
+            .iter()
+            .map(|(t, p)| (t.as_slice(), p.as_slice()))
+            .collect();
         let step = host_cache.layout().tree_step(&refs).unwrap();
         let mut placeholders = step.clone();
         for (b, _) in roots.iter().enumerate() {
@@ -354,10 +362,23 @@ fn verification_of_device_chain_tokens_equals_verification_of_host_tokens() {
                 steps,
             )
             .expect("device-token verification");
-        let logits = |o: &tandem_cuda::CudaStepOutput| o.logits.as_ref().unwrap().to_host().unwrap();
-        assert!(logits(&got) == logits(&expected), "round {round}: logits differ");
-        for (i, (a, b)) in got.taps.tensors.iter().zip(&expected.taps.tensors).enumerate() {
-            assert!(a.to_host().unwrap() == b.to_host().unwrap(), "round {round}: tap {i}");
+        let logits =
+            |o: &tandem_cuda::CudaStepOutput| o.logits.as_ref().unwrap().to_host().unwrap();
+        assert!(
+            logits(&got) == logits(&expected),
+            "round {round}: logits differ"
+        );
+        for (i, (a, b)) in got
+            .taps
+            .tensors
+            .iter()
+            .zip(&expected.taps.tensors)
+            .enumerate()
+        {
+            assert!(
+                a.to_host().unwrap() == b.to_host().unwrap(),
+                "round {round}: tap {i}"
+            );
         }
         for cache in [&mut host_cache, &mut device_cache] {
             for b in 0..3 {
@@ -373,10 +394,24 @@ fn verification_of_device_chain_tokens_equals_verification_of_host_tokens() {
     let step = host_cache.layout().decode_step(&[1, 2, 3]).unwrap();
     let err = f
         .target
-        .forward_chains(&step, &mut device_cache, &f.taps, LogitsFor::All, &gpu.upload(&[0u32; 3]).unwrap(), 1)
+        .forward_chains(
+            &step,
+            &mut device_cache,
+            &f.taps,
+            LogitsFor::All,
+            &gpu.upload(&[0u32; 3]).unwrap(),
+            1,
+        )
         .unwrap_err();
-    assert!(err.to_string().contains("do not fit a step of width 1"), "{err}");
-    assert!(f.target.graph_stats().replays > 0, "{:?}", f.target.graph_stats());
+    assert!(
+        err.to_string().contains("do not fit a step of width 1"),
+        "{err}"
+    );
+    assert!(
+        f.target.graph_stats().replays > 0,
+        "{:?}",
+        f.target.graph_stats()
+    );
 }
 
 #[test]

@@ -146,7 +146,10 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
             .reshape([step.batch, step.width, d]);
         let out = head.extend(step, aux, cache)?;
         let picks: Vec<(usize, usize)> = last.iter().map(|&r| (0, r)).collect();
-        Ok((gather(&[&out.hidden], &picks), gather(&[&out.logits], &picks)))
+        Ok((
+            gather(&[&out.hidden], &picks),
+            gather(&[&out.logits], &picks),
+        ))
     }
     fn head_step(
         &self,
