@@ -39,6 +39,13 @@ for line in sys.stdin:
   done
 }
 
+# find_tool ncu|nsys: the Nsight tool's path on the GPU machine (PATH, then the usual install
+# folders), or nothing.
+find_tool() {
+  command -v "$1" || ls /opt/nvidia/nsight-compute/*/"$1" /opt/nvidia/nsight-systems/*/bin/"$1" \
+    /usr/local/cuda/bin/"$1" 2>/dev/null | head -1
+}
+
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 mark() { echo "$(date +%T) $1" | tee -a "$R/phases.txt"; }
 
@@ -204,7 +211,7 @@ phase_import() {
 # code (1 when ncu is missing).
 ncu_decode_profile() {
   local name=$1 launches=${2:-1500} ncu status
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  ncu=$(find_tool ncu)
   [[ -n "$ncu" && -d "$M" ]] || return 1
   TANDEM_CUDA_GRAPHS=0 timeout 240 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
     --launch-count "$launches" "$T" fast-bench --model "$M" --batch 1 --verify-widths 4 \

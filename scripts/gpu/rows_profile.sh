@@ -28,7 +28,7 @@ EXTRA_FILES="scripts/reference/make_random_llama.py"
 ncu_rows() {
   local name=$1 ncu
   shift
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  ncu=$(find_tool ncu)
   [[ -n "$ncu" ]] || { echo "ncu missing" | tee -a "$R/summary.txt"; return 1; }
   TANDEM_CUDA_GRAPHS=0 TANDEM_CUDA_FUSED=8 timeout 280 "$ncu" --clock-control none \
     --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum \
@@ -147,7 +147,7 @@ PY
   # back (nsys-*.csv); the API and kernel summaries are printed.
   if [[ "${NSYS:-0}" == 1 ]]; then
     local nsys
-    nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -1)
+    nsys=$(find_tool nsys)
     if [[ -n "$nsys" ]]; then
       timeout 240 "$nsys" profile --trace cuda,osrt --sample none -o "$R/round" --force-overwrite true \
         "$T" bench --model "$M" --draft "$W/head" --device cuda --prompts mtbench --data-root "$W/data" \
