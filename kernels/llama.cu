@@ -701,7 +701,11 @@ extern "C" __global__ void topk_softmax(const float* logits, int vocab, int k,
 // layer is then five launches. Every kernel is checked against the unfused path (cuBLAS and the
 // kernels above) by the GPU tests. Block: GEMV_WARPS warps. `inp` (and `hidden`) multiples of 8.
 
-#define GEMV_MAX_ROWS 8
+// GEMV_MAX_ROWS (the most rows of a fused step) and GEMV_BLOCK_WARPS (warps a block of the
+// fused kernels) come from the launcher (`compile_source_for` in device.rs).
+#if !defined(GEMV_MAX_ROWS) || !defined(GEMV_BLOCK_WARPS)
+#error "GEMV_MAX_ROWS and GEMV_BLOCK_WARPS are defined by the launcher"
+#endif
 
 // The eight bf16 values of a 16-byte vector, widened to f32.
 __device__ __forceinline__ void unpack8_bf16(const uint4 v, float (&f)[8]) {
@@ -788,29 +792,87 @@ __device__ __forceinline__ uint4 load_x(const uint4* p) {
     return GLOBAL_X ? __ldcg(p) : *p;
 }
 
-// acc[n][r] += w_n[chunk c] . x[r][chunk c] for the input rows r < rows.
+template <int NW>
+__device__ __forceinline__ void zero_acc(float (&acc)[NW][GEMV_MAX_ROWS]) {
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+            acc[n][r] = 0.0f;
+        }
+    }
+}
+
+// acc[n][r] += wf[n] . x for one row r's input vector x (eight values), f32 in order.
+template <int NW>
+__device__ __forceinline__ void fma_row(const float (&wf)[NW][8], const uint4 x, int r,
+                                        float (&acc)[NW][GEMV_MAX_ROWS]) {
+    float xf[8];
+    unpack8_bf16(x, xf);
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            acc[n][r] += wf[n][e] * xf[e];
+        }
+    }
+}
+
+template <int NW>
+__device__ __forceinline__ void unpack_weights(const uint4 (&wv)[NW], float (&wf)[NW][8]) {
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+        unpack8_bf16(wv[n], wf[n]);
+    }
+}
+
+// acc[n][r] += w_n[chunk c] . x[r][chunk c] for the input rows r < rows, each row's vector
+// loaded just before its products (x in shared memory: short trips, few registers).
 // ROWS: the most rows the caller's kernel takes (fewer registers for small steps); a row's
 // arithmetic does not depend on it.
 template <int NW, bool GLOBAL_X = false, int ROWS = GEMV_MAX_ROWS>
 __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv, int chunks,
                                           int c, int rows, float (&acc)[NW][GEMV_MAX_ROWS]) {
     float wf[NW][8];
-#pragma unroll
-    for (int n = 0; n < NW; ++n) {
-        unpack8_bf16(wv[n], wf[n]);
-    }
+    unpack_weights<NW>(wv, wf);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         if (r < rows) {
-            float xf[8];
-            unpack8_bf16(load_x<GLOBAL_X>(xv + (size_t)r * chunks + c), xf);
+            fma_row<NW>(wf, load_x<GLOBAL_X>(xv + (size_t)r * chunks + c), r, acc);
+        }
+    }
+}
+
+// Inputs in global memory (the previous launch's output, in L2) are requested for every row
+// and chunk a lane will multiply before any product, so their trips to memory overlap. Loaded
+// and multiplied row by row (a load guarded by `r < rows` is not hoisted above the previous
+// row's products), a four-row o_proj or down_proj waited for L2 four times in a row: 6.0 us
+// against 3.9 at one row (BENCHMARKS.md, session 26 run 3). The products and their order are
+// those of dot_chunk.
+//
+// xr[r] = x[r][chunk c] for r < ROWS; rows past `rows` (and a chunk past the input) reload a
+// valid vector that is never multiplied.
+template <int ROWS>
+__device__ __forceinline__ void load_rows(const uint4* xv, int chunks, int c, int rows,
+                                          uint4 (&xr)[ROWS]) {
+    const int last = max(rows, 1) - 1;
+    c = min(c, chunks - 1);
 #pragma unroll
-            for (int n = 0; n < NW; ++n) {
+    for (int r = 0; r < ROWS; ++r) {
+        xr[r] = xv[(size_t)min(r, last) * chunks + c];
+    }
+}
+
+// acc[n][r] += w_n . xr[r] for the rows r < rows of one chunk (see load_rows).
+template <int NW, int ROWS>
+__device__ __forceinline__ void dot_rows(const uint4 (&wv)[NW], const uint4 (&xr)[ROWS], int rows,
+                                         float (&acc)[NW][GEMV_MAX_ROWS]) {
+    float wf[NW][8];
+    unpack_weights<NW>(wv, wf);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    acc[n][r] += wf[n][e] * xf[e];
-                }
-            }
+    for (int r = 0; r < ROWS; ++r) {
+        if (r < rows) {
+            fma_row<NW>(wf, xr[r], r, acc);
         }
     }
 }
@@ -823,13 +885,7 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW, P>& w, const uns
                                           int rows, float (&sums)[NW]) {
     const int lane = threadIdx.x & 31;
     float acc[NW][GEMV_MAX_ROWS];
-#pragma unroll
-    for (int n = 0; n < NW; ++n) {
-#pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            acc[n][r] = 0.0f;
-        }
-    }
+    zero_acc<NW>(acc);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     const int chunks = w.chunks;
 #pragma unroll
@@ -906,9 +962,8 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
 // each slice, the shuffle tree, the slice order) depends on `inp` and `split` only, never on
 // `rows`, NW or ROWS (the most rows the kernel takes): the launcher picks the kernel by row
 // count and `split` by the shape, and a row's bits stay the same at every step width (batch
-// invariance). Block: GEMV_THREADS (4 warps), `split`
+// invariance). Block: GEMV_BLOCK_WARPS warps (GEMV_THREADS in device.rs), `split`
 // in {1, 2, 4}; 4 / split groups of NW outputs a block. Grid: ceil(out / (4 / split * NW)).
-#define GEMV_BLOCK_WARPS 4
 template <int NW, int ROWS>
 __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
                                            const unsigned short* __restrict__ w,
@@ -945,20 +1000,18 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
     }
     PDL_WAIT();
     float acc[NW][GEMV_MAX_ROWS];
-#pragma unroll
-    for (int n = 0; n < NW; ++n) {
-#pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            acc[n][r] = 0.0f;
-        }
-    }
+    zero_acc<NW>(acc);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     for (int base = begin + lane;; base += 32 * U) {
+        uint4 xr[U][ROWS];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int c = base + 32 * u;
-            if (c < end) {
-                dot_chunk<NW, false, ROWS>(wv[u], xv, chunks, c, rows, acc);
+            load_rows<ROWS>(xv, chunks, base + 32 * u, rows, xr[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (base + 32 * u < end) {
+                dot_rows<NW, ROWS>(wv[u], xr[u], rows, acc);
             }
         }
         if (base + 32 * U >= end) {

@@ -49,7 +49,12 @@ fn compile_source_for(
     } else {
         ""
     };
-    let define = format!("{pdl}{defines}");
+    // The launch shapes the kernels assume, from the constants the launchers use, so the two
+    // cannot drift apart (llama.cu refuses to compile without them).
+    let define = format!(
+        "{pdl}#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define GEMV_BLOCK_WARPS {}\n{defines}",
+        GEMV_THREADS / 32
+    );
     Ok(compile_ptx_with_opts(
         format!("{define}{COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}"),
         CompileOptions {

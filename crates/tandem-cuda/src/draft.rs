@@ -381,10 +381,12 @@ impl CudaDraft {
             } else {
                 carried.as_ref()
             };
-            if self.chain_step_in_place(&step, cache, &previous, input, &mut in_place, &mut next)? {
+            let Some(host) =
+                self.chain_step_in_place(&step, cache, &previous, input, &mut in_place, &mut next)?
+            else {
                 carried = None;
                 continue;
-            }
+            };
             let input = match (s, carried.take()) {
                 (_, Some(h)) => h,
                 // The roots stay the caller's: the first step's residual is a copy.
@@ -400,7 +402,7 @@ impl CudaDraft {
                     .into());
                 }
             };
-            let out = self.forward_step_from(&step, input, cache, Some(&previous))?;
+            let out = self.forward_host_step(&step, host, input, cache, Some(&previous), None)?;
             gpu.argmax_rows_into(&out.logits.data, batch, vocab, map, &mut next)?;
             carried = Some(out.hidden.data);
             in_place = None;
@@ -414,8 +416,8 @@ impl CudaDraft {
     /// chain step's output in the same graph, whose key `in_place` holds), and its greedy ids
     /// through `d2t` into `ids`. A chain step otherwise copies its hidden output and logits out
     /// of the graph and copies the hidden output back in at the next step: five device calls
-    /// the host pays for at every step. Returns false, having done nothing, where no captured
-    /// graph takes the step in place; the caller then takes the general path.
+    /// the host pays for at every step. Where no captured graph takes the step in place, it
+    /// does nothing and returns the step's host inputs for the general path.
     fn chain_step_in_place(
         &self,
         step: &StepInput,
@@ -424,28 +426,20 @@ impl CudaDraft {
         hidden: Option<&CudaSlice<f32>>,
         in_place: &mut Option<GraphKey>,
         ids: &mut CudaViewMut<'_, u32>,
-    ) -> Result<bool, CudaError> {
-        if !self.graphs.enabled() || step.width > GRAPH_MAX_WIDTH {
-            return Ok(false);
-        }
+    ) -> Result<Option<HostStep>, CudaError> {
         let gpu = &*self.gpu;
         let spec = &self.spec;
-        let host = cache.step_host(
-            step,
-            spec.vocab_size,
-            [spec.num_heads, spec.num_kv_heads, spec.head_dim],
-        )?;
+        let host = self.step_host(cache, step)?;
+        if !self.graphs.enabled() || step.width > GRAPH_MAX_WIDTH {
+            return Ok(Some(host));
+        }
         // The key `step_graphed` would replay the step under.
         let padded = graph_batch(step.batch, cache.rows_allocated());
-        let shape = AttentionShape {
-            batch: padded.max(step.batch),
-            ..host.shape
-        };
-        let key = GraphKey::new(gpu, shape, cache, 0, &[]).with_fused(self.fuses(shape.rows()));
+        let key = self.graph_key(host.shape, padded, cache);
         let mut graphs = self.graphs.lock();
         let resident = in_place.as_ref() == Some(&key);
         if !graphs.captured.contains_key(&key) || (hidden.is_none() && !resident) {
-            return Ok(false);
+            return Ok(Some(host));
         }
         let host = host.padded(padded);
         let entry = graphs.captured.get_mut(&key).expect("checked above");
@@ -467,7 +461,7 @@ impl CudaDraft {
         drop(graphs);
         cache.advance(step);
         *in_place = Some(key);
-        Ok(true)
+        Ok(None)
     }
 
     /// [`CudaDraft::forward_step`], with the step's tokens taken from the device when
@@ -491,14 +485,41 @@ impl CudaDraft {
         tokens: Option<&CudaView<'_, u32>>,
         keep: Option<&[i32]>,
     ) -> Result<DraftStepOutput, CudaError> {
+        let host = self.step_host(cache, step)?;
+        self.forward_host_step(step, host, hidden, cache, tokens, keep)
+    }
+
+    /// The host side of a step over `cache`: tokens, positions, mask parts and shape.
+    fn step_host(&self, cache: &CudaKvCache, step: &StepInput) -> Result<HostStep, CudaError> {
         let spec = &self.spec;
-        let host = cache.step_host(
+        cache.step_host(
             step,
             spec.vocab_size,
             [spec.num_heads, spec.num_kv_heads, spec.head_dim],
-        )?;
+        )
+    }
+
+    /// The graph a step of `shape` over `cache` replays under, padded to `padded` sequences.
+    fn graph_key(&self, shape: AttentionShape, padded: usize, cache: &CudaKvCache) -> GraphKey {
+        let shape = AttentionShape {
+            batch: padded.max(shape.batch),
+            ..shape
+        };
+        GraphKey::new(&self.gpu, shape, cache, 0, &[]).with_fused(self.fuses(shape.rows()))
+    }
+
+    /// [`CudaDraft::forward_step_kept`] with the step's host inputs already built.
+    fn forward_host_step(
+        &self,
+        step: &StepInput,
+        host: HostStep,
+        hidden: CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+        tokens: Option<&CudaView<'_, u32>>,
+        keep: Option<&[i32]>,
+    ) -> Result<DraftStepOutput, CudaError> {
         let rows = step.batch * step.width;
-        let h = spec.hidden_size;
+        let h = self.spec.hidden_size;
         if hidden.len() < rows * h {
             return Err(ModelError::InvalidStep {
                 reason: format!(
@@ -563,17 +584,7 @@ impl CudaDraft {
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let rows = host.shape.rows();
-        let key = GraphKey::new(
-            gpu,
-            AttentionShape {
-                batch: padded.max(host.shape.batch),
-                ..host.shape
-            },
-            cache,
-            0,
-            &[],
-        )
-        .with_fused(self.fuses(padded.max(host.shape.batch) * host.shape.width));
+        let key = self.graph_key(host.shape, padded, cache);
         let mut graphs = self.graphs.lock();
         if !graphs.ready(&key) {
             // A new shape or cache runs eagerly (unpadded) for its first steps; the next one is

@@ -994,44 +994,46 @@ impl<T: SpecBackend> Engine<'_, T> {
         // host has seen them: their tokens come back after the verification's results, in the
         // same wait.
         let t0 = Instant::now();
-        let (trees, verify_width, step_taps, reads) = match drafted {
+        // Drafted trees go in as they are; device chains are laid out with placeholder tokens
+        // (a chain's tree shape does not depend on its tokens) and read back after the
+        // verification's results.
+        let (trees, device_chains, step, (logits, step_taps)) = match drafted {
             Drafted::Trees(trees) => {
                 let step = T::layout(&caches.target).tree_step(&tree_refs(&trees))?;
-                let (logits, step_taps) =
+                let out =
                     self.target
                         .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?;
-                if timing {
-                    batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
-                }
-                let reads = VerifyReads::of(self.target, &logits, rows)?;
-                (trees, step.width, step_taps, reads)
+                (trees, None, step, out)
             }
             Drafted::Chains(chains, steps) => {
-                // The chain's tree shape does not depend on its tokens: placeholders lay it out.
                 let placeholders: Vec<DraftTree> = roots
                     .iter()
                     .map(|&t| DraftTree::chain(t, &vec![0; steps]))
                     .collect();
                 let step = T::layout(&caches.target).tree_step(&tree_refs(&placeholders))?;
-                let (logits, step_taps) = self.target.forward_chains(
+                let out = self.target.forward_chains(
                     &step,
                     &mut caches.target,
                     &self.taps,
                     LogitsFor::All,
                     &chains,
                 )?;
-                if timing {
-                    batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
-                }
-                let reads = VerifyReads::of(self.target, &logits, rows)?;
-                let trees = roots
-                    .iter()
-                    .zip(self.target.chains_to_host(&chains)?)
-                    .map(|(&t, d)| DraftTree::chain(t, &d))
-                    .collect();
-                (trees, step.width, step_taps, reads)
+                (placeholders, Some(chains), step, out)
             }
         };
+        if timing {
+            batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
+        }
+        let reads = VerifyReads::of(self.target, &logits, rows)?;
+        let trees = match device_chains {
+            None => trees,
+            Some(chains) => roots
+                .iter()
+                .zip(self.target.chains_to_host(&chains)?)
+                .map(|(&t, d)| DraftTree::chain(t, &d))
+                .collect(),
+        };
+        let verify_width = step.width;
         let acceptances = reads.accept(self.target, &trees, verify_width, rows);
         batch.timings.verify_s += t0.elapsed().as_secs_f64();
 
