@@ -758,8 +758,23 @@ impl CudaDraft {
             h,
             eps,
         )?;
+        // Fused steps take the draft logits from the matrix-vector kernel, as the target's
+        // logits: one launch near the weight-read floor at one to eight rows, where cuBLAS
+        // picks its kernel (and so a row's bits) by the row count.
         let vocab = spec.draft_vocab_size;
-        gpu.linear(&b.normed, &self.lm_head, &mut b.logits, rows, h, vocab)?;
+        if fused {
+            gpu.gemv_rows(
+                &b.normed,
+                &self.lm_head,
+                &mut b.logits,
+                rows,
+                h,
+                vocab,
+                false,
+            )?;
+        } else {
+            gpu.linear(&b.normed, &self.lm_head, &mut b.logits, rows, h, vocab)?;
+        }
         Ok(())
     }
 }

@@ -32,7 +32,7 @@ use crate::engine::{
     BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecGenerate, SpecOutput,
     Timings, commit_tokens, draft_scratch, run_to_completion,
 };
-use crate::policy::{Choice, CostTable, Shape, SpeculationPolicy};
+use crate::policy::{CATCH_UP_PIECE, Choice, CostTable, Shape, SpeculationPolicy, catch_up_pieces};
 use crate::stats::AcceptanceStats;
 use crate::trace::RoundRecord;
 use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
@@ -237,10 +237,6 @@ const MAX_DEFERRED_TAP_ROWS: usize = 1 << 16;
 /// Deferred tokens each row keeps when the oldest are forgotten
 /// ([`RunningBatch::deferred_keep`]).
 const DEFERRED_KEEP: usize = 128;
-/// Columns one step of a catch-up extends each row by at most: a joining prompt deferred during
-/// plain rounds is caught up in pieces, so the head's cache (whose columns every row shares)
-/// needs room for one piece, not the whole prompt.
-const CATCH_UP_PIECE: usize = 256;
 
 /// `TANDEM_CATCH_UP_TAIL`: deferred tokens per row a catch-up extends the head over (the
 /// last ones), or all of them when unset (see [`Engine::catch_up`]).
@@ -414,17 +410,28 @@ impl<T: SpecBackend> Engine<'_, T> {
                 (&high_seconds, &high_columns),
             )
         };
-        // The median over batch sizes and contexts: a catch-up's cost per step falls with the
+        // The medians over batch sizes and contexts: a catch-up's cost per step falls with the
         // steps deferred (each piece has a fixed part), so the short runs measured here price
-        // long ones high, and the policy's own switches correct it.
-        switches.sort_by(f64::total_cmp);
-        table.switch_per_step = switches.get(switches.len() / 2).copied();
+        // long ones high per step; the price per piece bounds that (`switch_seconds`), and the
+        // policy's own switches correct both.
+        let median = |mut xs: Vec<f64>| {
+            xs.sort_by(f64::total_cmp);
+            xs.get(xs.len() / 2).copied()
+        };
+        table.switch_per_step = median(switches.iter().map(|&(s, d)| s / d as f64).collect());
+        table.switch_per_piece = median(
+            switches
+                .iter()
+                .map(|&(s, d)| s / catch_up_pieces(d) as f64)
+                .collect(),
+        );
         Ok(table)
     }
 
     /// [`Self::measure_choices`] at prompts of `prompt_len` tokens: seconds per round and the
     /// mean used target columns, each `[choice][batch size]` (row 0 plain); the seconds per
-    /// deferred step of the catch-up after each size's plain rounds are pushed to `switches`.
+    /// the catch-up after each size's plain rounds took, with the steps it caught up on, are
+    /// pushed to `switches`.
     #[allow(clippy::type_complexity)]
     fn measure_at(
         &self,
@@ -432,7 +439,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         shapes: &[Shape],
         batches: &[usize],
         prompt_len: usize,
-        switches: &mut Vec<f64>,
+        switches: &mut Vec<(f64, usize)>,
     ) -> Result<(Vec<Vec<f64>>, Vec<Vec<f64>>), InferError> {
         let vocab = self.target.vocab_size() as u64;
         let capacity = batch.capacity;
@@ -491,7 +498,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             if deferred > 0 {
                 let t0 = Instant::now();
                 self.catch_up(batch)?;
-                switches.push(t0.elapsed().as_secs_f64() / deferred as f64);
+                switches.push((t0.elapsed().as_secs_f64(), deferred));
             }
             self.cancel_all(batch)?;
         }

@@ -20,13 +20,26 @@
 //! a shape's cost only while the batch is decoding plainly. Pricing the switch by the steps
 //! deferred now, not by what past switches cost, keeps a long plain run (whose catch-up was
 //! dear) from pricing the next switch after a short one as dear: session 16 at c=8 stayed in
-//! plain rounds for ~80 rounds after the warm-up's 15 ms catch-up.
+//! plain rounds for ~80 rounds after the warm-up's 15 ms catch-up. The price per catch-up piece
+//! (one batched head step) bounds it from above, so a prompt that joined during plain rounds
+//! does not price the switch as hundreds of steps (session 28, c=32).
 
 use std::fmt;
 
 use serde::Serialize;
 
 use crate::engine::{InferError, SpecConfig};
+
+/// Deferred tokens of a row one step of the head's catch-up extends it by at most: a catch-up
+/// runs in batched steps of this many columns (a prompt that joined during plain rounds is
+/// caught up in pieces, so the head's cache, whose columns every row shares, needs room for one
+/// piece, not the whole prompt).
+pub const CATCH_UP_PIECE: usize = 256;
+
+/// The batched head steps a catch-up over `deferred` tokens of the longest row takes.
+pub fn catch_up_pieces(deferred: usize) -> usize {
+    deferred.div_ceil(CATCH_UP_PIECE)
+}
 
 /// A draft shape (SGLang's `--speculative-num-steps / -eagle-topk / -num-draft-tokens`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -153,6 +166,8 @@ pub struct CostTable {
     /// c=32 the batch draining at the end of a run switched for one drafted round behind an
     /// 8 ms catch-up (session 17).
     pub switch_per_step: Option<f64>,
+    /// The same catch-ups' seconds per piece ([`catch_up_pieces`]; `None`: not measured).
+    pub switch_per_piece: Option<f64>,
 }
 
 impl CostTable {
@@ -164,6 +179,7 @@ impl CostTable {
             columns: vec![0],
             per_column: Vec::new(),
             switch_per_step: None,
+            switch_per_piece: None,
         }
     }
 
@@ -204,6 +220,7 @@ impl CostTable {
             columns: vec![reference as usize, top as usize],
             per_column,
             switch_per_step: None,
+            switch_per_piece: None,
         }
     }
 
@@ -247,6 +264,11 @@ impl CostTable {
         if let Some(v) = self.switch_per_step.filter(|v| !v.is_finite() || *v < 0.0) {
             return Err(bad(format!(
                 "a switch's cost per deferred step {v} is not a non-negative number of seconds"
+            )));
+        }
+        if let Some(v) = self.switch_per_piece.filter(|v| !v.is_finite() || *v < 0.0) {
+            return Err(bad(format!(
+                "a switch's cost per catch-up piece {v} is not a non-negative number of seconds"
             )));
         }
         if !self.per_column.is_empty() {
@@ -328,8 +350,10 @@ impl CostTable {
         }
         if let Some(per_step) = self.switch_per_step {
             blocks.push(format!(
-                "a switch from plain rounds: {:.4} ms per deferred step",
-                per_step * 1e3
+                "a switch from plain rounds: {:.4} ms per deferred step, {:.4} ms per catch-up \
+                 piece",
+                per_step * 1e3,
+                self.switch_per_piece.unwrap_or(f64::NAN) * 1e3
             ));
         }
         blocks.join("\n")
@@ -461,6 +485,9 @@ pub struct SpeculationPolicy {
     /// catch-up over that many tokens of the longest row), a decayed mean over the switches
     /// observed; none observed yet: free.
     catch_up_per_step: Option<f64>,
+    /// The same switches' seconds per catch-up piece ([`catch_up_pieces`]): the bound on a
+    /// long catch-up's price (see [`Self::switch_seconds`]).
+    catch_up_per_piece: Option<f64>,
     /// Drafted rounds in a row so far, and the decayed mean length of the drafted runs that
     /// plain rounds ended.
     drafted_streak: u64,
@@ -489,6 +516,7 @@ impl SpeculationPolicy {
             plain_streak: 0,
             rounds,
             catch_up_per_step: None,
+            catch_up_per_piece: None,
             drafted_streak: 0,
             drafted_run: None,
             probing: false,
@@ -513,13 +541,14 @@ impl SpeculationPolicy {
             });
         }
         costs.validate(shapes.len() + 1)?;
-        let switch_per_step = costs.switch_per_step;
+        let (switch_per_step, switch_per_piece) = (costs.switch_per_step, costs.switch_per_piece);
         let mut policy = Self::with_mode(
             shapes,
             Mode::Adaptive { costs, config },
             config.prior_weight,
         );
         policy.catch_up_per_step = switch_per_step;
+        policy.catch_up_per_piece = switch_per_piece;
         Ok(policy)
     }
 
@@ -624,9 +653,20 @@ impl SpeculationPolicy {
     }
 
     /// What a switch from plain rounds to drafting is expected to cost, in seconds, with
-    /// `deferred` steps to catch up on.
+    /// `deferred` steps to catch up on: the price per deferred step times the steps, but never
+    /// more than the price per catch-up piece times the pieces. A catch-up runs one batched
+    /// head step per piece, whose fixed part dominates, so its cost grows far slower than the
+    /// steps: priced per step alone, a catch-up timed after 3 plain rounds (1.2 ms) priced a
+    /// prompt that joined during a plain run (~200 deferred tokens) at ~30 ms, and a c=32 load
+    /// stayed plain for its last 200 rounds at 0.93x target-only (session 28), although the
+    /// chain's rounds it had run were ~25% cheaper per token. (Priced per piece alone, one dear
+    /// catch-up after a long plain run would price the next short one as dear: session 16.)
     pub fn switch_seconds(&self, deferred: usize) -> f64 {
-        self.catch_up_per_step.unwrap_or(0.0) * deferred as f64
+        let per_step = self.catch_up_per_step.unwrap_or(0.0) * deferred as f64;
+        match self.catch_up_per_piece {
+            Some(per_piece) => per_step.min(per_piece * catch_up_pieces(deferred) as f64),
+            None => per_step,
+        }
     }
 
     /// Drafted rounds one switch is amortised over: the mean length of the drafted runs seen
@@ -754,12 +794,12 @@ impl SpeculationPolicy {
         if !self.is_adaptive() || !seconds.is_finite() || seconds < 0.0 {
             return;
         }
+        // Switches are rare; a short memory keeps the estimates current.
+        let mean = |old: Option<f64>, new: f64| Some(old.map_or(new, |old| 0.7 * old + 0.3 * new));
         let per_step = seconds / deferred.max(1) as f64;
-        // Switches are rare; a short memory keeps the estimate current.
-        self.catch_up_per_step = Some(match self.catch_up_per_step {
-            Some(old) => 0.7 * old + 0.3 * per_step,
-            None => per_step,
-        });
+        let per_piece = seconds / catch_up_pieces(deferred).max(1) as f64;
+        self.catch_up_per_step = mean(self.catch_up_per_step, per_step);
+        self.catch_up_per_piece = mean(self.catch_up_per_piece, per_piece);
     }
 
     /// What a round of `choice` did: `rows` sequences over `columns` used columns committed
@@ -1040,8 +1080,13 @@ mod tests {
         assert!(!SpeculationPolicy::fixed(shape("3/1/4")).expects_plain(1, 0, 0));
         // A negative price is refused by name.
         costs.switch_per_step = Some(-1.0);
-        let err = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap_err();
+        let err =
+            SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs.clone(), config).unwrap_err();
         assert!(err.to_string().contains("per deferred step"), "{err}");
+        costs.switch_per_step = None;
+        costs.switch_per_piece = Some(f64::NAN);
+        let err = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap_err();
+        assert!(err.to_string().contains("per catch-up piece"), "{err}");
     }
 
     #[test]
@@ -1094,6 +1139,40 @@ mod tests {
         p.choose_recorded(Choice::Plain);
         // ...not for one that finishes in two drafted rounds (5 ms a round).
         assert_eq!(p.choose_with_tokens_left(2, 0, 200, 6), Choice::Plain);
+    }
+
+    #[test]
+    fn a_long_catch_up_is_priced_per_piece_not_per_deferred_step() {
+        // Plain: 32 tokens in 1.4 ms at batch 32; the chain: ~2 tokens a row in 2.45 ms
+        // (1.14x plain's rate), as at c=32 on the H200 (session 28).
+        let costs = CostTable::flat(vec![32], vec![vec![1.4e-3], vec![2.45e-3]]);
+        let config = PolicyConfig {
+            probe_every: 1000,
+            ..PolicyConfig::default()
+        };
+        let mut p = SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs, config).unwrap();
+        for _ in 0..100 {
+            p.observe(Choice::Draft(0), 32, 0, 64, Some(2.45e-3));
+        }
+        // One switch timed after 3 plain rounds: 1.2 ms (0.4 ms a step, one piece).
+        p.observe_switch(1.2e-3, 3);
+        assert_eq!(catch_up_pieces(3), 1);
+        assert_eq!(catch_up_pieces(CATCH_UP_PIECE + 1), 2);
+        // A short catch-up keeps its per-step price; 200 deferred tokens (a prompt that joined
+        // during the plain run) cost one piece, not 200 steps (80 ms)...
+        assert!((p.switch_seconds(2) - 0.8e-3).abs() < 1e-12);
+        assert!((p.switch_seconds(200) - 1.2e-3).abs() < 1e-12);
+        assert!((p.switch_seconds(300) - 2.4e-3).abs() < 1e-12);
+        // ...so the plain run switches back to the chain that beats it.
+        p.choose_recorded(Choice::Plain);
+        assert!(p.in_plain_run());
+        assert_eq!(p.choose(32, 0, 200), Choice::Draft(0));
+        // Without the piece price (a table from before it was measured) the same switch looked
+        // like 80 ms, and the batch stayed plain.
+        let mut per_step_only = p.clone();
+        per_step_only.catch_up_per_piece = None;
+        per_step_only.plain_streak = 1;
+        assert_eq!(per_step_only.choose(32, 0, 200), Choice::Plain);
     }
 
     #[test]

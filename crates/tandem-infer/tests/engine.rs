@@ -513,6 +513,12 @@ fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
     assert_eq!(measured.columns.len(), 2, "two contexts measured");
     let switch = measured.switch_per_step.expect("a catch-up was timed");
     assert!(switch > 0.0 && switch < 1.0, "{switch}");
+    // A catch-up takes no more pieces than steps, so a piece costs at least a step.
+    let per_piece = measured.switch_per_piece.expect("a catch-up was timed");
+    assert!(
+        per_piece >= switch && per_piece < 1.0,
+        "{per_piece} per piece, {switch} per step"
+    );
 
     // Drafting priced far above plain rounds: every round is plain but for a probe every
     // fourth, which catches the head up first.
