@@ -13,6 +13,8 @@
 # 256 requests at those concurrencies too.
 # HF=1: HF transformers (sdpa) decode of the same model, batch 1 and 8, in the same run.
 # NSYS=1: an nsys timeline of 3/1/4 speculative rounds (the raw kernel and API traces come back).
+# AB_ENV="VAR=value ..": each shape's bench (and the adaptive serve at each concurrency) also
+# runs with these variables exported, labelled `ab`: an A/B of one switch in one binary and run.
 # Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
@@ -135,6 +137,11 @@ PY
     # The same bench with each phase waiting for its device work: the round's split.
     bench "$W/head" phases "$s" --phase-timing --no-baseline
     rounds_line default "$s" phases
+    if [[ -n "${AB_ENV:-}" ]]; then
+      (export $AB_ENV; bench "$W/head" ab "$s"
+       bench "$W/head" abphases "$s" --phase-timing --no-baseline)
+      rounds_line ab "$s" abphases
+    fi
   done
   mark "spec bench done"
   if [[ "${NCU:-1}" == 1 ]]; then
@@ -181,6 +188,7 @@ PY
   for c in ${SERVE:-}; do
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
+    [[ -n "${AB_ENV:-}" ]] && (export $AB_ENV; serve_load "adaptive-ab_c$c" "$c" --draft "$W/head")
   done
   # Steady state: 256 requests at the concurrencies in SERVE_LONG.
   for c in ${SERVE_LONG:-}; do

@@ -54,6 +54,15 @@ pub struct CudaDraft {
     /// `[draft_vocab]`: the target id of each draft id (`d2t` applied), for chains drafted on
     /// the device.
     draft_to_target: CudaSlice<u32>,
+    /// Whether fused steps take the draft logits from `gemv_rows` (else cuBLAS, as unfused
+    /// steps do); see [`lm_head_gemv_default`].
+    lm_head_gemv: bool,
+}
+
+/// `TANDEM_CUDA_DRAFT_LM_HEAD`: `gemv` (the default) takes a fused step's draft logits from
+/// `gemv_rows`, `cublas` from cuBLAS, for same-binary comparisons on the GPU.
+fn lm_head_gemv_default() -> bool {
+    std::env::var("TANDEM_CUDA_DRAFT_LM_HEAD").map_or(true, |v| v != "cublas")
 }
 
 impl std::fmt::Debug for CudaDraft {
@@ -159,6 +168,7 @@ impl CudaDraft {
             graphs: Graphs::new(gpu.graphs_default()),
             fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             draft_to_target: gpu.upload(&draft_to_target)?,
+            lm_head_gemv: lm_head_gemv_default(),
             spec,
             vocab,
             gpu,
@@ -762,7 +772,7 @@ impl CudaDraft {
         // logits: one launch near the weight-read floor at one to eight rows, where cuBLAS
         // picks its kernel (and so a row's bits) by the row count.
         let vocab = spec.draft_vocab_size;
-        if fused {
+        if fused && self.lm_head_gemv {
             gpu.gemv_rows(
                 &b.normed,
                 &self.lm_head,
