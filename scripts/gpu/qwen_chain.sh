@@ -110,6 +110,7 @@ SERVE_WAIT=240
 case "$PHASE" in
 pack)
   [[ -f "$GGUF_HERE" ]] || { echo "no $GGUF_HERE: run scripts/fetch_qwen_coder.sh" >&2; exit 1; }
+  require_fresh_binary || exit 1
   rm -rf .device/q[0-9][0-9]
   mkdir -p .device/q00
   xz -9e -T2 -c target/release/tandem > .device/q00/tandem.xz
