@@ -803,76 +803,29 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NW][GEMV_MAX_ROWS]) {
     }
 }
 
-// acc[n][r] += wf[n] . x for one row r's input vector x (eight values), f32 in order.
-template <int NW>
-__device__ __forceinline__ void fma_row(const float (&wf)[NW][8], const uint4 x, int r,
-                                        float (&acc)[NW][GEMV_MAX_ROWS]) {
-    float xf[8];
-    unpack8_bf16(x, xf);
-#pragma unroll
-    for (int n = 0; n < NW; ++n) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            acc[n][r] += wf[n][e] * xf[e];
-        }
-    }
-}
-
-template <int NW>
-__device__ __forceinline__ void unpack_weights(const uint4 (&wv)[NW], float (&wf)[NW][8]) {
-#pragma unroll
-    for (int n = 0; n < NW; ++n) {
-        unpack8_bf16(wv[n], wf[n]);
-    }
-}
-
-// acc[n][r] += w_n[chunk c] . x[r][chunk c] for the input rows r < rows, each row's vector
-// loaded just before its products (x in shared memory: short trips, few registers).
+// acc[n][r] += w_n[chunk c] . x[r][chunk c] for the input rows r < rows.
 // ROWS: the most rows the caller's kernel takes (fewer registers for small steps); a row's
 // arithmetic does not depend on it.
 template <int NW, bool GLOBAL_X = false, int ROWS = GEMV_MAX_ROWS>
 __device__ __forceinline__ void dot_chunk(const uint4 (&wv)[NW], const uint4* xv, int chunks,
                                           int c, int rows, float (&acc)[NW][GEMV_MAX_ROWS]) {
     float wf[NW][8];
-    unpack_weights<NW>(wv, wf);
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+        unpack8_bf16(wv[n], wf[n]);
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         if (r < rows) {
-            fma_row<NW>(wf, load_x<GLOBAL_X>(xv + (size_t)r * chunks + c), r, acc);
-        }
-    }
-}
-
-// Inputs in global memory (the previous launch's output, in L2) are requested for every row
-// and chunk a lane will multiply before any product, so their trips to memory overlap. Loaded
-// and multiplied row by row (a load guarded by `r < rows` is not hoisted above the previous
-// row's products), a four-row o_proj or down_proj waited for L2 four times in a row: 6.0 us
-// against 3.9 at one row (BENCHMARKS.md, session 26 run 3). The products and their order are
-// those of dot_chunk.
-//
-// xr[r] = x[r][chunk c] for r < ROWS; rows past `rows` (and a chunk past the input) reload a
-// valid vector that is never multiplied.
-template <int ROWS>
-__device__ __forceinline__ void load_rows(const uint4* xv, int chunks, int c, int rows,
-                                          uint4 (&xr)[ROWS]) {
-    const int last = max(rows, 1) - 1;
-    c = min(c, chunks - 1);
+            float xf[8];
+            unpack8_bf16(load_x<GLOBAL_X>(xv + (size_t)r * chunks + c), xf);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        xr[r] = xv[(size_t)min(r, last) * chunks + c];
-    }
-}
-
-// acc[n][r] += w_n . xr[r] for the rows r < rows of one chunk (see load_rows).
-template <int NW, int ROWS>
-__device__ __forceinline__ void dot_rows(const uint4 (&wv)[NW], const uint4 (&xr)[ROWS], int rows,
-                                         float (&acc)[NW][GEMV_MAX_ROWS]) {
-    float wf[NW][8];
-    unpack_weights<NW>(wv, wf);
+            for (int n = 0; n < NW; ++n) {
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-            fma_row<NW>(wf, xr[r], r, acc);
+                for (int e = 0; e < 8; ++e) {
+                    acc[n][r] += wf[n][e] * xf[e];
+                }
+            }
         }
     }
 }
@@ -1003,15 +956,15 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
     zero_acc<NW>(acc);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     for (int base = begin + lane;; base += 32 * U) {
-        uint4 xr[U][ROWS];
+        // Each row's input is loaded just before its products. Requesting every row's and
+        // chunk's input first (session 28) measured slower: 4.70 us against 4.30 for a four-row
+        // o_proj or down_proj under ncu (77 registers against 64), and a batch-1 verification
+        // 0.918 ms against 0.870-0.875 (BENCHMARKS.md, session 28 run 3).
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            load_rows<ROWS>(xv, chunks, base + 32 * u, rows, xr[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (base + 32 * u < end) {
-                dot_rows<NW, ROWS>(wv[u], xr[u], rows, acc);
+            const int c = base + 32 * u;
+            if (c < end) {
+                dot_chunk<NW, false, ROWS>(wv[u], xv, chunks, c, rows, acc);
             }
         }
         if (base + 32 * U >= end) {
