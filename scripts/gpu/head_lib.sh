@@ -132,13 +132,8 @@ collect() {
   ls -la "$OUT"
 }
 
-# The transfer every H200 script starts with (the machine starts empty; a call carries at most
-# 64 MiB with the working tree): here `pack_smollm2` writes .device/a..e (the GGUF in five
-# pieces, the xz'd binary and MT-Bench in a, the GPU test binaries in b and c); there, call 1
-# (carry .device/a) runs `phase_a`, calls 2-4 (carry .device/b, c, d) `phase_piece b|c|d`, and
-# call 5 (carry .device/e) `phase_import` before its own pipeline.
 # require_fresh_binary: refuses to pack a target/release/tandem older than any source it is
-# built from (session 28 ran two GPU sessions' benches on the previous commit's binary, because
+# built from (session 28 ran two GPU runs' benches on the previous session's binary, because
 # pack carries whatever binary is there and only the test binaries are rebuilt).
 require_fresh_binary() {
   local newer
@@ -151,6 +146,11 @@ require_fresh_binary() {
   fi
 }
 
+# The transfer every H200 script starts with (the machine starts empty; a call carries at most
+# 64 MiB with the working tree): here `pack_smollm2` writes .device/a..e (the GGUF in five
+# pieces, the xz'd binary and MT-Bench in a, the GPU test binaries in b and c); there, call 1
+# (carry .device/a) runs `phase_a`, calls 2-4 (carry .device/b, c, d) `phase_piece b|c|d`, and
+# call 5 (carry .device/e) `phase_import` before its own pipeline.
 pack_smollm2() {
   require_fresh_binary || return 1
   # The first piece travels with the binary (17 MB of xz since polars), so it is smaller;

@@ -603,6 +603,28 @@ impl Gpu {
         Ok(unsafe { self.stream.alloc(n.max(1)) }?)
     }
 
+    /// [`Gpu::linear`] without accumulation, through [`Gpu::gemv_rows`] on `fused` steps:
+    /// cuBLAS picks its kernel by the number of rows, which would give a row other bits in a
+    /// wider step, while `gemv_rows` gives a row the same bits at every width (the logits and
+    /// the head's fc and logits of the fused small steps).
+    #[allow(clippy::too_many_arguments)]
+    pub fn project(
+        &self,
+        fused: bool,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<(), CudaError> {
+        if fused {
+            self.gemv_rows(x, w, y, rows, inp, out, false)
+        } else {
+            self.linear(x, w, y, rows, inp, out)
+        }
+    }
+
     /// `y[rows, out] (f32) = x[rows, inp] (bf16) . w[out, inp]^T (bf16)`, f32 accumulation.
     /// cuBLAS is column-major: row-major `w [out, inp]` is the column-major `[inp, out]`
     /// matrix, so `y^T = w . x^T` is `gemm(T, N, m = out, n = rows, k = inp)`.

@@ -299,13 +299,8 @@ impl CudaDraft {
             .into());
         }
         let mut hidden = self.gpu.scratch::<f32>(rows * h)?;
-        if self.fuses(rows) {
-            self.gpu
-                .gemv_rows(aux, &self.fc, &mut hidden, rows, fc_in, h, false)?;
-        } else {
-            self.gpu
-                .linear(aux, &self.fc, &mut hidden, rows, fc_in, h)?;
-        }
+        self.gpu
+            .project(self.fuses(rows), aux, &self.fc, &mut hidden, rows, fc_in, h)?;
         Ok(hidden)
     }
 
@@ -320,7 +315,7 @@ impl CudaDraft {
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
     ) -> Result<DraftStepOutput, CudaError> {
-        self.forward_step_from(step, hidden, cache, None)
+        self.forward_step_kept(step, hidden, cache, None, None)
     }
 
     /// Greedy draft chains drafted on the device: for each of the `batch` sequences, the
@@ -475,18 +470,8 @@ impl CudaDraft {
     }
 
     /// [`CudaDraft::forward_step`], with the step's tokens taken from the device when
-    /// `tokens` is given (`[batch]`, over whatever `step.tokens` holds).
-    fn forward_step_from(
-        &self,
-        step: &StepInput,
-        hidden: CudaSlice<f32>,
-        cache: &mut CudaKvCache,
-        tokens: Option<&CudaView<'_, u32>>,
-    ) -> Result<DraftStepOutput, CudaError> {
-        self.forward_step_kept(step, hidden, cache, tokens, None)
-    }
-
-    /// [`CudaDraft::forward_step_from`], returning only the rows `keep` names when given.
+    /// `tokens` is given (`[batch]`, over whatever `step.tokens` holds), returning only the
+    /// rows `keep` names when given.
     fn forward_step_kept(
         &self,
         step: &StepInput,
@@ -769,22 +754,18 @@ impl CudaDraft {
             eps,
         )?;
         // Fused steps take the draft logits from the matrix-vector kernel, as the target's
-        // logits: one launch near the weight-read floor at one to eight rows, where cuBLAS
-        // picks its kernel (and so a row's bits) by the row count.
+        // logits (`Gpu::project`).
         let vocab = spec.draft_vocab_size;
-        if fused && self.lm_head_gemv {
-            gpu.gemv_rows(
-                &b.normed,
-                &self.lm_head,
-                &mut b.logits,
-                rows,
-                h,
-                vocab,
-                false,
-            )?;
-        } else {
-            gpu.linear(&b.normed, &self.lm_head, &mut b.logits, rows, h, vocab)?;
-        }
+        let gemv = fused && self.lm_head_gemv;
+        gpu.project(
+            gemv,
+            &b.normed,
+            &self.lm_head,
+            &mut b.logits,
+            rows,
+            h,
+            vocab,
+        )?;
         Ok(())
     }
 }

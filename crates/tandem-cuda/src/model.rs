@@ -1082,23 +1082,15 @@ impl CudaTarget {
         observe(TapId::Final, final_normed)?;
 
         let vocab = spec.vocab_size;
-        // Fused steps take the logits from the matrix-vector kernel too: cuBLAS picks its
-        // kernel by the number of rows, which would give a row other bits in a wider step.
+        // Fused steps take the logits from the matrix-vector kernel too (`Gpu::project`).
+        let lm_head = self.weights.lm_head();
         match (logits_for, logits.as_mut()) {
-            (LogitsFor::All, Some(out)) if fused => {
-                gpu.gemv_rows(normed, self.weights.lm_head(), out, rows, h, vocab, false)?
-            }
             (LogitsFor::All, Some(out)) => {
-                gpu.linear(normed, self.weights.lm_head(), out, rows, h, vocab)?
+                gpu.project(fused, normed, lm_head, out, rows, h, vocab)?
             }
             (LogitsFor::Last, Some(out)) => {
                 gpu.gather_rows(normed, last, selected, shape.batch, h)?;
-                if fused {
-                    let lm_head = self.weights.lm_head();
-                    gpu.gemv_rows(selected, lm_head, out, shape.batch, h, vocab, false)?;
-                } else {
-                    gpu.linear(selected, self.weights.lm_head(), out, shape.batch, h, vocab)?;
-                }
+                gpu.project(fused, selected, lm_head, out, shape.batch, h, vocab)?;
             }
             _ => {}
         }
