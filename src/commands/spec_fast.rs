@@ -216,7 +216,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     );
 
     let seed_of = |first: usize| args.seed.wrapping_add(first as u64);
-    measure_bench(
+    let report = measure_bench(
         args,
         &prompts,
         config,
@@ -250,5 +250,14 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             let out = target.forward(&step, &mut cache, &TapRequest::none(), LogitsFor::Last)?;
             Ok(out.logits.expect("asked for logits").to_host()?)
         },
-    )
+    );
+    // Graphs captured against replays: each prompt's caches reuse the pooled buffers of the
+    // one before, so captures should stay at a handful while replays grow with the rounds.
+    eprintln!(
+        "graphs: target {:?}, head {:?}; idle KV buffer sets {}",
+        target.graph_stats(),
+        draft.graph_stats(),
+        gpu.idle_kv_sets()
+    );
+    report
 }

@@ -6,8 +6,11 @@
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use tandem_model::{ColumnLayout, MaskParts, ModelError, StepInput};
 
+use std::sync::Arc;
+
 use crate::device::{AttentionShape, Gpu, Word, first_words_mut, words};
 use crate::error::CudaError;
+use crate::kv_pool::KvPool;
 
 /// A step's inputs on the host: see [`CudaKvCache::step_host`].
 pub(crate) struct HostStep {
@@ -165,6 +168,18 @@ pub struct CudaKvCache {
     /// Sequences the buffers have room for (at least the batch): joins within it copy only the
     /// newcomers, and the buffers keep their addresses, so captured CUDA graphs stay valid.
     rows_allocated: usize,
+    /// Where the buffers go when the cache is dropped or reallocated ([`crate::kv_pool`]).
+    pool: Arc<KvPool>,
+}
+
+impl Drop for CudaKvCache {
+    fn drop(&mut self) {
+        let (keys, values) = (
+            std::mem::take(&mut self.keys),
+            std::mem::take(&mut self.values),
+        );
+        self.recycle(keys, values);
+    }
 }
 
 impl std::fmt::Debug for CudaKvCache {
@@ -186,12 +201,10 @@ impl CudaKvCache {
         capacity: usize,
     ) -> Result<Self, CudaError> {
         let n = batch * kv_heads * capacity * head_dim;
-        let mut keys = Vec::with_capacity(num_layers);
-        let mut values = Vec::with_capacity(num_layers);
-        for _ in 0..num_layers {
-            keys.push(gpu.zeros::<u16>(n)?);
-            values.push(gpu.zeros::<u16>(n)?);
-        }
+        // Keys then values, one set: a cache of this shape dropped earlier hands back its
+        // buffers in this order, so the graphs captured over them replay for this one.
+        let mut keys = gpu.kv_buffers(2 * num_layers, n)?;
+        let values = keys.split_off(num_layers);
         Ok(Self {
             keys,
             values,
@@ -199,7 +212,14 @@ impl CudaKvCache {
             head_dim,
             layout: ColumnLayout::new(batch, capacity),
             rows_allocated: batch,
+            pool: gpu.kv_pool(),
         })
+    }
+
+    /// Hands a replaced (or the dropped cache's) set of buffers to the pool, keys first.
+    fn recycle(&self, mut keys: Vec<CudaSlice<u16>>, values: Vec<CudaSlice<u16>>) {
+        keys.extend(values);
+        self.pool.put(keys);
     }
 
     /// Sequences the buffers hold without reallocating.
@@ -214,8 +234,8 @@ impl CudaKvCache {
             return Ok(());
         }
         let own = ColumnMoves::whole_rows(self.batch(), self.layout.used(), 0);
-        self.keys = self.moved(gpu, rows, &[(&self.keys, &own)])?;
-        self.values = self.moved(gpu, rows, &[(&self.values, &own)])?;
+        let (keys, values) = self.moved(gpu, rows, &[(self.buffers(), &own)])?;
+        self.replace_buffers(keys, values);
         self.rows_allocated = rows;
         Ok(())
     }
@@ -255,12 +275,9 @@ impl CudaKvCache {
             return Ok(());
         }
         self.rows_allocated = batch;
-        let sources = [(&self.keys, &own), (&other.keys, &joined)];
-        let keys = self.moved(gpu, batch, &sources)?;
-        let sources = [(&self.values, &own), (&other.values, &joined)];
-        let values = self.moved(gpu, batch, &sources)?;
-        self.keys = keys;
-        self.values = values;
+        let sources = [(self.buffers(), &own), (other.buffers(), &joined)];
+        let (keys, values) = self.moved(gpu, batch, &sources)?;
+        self.replace_buffers(keys, values);
         Ok(())
     }
 
@@ -323,13 +340,27 @@ impl CudaKvCache {
         Ok(())
     }
 
-    /// New per-layer buffers for `rows` sequences holding the `moves` of each source.
+    /// Moves the cache onto `keys` and `values`, recycling the buffers it leaves.
+    fn replace_buffers(&mut self, keys: Vec<CudaSlice<u16>>, values: Vec<CudaSlice<u16>>) {
+        let keys = std::mem::replace(&mut self.keys, keys);
+        let values = std::mem::replace(&mut self.values, values);
+        self.recycle(keys, values);
+    }
+
+    /// Every layer's keys, then every layer's values.
+    fn buffers(&self) -> Vec<&CudaSlice<u16>> {
+        self.keys.iter().chain(&self.values).collect()
+    }
+
+    /// New per-layer keys and values for `rows` sequences holding the `moves` of each source
+    /// (its [`Self::buffers`]), taken from the pool as one set like a new cache's.
+    #[allow(clippy::type_complexity)]
     fn moved(
         &self,
         gpu: &Gpu,
         rows: usize,
-        sources: &[(&Vec<CudaSlice<u16>>, &ColumnMoves)],
-    ) -> Result<Vec<CudaSlice<u16>>, CudaError> {
+        sources: &[(Vec<&CudaSlice<u16>>, &ColumnMoves)],
+    ) -> Result<(Vec<CudaSlice<u16>>, Vec<CudaSlice<u16>>), CudaError> {
         let capacity = self.layout.capacity();
         let n = rows * self.kv_heads * capacity * self.head_dim;
         let indices = sources
@@ -339,22 +370,14 @@ impl CudaKvCache {
                 Ok((src.len(), gpu.upload(&src)?, gpu.upload(&dst)?))
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
-        let mut out = Vec::with_capacity(self.keys.len());
-        for layer in 0..self.keys.len() {
-            let mut buffer = gpu.zeros::<u16>(n)?;
+        let mut keys = gpu.kv_buffers(2 * self.keys.len(), n)?;
+        for (i, buffer) in keys.iter_mut().enumerate() {
             for ((buffers, _), (count, src, dst)) in sources.iter().zip(&indices) {
-                gpu.copy_rows_u16(
-                    &buffers[layer],
-                    src,
-                    &mut buffer,
-                    dst,
-                    *count,
-                    self.head_dim,
-                )?;
+                gpu.copy_rows_u16(buffers[i], src, buffer, dst, *count, self.head_dim)?;
             }
-            out.push(buffer);
         }
-        Ok(out)
+        let values = keys.split_off(self.keys.len());
+        Ok((keys, values))
     }
 
     /// Every layer's keys and values on the host, `[batch, kv_heads, capacity, head_dim]` bf16

@@ -22,6 +22,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
 use crate::error::CudaError;
+use crate::kv_pool::KvPool;
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
@@ -256,6 +257,9 @@ pub struct Gpu {
     /// Outputs a warp of `gemv_rows` for row buckets 1, 2, 4 and 8: [`GEMV_OUTPUTS`], or
     /// TANDEM_CUDA_GEMV_OUTPUTS="a,b,c,d" (each 1, 2 or 4; a speed knob: bits never change).
     gemv_outputs: [usize; 4],
+    /// Idle KV-cache buffers, so that a new cache of a shape seen before gets the addresses
+    /// the graphs were captured over ([`crate::kv_pool`]).
+    kv_pool: Arc<KvPool>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -415,6 +419,7 @@ impl Gpu {
                 .ok()
                 .and_then(|v| parse_gemv_outputs(&v))
                 .unwrap_or(GEMV_OUTPUTS),
+            kv_pool: Arc::new(KvPool::from_env()),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -594,6 +599,35 @@ impl Gpu {
         n: usize,
     ) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.stream.alloc_zeros(n.max(1))?)
+    }
+
+    /// `count` zeroed bf16 buffers of `n` values for a KV cache: an idle set of that shape from
+    /// the pool when there is one (the same buffers in the same order), new ones otherwise.
+    pub(crate) fn kv_buffers(
+        &self,
+        count: usize,
+        n: usize,
+    ) -> Result<Vec<CudaSlice<u16>>, CudaError> {
+        let n = n.max(1);
+        match self.kv_pool.take(count, n) {
+            Some(mut set) => {
+                for buffer in &mut set {
+                    self.stream.memset_zeros(buffer)?;
+                }
+                Ok(set)
+            }
+            None => (0..count).map(|_| self.zeros::<u16>(n)).collect(),
+        }
+    }
+
+    /// The pool KV caches on this GPU recycle their buffers through.
+    pub(crate) fn kv_pool(&self) -> Arc<KvPool> {
+        self.kv_pool.clone()
+    }
+
+    /// Idle KV-cache buffer sets held for reuse.
+    pub fn idle_kv_sets(&self) -> usize {
+        self.kv_pool.idle_sets()
     }
 
     /// An uninitialised buffer of `n` values that the next kernel overwrites completely.

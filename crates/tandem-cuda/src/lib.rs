@@ -18,6 +18,7 @@ mod device;
 mod draft;
 mod error;
 mod graphs;
+mod kv_pool;
 mod model;
 pub mod reference;
 mod train;
@@ -32,6 +33,7 @@ pub use device::{
 pub use draft::{CudaDraft, DraftStepOutput, chain_ids_to_host};
 pub use error::CudaError;
 pub use graphs::GraphStats;
+pub use kv_pool::{CACHE_COLUMNS_STEP, cache_columns};
 pub use model::{
     CudaStepOutput, CudaTarget, DeviceLogits, FUSED_MAX_ROWS, GRAPH_BATCHES, GRAPH_MAX_WIDTH,
     PersistentProfile,

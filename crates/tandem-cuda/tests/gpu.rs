@@ -167,23 +167,48 @@ fn graph_replay_case(prompts: &[&[u32]], reserve: usize) {
     let eager = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
     eager.set_graphs(false);
     let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final, TapId::Embed]);
-    let mut caches = [
-        graphed.new_cache(prompts.len(), 128).expect("cache"),
-        eager.new_cache(prompts.len(), 128).expect("cache"),
-    ];
-    caches[0].reserve(&gpu, reserve).expect("reserve");
+    // The same requests twice, on new caches each time: the second pass's caches get the
+    // first pass's buffers back from the pool (zeroed), so its steps replay the graphs the
+    // first pass captured, from its first decode step on, and still equal the eager ones.
+    for pass in 0..2 {
+        let mut caches = [
+            graphed.new_cache(prompts.len(), 128).expect("cache"),
+            eager.new_cache(prompts.len(), 128).expect("cache"),
+        ];
+        caches[0].reserve(&gpu, reserve).expect("reserve");
+        graph_replay_pass(&graphed, &eager, &taps, prompts, &mut caches, pass);
+        let stats = graphed.graph_stats();
+        eprintln!("graphs after pass {pass}: {stats:?}");
+        // The decode shape and the tree shape were each captured once, on their third step,
+        // and replayed from then on: decode 4 + 3 times, the tree twice; in the second pass
+        // all 6 + 4 + 3 steps replay.
+        assert_eq!(stats.captured, 2, "pass {pass}: {stats:?}");
+        assert_eq!(stats.replays, [9, 22][pass], "pass {pass}: {stats:?}");
+    }
+    assert_eq!(eager.graph_stats(), tandem_cuda::GraphStats::default());
+}
+
+fn graph_replay_pass(
+    graphed: &tandem_cuda::CudaTarget,
+    eager: &tandem_cuda::CudaTarget,
+    taps: &TapRequest,
+    prompts: &[&[u32]],
+    caches: &mut [tandem_cuda::CudaKvCache; 2],
+    pass: usize,
+) {
     let prefill = caches[0].layout().prefill_step(prompts).expect("prefill");
     let compare = |step: &tandem_model::StepInput,
                    caches: &mut [tandem_cuda::CudaKvCache; 2],
                    logits_for: LogitsFor,
                    label: &str|
      -> Vec<u32> {
+        let label = format!("pass {pass}, {label}");
         let [a, b] = caches;
         let out_a = graphed
-            .forward(step, a, &taps, logits_for)
+            .forward(step, a, taps, logits_for)
             .expect("graphed step");
         let out_b = eager
-            .forward(step, b, &taps, logits_for)
+            .forward(step, b, taps, logits_for)
             .expect("eager step");
         let (la, lb) = (out_a.logits.expect("logits"), out_b.logits.expect("logits"));
         assert_eq!(la.rows, lb.rows, "{label}: logits rows");
@@ -194,13 +219,13 @@ fn graph_replay_case(prompts: &[&[u32]], reserve: usize) {
         );
         let ids = la.argmax().unwrap();
         assert_eq!(ids, lb.argmax().unwrap(), "{label}: greedy tokens");
-        assert_taps_close(&out_a.taps, &out_b.taps, 1e-6, label);
+        assert_taps_close(&out_a.taps, &out_b.taps, 1e-6, &label);
         ids
     };
-    let mut next = compare(&prefill, &mut caches, LogitsFor::Last, "prefill");
+    let mut next = compare(&prefill, caches, LogitsFor::Last, "prefill");
     for i in 0..6 {
         let step = caches[0].layout().decode_step(&next).expect("decode");
-        next = compare(&step, &mut caches, LogitsFor::Last, &format!("decode {i}"));
+        next = compare(&step, caches, LogitsFor::Last, &format!("decode {i}"));
     }
     for i in 0..4 {
         let drafts: Vec<Vec<u32>> = next.iter().map(|&t| vec![t, t + 1, t + 2]).collect();
@@ -210,25 +235,13 @@ fn graph_replay_case(prompts: &[&[u32]], reserve: usize) {
             .map(|d| (d.as_slice(), &parents[..]))
             .collect();
         let step = caches[0].layout().tree_step(&trees).expect("tree");
-        let ids = compare(&step, &mut caches, LogitsFor::All, &format!("tree {i}"));
+        let ids = compare(&step, caches, LogitsFor::All, &format!("tree {i}"));
         next = ids.iter().step_by(3).copied().collect();
     }
     for i in 0..3 {
         let step = caches[0].layout().decode_step(&next).expect("decode");
-        next = compare(
-            &step,
-            &mut caches,
-            LogitsFor::Last,
-            &format!("late decode {i}"),
-        );
+        next = compare(&step, caches, LogitsFor::Last, &format!("late decode {i}"));
     }
-    let stats = graphed.graph_stats();
-    eprintln!("graphs: {stats:?}");
-    // The decode shape and the tree shape were each captured once, on their third step, and
-    // replayed from then on: decode 4 + 3 times, the tree twice.
-    assert_eq!(stats.captured, 2, "{stats:?}");
-    assert_eq!(stats.replays, 9, "{stats:?}");
-    assert_eq!(eager.graph_stats(), tandem_cuda::GraphStats::default());
 }
 
 #[test]

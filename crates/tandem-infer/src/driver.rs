@@ -1323,12 +1323,16 @@ impl<T: SpecBackend> Engine<'_, T> {
             });
         }
         // Every round commits at least one token, so this many columns never need compaction.
+        // The backend rounds it up, so that one call after another gets caches of one shape
+        // (on CUDA: the recycled buffers its graphs were captured over).
         let width = if self.draft.is_some() {
             cfg.num_draft_tokens
         } else {
             1
         };
-        let capacity = max_prompt + (max_new_tokens + 1) * width + 1;
+        let capacity = self
+            .target
+            .cache_columns(max_prompt + (max_new_tokens + 1) * width + 1);
         let mut batch = self.new_batch(capacity);
         batch.phase_timing = phase_timing;
         let requests =

@@ -27,7 +27,8 @@ pub fn fast_target_generate(
 ) -> Result<Vec<SpecOutput>, InferError> {
     sampling.validate()?;
     let max_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let mut cache = SpecBackend::new_cache(target, prompts.len(), max_prompt + max_new_tokens + 1)?;
+    let columns = SpecBackend::cache_columns(target, max_prompt + max_new_tokens + 1);
+    let mut cache = SpecBackend::new_cache(target, prompts.len(), columns)?;
     let mut rows: Vec<Row> =
         Request::for_prompts(prompts, max_new_tokens, stop_ids, sampling, seed)
             .into_iter()

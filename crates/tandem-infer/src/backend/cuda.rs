@@ -79,6 +79,9 @@ impl SpecBackend for CudaTarget {
     fn layout_mut(cache: &mut CudaKvCache) -> &mut ColumnLayout {
         cache.layout_mut()
     }
+    fn cache_columns(&self, columns: usize) -> usize {
+        tandem_cuda::cache_columns(columns)
+    }
     fn new_cache(&self, rows: usize, capacity: usize) -> Result<CudaKvCache, InferError> {
         Ok(CudaTarget::new_cache(self, rows, capacity)?)
     }

@@ -34,6 +34,12 @@ pub trait SpecBackend {
     fn layout(cache: &Self::Cache) -> &ColumnLayout;
     fn layout_mut(cache: &mut Self::Cache) -> &mut ColumnLayout;
 
+    /// The cache capacity a batch that needs `columns` columns allocates: more where caches of
+    /// one shape are cheaper to reuse (the CUDA path's graphs are keyed by the cache buffers,
+    /// which it recycles by shape: `tandem_cuda::cache_columns`).
+    fn cache_columns(&self, columns: usize) -> usize {
+        columns
+    }
     /// An empty target cache for `rows` sequences of up to `capacity` columns.
     fn new_cache(&self, rows: usize, capacity: usize) -> Result<Self::Cache, InferError>;
     /// One target step through the capture hook: the logits `logits_for` asks for and the taps
