@@ -1657,7 +1657,7 @@ impl Gpu {
     pub fn taps_to_bf16(
         &self,
         sources: &[&CudaSlice<f32>],
-        rows: &CudaSlice<i32>,
+        rows: &CudaView<'_, i32>,
         dst: &mut CudaSlice<u16>,
         count: usize,
         hidden: usize,

@@ -221,8 +221,29 @@ impl CudaDraft {
         taps: &Taps<DeviceRows>,
         rows: &[i32],
     ) -> Result<CudaSlice<u16>, CudaError> {
+        self.check_taps(taps, rows)?;
+        let index = self.gpu.upload(rows)?;
+        self.fc_input_at(taps, &index.slice(..), rows.len())
+    }
+
+    /// [`CudaDraft::fc_input`] for `count` rows whose indices are already on the device.
+    fn fc_input_at(
+        &self,
+        taps: &Taps<DeviceRows>,
+        index: &CudaView<'_, i32>,
+        count: usize,
+    ) -> Result<CudaSlice<u16>, CudaError> {
+        let (t, width) = (self.spec.target_hidden_size, self.spec.fc_in());
+        let mut out = self.gpu.scratch::<u16>(count * width)?;
+        let sources: Vec<&CudaSlice<f32>> = taps.tensors.iter().map(|tap| &tap.data).collect();
+        self.gpu
+            .taps_to_bf16(&sources, index, &mut out, count, t, width)?;
+        Ok(out)
+    }
+
+    /// Checks that `taps` are what the head's fc reads and that `rows` are inside them.
+    fn check_taps(&self, taps: &Taps<DeviceRows>, rows: &[i32]) -> Result<(), CudaError> {
         let t = self.spec.target_hidden_size;
-        let width = self.spec.fc_in();
         let widths: Vec<usize> = taps.tensors.iter().map(|r| r.hidden).collect();
         if taps.tensors.len() != self.spec.num_taps || widths.iter().any(|&w| w != t) {
             return Err(ModelError::InvalidStep {
@@ -243,12 +264,7 @@ impl CudaDraft {
             }
             .into());
         }
-        let index = self.gpu.upload(rows)?;
-        let mut out = self.gpu.scratch::<u16>(rows.len() * width)?;
-        let sources: Vec<&CudaSlice<f32>> = taps.tensors.iter().map(|tap| &tap.data).collect();
-        self.gpu
-            .taps_to_bf16(&sources, &index, &mut out, rows.len(), t, width)?;
-        Ok(out)
+        Ok(())
     }
 
     /// Draft extend: `hidden = fc(aux)` then [`CudaDraft::forward_step`]. `aux` is
@@ -263,26 +279,67 @@ impl CudaDraft {
         self.forward_step(step, hidden, cache)
     }
 
-    /// [`CudaDraft::extend`] returning only the slots `last` names (flat slot indices; row `j`
-    /// of the output is slot `last[j]`, `[last.len(), _]`): the roots the next drafts start
-    /// from, gathered straight out of the step's buffers (one index upload, two row copies)
-    /// instead of copying every slot's hidden state and logits out and gathering from those.
-    pub fn extend_rows(
+    /// The extend a round runs after its verification: the fc input gathered from `taps` at
+    /// `tap_rows` (one per slot of `step`, as [`CudaDraft::fc_input`]), [`CudaDraft::extend`]
+    /// with the step's tokens taken from `tokens` on the device when given, and with `last`
+    /// only the slots it names returned (row `j` of the output is slot `last[j]`, `[last.len(),
+    /// _]`: the roots the next drafts start from), every slot otherwise. The index lists go to
+    /// the device in one copy; a replayed step's fc writes straight into the graph's hidden
+    /// input, and the roots are gathered out of the graph's buffers. Each of those was a device
+    /// call of its own on the host's path before (an upload, a copy, an allocation).
+    pub fn extend_taps(
         &self,
         step: &StepInput,
-        aux: &CudaSlice<u16>,
+        taps: &Taps<DeviceRows>,
+        tap_rows: &[i32],
         cache: &mut CudaKvCache,
-        last: &[i32],
+        tokens: Option<&CudaView<'_, u32>>,
+        last: Option<&[i32]>,
     ) -> Result<DraftStepOutput, CudaError> {
         let rows = step.batch * step.width;
+        if tap_rows.len() != rows || tokens.is_some_and(|t| t.len() < rows) {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "{} tap rows and {:?} device tokens for an extend of {rows} slots",
+                    tap_rows.len(),
+                    tokens.map(|t| t.len())
+                ),
+            }
+            .into());
+        }
+        let keep_some = last.is_some();
+        let last = last.unwrap_or(&[]);
         if let Some(&bad) = last.iter().find(|&&r| r < 0 || r as usize >= rows) {
             return Err(ModelError::InvalidStep {
                 reason: format!("extend output row {bad} is outside the step's {rows} slots"),
             }
             .into());
         }
-        let hidden = self.fc(aux, rows)?;
-        self.forward_step_kept(step, hidden, cache, None, Some(last))
+        self.check_taps(taps, tap_rows)?;
+        let n = last.len();
+        // Tap rows, then the kept slots, then their destinations 0..n.
+        let index: Vec<i32> = tap_rows
+            .iter()
+            .chain(last)
+            .copied()
+            .chain(0..n as i32)
+            .collect();
+        let index = self.gpu.upload(&index)?;
+        let aux = self.fc_input_at(taps, &index.slice(..rows), rows)?;
+        let keep = keep_some.then(|| Kept {
+            from: index.slice(rows..rows + n),
+            to: index.slice(rows + n..rows + 2 * n),
+            count: n,
+        });
+        let host = self.step_host(cache, step)?;
+        self.forward_host_step(
+            step,
+            host,
+            StepHidden::Fc(&aux),
+            cache,
+            tokens,
+            keep.as_ref(),
+        )
     }
 
     /// `fc(aux)` for `rows` rows, f32 `[rows, H]`: through `gemv_rows` on steps the fused
@@ -407,7 +464,14 @@ impl CudaDraft {
                     .into());
                 }
             };
-            let out = self.forward_host_step(&step, host, input, cache, Some(&previous), None)?;
+            let out = self.forward_host_step(
+                &step,
+                host,
+                StepHidden::Rows(input),
+                cache,
+                Some(&previous),
+                None,
+            )?;
             gpu.argmax_rows_into(&out.logits.data, batch, vocab, map, &mut next)?;
             carried = Some(out.hidden.data);
             in_place = None;
@@ -478,10 +542,10 @@ impl CudaDraft {
         hidden: CudaSlice<f32>,
         cache: &mut CudaKvCache,
         tokens: Option<&CudaView<'_, u32>>,
-        keep: Option<&[i32]>,
+        keep: Option<&Kept<'_>>,
     ) -> Result<DraftStepOutput, CudaError> {
         let host = self.step_host(cache, step)?;
-        self.forward_host_step(step, host, hidden, cache, tokens, keep)
+        self.forward_host_step(step, host, StepHidden::Rows(hidden), cache, tokens, keep)
     }
 
     /// The host side of a step over `cache`: tokens, positions, mask parts and shape.
@@ -508,18 +572,21 @@ impl CudaDraft {
         &self,
         step: &StepInput,
         host: HostStep,
-        hidden: CudaSlice<f32>,
+        hidden: StepHidden<'_>,
         cache: &mut CudaKvCache,
         tokens: Option<&CudaView<'_, u32>>,
-        keep: Option<&[i32]>,
+        keep: Option<&Kept<'_>>,
     ) -> Result<DraftStepOutput, CudaError> {
         let rows = step.batch * step.width;
-        let h = self.spec.hidden_size;
-        if hidden.len() < rows * h {
+        let (h, fc_in) = (self.spec.hidden_size, self.spec.fc_in());
+        let (held, wanted, what) = match &hidden {
+            StepHidden::Rows(data) => (data.len(), rows * h, "hidden input"),
+            StepHidden::Fc(aux) => (aux.len(), rows * fc_in, "fc input"),
+        };
+        if held < wanted {
             return Err(ModelError::InvalidStep {
                 reason: format!(
-                    "the hidden input holds {} values, the step needs {rows} rows of {h}",
-                    hidden.len()
+                    "the {what} holds {held} values, the step needs {wanted} ({rows} rows)"
                 ),
             }
             .into());
@@ -542,11 +609,15 @@ impl CudaDraft {
     fn step_eager(
         &self,
         host: &HostStep,
-        hidden: CudaSlice<f32>,
+        hidden: StepHidden<'_>,
         cache: &mut CudaKvCache,
         tokens: Option<&CudaView<'_, u32>>,
-        keep: Option<&[i32]>,
+        keep: Option<&Kept<'_>>,
     ) -> Result<DraftStepOutput, CudaError> {
+        let hidden = match hidden {
+            StepHidden::Rows(data) => data,
+            StepHidden::Fc(aux) => self.fc(aux, host.shape.rows())?,
+        };
         let mut buffers = DraftBuffers::new(self, host.shape, host.total, Some(hidden))?;
         buffers.load(&self.gpu, host, tokens)?;
         self.encode(&mut buffers, cache, host, false)?;
@@ -572,10 +643,10 @@ impl CudaDraft {
         &self,
         host: HostStep,
         padded: usize,
-        hidden: CudaSlice<f32>,
+        hidden: StepHidden<'_>,
         cache: &mut CudaKvCache,
         tokens: Option<&CudaView<'_, u32>>,
-        keep: Option<&[i32]>,
+        keep: Option<&Kept<'_>>,
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let rows = host.shape.rows();
@@ -602,11 +673,21 @@ impl CudaDraft {
         }
         let entry = graphs.captured.get_mut(&key).expect("captured above");
         entry.buffers.load(gpu, &host, tokens)?;
-        gpu.copy_into(
-            &hidden,
-            &mut entry.buffers.hidden,
-            rows * self.spec.hidden_size,
-        )?;
+        let h = self.spec.hidden_size;
+        match hidden {
+            StepHidden::Rows(data) => gpu.copy_into(&data, &mut entry.buffers.hidden, rows * h)?,
+            // The live rows' fc output lands in the graph's input rows (the same launch
+            // `CudaDraft::fc` makes, so the same bits).
+            StepHidden::Fc(aux) => gpu.project(
+                self.fuses(rows),
+                aux,
+                &self.fc,
+                &mut entry.buffers.hidden,
+                rows,
+                self.spec.fc_in(),
+                h,
+            )?,
+        }
         gpu.replay(&entry.graph)?;
         let output = match keep {
             Some(keep) => entry.buffers.kept_output(self, keep),
@@ -770,6 +851,22 @@ impl CudaDraft {
     }
 }
 
+/// What a draft step's residual stream starts from: hidden rows (`[rows, H]` f32: a chain
+/// step's previous output), or the fc input of an extend (`[rows, fc_in]` bf16), projected
+/// straight into the step's buffers.
+enum StepHidden<'a> {
+    Rows(CudaSlice<f32>),
+    Fc(&'a CudaSlice<u16>),
+}
+
+/// The slots of a step to return (`from`, flat slot indices) and the output rows they go to
+/// (`to`, `0..count`), both already on the device.
+struct Kept<'a> {
+    from: CudaView<'a, i32>,
+    to: CudaView<'a, i32>,
+    count: usize,
+}
+
 /// Every device buffer of one draft step (see the target's `StepBuffers`).
 struct DraftBuffers {
     /// Tokens, positions, `[col0, total]` for graph replays and the mask.
@@ -860,20 +957,20 @@ impl DraftBuffers {
         }
     }
 
-    /// The rows `keep` of the step's hidden output and logits (flat slot indices, checked by
-    /// the caller), as new `[keep.len(), _]` buffers: one index upload, two row copies.
-    fn kept_output(&self, draft: &CudaDraft, keep: &[i32]) -> Result<DraftStepOutput, CudaError> {
+    /// The rows `keep.from` of the step's hidden output and logits (flat slot indices, checked
+    /// by the caller) into rows `keep.to` of new `[keep.count, _]` buffers: two row copies.
+    fn kept_output(
+        &self,
+        draft: &CudaDraft,
+        keep: &Kept<'_>,
+    ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*draft.gpu;
-        let n = keep.len();
+        let n = keep.count;
         let (h, vocab) = (draft.spec.hidden_size, draft.spec.draft_vocab_size);
-        // Source rows, then destination rows 0..n.
-        let index: Vec<i32> = keep.iter().copied().chain(0..n as i32).collect();
-        let index = gpu.upload(&index)?;
-        let (from, to) = (index.slice(0..n), index.slice(n..2 * n));
         let mut hidden = gpu.scratch::<f32>(n * h)?;
         let mut logits = gpu.scratch::<f32>(n * vocab)?;
-        gpu.copy_rows(&self.hidden, &from, &mut hidden, &to, n, h)?;
-        gpu.copy_rows(&self.logits, &from, &mut logits, &to, n, vocab)?;
+        gpu.copy_rows(&self.hidden, &keep.from, &mut hidden, &keep.to, n, h)?;
+        gpu.copy_rows(&self.logits, &keep.from, &mut logits, &keep.to, n, vocab)?;
         Ok(DraftStepOutput {
             hidden: DeviceRows {
                 data: hidden,

@@ -607,3 +607,69 @@ fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
         assert_eq!(tokens[i], expected, "prompt {i}");
     }
 }
+
+/// Greedy chain rounds extend the head over every verified slot before the verification is
+/// read back, with the target's choices as tokens, and drop the unaccepted slots afterwards
+/// ([`tandem_infer::RunningBatch::early_extend`]). That must leave the head exactly where the
+/// extend after the read-back (over the committed tokens only) leaves it: with a target rigged
+/// so that drafts are accepted in runs, two batches stepped side by side, one each way, have
+/// the same tokens, the same accepted counts and the same roots after every round.
+#[test]
+fn the_extend_before_the_read_back_leaves_the_head_where_the_late_extend_does() {
+    use tandem_model::burn::module::Param;
+    use tandem_model::burn::prelude::*;
+    let (mut target, mut draft, taps) = setup("early-extend");
+    let [h, _] = target.lm_head_t.dims();
+    let column0 = target.lm_head_t.clone().slice([0..h, 0..1]) * 6.0;
+    target.lm_head_t = target.lm_head_t.clone().slice_assign([0..h, 0..1], column0);
+    draft.norm.weight =
+        Param::from_tensor(Tensor::zeros([draft.spec.hidden_size], &Default::default()));
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    let prompts = [vec![9u32, 4, 33], vec![61u32, 2, 2, 8, 90, 17]];
+    let mut batches = [engine.new_batch(256), engine.new_batch(256)];
+    batches[0].early_extend = true;
+    batches[1].early_extend = false;
+    let mut tokens: [Vec<Vec<u32>>; 2] = [vec![Vec::new(); 2], vec![Vec::new(); 2]];
+    let mut accepted = [0usize; 2];
+    for (i, batch) in batches.iter_mut().enumerate() {
+        for p in engine.admit(batch, greedy_requests(&prompts, 30)).unwrap() {
+            tokens[i][p.id as usize].extend(&p.tokens);
+        }
+    }
+    let mut rounds = 0;
+    while !batches[0].is_empty() || !batches[1].is_empty() {
+        for (i, batch) in batches.iter_mut().enumerate() {
+            for p in engine.step(batch).unwrap() {
+                tokens[i][p.id as usize].extend(&p.tokens);
+                accepted[i] += p.accepted.unwrap_or(0);
+            }
+        }
+        rounds += 1;
+        assert_eq!(tokens[0], tokens[1], "round {rounds}: tokens");
+        assert_eq!(accepted[0], accepted[1], "round {rounds}: accepted drafts");
+        let (early, late) = (
+            engine.head_roots(&batches[0]).unwrap(),
+            engine.head_roots(&batches[1]).unwrap(),
+        );
+        if let (Some(early), Some(late)) = (early, late) {
+            let gap = tandem_model::testing::rel_err(&early, &late);
+            assert!(gap <= 1e-5, "round {rounds}: roots differ by {gap}");
+        }
+    }
+    assert!(
+        accepted[0] >= 5,
+        "drafts should be accepted in runs: {}",
+        accepted[0]
+    );
+    for (b, prompt) in prompts.iter().enumerate() {
+        assert_eq!(
+            tokens[0][b],
+            target_greedy(&target, prompt, 30, &[]).unwrap()
+        );
+    }
+}

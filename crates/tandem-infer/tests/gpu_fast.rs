@@ -618,6 +618,74 @@ fn fast_speculative_greedy_equals_fast_target_greedy() {
     }
 }
 
+/// The extend queued before the verification's read-back (every verified slot, the target's
+/// choices as tokens straight from the GPU's argmax, the unaccepted slots dropped afterwards)
+/// against the extend after it over the committed tokens: two running batches stepped side by
+/// side, one each way, give the same tokens and accepted counts, and the same roots after
+/// every round within 1e-4 of the largest (the fused kernels give a row the same bits at any
+/// row count; the margin is for cuBLAS where a step is not fused).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn fast_extend_before_the_read_back_leaves_the_head_where_the_late_extend_does() {
+    let f = fixture("early-extend");
+    let engine = FastSpecEngine {
+        target: &f.target,
+        draft: Some(&f.draft),
+        taps: f.taps.clone(),
+        config: SpecConfig::chain(3),
+    };
+    let prompts: Vec<Vec<u32>> = vec![vec![3, 14, 15, 92, 65], vec![2, 71, 82], vec![9, 4, 33]];
+    let requests = || -> Vec<tandem_infer::Request> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| tandem_infer::Request {
+                id: i as u64,
+                prompt: p.clone(),
+                max_new_tokens: 24,
+                stop_ids: vec![],
+                sampling: SamplingParams::greedy(),
+                seed: 0,
+            })
+            .collect()
+    };
+    let mut batches = [engine.new_batch(256), engine.new_batch(256)];
+    batches[0].early_extend = true;
+    batches[1].early_extend = false;
+    let mut tokens: [Vec<Vec<u32>>; 2] = [vec![Vec::new(); 3], vec![Vec::new(); 3]];
+    let mut accepted = [0usize; 2];
+    for (i, batch) in batches.iter_mut().enumerate() {
+        for p in engine.admit(batch, requests()).unwrap() {
+            tokens[i][p.id as usize].extend(&p.tokens);
+        }
+    }
+    let mut rounds = 0;
+    while !batches[0].is_empty() || !batches[1].is_empty() {
+        for (i, batch) in batches.iter_mut().enumerate() {
+            for p in engine.step(batch).unwrap() {
+                tokens[i][p.id as usize].extend(&p.tokens);
+                accepted[i] += p.accepted.unwrap_or(0);
+            }
+        }
+        rounds += 1;
+        assert_eq!(tokens[0], tokens[1], "round {rounds}: tokens");
+        assert_eq!(accepted[0], accepted[1], "round {rounds}: accepted drafts");
+        let (early, late) = (
+            engine.head_roots(&batches[0]).unwrap(),
+            engine.head_roots(&batches[1]).unwrap(),
+        );
+        if let (Some(early), Some(late)) = (early, late) {
+            let gap = rel_err(&early, &late);
+            assert!(gap <= 1e-4, "round {rounds}: roots differ by {gap}");
+        }
+    }
+    let expected =
+        fast_target_generate(&f.target, &prompts, 24, &[], SamplingParams::greedy(), 0).unwrap();
+    for (b, want) in expected.iter().enumerate() {
+        assert_eq!(tokens[0][b], want.tokens, "sequence {b}");
+    }
+}
+
 /// Lossless sampling on the fast path: the second generated token must follow the target's
 /// marginal `sum_t1 p(t1) p(t2 | t1)` (computed from fast-path prefills), chi-square at 99.9%,
 /// for several temperatures and with top-p / top-k truncation; the tree (topk 2) drafts.
