@@ -280,35 +280,27 @@ impl CudaDraft {
     }
 
     /// The extend a round runs after its verification: the fc input gathered from `taps` at
-    /// `tap_rows` (one per slot of `step`, as [`CudaDraft::fc_input`]), [`CudaDraft::extend`]
-    /// with the step's tokens taken from `tokens` on the device when given, and with `last`
-    /// only the slots it names returned (row `j` of the output is slot `last[j]`, `[last.len(),
-    /// _]`: the roots the next drafts start from), every slot otherwise. The index lists go to
-    /// the device in one copy; a replayed step's fc writes straight into the graph's hidden
-    /// input, and the roots are gathered out of the graph's buffers. Each of those was a device
-    /// call of its own on the host's path before (an upload, a copy, an allocation).
+    /// `tap_rows` (one per slot of `step`, as [`CudaDraft::fc_input`]), [`CudaDraft::extend`],
+    /// and only the slots `last` names returned (row `j` of the output is slot `last[j]`,
+    /// `[last.len(), _]`): the roots the next drafts start from. Both index lists go to the
+    /// device in one copy; a replayed step's fc writes straight into the graph's hidden input,
+    /// and the roots are gathered out of the graph's buffers. Each of those was a device call
+    /// of its own on the host's path before (an upload, a copy, an allocation).
     pub fn extend_taps(
         &self,
         step: &StepInput,
         taps: &Taps<DeviceRows>,
         tap_rows: &[i32],
         cache: &mut CudaKvCache,
-        tokens: Option<&CudaView<'_, u32>>,
-        last: Option<&[i32]>,
+        last: &[i32],
     ) -> Result<DraftStepOutput, CudaError> {
         let rows = step.batch * step.width;
-        if tap_rows.len() != rows || tokens.is_some_and(|t| t.len() < rows) {
+        if tap_rows.len() != rows {
             return Err(ModelError::InvalidStep {
-                reason: format!(
-                    "{} tap rows and {:?} device tokens for an extend of {rows} slots",
-                    tap_rows.len(),
-                    tokens.map(|t| t.len())
-                ),
+                reason: format!("{} tap rows for an extend of {rows} slots", tap_rows.len()),
             }
             .into());
         }
-        let keep_some = last.is_some();
-        let last = last.unwrap_or(&[]);
         if let Some(&bad) = last.iter().find(|&&r| r < 0 || r as usize >= rows) {
             return Err(ModelError::InvalidStep {
                 reason: format!("extend output row {bad} is outside the step's {rows} slots"),
@@ -326,20 +318,13 @@ impl CudaDraft {
             .collect();
         let index = self.gpu.upload(&index)?;
         let aux = self.fc_input_at(taps, &index.slice(..rows), rows)?;
-        let keep = keep_some.then(|| Kept {
+        let keep = Kept {
             from: index.slice(rows..rows + n),
             to: index.slice(rows + n..rows + 2 * n),
             count: n,
-        });
+        };
         let host = self.step_host(cache, step)?;
-        self.forward_host_step(
-            step,
-            host,
-            StepHidden::Fc(&aux),
-            cache,
-            tokens,
-            keep.as_ref(),
-        )
+        self.forward_host_step(step, host, StepHidden::Fc(&aux), cache, None, Some(&keep))
     }
 
     /// `fc(aux)` for `rows` rows, f32 `[rows, H]`: through `gemv_rows` on steps the fused

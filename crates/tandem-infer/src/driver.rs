@@ -141,9 +141,6 @@ pub struct RunningBatch<T: SpecBackend> {
     /// work. Off (the default), rounds overlap the host's work with the device's and wait for
     /// it only where they read results back.
     pub phase_timing: bool,
-    /// Whether greedy chain rounds extend the head before the verification is read back (the
-    /// default; `TANDEM_EARLY_EXTEND=0` turns it off for new batches).
-    pub early_extend: bool,
 }
 
 impl<T: SpecBackend> RunningBatch<T> {
@@ -253,14 +250,6 @@ fn catch_up_tail() -> Option<usize> {
     })
 }
 
-/// `TANDEM_EARLY_EXTEND=0`: greedy chain rounds extend the head after the verification's
-/// read-back, over the committed tokens only, as before the early extend (the same-run
-/// baseline; [`RunningBatch::early_extend`]).
-fn early_extend() -> bool {
-    static EARLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *EARLY.get_or_init(|| std::env::var("TANDEM_EARLY_EXTEND").map_or(true, |v| v != "0"))
-}
-
 /// Rounds run before timing a choice in [`Engine::calibrate`] (the CUDA graphs of a
 /// step shape are captured at its third run) and rounds timed.
 const CALIBRATION_WARM: usize = 3;
@@ -344,7 +333,6 @@ impl<T: SpecBackend> Engine<'_, T> {
             retirements: 0,
             trace: None,
             phase_timing: false,
-            early_extend: early_extend(),
         }
     }
 
@@ -1043,40 +1031,6 @@ impl<T: SpecBackend> Engine<'_, T> {
         if timing {
             batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
         }
-        // A greedy chain round queues the head's extend over every verified slot right behind
-        // the verification, with the target's choices as tokens: the slots the chain is
-        // accepted through get exactly the tokens and taps the extend after the read-back
-        // would give them, and the rest are dropped below. The host's part of the extend then
-        // overlaps the verification instead of stalling the GPU after the read-back.
-        let greedy = rows.iter().all(|r| r.request.sampling.is_greedy());
-        let early = match (self.draft, &mut caches.head, shape, &device_chains) {
-            (Some(draft), Some((dcache, _)), Some(_), Some(_)) if greedy && batch.early_extend => {
-                if timing {
-                    // The verification's device time stays in its own column.
-                    self.target.synchronize()?;
-                    batch.timings.verify_s += t0.elapsed().as_secs_f64();
-                }
-                let t1 = Instant::now();
-                let placeholders = vec![vec![0u32; step.width]; rows.len()];
-                let refs: Vec<&[u32]> = placeholders.iter().map(Vec::as_slice).collect();
-                let extend = T::layout(dcache).prefill_step(&refs)?;
-                let out = self
-                    .target
-                    .head_extend_greedy(draft, dcache, &extend, &step_taps, &logits)?;
-                if timing {
-                    batch.timings.extend_queue_s += t1.elapsed().as_secs_f64();
-                    self.target.synchronize()?;
-                    batch.timings.extend_s += t1.elapsed().as_secs_f64();
-                }
-                Some(out)
-            }
-            _ => None,
-        };
-        let t0 = if timing && early.is_some() {
-            Instant::now()
-        } else {
-            t0
-        };
         let reads = VerifyReads::of(self.target, &logits, rows)?;
         let trees = match device_chains {
             None => trees,
@@ -1132,28 +1086,12 @@ impl<T: SpecBackend> Engine<'_, T> {
             slots.push(path);
             chunks.push(committed);
         }
-        match (self.draft, &mut caches.head, shape, early) {
-            // Extended already: keep each sequence's accepted slots, and its last one is the
-            // root of the next drafts.
-            (Some(_), Some((dcache, head_roots)), Some(_), Some((hidden, logits))) => {
-                for (b, path) in slots.iter().enumerate() {
-                    T::layout_mut(dcache).keep_only(b, verify_width, path);
-                }
-                let picks: Vec<(usize, usize)> = slots
-                    .iter()
-                    .enumerate()
-                    .map(|(b, path)| (0, b * verify_width + path.len() - 1))
-                    .collect();
-                *head_roots = Roots {
-                    hidden: self.target.gather_rows(&[&hidden], &picks)?,
-                    logits: self.target.gather_logits(&[&logits], &picks)?,
-                };
-            }
-            (Some(draft), Some((dcache, head_roots)), Some(_), None) => {
+        match (self.draft, &mut caches.head, shape) {
+            (Some(draft), Some((dcache, head_roots)), Some(_)) => {
                 *head_roots =
                     self.draft_extend(draft, dcache, &chunks, &step_taps, verify_width, &slots)?;
             }
-            (Some(_), Some(_), None, _) => {
+            (Some(_), Some(_), None) => {
                 batch.backlog.push(self.target, &step_taps)?;
             }
             _ => {}

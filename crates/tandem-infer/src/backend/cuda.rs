@@ -137,40 +137,7 @@ impl SpecBackend for CudaTarget {
     ) -> Result<(DeviceRows, DeviceLogits), InferError> {
         let rows: Vec<i32> = tap_rows.iter().map(|&r| r as i32).collect();
         let last: Vec<i32> = last.iter().map(|&r| r as i32).collect();
-        let out = head.extend_taps(step, taps, &rows, cache, None, Some(&last))?;
-        Ok((out.hidden, out.logits))
-    }
-    /// The greedy choices stay on the GPU: their argmax goes straight into the extend's token
-    /// buffer, so nothing here waits for the verification.
-    fn head_extend_greedy(
-        &self,
-        head: &CudaDraft,
-        cache: &mut CudaKvCache,
-        step: &StepInput,
-        taps: &Taps<DeviceRows>,
-        verify_logits: &DeviceLogits,
-    ) -> Result<(DeviceRows, DeviceLogits), InferError> {
-        let rows = step.batch * step.width;
-        if verify_logits.rows != rows {
-            return Err(InferError::Config {
-                field: "verify_logits",
-                reason: format!(
-                    "{} verification rows for an extend of {rows} slots",
-                    verify_logits.rows
-                ),
-            });
-        }
-        let gpu = self.gpu();
-        let mut ids = gpu.scratch::<u32>(rows)?;
-        gpu.argmax_rows_into(
-            &verify_logits.data,
-            rows,
-            verify_logits.vocab,
-            None,
-            &mut ids.slice_mut(..),
-        )?;
-        let all: Vec<i32> = (0..rows as i32).collect();
-        let out = head.extend_taps(step, taps, &all, cache, Some(&ids.slice(..)), None)?;
+        let out = head.extend_taps(step, taps, &rows, cache, &last)?;
         Ok((out.hidden, out.logits))
     }
     fn head_step(

@@ -89,37 +89,6 @@ pub trait SpecBackend {
         tap_rows: &[usize],
         last: &[usize],
     ) -> Result<(Self::Rows, Self::Logits), InferError>;
-    /// [`SpecBackend::head_extend`] over every slot of a chain verification, queued before its
-    /// results are read: slot `i` of sequence `b` reads tap row `b * step.width + i` of `taps`
-    /// and, as its token, the target's greedy choice at row `b * step.width + i` of
-    /// `verify_logits` (the committed token after slot `i` wherever the chain is accepted up to
-    /// `i`; the slots past the accepted ones are dropped by the caller). Returns every slot's
-    /// `(hidden, logits)`. Here the choices are read to the host first; a backend with a device
-    /// keeps them there, so that the extend is queued behind the verification and runs before
-    /// the host has read anything.
-    fn head_extend_greedy(
-        &self,
-        head: &Self::Head,
-        cache: &mut Self::Cache,
-        step: &StepInput,
-        taps: &Taps<Self::Rows>,
-        verify_logits: &Self::Logits,
-    ) -> Result<(Self::Rows, Self::Logits), InferError> {
-        let rows = step.batch * step.width;
-        let mut step = step.clone();
-        step.tokens = self.argmax(verify_logits)?;
-        if step.tokens.len() != rows {
-            return Err(InferError::Config {
-                field: "verify_logits",
-                reason: format!(
-                    "{} verification rows for an extend of {rows} slots",
-                    step.tokens.len()
-                ),
-            });
-        }
-        let all: Vec<usize> = (0..rows).collect();
-        self.head_extend(head, cache, &step, taps, &all, &all)
-    }
     /// One draft step: the head over `step` with `hidden` (`[step.batch * step.width, H]`) as
     /// each slot's hidden input.
     fn head_step(
