@@ -90,6 +90,20 @@ fn real_rows(values: &[f32], real: &[bool], width: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A second copy of the fixture's head that launches every kernel (graphs off): the
+/// reference a graphed head is compared with.
+fn eager_head(f: &Fixture) -> CudaDraft {
+    let eager = CudaDraft::new(
+        &f.target,
+        f.draft.spec.clone(),
+        f.draft.vocab.clone(),
+        &f.cpu_draft.to_host(),
+    )
+    .expect("second head");
+    eager.set_graphs(false);
+    eager
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fast_head_graph_replay_gives_the_eager_outputs() {
@@ -99,14 +113,7 @@ fn fast_head_graph_replay_gives_the_eager_outputs() {
     // largest value) and the same greedy draft tokens; the graphed head captured one graph per
     // repeated shape and replayed the rest.
     let f = fixture("graphs");
-    let eager = CudaDraft::new(
-        &f.target,
-        f.draft.spec.clone(),
-        f.draft.vocab.clone(),
-        &f.cpu_draft.to_host(),
-    )
-    .expect("second head");
-    eager.set_graphs(false);
+    let eager = eager_head(&f);
     let heads = [&f.draft, &eager];
     let h = f.draft.spec.hidden_size;
     let mut caches = [
@@ -192,14 +199,7 @@ fn fast_head_graph_replay_gives_the_eager_outputs() {
 #[ignore = "needs an NVIDIA GPU"]
 fn extend_taps_keeps_the_slots_of_the_plain_extend() {
     let f = fixture("extend-taps");
-    let eager = CudaDraft::new(
-        &f.target,
-        f.draft.spec.clone(),
-        f.draft.vocab.clone(),
-        &f.cpu_draft.to_host(),
-    )
-    .expect("second head");
-    eager.set_graphs(false);
+    let eager = eager_head(&f);
     let (h, vocab) = (f.draft.spec.hidden_size, f.draft.spec.draft_vocab_size);
     // Taps of a ragged two-prompt prefill: 2 x 5 rows.
     let mut tcache = f.target.new_cache(2, 32).unwrap();
