@@ -370,14 +370,15 @@ impl CudaKvCache {
                 Ok((src.len(), gpu.upload(&src)?, gpu.upload(&dst)?))
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
-        let mut keys = gpu.kv_buffers(2 * self.keys.len(), n)?;
-        for (i, buffer) in keys.iter_mut().enumerate() {
+        // Keys then values, as the sources list them.
+        let mut set = gpu.kv_buffers(2 * self.keys.len(), n)?;
+        for (i, buffer) in set.iter_mut().enumerate() {
             for ((buffers, _), (count, src, dst)) in sources.iter().zip(&indices) {
                 gpu.copy_rows_u16(buffers[i], src, buffer, dst, *count, self.head_dim)?;
             }
         }
-        let values = keys.split_off(self.keys.len());
-        Ok((keys, values))
+        let values = set.split_off(self.keys.len());
+        Ok((set, values))
     }
 
     /// Every layer's keys and values on the host, `[batch, kv_heads, capacity, head_dim]` bf16

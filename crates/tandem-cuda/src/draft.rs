@@ -327,9 +327,23 @@ impl CudaDraft {
         self.forward_host_step(step, host, StepHidden::Fc(&aux), cache, None, Some(&keep))
     }
 
-    /// `fc(aux)` for `rows` rows, f32 `[rows, H]`: through `gemv_rows` on steps the fused
-    /// kernels take (one launch, no cuBLAS call on the host's path), cuBLAS otherwise.
+    /// `fc(aux)` for `rows` rows, f32 `[rows, H]`, in a new buffer ([`CudaDraft::fc_into`]).
     fn fc(&self, aux: &CudaSlice<u16>, rows: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let mut hidden = self.gpu.scratch::<f32>(rows * self.spec.hidden_size)?;
+        self.fc_into(aux, rows, &mut hidden)?;
+        Ok(hidden)
+    }
+
+    /// `fc(aux)` for `rows` rows into the first `rows` rows of `hidden`: through `gemv_rows` on
+    /// steps the fused kernels take (one launch, no cuBLAS call on the host's path), cuBLAS
+    /// otherwise. An eager extend's buffer and a replayed graph's hidden input get the same
+    /// launch, so the same bits.
+    fn fc_into(
+        &self,
+        aux: &CudaSlice<u16>,
+        rows: usize,
+        hidden: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         let (h, fc_in) = (self.spec.hidden_size, self.spec.fc_in());
         if aux.len() < rows * fc_in {
             return Err(ModelError::InvalidStep {
@@ -340,10 +354,8 @@ impl CudaDraft {
             }
             .into());
         }
-        let mut hidden = self.gpu.scratch::<f32>(rows * h)?;
         self.gpu
-            .project(self.fuses(rows), aux, &self.fc, &mut hidden, rows, fc_in, h)?;
-        Ok(hidden)
+            .project(self.fuses(rows), aux, &self.fc, hidden, rows, fc_in, h)
     }
 
     /// One step of the decoder layer over the cache. `hidden: [batch * width, H]` f32 is each
@@ -661,17 +673,8 @@ impl CudaDraft {
         let h = self.spec.hidden_size;
         match hidden {
             StepHidden::Rows(data) => gpu.copy_into(&data, &mut entry.buffers.hidden, rows * h)?,
-            // The live rows' fc output lands in the graph's input rows (the same launch
-            // `CudaDraft::fc` makes, so the same bits).
-            StepHidden::Fc(aux) => gpu.project(
-                self.fuses(rows),
-                aux,
-                &self.fc,
-                &mut entry.buffers.hidden,
-                rows,
-                self.spec.fc_in(),
-                h,
-            )?,
+            // The live rows' fc output lands in the graph's input rows.
+            StepHidden::Fc(aux) => self.fc_into(aux, rows, &mut entry.buffers.hidden)?,
         }
         gpu.replay(&entry.graph)?;
         let output = match keep {
