@@ -870,29 +870,50 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW, P>& w, const uns
     }
 }
 
+// Four consecutive values (vector i) of row r of a step's f32 rows [rows, n].
+struct F32Rows {
+    const float* __restrict__ x;
+    __device__ __forceinline__ float4 at(int r, int n, int i) const {
+        return reinterpret_cast<const float4*>(x + (size_t)r * n)[i];
+    }
+};
+
+// The same, of the embedding rows of the step's tokens (bf16, exact in f32): what embed_rows
+// writes, read where it is needed instead of through an f32 copy.
+struct EmbedRows {
+    const unsigned short* __restrict__ table;
+    const unsigned int* __restrict__ tokens;
+    __device__ __forceinline__ float4 at(int r, int n, int i) const {
+        const uint2 v = reinterpret_cast<const uint2*>(table + (size_t)tokens[r] * n)[i];
+        return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                           __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+    }
+};
+
 // xs[r * n + i] = bf16(rms_norm(x[r]) * w[i]) for r < rows, as add_rms_norm computes it (one
 // warp per row), into shared memory for the block's matrix-vector products. (Spreading every
 // row over the whole block, all rows' loads in flight at once, measured slower at 1 to 8 rows:
-// BENCHMARKS.md, session 18.)
-__device__ void stage_rms_normed(const float* __restrict__ x, const unsigned short* __restrict__ w,
-                                 unsigned short* xs, int rows, int n, float eps) {
+// BENCHMARKS.md, session 18.) `Rows` gives x's values: F32Rows or EmbedRows, the same
+// arithmetic on the same values.
+template <typename Rows>
+__device__ void stage_rms_normed_rows(const Rows& x, const unsigned short* __restrict__ w,
+                                      unsigned short* xs, int rows, int n, float eps) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const uint2* w4 = reinterpret_cast<const uint2*>(w);
     for (int r = warp; r < rows; r += warps) {
-        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * n);
         float squares = 0.0f;
 #pragma unroll 4
         for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = xr[i];
+            const float4 v = x.at(r, n, i);
             squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
         const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
         uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
 #pragma unroll 4
         for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = xr[i];
+            const float4 v = x.at(r, n, i);
             const uint2 wv = w4[i];
             const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
                                     ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
@@ -902,6 +923,11 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
         }
     }
     __syncthreads();
+}
+
+__device__ void stage_rms_normed(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                                 unsigned short* xs, int rows, int n, float eps) {
+    stage_rms_normed_rows(F32Rows{x}, w, xs, rows, n, eps);
 }
 
 // y[r, o] (f32) = x[r, :] (bf16) . w[o, :] (bf16), or y[r, o] += that when `accumulate` (the
@@ -917,11 +943,17 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
 // count and `split` by the shape, and a row's bits stay the same at every step width (batch
 // invariance). Block: GEMV_BLOCK_WARPS warps (GEMV_THREADS in device.rs), `split`
 // in {1, 2, 4}; 4 / split groups of NW outputs a block. Grid: ceil(out / (4 / split * NW)).
-template <int NW, int ROWS>
+// NORM (`gemv_norm_rows`): x is staged in shared memory as bf16(rms_norm(xf[r]) * norm_w), what
+// add_rms_norm would have written, so a final norm and the logits are one launch; the dot
+// products are the same.
+template <int NW, int ROWS, bool NORM = false>
 __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
                                            const unsigned short* __restrict__ w,
                                            float* __restrict__ y, int rows, int inp, int out,
-                                           int accumulate, int split) {
+                                           int accumulate, int split,
+                                           const float* __restrict__ xf = nullptr,
+                                           const unsigned short* __restrict__ norm_w = nullptr,
+                                           float eps = 0.0f) {
     __shared__ float partial[GEMV_BLOCK_WARPS][NW][GEMV_MAX_ROWS];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -952,6 +984,12 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
         }
     }
     PDL_WAIT();
+    if (NORM) {
+        extern __shared__ uint4 gemv_shared[];
+        unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
+        stage_rms_normed(xf, norm_w, xs, rows, inp, eps);
+        x = xs;
+    }
     float acc[NW][GEMV_MAX_ROWS];
     zero_acc<NW>(acc);
     const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -1039,6 +1077,25 @@ GEMV_ROWS_KERNELS(2)
 GEMV_ROWS_KERNELS(4)
 GEMV_ROWS_KERNELS(8)
 
+// y[r, o] = bf16(rms_norm(xf[r]) * norm_w) . w[o, :]: the final norm and the logits of a fused
+// step in one launch (the EAGLE-3 head's draft logits), the same kernels otherwise. Dynamic
+// shared: rows * inp bf16.
+#define GEMV_NORM_ROWS_KERNEL(ROWS, NW)                                                         \
+    extern "C" __global__ void gemv_norm_rows_r##ROWS##_o##NW(                                  \
+        const float* __restrict__ xf, const unsigned short* __restrict__ norm_w,                \
+        const unsigned short* __restrict__ w, float* __restrict__ y, int rows, int inp,         \
+        int out, int split, float eps) {                                                        \
+        gemv_split<NW, ROWS, true>(nullptr, w, y, rows, inp, out, 0, split, xf, norm_w, eps);   \
+    }
+#define GEMV_NORM_ROWS_KERNELS(ROWS) \
+    GEMV_NORM_ROWS_KERNEL(ROWS, 1)   \
+    GEMV_NORM_ROWS_KERNEL(ROWS, 2)   \
+    GEMV_NORM_ROWS_KERNEL(ROWS, 4)
+GEMV_NORM_ROWS_KERNELS(1)
+GEMV_NORM_ROWS_KERNELS(2)
+GEMV_NORM_ROWS_KERNELS(4)
+GEMV_NORM_ROWS_KERNELS(8)
+
 // act[r, j] = bf16(silu(g) * u) with g, u the gate and up projections (rows j and inter + j of
 // the fused gate|up weight) of rms_norm(x[r]) * norm_w. Grid: ceil(inter / warps). Dynamic
 // shared: rows * hidden bf16.
@@ -1090,7 +1147,9 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
                                          float* __restrict__ q_out, unsigned short* k_cache,
                                          unsigned short* v_cache, int rows, int hidden, int width,
                                          int heads, int kv_heads, int head_dim, int capacity,
-                                         int col0, const int* step_scalars, float eps) {
+                                         int col0, const int* step_scalars, float eps,
+                                         const unsigned short* __restrict__ embed_table,
+                                         const unsigned int* __restrict__ tokens) {
     PDL_LAUNCH_DEPENDENTS();
     extern __shared__ uint4 gemv_shared[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
@@ -1111,7 +1170,11 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
     if (step_scalars != nullptr) {
         col0 = step_scalars[0];
     }
-    stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
+    if (embed_table != nullptr) {
+        stage_rms_normed_rows(EmbedRows{embed_table, tokens}, norm_w, xs, rows, hidden, eps);
+    } else {
+        stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
+    }
     if (x2 != nullptr) {
         stage_rms_normed(x2, norm_w2, xs2, rows, hidden, eps);
     }

@@ -16,8 +16,8 @@ use cudarc::driver::sys::{
     CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
-    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
@@ -197,6 +197,18 @@ pub(crate) struct PersistentStep<'a> {
     pub eps: f32,
 }
 
+/// The first input of [`Gpu::norm_qkv_rope_of`].
+#[derive(Clone, Copy)]
+pub enum QkvInput<'a, 'b> {
+    /// `[rows, hidden]` f32 rows (a target layer's residual stream).
+    Rows(&'a CudaSlice<f32>),
+    /// Row `tokens[r]` of a `[vocab, hidden]` bf16 embedding table.
+    Embedding {
+        table: &'a CudaSlice<u16>,
+        tokens: &'a CudaView<'b, u32>,
+    },
+}
+
 /// Shared memory a fused kernel may stage its normed input rows in (bf16) without opting in to
 /// more than the default 48 KiB.
 pub const GEMV_MAX_SHARED_BYTES: usize = 48 << 10;
@@ -225,6 +237,8 @@ struct Kernels {
     /// `gemv_rows_r{R}_o{N}`: `[bucket][outputs]` for row buckets 1, 2, 4, 8 ([`gemv_bucket`])
     /// and 1, 2, 4 outputs a warp.
     gemv_rows: [[CudaFunction; 3]; 4],
+    /// `gemv_norm_rows_r{R}_o{N}`, indexed as `gemv_rows`.
+    gemv_norm_rows: [[CudaFunction; 3]; 4],
     norm_gate_up_silu: CudaFunction,
     norm_qkv_rope: CudaFunction,
     persistent_step: CudaFunction,
@@ -384,16 +398,8 @@ impl Gpu {
             move_rows_u16: module.load_function("move_rows_u16")?,
             taps_to_bf16: module.load_function("taps_to_bf16")?,
             topk_softmax: module.load_function("topk_softmax")?,
-            gemv_rows: {
-                let load = |rows: usize| -> Result<[CudaFunction; 3], CudaError> {
-                    Ok([
-                        module.load_function(&format!("gemv_rows_r{rows}_o1"))?,
-                        module.load_function(&format!("gemv_rows_r{rows}_o2"))?,
-                        module.load_function(&format!("gemv_rows_r{rows}_o4"))?,
-                    ])
-                };
-                [load(1)?, load(2)?, load(4)?, load(8)?]
-            },
+            gemv_rows: Self::gemv_kernels(&module, "gemv_rows")?,
+            gemv_norm_rows: Self::gemv_kernels(&module, "gemv_norm_rows")?,
             norm_gate_up_silu: module.load_function("norm_gate_up_silu")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope")?,
             persistent_step: module.load_function("persistent_step")?,
@@ -1119,6 +1125,21 @@ impl Gpu {
         Ok(())
     }
 
+    /// `{name}_r{R}_o{N}` for row buckets 1, 2, 4, 8 and 1, 2, 4 outputs a warp.
+    fn gemv_kernels(
+        module: &Arc<CudaModule>,
+        name: &str,
+    ) -> Result<[[CudaFunction; 3]; 4], CudaError> {
+        let load = |rows: usize| -> Result<[CudaFunction; 3], CudaError> {
+            Ok([
+                module.load_function(&format!("{name}_r{rows}_o1"))?,
+                module.load_function(&format!("{name}_r{rows}_o2"))?,
+                module.load_function(&format!("{name}_r{rows}_o4"))?,
+            ])
+        };
+        Ok([load(1)?, load(2)?, load(4)?, load(8)?])
+    }
+
     fn gemv_config(units: usize, shared_bytes: usize) -> LaunchConfig {
         let warps = (GEMV_THREADS / 32) as usize;
         LaunchConfig {
@@ -1222,6 +1243,57 @@ impl Gpu {
         unsafe { self.launch_programmatic(func, cfg, args) }
     }
 
+    /// `y[rows, out] = (rms_norm(x[r]) * norm_w) . w[out, inp]^T`, the normed rows rounded to
+    /// bf16 as [`Gpu::add_rms_norm`] writes them: a final norm and [`Gpu::gemv_rows`] in one
+    /// launch (`gemv_norm_rows` in kernels/llama.cu), for at most [`GEMV_MAX_ROWS`] rows. The
+    /// same row bucket, outputs a warp and split as `gemv_rows`, so a row's bits do not depend
+    /// on the step's width either.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_norm_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        norm_w: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        assert!(
+            Self::gemv_fits(rows, inp, &[]),
+            "normed gemv of {rows} x {inp}"
+        );
+        assert!(x.len() >= rows * inp && norm_w.len() >= inp);
+        assert!(w.len() >= out * inp && y.len() >= rows * out);
+        let bucket = gemv_bucket(rows);
+        let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
+        let split = gemv_split(out);
+        let func = &self.kernels.gemv_norm_rows[bucket.trailing_zeros() as usize]
+            [outputs.trailing_zeros() as usize];
+        let args = KernelArgs::default()
+            .buffer(self, x)
+            .buffer(self, norm_w)
+            .buffer(self, w)
+            .buffer(self, y)
+            .int(rows)
+            .int(inp)
+            .int(out)
+            .int(split)
+            .float(eps);
+        let per_block = (GEMV_THREADS as usize / 32) / split * outputs;
+        let cfg = LaunchConfig {
+            grid_dim: (out.div_ceil(per_block) as u32, 1, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: (rows * inp * 2) as u32,
+        };
+        // SAFETY: signature (f32*, u16*, u16*, f32*, int, int, int, int, float); sizes
+        // asserted; dynamic shared memory holds rows * inp bf16 (within GEMV_MAX_SHARED_BYTES
+        // by gemv_fits); rows of w start on 16-byte boundaries (inp a multiple of 8); the
+        // kernel waits (PDL_WAIT) before reading x.
+        unsafe { self.launch_programmatic(func, cfg, args) }
+    }
+
     /// `act[r, j] = silu(gate) * up` of the gate|up projection of `rms_norm(x[r]) * norm_w`
     /// (see `norm_gate_up_silu` in kernels/llama.cu).
     #[allow(clippy::too_many_arguments)]
@@ -1277,13 +1349,65 @@ impl Gpu {
         step_scalars: Option<&CudaView<'_, i32>>,
         eps: f32,
     ) -> Result<(), CudaError> {
+        self.norm_qkv_rope_of(
+            QkvInput::Rows(x),
+            norm_w,
+            w,
+            second,
+            bias,
+            positions,
+            inv_freq,
+            q_out,
+            k_cache,
+            v_cache,
+            shape,
+            hidden,
+            col0,
+            step_scalars,
+            eps,
+        )
+    }
+
+    /// [`Gpu::norm_qkv_rope`] whose first input is `x` as given: f32 rows, or the embedding
+    /// rows of the step's tokens read straight from the table (the EAGLE-3 head's attention
+    /// input, which nothing else reads: one launch, and no `embed_rows`, a step).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_qkv_rope_of(
+        &self,
+        x: QkvInput<'_, '_>,
+        norm_w: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        second: Option<(&CudaSlice<f32>, &CudaSlice<u16>, &CudaSlice<u16>)>,
+        bias: Option<&CudaSlice<f32>>,
+        positions: &CudaView<'_, i32>,
+        inv_freq: &CudaSlice<f32>,
+        q_out: &mut CudaSlice<f32>,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
+        shape: AttentionShape,
+        hidden: usize,
+        col0: usize,
+        step_scalars: Option<&CudaView<'_, i32>>,
+        eps: f32,
+    ) -> Result<(), CudaError> {
         let s = shape;
         let rows = s.rows();
         let q_dim = s.heads * s.head_dim;
         let kv_dim = s.kv_heads * s.head_dim;
         let qkv_dim = q_dim + 2 * kv_dim;
         assert!(Self::gemv_fits(rows, hidden, &[qkv_dim]) && s.head_dim.is_multiple_of(2));
-        assert!(x.len() >= rows * hidden && norm_w.len() >= hidden && w.len() >= qkv_dim * hidden);
+        assert!(norm_w.len() >= hidden && w.len() >= qkv_dim * hidden);
+        let (rows_in, embed) = match x {
+            QkvInput::Rows(x) => {
+                assert!(x.len() >= rows * hidden);
+                (Some(x), None)
+            }
+            QkvInput::Embedding { table, tokens } => {
+                // Token ids were checked against the vocabulary on the host.
+                assert!(table.len().is_multiple_of(hidden) && tokens.len() >= rows);
+                (None, Some((table, tokens)))
+            }
+        };
         assert!(bias.is_none_or(|b| b.len() >= qkv_dim));
         assert!(positions.len() >= rows && inv_freq.len() >= s.head_dim / 2);
         assert!(q_out.len() >= rows * q_dim && col0 + s.width <= s.capacity);
@@ -1296,7 +1420,7 @@ impl Gpu {
         let inputs = if second.is_some() { 2 } else { 1 };
         assert!(inputs * rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES);
         let args = KernelArgs::default()
-            .buffer(self, x)
+            .optional(self, rows_in)
             .buffer(self, norm_w)
             .buffer(self, w)
             .optional(self, second.map(|(x2, _, _)| x2))
@@ -1317,7 +1441,9 @@ impl Gpu {
             .int(s.capacity)
             .int(col0)
             .optional_view(self, step_scalars)
-            .float(eps);
+            .float(eps)
+            .optional(self, embed.map(|(table, _)| table))
+            .optional_view(self, embed.map(|(_, tokens)| tokens));
         let cfg = Self::gemv_config(pairs, inputs * rows * hidden * 2);
         // SAFETY: the signature of `norm_qkv_rope`; sizes asserted; dynamic shared memory
         // holds `inputs` * rows * hidden bf16; cache columns as in `rope_qkv` (with

@@ -16,7 +16,7 @@ use tandem_eagle::{DraftSpec, HostWeights, VocabMap};
 use tandem_model::{ModelError, StepInput, Taps};
 
 use crate::cache::{CudaKvCache, HostStep, StepInputs};
-use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu};
+use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, QkvInput};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
 use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, fused_rows_default, graph_batch};
@@ -57,12 +57,24 @@ pub struct CudaDraft {
     /// Whether fused steps take the draft logits from `gemv_rows` (else cuBLAS, as unfused
     /// steps do); see [`lm_head_gemv_default`].
     lm_head_gemv: bool,
+    /// Whether fused steps fold the embedding into the q|k|v kernel and the final norm into
+    /// the logits (two launches fewer a step); see [`head_fold_default`].
+    fold: bool,
 }
 
 /// `TANDEM_CUDA_DRAFT_LM_HEAD`: `gemv` (the default) takes a fused step's draft logits from
 /// `gemv_rows`, `cublas` from cuBLAS, for same-binary comparisons on the GPU.
 fn lm_head_gemv_default() -> bool {
     std::env::var("TANDEM_CUDA_DRAFT_LM_HEAD").map_or(true, |v| v != "cublas")
+}
+
+/// `TANDEM_CUDA_HEAD_FOLD=0` runs a fused head step as nine launches (the embedding through
+/// `embed_rows`, the final norm through `add_rms_norm`) instead of seven, the same-binary
+/// baseline of the fold. The embedding fold is exact; the norm fold stages the normed row in
+/// the logits kernel with the fused kernels' one-warp-a-row sum, so its bf16 row may differ in
+/// the last bit from `add_rms_norm`'s block-wide sum.
+fn head_fold_default() -> bool {
+    std::env::var("TANDEM_CUDA_HEAD_FOLD").map_or(true, |v| v != "0")
 }
 
 impl std::fmt::Debug for CudaDraft {
@@ -169,6 +181,7 @@ impl CudaDraft {
             fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             draft_to_target: gpu.upload(&draft_to_target)?,
             lm_head_gemv: lm_head_gemv_default(),
+            fold: head_fold_default(),
             spec,
             vocab,
             gpu,
@@ -179,6 +192,13 @@ impl CudaDraft {
     pub fn set_fused_rows(&self, rows: usize) {
         self.fused_rows
             .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
+    }
+
+    /// Whether fused steps read the embedding inside the q|k|v kernel and take the final norm
+    /// inside the logits kernel (seven launches a step, the default) or launch `embed_rows` and
+    /// `add_rms_norm` for them (nine; `TANDEM_CUDA_HEAD_FOLD=0`).
+    pub fn set_fold(&mut self, on: bool) {
+        self.fold = on;
     }
 
     /// Whether a step of `rows` rows runs fused (both halves of the attention input staged in
@@ -705,14 +725,26 @@ impl CudaDraft {
         let (tokens, positions) = (b.inputs.tokens(), b.inputs.positions());
         let scalars = graphed.then(|| b.inputs.scalars());
         let scalars = scalars.as_ref();
-        gpu.embed_rows(&self.embed, &tokens, &mut b.embeds, rows, h)?;
         // Small steps may run the target's small-step kernels (see `CudaTarget::encode`): both
         // normed halves of the attention input staged by the q|k|v kernel, o_proj and down_proj
-        // added into the residual; eight launches instead of fourteen.
+        // added into the residual; eight launches instead of fourteen, and seven with the
+        // embedding read inside the q|k|v kernel and the final norm inside the logits kernel.
         let fused = self.fuses(rows);
+        let fold = fused && self.fold;
+        if !fold {
+            gpu.embed_rows(&self.embed, &tokens, &mut b.embeds, rows, h)?;
+        }
         if fused {
-            gpu.norm_qkv_rope(
-                &b.embeds,
+            let first = if fold {
+                QkvInput::Embedding {
+                    table: &self.embed,
+                    tokens: &tokens,
+                }
+            } else {
+                QkvInput::Rows(&b.embeds)
+            };
+            gpu.norm_qkv_rope_of(
+                first,
                 &self.input_norm,
                 &self.qkv_embed,
                 Some((&b.hidden, &self.hidden_norm, &self.qkv_hidden)),
@@ -811,6 +843,19 @@ impl CudaDraft {
             gpu.silu_mul(&b.gate_up, &mut b.act, rows, inter)?;
             gpu.linear(&b.act, &self.down, &mut b.delta, rows, inter, h)?;
         }
+        let vocab = spec.draft_vocab_size;
+        if fold && self.lm_head_gemv {
+            return gpu.gemv_norm_rows(
+                &b.hidden,
+                &self.norm,
+                &self.lm_head,
+                &mut b.logits,
+                rows,
+                h,
+                vocab,
+                eps,
+            );
+        }
         // The final norm, with the pending residual add of down_proj when unfused.
         gpu.add_rms_norm(
             &mut b.hidden,
@@ -824,7 +869,6 @@ impl CudaDraft {
         )?;
         // Fused steps take the draft logits from the matrix-vector kernel, as the target's
         // logits (`Gpu::project`).
-        let vocab = spec.draft_vocab_size;
         let gemv = fused && self.lm_head_gemv;
         gpu.project(
             gemv,

@@ -1166,6 +1166,68 @@ fn pinned_upload_delivers_every_value_in_place() {
     assert_eq!(wrong, 0, "{wrong} of {n} values differ");
 }
 
+/// `gemv_norm_rows` (the head's final norm and draft logits in one launch) against
+/// `add_rms_norm` then `gemv_rows` on the same rows: within 1e-3 of the largest logit (the
+/// staged norm sums a row's squares in another order, so a normed value may round to the
+/// neighbouring bf16), and a row's logits the same bits at every row count 1..=8, as the
+/// fused kernels' batch invariance needs.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gemv_norm_rows_is_a_final_norm_then_gemv_rows() {
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(30);
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
+    let eps = 1e-5f32;
+    for (inp, out) in [(576, 8192), (128, 577), (1536, 1536)] {
+        let x: Vec<f32> = (0..8 * inp).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let norm: Vec<u16> = (0..inp).map(|_| bf16(rng.random_range(0.5..1.5))).collect();
+        let w: Vec<u16> = (0..out * inp)
+            .map(|_| bf16(rng.random_range(-0.1..0.1)))
+            .collect();
+        let (normd, wd) = (gpu.upload(&norm).unwrap(), gpu.upload(&w).unwrap());
+        // The two-launch path.
+        let mut xd = gpu.upload(&x).unwrap();
+        let mut normed = gpu.zeros::<u16>(8 * inp).unwrap();
+        gpu.add_rms_norm(&mut xd, None, &normd, &mut normed, None, 8, inp, eps)
+            .unwrap();
+        let mut y = gpu.zeros::<f32>(8 * out).unwrap();
+        gpu.gemv_rows(&normed, &wd, &mut y, 8, inp, out, false)
+            .unwrap();
+        let two_launches = gpu.download(&y).unwrap();
+        let largest = two_launches.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let run = |rows: usize| {
+            let mut y = gpu.zeros::<f32>(8 * out).unwrap();
+            gpu.gemv_norm_rows(&xd, &normd, &wd, &mut y, rows, inp, out, eps)
+                .unwrap();
+            gpu.download(&y).unwrap()
+        };
+        let all_rows = run(8);
+        for i in 0..8 * out {
+            let err = (all_rows[i] - two_launches[i]).abs();
+            assert!(
+                err <= 1e-3 * largest,
+                "{inp}x{out} [{i}]: {} vs {} (largest {largest})",
+                all_rows[i],
+                two_launches[i]
+            );
+        }
+        for rows in 1..8 {
+            let got = run(rows);
+            for i in 0..rows * out {
+                assert_eq!(
+                    got[i].to_bits(),
+                    all_rows[i].to_bits(),
+                    "{inp}x{out} rows {rows} [{i}]: not the bits of a step of eight"
+                );
+            }
+            assert!(
+                got[rows * out..].iter().all(|&v| v == 0.0),
+                "rows past {rows} written"
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gemv_rows_matches_a_host_reference_with_the_same_bits_at_every_row_count() {

@@ -190,6 +190,120 @@ fn fast_head_graph_replay_gives_the_eager_outputs() {
     assert_eq!(eager.graph_stats(), tandem_cuda::GraphStats::default());
 }
 
+/// The fused head step's two folds (the embedding read inside the q|k|v kernel, the final
+/// norm inside the logits kernel: seven launches instead of nine) against the same head
+/// launching `embed_rows` and `add_rms_norm`, both eager, over an extend of 2 x 3 slots and
+/// chain steps of two rows, every step fused. The hidden outputs must be the same bits (the
+/// embedding fold reads the same values in the same order); the logits within 1e-3 of the
+/// largest (the staged norm rounds a row to bf16 after a one-warp sum, `add_rms_norm` after a
+/// block-wide one) and, against an f64 host reference from the hidden output, within the
+/// bf16 rounding of the normed row.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn folded_head_steps_match_the_nine_launch_steps() {
+    let f = fixture("fold");
+    let mut plain = eager_head(&f);
+    plain.set_fold(false);
+    let folded = eager_head(&f);
+    for head in [&plain, &folded] {
+        head.set_fused_rows(8);
+    }
+    let spec = &f.draft.spec;
+    let (h, vocab) = (spec.hidden_size, spec.draft_vocab_size);
+    let host_weights = f.cpu_draft.to_host();
+    // Round to the nearest bf16, ties to even (the kernels' f32_to_bf16; no NaNs here).
+    let bf16 = |v: f32| {
+        let bits = v.to_bits();
+        f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+    };
+    // The GPU holds the head's weights in bf16.
+    let weight = |name: &str| -> Vec<f32> {
+        let (_, values) = host_weights
+            .get(name)
+            .unwrap_or_else(|| panic!("head weight {name}"));
+        values.iter().map(|&v| bf16(v)).collect()
+    };
+    let (norm, lm_head) = (weight("norm.weight"), weight("lm_head.weight"));
+    let gpu = f.target.gpu().clone();
+    let mut caches = [
+        plain.new_cache(2, 64).unwrap(),
+        folded.new_cache(2, 64).unwrap(),
+    ];
+    let mut seed = 7u32;
+    let mut random_hidden = |rows: usize| -> Vec<f32> {
+        (0..rows * h)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    };
+    let mut tokens = vec![vec![5u32, 17, 250], vec![3, 99, 42]];
+    let mut worst = 0.0f32;
+    for round in 0..4 {
+        let step = if round == 0 {
+            let chunks: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
+            caches[0].layout().prefill_step(&chunks).unwrap()
+        } else {
+            caches[0]
+                .layout()
+                .decode_step(&[tokens[0][0], tokens[1][0]])
+                .unwrap()
+        };
+        let rows = step.batch * step.width;
+        let input = random_hidden(rows);
+        let mut outs = Vec::new();
+        for (head, cache) in [&plain, &folded].into_iter().zip(caches.iter_mut()) {
+            let out = head
+                .forward_step(&step, gpu.upload(&input).unwrap(), cache)
+                .expect("draft step");
+            outs.push((out.hidden.to_host().unwrap(), out.logits.to_host().unwrap()));
+        }
+        let (hidden, logits) = &outs[1];
+        assert_eq!(
+            outs[0].0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            hidden.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "round {round}: the folded embedding changed the hidden output"
+        );
+        let gap = rel_err(&outs[0].1, logits);
+        assert!(
+            gap <= 1e-3,
+            "round {round}: logits differ by {gap} of the largest"
+        );
+        worst = worst.max(gap);
+        // f64 reference: rms_norm(hidden) * w, rounded to bf16 as the kernel stages it.
+        for r in 0..rows {
+            let x = &hidden[r * h..(r + 1) * h];
+            let mean = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / h as f64;
+            let inv = 1.0 / (mean + spec.rms_norm_eps).sqrt();
+            let normed: Vec<f64> = (0..h)
+                .map(|i| f64::from(bf16((f64::from(x[i]) * inv) as f32 * norm[i])))
+                .collect();
+            let row: Vec<f64> = (0..vocab)
+                .map(|o| {
+                    (0..h)
+                        .map(|i| normed[i] * f64::from(lm_head[o * h + i]))
+                        .sum()
+                })
+                .collect();
+            let scale = row.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            for o in 0..vocab {
+                let err = (f64::from(logits[r * vocab + o]) - row[o]).abs();
+                assert!(
+                    err <= 2e-3 * scale,
+                    "round {round} row {r} logit {o}: {} vs {} (largest {scale})",
+                    logits[r * vocab + o],
+                    row[o]
+                );
+            }
+        }
+        tokens = (0..2)
+            .map(|b| vec![(tokens[b][0] * 7 + round as u32 + 1) % vocab as u32])
+            .collect();
+    }
+    eprintln!("folded head: largest logit gap {worst:e} of the largest value");
+}
+
 /// `CudaDraft::extend_taps` (one index upload, the fc projected straight into a replayed
 /// graph's hidden input, the kept slots gathered from the graph's buffers) against
 /// `fc_input` then `extend` on a head that launches every kernel: the kept slots' hidden
