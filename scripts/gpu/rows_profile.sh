@@ -15,7 +15,8 @@
 # NSYS=1: an nsys timeline of 3/1/4 speculative rounds (the raw kernel and API traces come back).
 # AB_ENV="VAR=value ..": each shape's bench (and the adaptive serve at each concurrency) also
 # runs with these variables exported, labelled `ab`: an A/B of one switch in one binary and run.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS.
+# FAST_AB="VAR=value ..": fast-bench (fused) again with these exported, in the same run.
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, FAST_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
@@ -82,6 +83,13 @@ pipeline() {
       --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast-bench.json" \
       > "$R/fast-bench.md" 2> "$R/fast-bench.log"
     echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
+    # FAST_AB="VAR=value ..": the same fast-bench again with these exported (same run).
+    if [[ -n "${FAST_AB:-}" ]]; then
+      (export $FAST_AB; timeout 300 "$T" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 \
+        --new-tokens 64 --repeats 3 --with-taps --graphs-only --fused on --json "$R/fast-bench-ab.json" \
+        > "$R/fast-bench-ab.md" 2> "$R/fast-bench-ab.log")
+      echo "fast-bench with $FAST_AB: exit $?" | tee -a "$R/summary.txt"
+    fi
     mark "fast-bench done"
   fi
   # Outputs a warp of gemv_rows per row bucket (TANDEM_CUDA_GEMV_OUTPUTS; bits never change):
