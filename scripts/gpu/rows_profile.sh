@@ -16,6 +16,7 @@
 # AB_ENV="VAR=value ..": each shape's bench (and the adaptive serve at each concurrency) also
 # runs with these variables exported, labelled `ab`: an A/B of one switch in one binary and run.
 # FAST_AB="VAR=value ..": fast-bench (fused) again with these exported, in the same run.
+# AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
 # Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, FAST_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS.
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
@@ -196,7 +197,11 @@ PY
   for c in ${SERVE:-}; do
     serve_load "target-only_c$c" "$c" --no-draft
     serve_load "adaptive_c$c" "$c" --draft "$W/head"
-    [[ -n "${AB_ENV:-}" ]] && (export $AB_ENV; serve_load "adaptive-ab_c$c" "$c" --draft "$W/head")
+    if [[ -n "${AB_ENV:-}" ]]; then
+      (export $AB_ENV; serve_load "adaptive-ab_c$c" "$c" --draft "$W/head")
+      # AB_TARGET=1: target-only with AB_ENV too (a switch that changes the target's steps).
+      [[ "${AB_TARGET:-0}" == 1 ]] && (export $AB_ENV; serve_load "target-only-ab_c$c" "$c" --no-draft)
+    fi
   done
   # Steady state: 256 requests at the concurrencies in SERVE_LONG.
   for c in ${SERVE_LONG:-}; do

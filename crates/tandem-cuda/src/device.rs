@@ -197,6 +197,20 @@ pub(crate) struct PersistentStep<'a> {
     pub eps: f32,
 }
 
+/// Which steps launch their small-step kernels (and the plain attention kernel) with
+/// programmatic dependent launch, by row count: `TANDEM_CUDA_PDL_ROWS=N` (steps of at most N
+/// rows; 0: none), or `TANDEM_CUDA_PDL=1` (every step, as before N existed); off otherwise.
+/// A PDL launch may start while the kernel before it runs and load its weights before
+/// waiting for its inputs (`PDL_WAIT` in the kernels). On the H200 that made 1- and 2-row
+/// steps faster and 4- and 8-row steps slower (BENCHMARKS.md, session 30).
+fn pdl_rows_from_env() -> usize {
+    match std::env::var("TANDEM_CUDA_PDL_ROWS") {
+        Ok(v) => v.trim().parse().unwrap_or(0),
+        Err(_) if std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1") => usize::MAX,
+        Err(_) => 0,
+    }
+}
+
 /// The first input of [`Gpu::norm_qkv_rope_of`].
 #[derive(Clone, Copy)]
 pub enum QkvInput<'a, 'b> {
@@ -257,9 +271,12 @@ pub struct Gpu {
     kernels: Kernels,
     /// Whether models on this GPU start with CUDA graphs on (`TANDEM_CUDA_GRAPHS=0`: off).
     graphs_default: bool,
-    /// Whether the small-step kernels launch with programmatic dependent launch: an sm_90+
-    /// GPU and `TANDEM_CUDA_PDL=1` (an experiment: slower as the kernels stand).
+    /// Whether the kernels were compiled for programmatic dependent launch: an sm_90+ GPU and
+    /// [`pdl_rows_from_env`] above 0.
     programmatic: bool,
+    /// The most rows a step may have for its kernels to launch with programmatic dependent
+    /// launch ([`pdl_rows_from_env`]; 0 when `programmatic` is off).
+    pdl_rows: usize,
     /// Streaming multiprocessors: the persistent step runs one block on each.
     sm_count: usize,
     /// Warps per block of the persistent step (PERSIST_THREADS / 32 as compiled).
@@ -365,9 +382,8 @@ impl Gpu {
             status.result()?;
         }
         let (major, _) = ctx.compute_capability()?;
-        // Off unless asked for: on the H200 the fused batch-1 decode took 1.04 ms with it and
-        // 0.86 ms without (BENCHMARKS.md, session 18).
-        let programmatic = major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1");
+        let pdl_rows = if major >= 9 { pdl_rows_from_env() } else { 0 };
+        let programmatic = pdl_rows > 0;
         // The persistent step's block: 16 warps, or 8 with TANDEM_CUDA_PERSISTENT_WARPS=8
         // (twice the registers per thread).
         let persistent_warps = match std::env::var("TANDEM_CUDA_PERSISTENT_WARPS").as_deref() {
@@ -418,6 +434,7 @@ impl Gpu {
             kernels,
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             programmatic,
+            pdl_rows,
             sm_count,
             persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
@@ -1010,7 +1027,7 @@ impl Gpu {
         unsafe {
             match visible {
                 Some(_) => self.launch_ex(&self.kernels.attention_invariant, cfg, args, None),
-                None => self.launch_programmatic(&self.kernels.attention, cfg, args),
+                None => self.launch_programmatic(&self.kernels.attention, cfg, args, s.rows()),
             }
         }
     }
@@ -1062,9 +1079,10 @@ impl Gpu {
         func: &CudaFunction,
         cfg: LaunchConfig,
         args: KernelArgs,
+        rows: usize,
     ) -> Result<(), CudaError> {
         use cudarc::driver::sys;
-        let attribute = self.programmatic.then(|| {
+        let attribute = (self.programmatic && rows <= self.pdl_rows).then(|| {
             // SAFETY: a plain C struct for which all-zero bytes are a valid value.
             let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attribute.id =
@@ -1240,7 +1258,7 @@ impl Gpu {
         // x and w start on 16-byte boundaries (whole allocations, inp a multiple of 8); `split`
         // divides the block's four warps; outputs past `out` are guarded in the kernel, which
         // waits (PDL_WAIT) before reading x or y.
-        unsafe { self.launch_programmatic(func, cfg, args) }
+        unsafe { self.launch_programmatic(func, cfg, args, rows) }
     }
 
     /// `y[rows, out] = (rms_norm(x[r]) * norm_w) . w[out, inp]^T`, the normed rows rounded to
@@ -1291,7 +1309,7 @@ impl Gpu {
         // asserted; dynamic shared memory holds rows * inp bf16 (within GEMV_MAX_SHARED_BYTES
         // by gemv_fits); rows of w start on 16-byte boundaries (inp a multiple of 8); the
         // kernel waits (PDL_WAIT) before reading x.
-        unsafe { self.launch_programmatic(func, cfg, args) }
+        unsafe { self.launch_programmatic(func, cfg, args, rows) }
     }
 
     /// `act[r, j] = silu(gate) * up` of the gate|up projection of `rms_norm(x[r]) * norm_w`
@@ -1323,7 +1341,7 @@ impl Gpu {
         let cfg = Self::gemv_config(inter, rows * hidden * 2);
         // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float); sizes asserted;
         // dynamic shared memory holds rows * hidden bf16; PDL_WAIT before reading x.
-        unsafe { self.launch_programmatic(&self.kernels.norm_gate_up_silu, cfg, args) }
+        unsafe { self.launch_programmatic(&self.kernels.norm_gate_up_silu, cfg, args, rows) }
     }
 
     /// q|k|v of `rms_norm(x[r]) * norm_w`, the bias, RoPE and the cache write in one launch: what
@@ -1449,7 +1467,7 @@ impl Gpu {
         // holds `inputs` * rows * hidden bf16; cache columns as in `rope_qkv` (with
         // `step_scalars`, the caller checks each step's column); PDL_WAIT before reading any
         // input but the weights.
-        unsafe { self.launch_programmatic(&self.kernels.norm_qkv_rope, cfg, args) }
+        unsafe { self.launch_programmatic(&self.kernels.norm_qkv_rope, cfg, args, rows) }
     }
 
     /// Dynamic shared memory of `persistent_step` at `rows` rows: the staged bf16 normed rows,
