@@ -204,10 +204,19 @@ pub(crate) struct PersistentStep<'a> {
 /// waiting for its inputs (`PDL_WAIT` in the kernels). On the H200 that made 1- and 2-row
 /// steps faster and 4- and 8-row steps slower (BENCHMARKS.md, session 30).
 fn pdl_rows_from_env() -> usize {
-    match std::env::var("TANDEM_CUDA_PDL_ROWS") {
-        Ok(v) => v.trim().parse().unwrap_or(0),
-        Err(_) if std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1") => usize::MAX,
-        Err(_) => 0,
+    pdl_rows(
+        std::env::var("TANDEM_CUDA_PDL_ROWS").ok().as_deref(),
+        std::env::var("TANDEM_CUDA_PDL").ok().as_deref(),
+    )
+}
+
+/// [`pdl_rows_from_env`] of the two variables' values: `TANDEM_CUDA_PDL_ROWS` wins when set (a
+/// value that is not a number turns PDL off rather than on).
+fn pdl_rows(rows: Option<&str>, every_step: Option<&str>) -> usize {
+    match (rows, every_step) {
+        (Some(rows), _) => rows.trim().parse().unwrap_or(0),
+        (None, Some("1")) => usize::MAX,
+        (None, _) => 0,
     }
 }
 
@@ -2072,6 +2081,19 @@ impl DeviceRows {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn pdl_rows_take_the_row_cap_first_and_every_step_only_for_1() {
+        use super::pdl_rows;
+        assert_eq!(pdl_rows(None, None), 0);
+        assert_eq!(pdl_rows(Some("2"), None), 2);
+        assert_eq!(pdl_rows(Some(" 8 "), Some("1")), 8);
+        assert_eq!(pdl_rows(Some("0"), Some("1")), 0, "the row cap wins");
+        assert_eq!(pdl_rows(Some("two"), None), 0, "not a number: off");
+        assert_eq!(pdl_rows(None, Some("1")), usize::MAX);
+        assert_eq!(pdl_rows(None, Some("0")), 0);
+        assert_eq!(pdl_rows(None, Some("yes")), 0);
+    }
+
     use super::*;
 
     #[test]
