@@ -1257,17 +1257,28 @@ impl Gpu {
             .int(out)
             .int(usize::from(accumulate))
             .int(split);
-        let per_block = (GEMV_THREADS as usize / 32) / split * outputs;
-        let cfg = LaunchConfig {
-            grid_dim: (out.div_ceil(per_block) as u32, 1, 1),
-            block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = Self::gemv_rows_config(out, split, outputs, 0);
         // SAFETY: signature (u16*, u16*, f32*, int, int, int, int, int); sizes asserted; rows of
         // x and w start on 16-byte boundaries (whole allocations, inp a multiple of 8); `split`
         // divides the block's four warps; outputs past `out` are guarded in the kernel, which
         // waits (PDL_WAIT) before reading x or y.
         unsafe { self.launch_programmatic(func, cfg, args, rows) }
+    }
+
+    /// The grid of a `gemv_rows`-family kernel: `out` outputs, `split` warps sharing an output
+    /// and `outputs` outputs a warp, blocks of [`GEMV_THREADS`].
+    fn gemv_rows_config(
+        out: usize,
+        split: usize,
+        outputs: usize,
+        shared_bytes: usize,
+    ) -> LaunchConfig {
+        let per_block = (GEMV_THREADS as usize / 32) / split * outputs;
+        LaunchConfig {
+            grid_dim: (out.div_ceil(per_block) as u32, 1, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
+        }
     }
 
     /// `y[rows, out] = (rms_norm(x[r]) * norm_w) . w[out, inp]^T`, the normed rows rounded to
@@ -1308,12 +1319,7 @@ impl Gpu {
             .int(out)
             .int(split)
             .float(eps);
-        let per_block = (GEMV_THREADS as usize / 32) / split * outputs;
-        let cfg = LaunchConfig {
-            grid_dim: (out.div_ceil(per_block) as u32, 1, 1),
-            block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: (rows * inp * 2) as u32,
-        };
+        let cfg = Self::gemv_rows_config(out, split, outputs, rows * inp * 2);
         // SAFETY: signature (f32*, u16*, u16*, f32*, int, int, int, int, float); sizes
         // asserted; dynamic shared memory holds rows * inp bf16 (within GEMV_MAX_SHARED_BYTES
         // by gemv_fits); rows of w start on 16-byte boundaries (inp a multiple of 8); the

@@ -92,6 +92,17 @@ fn real_rows(values: &[f32], real: &[bool], width: usize) -> Vec<f32> {
 
 /// A second copy of the fixture's head that launches every kernel (graphs off): the
 /// reference a graphed head is compared with.
+/// `n` values uniform in [-scale, scale) from a linear congruential generator at `seed`
+/// (advanced), so that two heads can be fed the same hidden inputs.
+fn uniform_rows(seed: &mut u32, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            ((*seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
 fn eager_head(f: &Fixture) -> CudaDraft {
     let eager = CudaDraft::new(
         &f.target,
@@ -122,14 +133,7 @@ fn fast_head_graph_replay_gives_the_eager_outputs() {
     ];
     let gpu = f.target.gpu().clone();
     let mut seed = 1u32;
-    let mut random_hidden = |rows: usize| -> Vec<f32> {
-        (0..rows * h)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    };
+    let mut random_hidden = |rows: usize| uniform_rows(&mut seed, rows * h, 1.0);
     let run = |step: tandem_model::StepInput,
                caches: &mut [tandem_cuda::CudaKvCache; 2],
                hidden: &[f32],
@@ -230,14 +234,7 @@ fn folded_head_steps_match_the_nine_launch_steps() {
         folded.new_cache(2, 64).unwrap(),
     ];
     let mut seed = 7u32;
-    let mut random_hidden = |rows: usize| -> Vec<f32> {
-        (0..rows * h)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-            })
-            .collect()
-    };
+    let mut random_hidden = |rows: usize| uniform_rows(&mut seed, rows * h, 2.0);
     let mut tokens = vec![vec![5u32, 17, 250], vec![3, 99, 42]];
     let mut worst = 0.0f32;
     for round in 0..4 {
