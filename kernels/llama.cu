@@ -943,9 +943,9 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
 // count and `split` by the shape, and a row's bits stay the same at every step width (batch
 // invariance). Block: GEMV_BLOCK_WARPS warps (GEMV_THREADS in device.rs), `split`
 // in {1, 2, 4}; 4 / split groups of NW outputs a block. Grid: ceil(out / (4 / split * NW)).
-// NORM (`gemv_norm_rows`): x is staged in shared memory as bf16(rms_norm(xf[r]) * norm_w), what
-// add_rms_norm would have written, so a final norm and the logits are one launch; the dot
-// products are the same.
+// NORM (`gemv_norm_rows`): x is staged in shared memory as bf16(rms_norm(xf[r]) * norm_w) by
+// stage_rms_normed (a one-warp sum of squares, so a value may land on the neighbouring bf16 of
+// add_rms_norm's), and a final norm and the logits are one launch; the dot products are the same.
 template <int NW, int ROWS, bool NORM = false>
 __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
                                            const unsigned short* __restrict__ w,

@@ -220,7 +220,7 @@ fn pdl_rows(rows: Option<&str>, every_step: Option<&str>) -> usize {
     }
 }
 
-/// The first input of [`Gpu::norm_qkv_rope_of`].
+/// The first input of [`Gpu::norm_qkv_rope`].
 #[derive(Clone, Copy)]
 pub enum QkvInput<'a, 'b> {
     /// `[rows, hidden]` f32 rows (a target layer's residual stream).
@@ -1282,7 +1282,8 @@ impl Gpu {
     }
 
     /// `y[rows, out] = (rms_norm(x[r]) * norm_w) . w[out, inp]^T`, the normed rows rounded to
-    /// bf16 as [`Gpu::add_rms_norm`] writes them: a final norm and [`Gpu::gemv_rows`] in one
+    /// bf16 as the fused kernels stage them (a one-warp sum of squares: a value may differ in
+    /// the last bit from [`Gpu::add_rms_norm`]'s): a final norm and [`Gpu::gemv_rows`] in one
     /// launch (`gemv_norm_rows` in kernels/llama.cu), for at most [`GEMV_MAX_ROWS`] rows. The
     /// same row bucket, outputs a warp and split as `gemv_rows`, so a row's bits do not depend
     /// on the step's width either.
@@ -1362,50 +1363,12 @@ impl Gpu {
     /// q|k|v of `rms_norm(x[r]) * norm_w`, the bias, RoPE and the cache write in one launch: what
     /// [`Gpu::add_rms_norm`], [`Gpu::linear`] and [`Gpu::rope_qkv`] do for a small step (see
     /// `norm_qkv_rope` in kernels/llama.cu). `second`: another input `(x2, norm_w2, w2)` whose
-    /// normed rows go through their own weight into the same projection (the draft head).
+    /// normed rows go through their own weight into the same projection (the draft head). `x`:
+    /// f32 rows (a target layer's residual stream), or the embedding rows of the step's tokens
+    /// read straight from the table (the head's attention input, which nothing else reads: no
+    /// `embed_rows` launch).
     #[allow(clippy::too_many_arguments)]
     pub fn norm_qkv_rope(
-        &self,
-        x: &CudaSlice<f32>,
-        norm_w: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
-        second: Option<(&CudaSlice<f32>, &CudaSlice<u16>, &CudaSlice<u16>)>,
-        bias: Option<&CudaSlice<f32>>,
-        positions: &CudaView<'_, i32>,
-        inv_freq: &CudaSlice<f32>,
-        q_out: &mut CudaSlice<f32>,
-        k_cache: &mut CudaSlice<u16>,
-        v_cache: &mut CudaSlice<u16>,
-        shape: AttentionShape,
-        hidden: usize,
-        col0: usize,
-        step_scalars: Option<&CudaView<'_, i32>>,
-        eps: f32,
-    ) -> Result<(), CudaError> {
-        self.norm_qkv_rope_of(
-            QkvInput::Rows(x),
-            norm_w,
-            w,
-            second,
-            bias,
-            positions,
-            inv_freq,
-            q_out,
-            k_cache,
-            v_cache,
-            shape,
-            hidden,
-            col0,
-            step_scalars,
-            eps,
-        )
-    }
-
-    /// [`Gpu::norm_qkv_rope`] whose first input is `x` as given: f32 rows, or the embedding
-    /// rows of the step's tokens read straight from the table (the EAGLE-3 head's attention
-    /// input, which nothing else reads: one launch, and no `embed_rows`, a step).
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_qkv_rope_of(
         &self,
         x: QkvInput<'_, '_>,
         norm_w: &CudaSlice<u16>,

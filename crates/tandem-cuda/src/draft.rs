@@ -743,7 +743,7 @@ impl CudaDraft {
             } else {
                 QkvInput::Rows(&b.embeds)
             };
-            gpu.norm_qkv_rope_of(
+            gpu.norm_qkv_rope(
                 first,
                 &self.input_norm,
                 &self.qkv_embed,

@@ -15,6 +15,7 @@ use tandem_wiring::TapId;
 use crate::cache::{CudaKvCache, HostStep, StepInputs};
 use crate::device::{
     AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
+    QkvInput,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -956,7 +957,7 @@ impl CudaTarget {
         for (k, layer) in layers.iter().enumerate() {
             if fused {
                 gpu.norm_qkv_rope(
-                    hidden,
+                    QkvInput::Rows(hidden),
                     &layer.input_norm,
                     &layer.qkv,
                     None,
