@@ -296,21 +296,29 @@ print(f"ROUND {sys.argv[2]:22s} {sys.argv[3]:6s} draft {draft:.3f} extend {exten
 PY
 }
 
-# run_phases SCRIPT PHASE [ARG]: the five-call transfer and the detached pipeline every SmolLM2
-# H200 script shares. SCRIPT defines `pipeline` (runs in $W on the GPU machine; the dispatcher
+# run_phases SCRIPT PHASE [ARG]: the five-call transfer and the detached pipeline every H200
+# script shares. SCRIPT defines `pipeline` (runs in $W on the GPU machine; the dispatcher
 # marks its start and touches $R/done after it) and `report` (prints what the last call shows),
 # and may set EXTRA_FILES (files copied into $W at `start`). Phases: pack (here), a, piece
 # b|c|d, start (imports the GGUF, starts the pipeline, then waits), wait (later calls),
-# pipeline (internal).
+# pipeline (internal). A script with another transfer (qwen_chain.sh: a 1.1 GB GGUF in ~18
+# pieces) defines `own_PHASE` functions (`own_pack`, `own_receive`, `own_receive_opt` for
+# receive-opt), which take the place of the shared phase of that name, and `prepare_start`,
+# which takes the place of the GGUF import at `start`.
 run_phases() {
-  local script=$1 phase=$2 arg=${3:-} name f
+  local script=$1 phase=$2 arg=${3:-} name f own
   name=$(basename "$script")
+  own="own_${phase//-/_}"
+  if [[ -n "$phase" ]] && declare -F "$own" > /dev/null; then
+    "$own" "$arg"
+    return
+  fi
   case "$phase" in
   pack) pack_smollm2 ;;
   a) phase_a ;;
   piece) phase_piece "$arg" ;;
   start)
-    phase_import
+    if declare -F prepare_start > /dev/null; then prepare_start || return; else phase_import; fi
     cp "$script" "$W/$name"
     for f in ${EXTRA_FILES:-}; do cp "$f" "$W/"; done
     (cd /tmp && setsid nohup bash "$W/$name" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &)

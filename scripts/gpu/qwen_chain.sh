@@ -107,8 +107,8 @@ opt_bench() {
 # serve_load (head_lib.sh): the 1.5B target takes longer to start.
 SERVE_WAIT=240
 
-case "$PHASE" in
-pack)
+# pack (here): the binary, test binaries and prompt sets in q00, the GGUF in pieces q00 .. qNN.
+own_pack() {
   [[ -f "$GGUF_HERE" ]] || { echo "no $GGUF_HERE: run scripts/fetch_qwen_coder.sh" >&2; exit 1; }
   require_fresh_binary || exit 1
   rm -rf .device/q[0-9][0-9]
@@ -144,12 +144,15 @@ pack)
   done
   du -b .device/q[0-9][0-9] | tail -3
   echo "$i calls: .device/q00 .. $(printf 'q%02d' $((i - 1)))"
-  ;;
-receive)
-  d=".device/q$2"
+}
+
+# receive NN (call k): joins piece NN; call 0 also unpacks the binaries and data; the last
+# checks the joined GGUF and imports it.
+own_receive() {
+  d=".device/q$1"
   have=$(stat -c %s "$W/qwen.gguf.partial" 2>/dev/null || echo 0)
   if (( have != $(cat "$d/offset") )); then
-    echo "piece $2 starts at byte $(cat "$d/offset") but $have bytes are joined: this machine" \
+    echo "piece $1 starts at byte $(cat "$d/offset") but $have bytes are joined: this machine" \
       "missed a piece (a fresh machine starts empty: start again from q00)" >&2
     exit 1
   fi
@@ -169,30 +172,28 @@ receive)
   cat "$d/gguf.part" >> "$W/qwen.gguf.partial"
   rm -rf "$d"
   have=$(stat -c %s "$W/qwen.gguf.partial")
-  echo "piece $2: $have of $SIZE bytes"
+  echo "piece $1: $have of $SIZE bytes"
   if (( have == SIZE )); then
     echo "$SHA256  $W/qwen.gguf.partial" | sha256sum -c - && mv "$W/qwen.gguf.partial" "$W/qwen.gguf" &&
       /usr/bin/time -f "import wall %e s" "$T" import-gguf "$W/qwen.gguf" "$M" 2>&1 | tail -2 &&
       rm -f "$W/qwen.gguf"
   fi
-  ;;
-receive-opt)
+}
+
+own_receive_opt() {
   # The second binary for opt_bench (carry .device/opt); the pipeline picks it up.
   xz -dc .device/opt/tandem.xz > "$W/tandem-opt.partial" && chmod +x "$W/tandem-opt.partial" &&
     mv "$W/tandem-opt.partial" "$W/tandem-opt" && echo "tandem-opt in place"
   exec bash "$0" wait
-  ;;
-start)
-  [[ -f "$M/model.safetensors" ]] || { echo "no imported model at $M: carry the pieces first" >&2; exit 3; }
-  cd /tmp
-  setsid nohup bash "$W/qwen_chain.sh" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &
-  sleep 2
-  cd - > /dev/null
-  exec bash "$0" wait
-  ;;
-wait)
-  wait_for done
-  cat "$R/phases.txt"
+}
+
+# start: the shared launch (head_lib.sh's run_phases) once the pieces are imported.
+prepare_start() {
+  [[ -f "$M/model.safetensors" ]] || { echo "no imported model at $M: carry the pieces first" >&2; return 3; }
+}
+
+# What the last call shows, after the phases (run_phases' wait).
+report() {
   grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log | tail -12
   cat "$R/summary.txt" 2>/dev/null
   cat "$R/fast-check.md" "$R/fast-bench.md" 2>/dev/null
@@ -200,11 +201,9 @@ wait)
   grep -h '"kind":"val"' "$R/metrics.jsonl" 2>/dev/null | tail -2 | cut -c1-400
   tail -n 5 "$LOG"
   df -h /tmp | tail -1
-  collect results.tar.xz none
-  ;;
-pipeline)
-  cd "$W"
-  mark "pipeline start"
+}
+
+pipeline() {
   [[ "${TESTS_FIRST:-0}" == 1 ]] && run_gpu_tests 200
   if [[ "${CHECK:-1}" == 1 ]]; then
     # The fast path against the CPU f32 reference on this model before any data is made from
@@ -304,6 +303,6 @@ pipeline)
   for s in $SHAPES_B8; do bench_set humaneval 8 "$s"; bench_set mtbench 8 "$s"; done
   mark "batch-8 bench done"
   [[ "${TESTS:-1}" == 1 && "${TESTS_FIRST:-0}" != 1 ]] && run_gpu_tests 150
-  touch "$R/done"
-  ;;
-esac
+}
+
+run_phases "$0" "$PHASE" "${2:-}"
