@@ -170,6 +170,16 @@ pub struct CudaKvCache {
     rows_allocated: usize,
     /// Where the buffers go when the cache is dropped or reallocated ([`crate::kv_pool`]).
     pool: Arc<KvPool>,
+    /// Under tensor parallelism (on rank 0's cache), the other ranks' caches of their KV heads,
+    /// each on its rank's GPU. Their layouts follow this one's: every move copies it to them
+    /// first ([`CudaKvCache::sync_peers`]), so the driver edits one layout.
+    pub(crate) peers: Vec<PeerCache>,
+}
+
+/// Another tensor-parallel rank's cache and the GPU it lives on.
+pub(crate) struct PeerCache {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) cache: CudaKvCache,
 }
 
 impl Drop for CudaKvCache {
@@ -213,7 +223,31 @@ impl CudaKvCache {
             layout: ColumnLayout::new(batch, capacity),
             rows_allocated: batch,
             pool: gpu.kv_pool(),
+            peers: Vec::new(),
         })
+    }
+
+    /// This cache with the other tensor-parallel ranks' caches (same batch and capacity).
+    pub(crate) fn with_peers(mut self, peers: Vec<PeerCache>) -> Self {
+        self.peers = peers;
+        self
+    }
+
+    /// Makes `gpu` current again after the other ranks' moves (their launches bind their own
+    /// GPUs; cuBLAS calls on this one run in the current context).
+    fn rebind(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        if self.peers.is_empty() {
+            return Ok(());
+        }
+        gpu.bind_to_thread()
+    }
+
+    /// Copies this cache's layout (and allocation) to the other ranks' caches.
+    pub(crate) fn sync_peers(&mut self) {
+        for peer in &mut self.peers {
+            peer.cache.layout = self.layout.clone();
+            peer.cache.rows_allocated = self.rows_allocated;
+        }
     }
 
     /// Hands a replaced (or the dropped cache's) set of buffers to the pool, keys first.
@@ -233,6 +267,11 @@ impl CudaKvCache {
         if rows <= self.rows_allocated {
             return Ok(());
         }
+        self.sync_peers();
+        for peer in &mut self.peers {
+            peer.cache.reserve(&peer.gpu, rows)?;
+        }
+        self.rebind(gpu)?;
         let own = ColumnMoves::whole_rows(self.batch(), self.layout.used(), 0);
         let (keys, values) = self.moved(gpu, rows, &[(self.buffers(), &own)])?;
         self.replace_buffers(keys, values);
@@ -248,15 +287,22 @@ impl CudaKvCache {
     /// their own) into this batch, after its current rows: what a running batch does when
     /// requests join. Within [`Self::rows_allocated`] only the newcomers' columns are copied, in
     /// place; beyond it every layer gets new buffers. Each sequence keeps its columns.
-    pub fn append(&mut self, gpu: &Gpu, other: CudaKvCache) -> Result<(), CudaError> {
+    pub fn append(&mut self, gpu: &Gpu, mut other: CudaKvCache) -> Result<(), CudaError> {
         if other.keys.len() != self.keys.len()
             || (other.kv_heads, other.head_dim) != (self.kv_heads, self.head_dim)
+            || other.peers.len() != self.peers.len()
         {
             return Err(ModelError::InvalidStep {
                 reason: "cannot join caches of different models".into(),
             }
             .into());
         }
+        self.sync_peers();
+        other.sync_peers();
+        for (peer, theirs) in self.peers.iter_mut().zip(std::mem::take(&mut other.peers)) {
+            peer.cache.append(&peer.gpu, theirs.cache)?;
+        }
+        self.rebind(gpu)?;
         let (mine, theirs) = (self.batch(), other.batch());
         let own = ColumnMoves::whole_rows(mine, self.layout.used(), 0);
         let joined = ColumnMoves::whole_rows(theirs, other.layout.used(), mine);
@@ -294,6 +340,11 @@ impl CudaKvCache {
             );
             seen[b] = true;
         }
+        self.sync_peers();
+        for peer in &mut self.peers {
+            peer.cache.retain(&peer.gpu, keep)?;
+        }
+        self.rebind(gpu)?;
         let moves = ColumnMoves::kept_rows(keep, self.layout.used());
         self.move_in_place(gpu, &moves)?;
         self.layout.select(keep);
@@ -304,6 +355,11 @@ impl CudaKvCache {
     /// `used` becomes the longest sequence: reclaims the columns of rejected drafts, padding
     /// and departed sequences. Positions are baked into the cached keys, so attention is exact.
     pub fn compact(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        self.sync_peers();
+        for peer in &mut self.peers {
+            peer.cache.compact(&peer.gpu)?;
+        }
+        self.rebind(gpu)?;
         let moves = ColumnMoves::compaction(&self.layout.compaction_plan());
         self.move_in_place(gpu, &moves)?;
         self.layout.compact();
@@ -382,7 +438,8 @@ impl CudaKvCache {
     }
 
     /// Every layer's keys and values on the host, `[batch, kv_heads, capacity, head_dim]` bf16
-    /// bits each (the live sequences only; for tests and debugging).
+    /// bits each (the live sequences only; for tests and debugging). Under tensor parallelism,
+    /// rank 0's KV heads.
     pub fn to_host(&self, gpu: &Gpu) -> Result<HostKv, CudaError> {
         let n = self.batch() * self.kv_heads * self.layout.capacity() * self.head_dim;
         let live = |buffer: &CudaSlice<u16>| -> Result<Vec<u16>, CudaError> {

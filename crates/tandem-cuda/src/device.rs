@@ -509,6 +509,17 @@ impl Gpu {
         self.ctx.name().unwrap_or_else(|_| "CUDA device".into())
     }
 
+    /// The CUDA device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Makes this GPU's context current on the calling thread (cuBLAS calls run in the
+    /// current context; a tensor-parallel rank's thread binds its GPU before its step).
+    pub fn bind_to_thread(&self) -> Result<(), CudaError> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
     pub fn synchronize(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)
     }

@@ -21,6 +21,7 @@ mod graphs;
 mod kv_pool;
 mod model;
 pub mod reference;
+pub mod tensor_parallel;
 mod train;
 mod weights;
 
@@ -38,6 +39,7 @@ pub use model::{
     CudaStepOutput, CudaTarget, DeviceLogits, FUSED_MAX_ROWS, GRAPH_BATCHES, GRAPH_MAX_WIDTH,
     PersistentProfile,
 };
+pub use tensor_parallel::TpReduction;
 pub use train::{
     AdamWStep, CorpusBatch, CudaHeadTrainer, MAX_TTT_STEPS, PinnedUpload, Replicas, STAGING_VALUES,
     StepCounts, TargetPieces, TrainStepReport,

@@ -12,13 +12,14 @@ use tandem_model::{
 };
 use tandem_wiring::TapId;
 
-use crate::cache::{CudaKvCache, HostStep, StepInputs};
+use crate::cache::{CudaKvCache, HostStep, PeerCache, StepInputs};
 use crate::device::{
     AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
     QkvInput,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
+use crate::tensor_parallel::{RankSplit, Reducer, TpReduction};
 use crate::weights::DeviceWeights;
 
 /// Widest step that replays a CUDA graph: decode (1 token per sequence) and tree verification
@@ -27,7 +28,13 @@ pub const GRAPH_MAX_WIDTH: usize = 64;
 
 /// A Llama-family target on the GPU.
 pub struct CudaTarget {
+    /// The model's spec (the whole model's, under tensor parallelism too).
     pub spec: ModelSpec,
+    /// What this rank computes: `spec`, or under tensor parallelism `spec` with its heads, KV
+    /// heads and intermediate size divided by the ranks (`ModelSpec::tensor_parallel_rank`).
+    rank_spec: ModelSpec,
+    /// This rank's place in a tensor-parallel target (`None`: the whole model on one GPU).
+    tp: Option<TensorParallel>,
     gpu: Arc<Gpu>,
     weights: DeviceWeights,
     inv_freq: CudaSlice<f32>,
@@ -42,6 +49,15 @@ pub struct CudaTarget {
     /// Where the persistent step records block 0's clock at each barrier
     /// (`TANDEM_CUDA_PERSISTENT_PROFILE=1`; see [`CudaTarget::persistent_profile`]).
     profile: Option<CudaSlice<u64>>,
+}
+
+/// One rank of a tensor-parallel target ([`CudaTarget::load_tensor_parallel`]).
+struct TensorParallel {
+    split: RankSplit,
+    /// This rank's end of the all-reduce after o_proj and after down_proj.
+    reducer: Reducer,
+    /// On rank 0, ranks 1.. (each on its GPU), which run every step beside it.
+    peers: Vec<CudaTarget>,
 }
 
 /// Drafted chain tokens on the device for a verification step (see
@@ -93,7 +109,7 @@ impl StepBuffers {
         taps: &TapRequest,
         logits_for: LogitsFor,
     ) -> Result<Self, CudaError> {
-        let spec = &target.spec;
+        let spec = &target.rank_spec;
         let gpu = &*target.gpu;
         let (h, inter) = (spec.hidden_size, spec.intermediate_size);
         let rows = shape.rows();
@@ -442,10 +458,77 @@ impl CudaTarget {
         let spec = HfConfig::load(&dir.join("config.json"))?.resolve()?;
         DeviceWeights::check_supported(&spec)?;
         let files = WeightFiles::open(dir)?;
-        let weights = DeviceWeights::load(&gpu, &spec, &files)?;
+        Self::load_rank(spec.clone(), spec, &files, gpu, None)
+    }
+
+    /// The model of `dir` split over `gpus.len()` tensor-parallel ranks, rank `r` on `gpus[r]`
+    /// ([`crate::tensor_parallel`]): the returned target is rank 0 and runs the others beside
+    /// it, one thread each, at every step. Its caches hold each rank's KV heads on that rank's
+    /// GPU. Its taps and logits come from rank 0 (every rank holds the whole reduced residual
+    /// stream, so the hook taps it once). Every step runs the unfused kernels eagerly: the
+    /// fused ones add o_proj and down_proj straight into the residual, leaving no partial sum
+    /// to reduce, and graphs of the NCCL calls are not built yet. One GPU with
+    /// [`TpReduction::Nccl`] runs the split code with a one-rank communicator.
+    pub fn load_tensor_parallel(
+        dir: &Path,
+        gpus: &[Arc<Gpu>],
+        reduction: TpReduction,
+    ) -> Result<Self, CudaError> {
+        let ranks = gpus.len();
+        if ranks == 0 {
+            return Err(CudaError::Collective(
+                "a tensor-parallel target needs at least one GPU".into(),
+            ));
+        }
+        let spec = HfConfig::load(&dir.join("config.json"))?.resolve()?;
+        DeviceWeights::check_supported(&spec)?;
+        let rank_spec = spec.tensor_parallel_rank(ranks)?;
+        let files = WeightFiles::open(dir)?;
+        let mut targets = Vec::with_capacity(ranks);
+        for (rank, (gpu, reducer)) in gpus
+            .iter()
+            .zip(Reducer::group(gpus, reduction)?)
+            .enumerate()
+        {
+            let tp = TensorParallel {
+                split: RankSplit { rank, ranks },
+                reducer,
+                peers: Vec::new(),
+            };
+            targets.push(Self::load_rank(
+                spec.clone(),
+                rank_spec.clone(),
+                &files,
+                Arc::clone(gpu),
+                Some(tp),
+            )?);
+        }
+        let mut first = targets.remove(0);
+        first.tp.as_mut().expect("every rank has its place").peers = targets;
+        Ok(first)
+    }
+
+    /// The tensor-parallel degree (1: the whole model on one GPU).
+    pub fn tensor_parallel(&self) -> usize {
+        self.tp.as_ref().map_or(1, |tp| tp.split.ranks)
+    }
+
+    fn load_rank(
+        spec: ModelSpec,
+        rank_spec: ModelSpec,
+        files: &WeightFiles,
+        gpu: Arc<Gpu>,
+        tp: Option<TensorParallel>,
+    ) -> Result<Self, CudaError> {
+        let split = tp
+            .as_ref()
+            .map_or(RankSplit { rank: 0, ranks: 1 }, |tp| tp.split);
+        let weights = DeviceWeights::load_split(&gpu, &spec, files, split)?;
         let inv_freq: Vec<f32> = spec.rope_inv_freq().iter().map(|&f| f as f32).collect();
         let inv_freq = gpu.upload(&inv_freq)?;
         Ok(Self {
+            rank_spec,
+            tp,
             graphs: Graphs::new(gpu.graphs_default()),
             fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             persistent_rows: AtomicUsize::new(persistent_rows_default()),
@@ -509,8 +592,9 @@ impl CudaTarget {
     /// Whether a step of `rows` rows with `tap_slots` taps runs the persistent step: within the
     /// cut-off and its limits, and no per-head q/k norm (not implemented there).
     fn persists(&self, rows: usize, tap_slots: usize) -> bool {
-        let spec = &self.spec;
-        rows <= self.persistent_rows()
+        let spec = &self.rank_spec;
+        self.tp.is_none()
+            && rows <= self.persistent_rows()
             && !spec.qk_norm
             && Gpu::persistent_fits(
                 spec.num_layers,
@@ -560,8 +644,9 @@ impl CudaTarget {
     /// no per-head q/k norm (Qwen3 norms q and k between the projection and RoPE, which the
     /// fused q|k|v kernel does not), and a head_dim the batch-invariant attention takes.
     fn fuses(&self, rows: usize) -> bool {
-        let spec = &self.spec;
-        rows <= self.fused_rows()
+        let spec = &self.rank_spec;
+        self.tp.is_none()
+            && rows <= self.fused_rows()
             && !spec.qk_norm
             && [32, 64, 128, 256].contains(&spec.head_dim)
             && Gpu::fused_layer_fits(
@@ -643,15 +728,33 @@ impl CudaTarget {
     }
 
     /// An empty cache for `batch` sequences of up to `capacity` columns.
+    /// Under tensor parallelism, each rank's KV heads on its GPU.
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<CudaKvCache, CudaError> {
-        CudaKvCache::new(
+        let spec = &self.rank_spec;
+        let cache = CudaKvCache::new(
             &self.gpu,
-            self.spec.num_layers,
+            spec.num_layers,
             batch,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
+            spec.num_kv_heads,
+            spec.head_dim,
             capacity,
-        )
+        )?;
+        let Some(tp) = &self.tp else {
+            return Ok(cache);
+        };
+        let peers = tp
+            .peers
+            .iter()
+            .map(|peer| {
+                Ok(PeerCache {
+                    gpu: Arc::clone(&peer.gpu),
+                    cache: peer.new_cache(batch, capacity)?,
+                })
+            })
+            .collect::<Result<_, CudaError>>()?;
+        // The other ranks' allocations made their GPUs current.
+        self.gpu.bind_to_thread()?;
+        Ok(cache.with_peers(peers))
     }
 
     /// One step of any mode over the cache. The block loop ([`CudaTarget::encode`]) is the
@@ -711,8 +814,128 @@ impl CudaTarget {
         logits_for: LogitsFor,
         chain: Option<ChainTokens<'_>>,
     ) -> Result<CudaStepOutput, CudaError> {
-        let spec = &self.spec;
+        match &self.tp {
+            Some(tp) if !tp.peers.is_empty() => {
+                self.forward_ranks(tp, step, cache, taps, logits_for, chain)
+            }
+            _ => self.forward_rank(step, cache, taps, logits_for, chain),
+        }
+    }
+
+    /// A step of a tensor-parallel target: rank 0 (this target) here, every other rank on a
+    /// thread of its own over its cache, all meeting at the all-reduces. Only rank 0 takes taps
+    /// and logits. A rank that fails releases the others (host sums; an NCCL rank that fails
+    /// leaves the others' reductions waiting on their GPUs).
+    fn forward_ranks(
+        &self,
+        tp: &TensorParallel,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        chain: Option<ChainTokens<'_>>,
+    ) -> Result<CudaStepOutput, CudaError> {
+        if cache.peers.len() != tp.peers.len() {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "a cache of {} ranks given to a target of {}",
+                    cache.peers.len() + 1,
+                    tp.peers.len() + 1
+                ),
+            }
+            .into());
+        }
+        // The other ranks take the step's tokens from the host: drafted chain tokens on rank
+        // 0's GPU come back first (one read-back, which waits for the drafting).
+        let filled;
+        let step = match chain {
+            Some(chain) => {
+                let ids = self.gpu.download(chain.ids)?;
+                let mut with_chain = step.clone();
+                for b in 0..chain.batch {
+                    for s in 0..chain.steps {
+                        with_chain.tokens[b * step.width + 1 + s] = ids[s * chain.batch + b];
+                    }
+                }
+                filled = with_chain;
+                &filled
+            }
+            None => step,
+        };
+        cache.sync_peers();
+        let mut peer_caches = std::mem::take(&mut cache.peers);
+        let none = TapRequest::none();
+        let (own, others) = std::thread::scope(|scope| {
+            let handles: Vec<_> = tp
+                .peers
+                .iter()
+                .zip(peer_caches.iter_mut())
+                .map(|(peer, peer_cache)| {
+                    let none = &none;
+                    scope.spawn(move || {
+                        let out =
+                            peer.forward_rank(step, &mut peer_cache.cache, none, LogitsFor::None, None);
+                        if out.is_err() {
+                            peer.abort_reductions();
+                        }
+                        out.map(|_| ())
+                    })
+                })
+                .collect();
+            let own = self.forward_rank(step, cache, taps, logits_for, None);
+            if own.is_err() {
+                tp.reducer.abort();
+            }
+            let others: Vec<Result<(), CudaError>> = handles
+                .into_iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CudaError::Collective(format!(
+                            "tensor-parallel rank {} panicked",
+                            i + 1
+                        )))
+                    })
+                })
+                .collect();
+            (own, others)
+        });
+        cache.peers = peer_caches;
+        let own = own?;
+        for other in others {
+            other?;
+        }
+        Ok(own)
+    }
+
+    fn abort_reductions(&self) {
+        if let Some(tp) = &self.tp {
+            tp.reducer.abort();
+        }
+    }
+
+    /// Sums `buffer`'s first `n` values over the tensor-parallel ranks (nothing on one GPU).
+    fn reduce(&self, buffer: &mut CudaSlice<f32>, n: usize) -> Result<(), CudaError> {
+        match &self.tp {
+            Some(tp) => tp.reducer.all_reduce(&self.gpu, buffer, n),
+            None => Ok(()),
+        }
+    }
+
+    /// One rank's step over its cache (the whole step on one GPU).
+    fn forward_rank(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        chain: Option<ChainTokens<'_>>,
+    ) -> Result<CudaStepOutput, CudaError> {
+        let spec = &self.rank_spec;
         taps.validate(spec.num_layers)?;
+        if self.tp.is_some() {
+            self.gpu.bind_to_thread()?;
+        }
         let host = cache.step_host(
             step,
             spec.vocab_size,
@@ -741,9 +964,10 @@ impl CudaTarget {
         Ok(output)
     }
 
-    /// Whether decode-sized steps replay CUDA graphs (on by default).
+    /// Whether decode-sized steps replay CUDA graphs (on by default; never under tensor
+    /// parallelism, see [`CudaTarget::load_tensor_parallel`]).
     pub fn graphs_enabled(&self) -> bool {
-        self.graphs.enabled()
+        self.tp.is_none() && self.graphs.enabled()
     }
 
     /// Turns graph replay of decode-sized steps on or off (`fast-bench` measures both; the
@@ -842,7 +1066,7 @@ impl CudaTarget {
         hook: &mut CaptureHook<()>,
         logits_for: LogitsFor,
     ) -> Result<(), CudaError> {
-        let spec = &self.spec;
+        let spec = &self.rank_spec;
         let gpu = &*self.gpu;
         let (shape, col0, total) = (host.shape, host.col0, host.total);
         let (h, inter) = (spec.hidden_size, spec.intermediate_size);
@@ -1026,6 +1250,7 @@ impl CudaTarget {
                 gpu.gemv_rows(act, &layer.down, hidden, rows, inter, h, true)?;
             } else {
                 gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
+                self.reduce(delta, rows * h)?;
                 gpu.add_rms_norm(
                     hidden,
                     Some(delta),
@@ -1039,6 +1264,7 @@ impl CudaTarget {
                 gpu.linear(normed, &layer.gate_up, gate_up, rows, h, 2 * inter)?;
                 gpu.silu_mul(gate_up, act, rows, inter)?;
                 gpu.linear(act, &layer.down, delta, rows, inter, h)?;
+                self.reduce(delta, rows * h)?;
                 // The residual add of this block fused with the next norm: the next layer's
                 // input norm, or the final norm after the last block (kept in f32 for the
                 // `final` tap).

@@ -7,6 +7,7 @@ use tandem_model::{ModelError, ModelSpec};
 
 use crate::device::Gpu;
 use crate::error::CudaError;
+use crate::tensor_parallel::{RankSplit, column_block, row_block};
 
 /// Row-major bf16 bit patterns of an f32 host tensor (round to nearest even).
 pub fn to_bf16_bits(values: &[f32]) -> Vec<u16> {
@@ -72,8 +73,18 @@ impl DeviceWeights {
         Ok(())
     }
 
-    pub fn load(gpu: &Gpu, spec: &ModelSpec, files: &WeightFiles) -> Result<Self, CudaError> {
+    /// One tensor-parallel rank's weights (`spec` is the whole model's): its heads' rows of
+    /// q_proj, k_proj, v_proj (and their biases), its rows of gate_proj and up_proj, its input
+    /// columns of o_proj and down_proj; norms, embedding and lm_head whole (replicated, not split
+    /// by vocabulary). Rank 0 of 1: the whole model.
+    pub fn load_split(
+        gpu: &Gpu,
+        spec: &ModelSpec,
+        files: &WeightFiles,
+        split: RankSplit,
+    ) -> Result<Self, CudaError> {
         Self::check_supported(spec)?;
+        spec.check_tensor_parallel(split.ranks)?;
         let h = spec.hidden_size;
         let hd = spec.head_dim;
         let q_out = spec.num_heads * hd;
@@ -83,16 +94,25 @@ impl DeviceWeights {
         let read = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
             Ok(files.read(name, shape)?.values)
         };
+        // A column-parallel weight's (or bias's, `cols` 1) rows of this rank.
+        let rows_of = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>, ModelError> {
+            let shape: &[usize] = if cols == 1 { &[rows] } else { &[rows, cols] };
+            Ok(row_block(&read(name, shape)?, cols, split.part(rows)))
+        };
+        // A row-parallel weight `[h, cols]`'s input columns of this rank.
+        let columns_of = |name: &str, cols: usize| -> Result<Vec<f32>, ModelError> {
+            Ok(column_block(&read(name, &[h, cols])?, cols, split.part(cols)))
+        };
         let mut layers = Vec::with_capacity(spec.num_layers);
         for i in 0..spec.num_layers {
             let p = format!("model.layers.{i}");
-            let mut qkv = read(&format!("{p}.self_attn.q_proj.weight"), &[q_out, h])?;
-            qkv.extend(read(&format!("{p}.self_attn.k_proj.weight"), &[kv_out, h])?);
-            qkv.extend(read(&format!("{p}.self_attn.v_proj.weight"), &[kv_out, h])?);
+            let mut qkv = rows_of(&format!("{p}.self_attn.q_proj.weight"), q_out, h)?;
+            qkv.extend(rows_of(&format!("{p}.self_attn.k_proj.weight"), kv_out, h)?);
+            qkv.extend(rows_of(&format!("{p}.self_attn.v_proj.weight"), kv_out, h)?);
             let qkv_bias = if spec.qkv_bias {
-                let mut b = read(&format!("{p}.self_attn.q_proj.bias"), &[q_out])?;
-                b.extend(read(&format!("{p}.self_attn.k_proj.bias"), &[kv_out])?);
-                b.extend(read(&format!("{p}.self_attn.v_proj.bias"), &[kv_out])?);
+                let mut b = rows_of(&format!("{p}.self_attn.q_proj.bias"), q_out, 1)?;
+                b.extend(rows_of(&format!("{p}.self_attn.k_proj.bias"), kv_out, 1)?);
+                b.extend(rows_of(&format!("{p}.self_attn.v_proj.bias"), kv_out, 1)?);
                 Some(gpu.upload(&b)?)
             } else {
                 None
@@ -105,20 +125,20 @@ impl DeviceWeights {
             } else {
                 None
             };
-            let mut gate_up = read(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?;
-            gate_up.extend(read(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?);
+            let mut gate_up = rows_of(&format!("{p}.mlp.gate_proj.weight"), inter, h)?;
+            gate_up.extend(rows_of(&format!("{p}.mlp.up_proj.weight"), inter, h)?);
             layers.push(LayerWeights {
                 input_norm: bf16(&read(&format!("{p}.input_layernorm.weight"), &[h])?)?,
                 qkv: bf16(&qkv)?,
                 qkv_bias,
                 qk_norm,
-                o: bf16(&read(&format!("{p}.self_attn.o_proj.weight"), &[h, q_out])?)?,
+                o: bf16(&columns_of(&format!("{p}.self_attn.o_proj.weight"), q_out)?)?,
                 post_norm: bf16(&read(
                     &format!("{p}.post_attention_layernorm.weight"),
                     &[h],
                 )?)?,
                 gate_up: bf16(&gate_up)?,
-                down: bf16(&read(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?)?,
+                down: bf16(&columns_of(&format!("{p}.mlp.down_proj.weight"), inter)?)?,
             });
         }
         let embed = bf16(&read("model.embed_tokens.weight", &[spec.vocab_size, h])?)?;

@@ -622,6 +622,58 @@ impl ModelSpec {
             .is_some_and(|m| m.first_k_dense_replace < self.num_layers)
     }
 
+    /// Whether the blocks split over `ranks` tensor-parallel ranks the Megatron way (q|k|v and
+    /// gate|up by output rows, o_proj and down_proj by input columns): dense grouped-query
+    /// layers whose `num_attention_heads`, `num_key_value_heads` and `intermediate_size` divide
+    /// by `ranks` (no KV-head replication). The burn target and the CUDA fast path both check
+    /// this, so they accept and refuse the same splits.
+    pub fn check_tensor_parallel(&self, ranks: usize) -> Result<(), ModelError> {
+        let bad = |reason: String| {
+            Err(ModelError::InvalidConfig {
+                field: "tensor_parallel",
+                reason,
+            })
+        };
+        if ranks == 0 {
+            return bad("the tensor-parallel degree must be at least 1".to_owned());
+        }
+        if ranks > 1 && (self.is_moe() || self.mla.is_some()) {
+            return bad(format!(
+                "tensor parallelism over {ranks} ranks is built for dense grouped-query \
+                 layers; this model has {}",
+                if self.is_moe() {
+                    "experts"
+                } else {
+                    "latent attention"
+                }
+            ));
+        }
+        for (name, count) in [
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("intermediate_size", self.intermediate_size),
+        ] {
+            if !count.is_multiple_of(ranks) {
+                return bad(format!(
+                    "{name} = {count} does not split over {ranks} tensor-parallel ranks"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// What one of `ranks` tensor-parallel ranks computes ([`ModelSpec::check_tensor_parallel`]):
+    /// this spec with its attention heads, KV heads and intermediate size divided by `ranks`.
+    pub fn tensor_parallel_rank(&self, ranks: usize) -> Result<ModelSpec, ModelError> {
+        self.check_tensor_parallel(ranks)?;
+        Ok(ModelSpec {
+            num_heads: self.num_heads / ranks,
+            num_kv_heads: self.num_kv_heads / ranks,
+            intermediate_size: self.intermediate_size / ranks,
+            ..self.clone()
+        })
+    }
+
     /// `(key width, value width)` per KV head in the cache: `head_dim` both for the Llama
     /// family; `qk_nope + qk_rope` and `v_head_dim` under MLA.
     pub fn cache_widths(&self) -> (usize, usize) {
@@ -652,6 +704,42 @@ mod tests {
         assert_eq!(spec.head_dim, 64);
         assert_eq!(spec.num_kv_heads, 3);
         assert!(!spec.qkv_bias && !spec.qk_norm);
+    }
+
+    #[test]
+    fn tensor_parallel_ranks_divide_heads_and_intermediate_or_name_what_does_not() {
+        let mut v = llama_json();
+        v["num_attention_heads"] = serde_json::json!(8);
+        v["num_key_value_heads"] = serde_json::json!(4);
+        v["hidden_size"] = serde_json::json!(512);
+        let spec = serde_json::from_value::<HfConfig>(v)
+            .unwrap()
+            .resolve()
+            .unwrap();
+        let rank = spec.tensor_parallel_rank(2).unwrap();
+        assert_eq!(
+            (rank.num_heads, rank.num_kv_heads, rank.intermediate_size),
+            (4, 2, 768)
+        );
+        // Everything a rank does not split stays the model's.
+        assert_eq!(
+            (rank.hidden_size, rank.head_dim, rank.vocab_size),
+            (512, 64, 49152)
+        );
+        assert_eq!(spec.tensor_parallel_rank(1).unwrap(), spec);
+        let err = spec.tensor_parallel_rank(8).unwrap_err().to_string();
+        assert!(
+            err.contains("num_key_value_heads = 4 does not split over 8"),
+            "{err}"
+        );
+        // SmolLM2's 9 heads do not split in two.
+        let smol = serde_json::from_value::<HfConfig>(llama_json())
+            .unwrap()
+            .resolve()
+            .unwrap();
+        let err = smol.check_tensor_parallel(2).unwrap_err().to_string();
+        assert!(err.contains("num_attention_heads = 9"), "{err}");
+        assert!(spec.check_tensor_parallel(0).is_err());
     }
 
     #[test]

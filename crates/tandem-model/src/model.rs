@@ -469,38 +469,7 @@ impl<B: Backend> TargetModel<B> {
     /// residual stream, once. Needs `num_heads`, `num_kv_heads` and `intermediate_size`
     /// divisible by `ranks` (no KV-head replication) and dense grouped-query layers.
     pub fn set_tensor_parallel(&mut self, ranks: usize) -> Result<(), ModelError> {
-        let s = &self.spec;
-        let bad = |reason: String| {
-            Err(ModelError::InvalidConfig {
-                field: "tensor_parallel",
-                reason,
-            })
-        };
-        if ranks == 0 {
-            return bad("the tensor-parallel degree must be at least 1".to_owned());
-        }
-        if ranks > 1 && (s.is_moe() || s.mla.is_some()) {
-            return bad(format!(
-                "tensor parallelism over {ranks} ranks is built for dense grouped-query \
-                 layers; this model has {}",
-                if s.is_moe() {
-                    "experts"
-                } else {
-                    "latent attention"
-                }
-            ));
-        }
-        for (name, count) in [
-            ("num_attention_heads", s.num_heads),
-            ("num_key_value_heads", s.num_kv_heads),
-            ("intermediate_size", s.intermediate_size),
-        ] {
-            if !count.is_multiple_of(ranks) {
-                return bad(format!(
-                    "{name} = {count} does not split over {ranks} tensor-parallel ranks"
-                ));
-            }
-        }
+        self.spec.check_tensor_parallel(ranks)?;
         self.tensor_parallel = ranks;
         Ok(())
     }
