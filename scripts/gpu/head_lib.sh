@@ -184,6 +184,10 @@ phase_piece() {
 # run_gpu_tests SECONDS: both GPU test binaries carried by `pack_smollm2`, each under a
 # timeout, their exit codes into the summary.
 run_gpu_tests() {
+  # NCCL for the data-parallel trainer and the tensor-parallel target (one GPU: one-rank
+  # communicators; two: the 2-rank cases too).
+  [[ -f "$W/nccl_env.sh" ]] && source "$W/nccl_env.sh"
+  export TANDEM_TEST_GPUS=$(nvidia-smi -L | wc -l)
   timeout "$1" "$W/gpu-tests" --ignored --test-threads 1 > "$R/tests-cuda.log" 2>&1
   echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
   timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
@@ -194,8 +198,7 @@ run_gpu_tests() {
   fi
   if [[ -x "$W/gpu-train-tests" ]]; then
     # The data-parallel trainer through NCCL, one replica per GPU (one GPU: a single rank).
-    [[ -f "$W/nccl_env.sh" ]] && source "$W/nccl_env.sh"
-    TANDEM_TEST_GPUS=$(nvidia-smi -L | wc -l) timeout "$1" "$W/gpu-train-tests" --ignored \
+    timeout "$1" "$W/gpu-train-tests" --ignored \
       data_parallel --test-threads 1 > "$R/tests-train.log" 2>&1
     echo "tandem-train data-parallel GPU test: exit $?" | tee -a "$R/summary.txt"
   fi

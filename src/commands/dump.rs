@@ -206,18 +206,17 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         EngineKind::Fast if micro_batched => {
             anyhow::bail!("the CUDA fast path has no micro-batched execution: use --engine burn")
         }
-        EngineKind::Fast if args.model.tp > 1 => {
-            anyhow::bail!(
-                "--tp runs on the burn path; the CUDA fast path's tensor parallelism is not built: \
-                 use --engine burn"
-            )
-        }
-        EngineKind::Fast | EngineKind::Auto if cuda && !micro_batched && args.model.tp == 1 => {
+        EngineKind::Fast | EngineKind::Auto if cuda && !micro_batched => {
             let model = &args.model;
             let summary = tandem_dump::run_dump_with(&options, || {
-                let gpu = tandem_cuda::Gpu::new(0)?;
-                let target = tandem_cuda::CudaTarget::load(&model.model, gpu)?;
-                eprintln!("dump: the CUDA fast path's target");
+                let target = tandem_cuda::CudaTarget::load_ranks(&model.model, model.tp)?;
+                eprintln!(
+                    "dump: the CUDA fast path's target{}",
+                    match model.tp {
+                        1 => String::new(),
+                        n => format!(", tensor-parallel over {n} ranks"),
+                    }
+                );
                 Ok(Box::new(target))
             })?;
             report(&options, &summary)

@@ -110,6 +110,11 @@ pub fn run_check(args: FastCheckArgs) -> anyhow::Result<()> {
 pub struct FastBenchArgs {
     #[arg(long, default_value = DEFAULT_MODEL_DIR)]
     pub model: PathBuf,
+    /// Split the target over N tensor-parallel ranks on GPUs 0..N (NCCL; every rank on GPU 0
+    /// with host sums under TANDEM_CUDA_TP_SIMULATE=1). Split steps run the unfused kernels
+    /// eagerly, so the graph and fused modes measure the same thing there.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     #[arg(long, default_value_t = 128)]
     pub prompt_tokens: usize,
     #[arg(long, default_value_t = 64)]
@@ -189,11 +194,11 @@ struct FastBenchRow {
 
 pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
-    let gpu = Gpu::new(0)?;
+    let model = CudaTarget::load_ranks(&args.model, args.tp)?;
+    let gpu = model.gpu().clone();
     if let Some(bytes) = args.pool_release_threshold {
         gpu.set_pool_release_threshold(bytes)?;
     }
-    let model = CudaTarget::load(&args.model, gpu.clone())?;
     let tokenizer = TargetTokenizer::load(&args.model)?;
     let seed = tokenizer.encode(
         "The history of mathematics spans thousands of years, from counting and geometry in \
@@ -358,8 +363,12 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     }
     let stats = model.graph_stats();
     println!(
-        "cold start (process start to first token, fast path on {}): {:.2} s; graphs captured {}, steps replayed {}",
+        "cold start (process start to first token, fast path on {}{}): {:.2} s; graphs captured {}, steps replayed {}",
         gpu.name(),
+        match model.tensor_parallel() {
+            1 => String::new(),
+            n => format!(", tensor-parallel over {n} ranks"),
+        },
         first_token_s.unwrap_or(0.0),
         stats.captured,
         stats.replays

@@ -69,10 +69,11 @@ pub struct ModelArgs {
     /// pattern; taps go through the same hook either way).
     #[arg(long, default_value = "auto")]
     pub execution: Execution,
-    /// Run the burn target's blocks as N tensor-parallel ranks (q|k|v and gate|up split by
-    /// columns, o_proj and down_proj by rows, partial products summed as the all-reduce does;
-    /// the ranks share one process and device). The fast path's NCCL tensor parallelism is
-    /// not built: with --tp > 1 the jobs take the burn path.
+    /// Split the target's blocks over N tensor-parallel ranks (q|k|v and gate|up by output
+    /// rows, o_proj and down_proj by input columns, the partial products summed before each
+    /// residual add). On the CUDA fast path the ranks are GPUs 0..N, one thread each, summed
+    /// by NCCL all-reduces (TANDEM_CUDA_TP_SIMULATE=1: every rank on GPU 0 with host sums, for
+    /// tests); on burn they share one process and device and are summed in rank order.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
 }

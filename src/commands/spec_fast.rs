@@ -45,25 +45,19 @@ fn load(model: &ModelArgs, spec: &SpecArgs) -> anyhow::Result<FastLoaded> {
     })
 }
 
-/// The fast path runs unsplit: its tensor parallelism over NCCL is not built (issue #19).
-fn refuse_tensor_parallel(model: &ModelArgs) -> anyhow::Result<()> {
-    if model.tp > 1 {
-        anyhow::bail!(
-            "--tp {} runs on the burn path (the ranks in one process); the CUDA fast path's \
-             tensor parallelism over NCCL is not built yet: pass --engine burn",
-            model.tp
-        );
-    }
-    Ok(())
-}
-
-/// The fast path's target on GPU 0.
+/// The fast path's target: on GPU 0, or with `--tp N` split over GPUs 0..N (one thread a rank,
+/// NCCL all-reduces; `TANDEM_CUDA_TP_SIMULATE=1` puts every rank on GPU 0 with host sums, for
+/// tests). Returns rank 0's GPU, where the head, the taps and the logits live.
 pub fn load_target(model: &ModelArgs) -> anyhow::Result<(std::sync::Arc<Gpu>, CudaTarget)> {
-    refuse_tensor_parallel(model)?;
-    let gpu = Gpu::new(0)?;
-    let target = CudaTarget::load(&model.model, gpu.clone())
-        .with_context(|| format!("loading {} on the fast path", model.model.display()))?;
-    Ok((gpu, target))
+    let target =
+        CudaTarget::load_ranks(&model.model, model.tp).with_context(|| match model.tp {
+            1 => format!("loading {} on the fast path", model.model.display()),
+            n => format!(
+                "loading {} on the fast path over {n} tensor-parallel ranks (GPUs 0..{n})",
+                model.model.display()
+            ),
+        })?;
+    Ok((target.gpu().clone(), target))
 }
 
 /// `tandem serve --device cuda`: the fast path's decoder, speculative or (`no_draft`) the

@@ -508,6 +508,23 @@ impl CudaTarget {
         Ok(first)
     }
 
+    /// What `--tp` loads: for one rank, [`CudaTarget::load`] on GPU 0; for more,
+    /// [`CudaTarget::load_tensor_parallel`] over GPUs 0..ranks with NCCL, or every rank on GPU
+    /// 0 with host sums under `TANDEM_CUDA_TP_SIMULATE=1` ([`TpReduction::from_env`]).
+    pub fn load_ranks(dir: &Path, ranks: usize) -> Result<Self, CudaError> {
+        if ranks <= 1 {
+            return Self::load(dir, Gpu::new(0)?);
+        }
+        let reduction = TpReduction::from_env();
+        let gpus = (0..ranks)
+            .map(|rank| match reduction {
+                TpReduction::Nccl => Gpu::new(rank),
+                TpReduction::HostSimulation => Gpu::new(0),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::load_tensor_parallel(dir, &gpus, reduction)
+    }
+
     /// The tensor-parallel degree (1: the whole model on one GPU).
     pub fn tensor_parallel(&self) -> usize {
         self.tp.as_ref().map_or(1, |tp| tp.split.ranks)
@@ -873,8 +890,13 @@ impl CudaTarget {
                 .map(|(peer, peer_cache)| {
                     let none = &none;
                     scope.spawn(move || {
-                        let out =
-                            peer.forward_rank(step, &mut peer_cache.cache, none, LogitsFor::None, None);
+                        let out = peer.forward_rank(
+                            step,
+                            &mut peer_cache.cache,
+                            none,
+                            LogitsFor::None,
+                            None,
+                        );
                         if out.is_err() {
                             peer.abort_reductions();
                         }

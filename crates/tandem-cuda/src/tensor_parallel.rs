@@ -201,9 +201,8 @@ impl HostSum {
     }
 
     fn exchange(&self, rank: usize, partial: Vec<f32>) -> Result<Vec<f32>, CudaError> {
-        let aborted = || {
-            CudaError::Collective("another tensor-parallel rank failed during this step".into())
-        };
+        let aborted =
+            || CudaError::Collective("another tensor-parallel rank failed during this step".into());
         let mut state = self.state.lock().expect("a rank panicked in the host sum");
         // A rank that comes back for the next round waits until the last one has its sum.
         while state.total.is_some() && !state.aborted {
@@ -214,7 +213,10 @@ impl HostSum {
         }
         state.partials[rank] = Some(partial);
         if state.partials.iter().all(Option::is_some) {
-            let mut parts = state.partials.iter_mut().map(|p| p.take().expect("all posted"));
+            let mut parts = state
+                .partials
+                .iter_mut()
+                .map(|p| p.take().expect("all posted"));
             let mut total = parts.next().expect("at least one rank");
             for part in parts {
                 if part.len() != total.len() {
@@ -279,20 +281,29 @@ mod tests {
             let w_r = column_block(&w, 4, cols.clone());
             assert_eq!(w_r.len(), 4);
             for (o, row) in w_r.chunks(2).enumerate() {
-                sum[o] += row.iter().zip(&x[cols.clone()]).map(|(a, b)| a * b).sum::<f32>();
+                sum[o] += row
+                    .iter()
+                    .zip(&x[cols.clone()])
+                    .map(|(a, b)| a * b)
+                    .sum::<f32>();
             }
         }
         assert_eq!(sum.to_vec(), whole);
         // Rank 1 holds columns 2..4 of each row.
         let split = RankSplit { rank: 1, ranks: 2 };
-        assert_eq!(column_block(&w, 4, split.part(4)), vec![3.0, 4.0, 2.0, -3.0]);
+        assert_eq!(
+            column_block(&w, 4, split.part(4)),
+            vec![3.0, 4.0, 2.0, -3.0]
+        );
         // Column-parallel: rank 1 of 2 holds output row 1 of a 2-row matrix.
         assert_eq!(row_block(&w, 4, split.part(2)), vec![-1.0, 0.5, 2.0, -3.0]);
     }
 
     #[test]
     fn rank_parts_tile_the_dimension() {
-        let parts: Vec<Range<usize>> = (0..3).map(|rank| RankSplit { rank, ranks: 3 }.part(12)).collect();
+        let parts: Vec<Range<usize>> = (0..3)
+            .map(|rank| RankSplit { rank, ranks: 3 }.part(12))
+            .collect();
         assert_eq!(parts, vec![0..4, 4..8, 8..12]);
     }
 

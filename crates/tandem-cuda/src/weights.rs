@@ -101,7 +101,11 @@ impl DeviceWeights {
         };
         // A row-parallel weight `[h, cols]`'s input columns of this rank.
         let columns_of = |name: &str, cols: usize| -> Result<Vec<f32>, ModelError> {
-            Ok(column_block(&read(name, &[h, cols])?, cols, split.part(cols)))
+            Ok(column_block(
+                &read(name, &[h, cols])?,
+                cols,
+                split.part(cols),
+            ))
         };
         let mut layers = Vec::with_capacity(spec.num_layers);
         for i in 0..spec.num_layers {
