@@ -20,6 +20,23 @@ impl CaptureTarget for CudaTarget {
         &self.spec
     }
 
+    /// From the model's CPU f32 copy (the fast path has no single-block kernels for them), so
+    /// only where the question arises: a tensor-parallel target (`replay --tp N`), or any with
+    /// `TANDEM_REPLAY_PARTIAL_SUMS=1`. A 1.5B target's blocks on the CPU take seconds a sample.
+    fn computes_partial_sums(&self) -> bool {
+        !self.spec.is_moe()
+            && (self.tensor_parallel() > 1
+                || std::env::var("TANDEM_REPLAY_PARTIAL_SUMS").is_ok_and(|v| v == "1"))
+    }
+
+    fn block_partial_sums(
+        &self,
+        blocks: &[(usize, &[f32])],
+        degrees: &[usize],
+    ) -> Result<Option<Vec<(usize, usize, usize, Vec<f32>)>>, ModelError> {
+        self.with_cpu_model(|model| model.block_partial_sums(blocks, degrees).map(Some))
+    }
+
     fn capture_taps(&self, ids: &[u32], request: &TapRequest) -> Result<Vec<Vec<f32>>, ModelError> {
         let mut cache = self.new_cache(1, ids.len())?;
         let step = cache.layout().prefill_step(&[ids])?;

@@ -1,14 +1,16 @@
 //! The fast path's forward step: the same modes, inputs and outputs as
 //! `tandem_model::TargetModel::forward`, with taps through the same [`CaptureHook`].
 
-use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
+use tandem_model::backend::CpuBackend;
 use tandem_model::weights::WeightFiles;
 use tandem_model::{
     CaptureHook, HfConfig, LogitsFor, ModelError, ModelSpec, StepInput, TapRequest, Taps,
+    TargetModel,
 };
 use tandem_wiring::TapId;
 
@@ -35,6 +37,12 @@ pub struct CudaTarget {
     rank_spec: ModelSpec,
     /// This rank's place in a tensor-parallel target (`None`: the whole model on one GPU).
     tp: Option<TensorParallel>,
+    /// The injected wiring fault of [`CudaTarget::set_partial_sum_fault`].
+    partial_sum_fault: AtomicBool,
+    /// The model directory, for the CPU f32 model replay's partial-sum candidates come from.
+    source: PathBuf,
+    /// That model, loaded on first use ([`CaptureTarget::block_partial_sums`]).
+    cpu_model: Mutex<Option<TargetModel<CpuBackend>>>,
     gpu: Arc<Gpu>,
     weights: DeviceWeights,
     inv_freq: CudaSlice<f32>,
@@ -458,7 +466,7 @@ impl CudaTarget {
         let spec = HfConfig::load(&dir.join("config.json"))?.resolve()?;
         DeviceWeights::check_supported(&spec)?;
         let files = WeightFiles::open(dir)?;
-        Self::load_rank(spec.clone(), spec, &files, gpu, None)
+        Self::load_rank(dir, spec.clone(), spec, &files, gpu, None)
     }
 
     /// The model of `dir` split over `gpus.len()` tensor-parallel ranks, rank `r` on `gpus[r]`
@@ -496,6 +504,7 @@ impl CudaTarget {
                 peers: Vec::new(),
             };
             targets.push(Self::load_rank(
+                dir,
                 spec.clone(),
                 rank_spec.clone(),
                 &files,
@@ -525,12 +534,41 @@ impl CudaTarget {
         Self::load_tensor_parallel(dir, &gpus, reduction)
     }
 
+    /// A wiring fault on purpose, for replay's tests and demonstrations: rank 0 of a
+    /// tensor-parallel target takes its block taps before the MLP's all-reduce (the residual
+    /// after attention plus its own down_proj product, one rank's partial sum), as a capture
+    /// hook placed inside the tensor-parallel MLP would. Nothing else changes: logits and the
+    /// other ranks are right, and the taps are wrong. `TANDEM_CUDA_FAULT=tp-partial-sum` turns
+    /// it on at load (a `tandem dump --tp N` that records it). No effect on one GPU.
+    pub fn set_partial_sum_fault(&self, on: bool) {
+        self.partial_sum_fault.store(on, Ordering::Relaxed);
+    }
+
+    fn partial_sum_fault(&self) -> bool {
+        self.tp.as_ref().is_some_and(|tp| tp.split.ranks > 1)
+            && self.partial_sum_fault.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` on the model's CPU f32 copy (burn), loaded from the model directory on first use:
+    /// what the fast path has no kernels for (replay's tensor-parallel partial-sum candidates).
+    pub(crate) fn with_cpu_model<R>(
+        &self,
+        f: impl FnOnce(&TargetModel<CpuBackend>) -> Result<R, ModelError>,
+    ) -> Result<R, ModelError> {
+        let mut slot = self.cpu_model.lock().expect("a CPU model user panicked");
+        if slot.is_none() {
+            *slot = Some(TargetModel::load(&self.source, &Default::default())?);
+        }
+        f(slot.as_ref().expect("loaded above"))
+    }
+
     /// The tensor-parallel degree (1: the whole model on one GPU).
     pub fn tensor_parallel(&self) -> usize {
         self.tp.as_ref().map_or(1, |tp| tp.split.ranks)
     }
 
     fn load_rank(
+        dir: &Path,
         spec: ModelSpec,
         rank_spec: ModelSpec,
         files: &WeightFiles,
@@ -546,6 +584,11 @@ impl CudaTarget {
         Ok(Self {
             rank_spec,
             tp,
+            partial_sum_fault: AtomicBool::new(
+                std::env::var("TANDEM_CUDA_FAULT").is_ok_and(|v| v == "tp-partial-sum"),
+            ),
+            source: dir.to_path_buf(),
+            cpu_model: Mutex::new(None),
             graphs: Graphs::new(gpu.graphs_default()),
             fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             persistent_rows: AtomicUsize::new(persistent_rows_default()),
@@ -1158,16 +1201,26 @@ impl CudaTarget {
             visible,
             ..
         } = b;
-        let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>| {
+        // `partial`: the injected fault's tap, `rows_of` plus the rank's own down_proj product
+        // (`act . down^T`) before the all-reduce ([`CudaTarget::set_partial_sum_fault`]).
+        type Partial<'a> = Option<(&'a CudaSlice<u16>, &'a CudaSlice<u16>, usize)>;
+        let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>, partial: Partial<'_>| {
             hook.try_observe_with(tap, |slot| {
-                gpu.copy_into(rows_of, &mut taps[slot], rows * h)
+                gpu.copy_into(rows_of, &mut taps[slot], rows * h)?;
+                match partial {
+                    Some((act, down, inter)) => {
+                        gpu.linear_add(act, down, &mut taps[slot], rows, inter, h)
+                    }
+                    None => Ok(()),
+                }
             })
         };
+        let partial_fault = self.partial_sum_fault();
         let (tokens, positions) = (inputs.tokens(), inputs.positions());
         let scalars = graphed.map(|()| inputs.scalars());
         let scalars = scalars.as_ref();
         gpu.embed_rows(&self.weights.embed, &tokens, hidden, rows, h)?;
-        observe(TapId::Embed, hidden)?;
+        observe(TapId::Embed, hidden, None)?;
         let layers = &self.weights.layers;
         // Small steps may run fused (see the small-step kernels in kernels/llama.cu): five
         // launches a layer, the input norm inside q|k|v with RoPE and the cache write, attention,
@@ -1286,6 +1339,10 @@ impl CudaTarget {
                 gpu.linear(normed, &layer.gate_up, gate_up, rows, h, 2 * inter)?;
                 gpu.silu_mul(gate_up, act, rows, inter)?;
                 gpu.linear(act, &layer.down, delta, rows, inter, h)?;
+                if partial_fault {
+                    // `hidden` holds the residual after attention here.
+                    observe(TapId::Block(k), hidden, Some((act, &layer.down, inter)))?;
+                }
                 self.reduce(delta, rows * h)?;
                 // The residual add of this block fused with the next norm: the next layer's
                 // input norm, or the final norm after the last block (kept in f32 for the
@@ -1313,7 +1370,9 @@ impl CudaTarget {
                     )?,
                 }
             }
-            observe(TapId::Block(k), hidden)?;
+            if !partial_fault {
+                observe(TapId::Block(k), hidden, None)?;
+            }
         }
         if fused {
             // The residual is complete: the final norm alone.
@@ -1328,7 +1387,7 @@ impl CudaTarget {
                 eps,
             )?;
         }
-        observe(TapId::Final, final_normed)?;
+        observe(TapId::Final, final_normed, None)?;
 
         let vocab = spec.vocab_size;
         // Fused steps take the logits from the matrix-vector kernel too (`Gpu::project`).

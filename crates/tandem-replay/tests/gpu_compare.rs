@@ -16,7 +16,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tandem_cuda::{CudaDraft, CudaTarget, Gpu};
+use tandem_cuda::{CudaDraft, CudaTarget, Gpu, TpReduction};
 use tandem_dump::{
     DumpManifest, DumpReader, DumpRecord, DumpSettings, DumpWriter, ShardLimits, StorageDtype,
 };
@@ -24,8 +24,11 @@ use tandem_eagle::{Eagle3Config, Eagle3Draft, VocabMap};
 use tandem_infer::{Engine, FastSpecEngine, Shape, SpecBackend, SpecConfig, SpecEngine};
 use tandem_model::backend::CpuBackend;
 use tandem_model::testing::{scratch_dir, tiny_config, write_random_model};
-use tandem_model::{HfConfig, LogitsFor, TapRequest, Taps, TargetModel};
-use tandem_replay::{OfflinePositions, drafted_acceptance, generate_samples};
+use tandem_model::{CaptureTarget, HfConfig, LogitsFor, TapRequest, Taps, TargetModel};
+use tandem_replay::{
+    Candidate, OfflinePositions, ReplayOptions, Status, drafted_acceptance, generate_samples,
+    replay,
+};
 use tandem_wiring::{
     Job, Producer, TapId, TapPoint, TargetFingerprint, WiringManifest, default_aux_taps,
 };
@@ -38,6 +41,7 @@ const HIDDEN: usize = 128;
 const VOCAB: usize = 300;
 
 struct Fixture {
+    dir: PathBuf,
     cpu_target: TargetModel<B>,
     cpu_draft: Eagle3Draft<B>,
     target: CudaTarget,
@@ -77,6 +81,7 @@ fn fixture() -> Fixture {
     )
     .expect("fast head");
     Fixture {
+        dir,
         cpu_target,
         cpu_draft,
         target,
@@ -281,4 +286,124 @@ fn compare_drafts_offline_on_the_fast_path_as_burn_does() {
         assert_eq!(on_gpu.samples, on_cpu.samples);
         assert!(on_gpu.stats.rounds > 0 && on_gpu.stats.accept_length() >= 1.0);
     }
+}
+
+/// Issue #19 (4) on the fast path: a dump whose block-1 slot was captured before the MLP's
+/// all-reduce on rank 0 of a 2-way tensor-parallel fast-path target
+/// (`CudaTarget::set_partial_sum_fault`, the kernels' own partial sum, not a host
+/// construction) is replayed through that target (without the fault): replay names the slot "a
+/// tensor-parallel partial sum" of rank 0 of 2 (its candidates from the model's CPU f32 copy),
+/// and the true slots, captured by the unsplit target, match the split target's captures.
+/// The ranks share GPU 0 (host sums), so this runs on one GPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn replay_names_a_tensor_parallel_partial_sum_taken_on_the_fast_path() {
+    let f = fixture();
+    let gpu = f.target.gpu().clone();
+    let second = Gpu::new(0).expect("a second stream on GPU 0");
+    let split =
+        CudaTarget::load_tensor_parallel(&f.dir, &[gpu, second], TpReduction::HostSimulation)
+            .expect("2-way split target");
+    let taps = vec![TapId::Block(0), TapId::Block(1), TapId::Block(2)];
+    let fingerprint = TargetFingerprint {
+        architecture: "LlamaForCausalLM".into(),
+        model_type: "llama".into(),
+        num_layers: LAYERS,
+        hidden_size: HIDDEN,
+        vocab_size: VOCAB,
+        config_sha256: "0".repeat(64),
+        tokenizer_sha256: "0".repeat(64),
+        chat_template_sha256: None,
+    };
+    let identity = DumpManifest::new(
+        WiringManifest::new(
+            fingerprint.clone(),
+            taps.clone(),
+            TapPoint::ResidualStream,
+            "bf16",
+            Producer::tandem(Job::Dump, "cuda", "prefill, tensor-parallel 2"),
+        ),
+        StorageDtype::Bf16,
+        "tp-partial-sum",
+        DumpSettings {
+            max_len: 256,
+            regenerate: None,
+        },
+    );
+    let dir = scratch_dir("gpu-tp-partial-dump");
+    let mut writer = DumpWriter::open(&dir, &identity, ShardLimits::default()).unwrap();
+    for i in 0..3usize {
+        let ids: Vec<u32> = (0..24 + 5 * i)
+            .map(|j| ((j * 53 + i * 7 + 3) % VOCAB) as u32)
+            .collect();
+        let n = ids.len();
+        let mut request = taps.clone();
+        request.push(TapId::Block(LAYERS - 1));
+        let truth = f
+            .target
+            .capture_taps(&ids, &TapRequest::new(request))
+            .unwrap();
+        split.set_partial_sum_fault(true);
+        let faulty = split
+            .capture_taps(&ids, &TapRequest::new(vec![TapId::Block(1)]))
+            .unwrap()
+            .remove(0);
+        split.set_partial_sum_fault(false);
+        let gap = tandem_model::testing::rel_err(&faulty, &truth[1]);
+        assert!(gap > 0.05, "the partial sum is not the tap (gap {gap})");
+        let slots = [&truth[0], &faulty, &truth[2]];
+        let mut aux = Vec::with_capacity(n * HIDDEN * slots.len());
+        for t in 0..n {
+            for v in slots {
+                aux.extend_from_slice(&v[t * HIDDEN..(t + 1) * HIDDEN]);
+            }
+        }
+        let record = DumpRecord {
+            sample_id: format!("s{i}"),
+            input_ids: ids,
+            loss_mask: vec![1; n],
+            aux_hidden: aux,
+            last_hidden: truth[3].clone(),
+        };
+        writer.write(&record, false).unwrap();
+    }
+    writer.finish(true).unwrap();
+    let dump = DumpReader::open(&dir).unwrap();
+    let options = ReplayOptions {
+        serving_dtype: "bf16".into(),
+        device: "cuda".into(),
+        model_label: "tiny, --tp 2".into(),
+        ..ReplayOptions::default()
+    };
+    let report = replay(&split, &fingerprint, &dump, None, &options).expect("replay runs");
+    eprintln!("{}", report.to_table());
+    assert_eq!(
+        report.slots[0].status,
+        Status::Match,
+        "{}",
+        report.slots[0].verdict
+    );
+    assert_eq!(
+        report.slots[2].status,
+        Status::Match,
+        "{}",
+        report.slots[2].verdict
+    );
+    let s1 = &report.slots[1];
+    assert_eq!(
+        s1.observed,
+        Some(Candidate::PartialSum {
+            layer: 1,
+            tp: 2,
+            rank: 0
+        }),
+        "{}",
+        s1.verdict
+    );
+    assert!(
+        s1.verdict.contains("a tensor-parallel partial sum") && s1.verdict.contains("rank 0 of 2"),
+        "{}",
+        s1.verdict
+    );
+    assert!(!report.ok());
 }
