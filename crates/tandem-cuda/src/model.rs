@@ -473,9 +473,10 @@ impl CudaTarget {
     /// ([`crate::tensor_parallel`]): the returned target is rank 0 and runs the others beside
     /// it, one thread each, at every step. Its caches hold each rank's KV heads on that rank's
     /// GPU. Its taps and logits come from rank 0 (every rank holds the whole reduced residual
-    /// stream, so the hook taps it once). Every step runs the unfused kernels eagerly: the
-    /// fused ones add o_proj and down_proj straight into the residual, leaving no partial sum
-    /// to reduce, and graphs of the NCCL calls are not built yet. One GPU with
+    /// stream, so the hook taps it once). Every step runs the unfused kernels: the fused ones add
+    /// o_proj and down_proj straight into the residual, leaving no partial sum to reduce.
+    /// Decode-sized steps replay CUDA graphs that hold each rank's NCCL all-reduces, as on one
+    /// GPU (each rank captures its own, in its thread); host sums run eagerly. One GPU with
     /// [`TpReduction::Nccl`] runs the split code with a one-rank communicator.
     pub fn load_tensor_parallel(
         dir: &Path,
@@ -1029,16 +1030,19 @@ impl CudaTarget {
         Ok(output)
     }
 
-    /// Whether decode-sized steps replay CUDA graphs (on by default; never under tensor
-    /// parallelism, see [`CudaTarget::load_tensor_parallel`]).
+    /// Whether decode-sized steps replay CUDA graphs (on by default; under tensor parallelism
+    /// only over NCCL, whose all-reduces a graph captures, not with host sums).
     pub fn graphs_enabled(&self) -> bool {
-        self.tp.is_none() && self.graphs.enabled()
+        self.graphs.enabled() && self.tp.as_ref().is_none_or(|tp| tp.reducer.capturable())
     }
 
     /// Turns graph replay of decode-sized steps on or off (`fast-bench` measures both; the
     /// outputs are the same either way, which the GPU tests check).
     pub fn set_graphs(&self, on: bool) {
         self.graphs.set(on);
+        for peer in self.tp.iter().flat_map(|tp| &tp.peers) {
+            peer.set_graphs(on);
+        }
     }
 
     /// Graphs captured so far and steps replayed from them.

@@ -161,6 +161,12 @@ impl Reducer {
         }
     }
 
+    /// Whether a CUDA graph can hold this reduction (NCCL's kernels can be captured; the host
+    /// sum waits on the host).
+    pub(crate) fn capturable(&self) -> bool {
+        matches!(self, Reducer::Nccl(_))
+    }
+
     /// Tells the other ranks this one failed, so none waits for its partial sum (NCCL ranks
     /// cannot be released this way: a failed NCCL step leaves the others' GPU work waiting).
     pub(crate) fn abort(&self) {

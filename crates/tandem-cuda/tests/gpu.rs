@@ -1353,11 +1353,24 @@ fn tensor_parallel_taps_and_logits_equal_one_gpu() {
             ));
         }
         for (label, devices, reduction) in cases {
-            let label = format!("{architecture}, {label}");
-            let split = CudaTarget::load_tensor_parallel(&dir, &devices, reduction)
-                .unwrap_or_else(|e| panic!("{label}: {e}"));
-            assert_eq!(split.tensor_parallel(), devices.len());
-            tensor_parallel_case(&whole, &split, &label);
+            // NCCL ranks replay CUDA graphs of their steps (all-reduces included) by default;
+            // run them eagerly too.
+            let graph_modes: &[bool] = match reduction {
+                TpReduction::Nccl => &[true, false],
+                TpReduction::HostSimulation => &[false],
+            };
+            for &graphs in graph_modes {
+                let label = format!("{architecture}, {label}, graphs {graphs}");
+                let split = CudaTarget::load_tensor_parallel(&dir, &devices, reduction)
+                    .unwrap_or_else(|e| panic!("{label}: {e}"));
+                assert_eq!(split.tensor_parallel(), devices.len());
+                split.set_graphs(graphs);
+                assert_eq!(split.graphs_enabled(), graphs, "{label}");
+                tensor_parallel_case(&whole, &split, &label);
+                if graphs {
+                    assert!(split.graph_stats().replays > 0, "{label}: no step replayed");
+                }
+            }
         }
     }
 }
