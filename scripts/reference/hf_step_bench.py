@@ -4,7 +4,10 @@ fast path's `verify W` rows) on top of a cached prompt, at each batch size, plus
 decode tokens/s. Same prompt construction as hf_decode_bench.py (real text repeated).
 
 Usage: python3 hf_step_bench.py MODEL_DIR [--batch 1,8,32] [--widths 4,8,32]
-       [--prompt-tokens 128] [--steps 20] [--attn sdpa] [--json OUT]
+       [--prompt-tokens 128] [--steps 20] [--attn sdpa] [--device-map auto] [--json OUT]
+
+--device-map auto spreads the layers over every visible GPU (accelerate's pipeline split, what
+HF offers for a model across GPUs), the baseline next to `tandem fast-bench --tp N`.
 """
 import argparse
 import json
@@ -26,11 +29,17 @@ def main():
     ap.add_argument("--widths", default="4,8,32")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--device-map", help="e.g. auto: the layers over every visible GPU")
     ap.add_argument("--json")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.bfloat16, attn_implementation=args.attn).to("cuda").eval()
+    if args.device_map:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.bfloat16, attn_implementation=args.attn,
+            device_map=args.device_map).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.bfloat16, attn_implementation=args.attn).to("cuda").eval()
     seed = tok(SEED_TEXT, add_special_tokens=False)["input_ids"]
     prompt = (seed * (args.prompt_tokens // len(seed) + 1))[: args.prompt_tokens]
     rows = []
@@ -53,7 +62,10 @@ def main():
                     if i >= 2:
                         times.append(t1 - t0)
                 ms = statistics.median(times) * 1e3
-                row = {"impl": f"hf-transformers-{args.attn}", "batch": batch,
+                impl = f"hf-transformers-{args.attn}"
+                if args.device_map:
+                    impl += f"-device-map-{args.device_map}-{torch.cuda.device_count()}gpu"
+                row = {"impl": impl, "batch": batch,
                        "step": "decode" if width == 1 else f"verify {width}", "width": width,
                        "step_ms_median": ms,
                        "tokens_per_second": batch / ms * 1e3 if width == 1 else None}

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# H200 x2 (device kind nvidia-h200-x2), issue #19: every measurement that needs two GPUs, in one
+# pipeline, so the first session that is lent the 2-GPU kind spends it measuring. On one GPU it
+# runs what one GPU allows (the NCCL cases with one rank, the host-sum tensor-parallel tests)
+# and says which rows it skipped.
+#
+#   here:   cargo build --release && bash scripts/gpu/two_gpus.sh pack   # .device/a..e
+#           KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
+#   device: call 1 (carry .device/a): bash scripts/gpu/two_gpus.sh a
+#           calls 2-4 (carry .device/b, c, d): bash scripts/gpu/two_gpus.sh piece b|c|d
+#           call 5 (carry .device/e): bash scripts/gpu/two_gpus.sh start; later calls: ... wait
+#   here:   bash scripts/gpu/lean_tree.sh leave
+#
+# The pipeline (each step under a timeout; results and summary.txt come back):
+#  1. TESTS=1: every GPU test binary with TANDEM_TEST_GPUS=N: the tensor-parallel target's taps
+#     and logits against one GPU's (host sums on GPU 0, NCCL with 1 rank, NCCL with 2 ranks on
+#     GPUs 0 and 1, graphs on and off), replay naming the partial-sum fault, the data-parallel
+#     trainer's steps against one GPU's;
+#  2. data-parallel dump: the same DUMP_CONVERSATIONS ShareGPT conversations (capture only, no
+#     generation) with `--devices 0` and `--devices 0,1`: tokens/s of each, then every record of
+#     the two dumps compared by sample id (ids, mask, and the bytes of the hidden states), and
+#     the same comparison of a batch-1 pair (EQUAL_SAMPLES conversations, `--batch-size 1`),
+#     where batch composition cannot change a kernel's choice;
+#  3. data-parallel training on the 2-GPU dump, `--devices 0` against `--devices 0,1`, same global
+#     batch and seed, TRAIN_STEPS steps: tokens/s of each (median after 5 steps) and the largest
+#     relative difference of the loss curves;
+#  4. two processes bootstrapped as on two machines (scripts/train_dp.sh with NNODES=2 and
+#     NODE_RANK 0 and 1, one GPU each, a shared rendezvous file and TANDEM_RUN_ID): the loss
+#     curve against step 3's single-GPU one;
+#  5. tensor parallelism on an 8B-shaped random bf16 model (scripts/reference/make_random_llama.py):
+#     `tandem fast-bench --tp 1` and `--tp 2` (batch 1 and 32, verify 4, 8 and 32), next to HF
+#     transformers (sdpa) with the model spread over both GPUs (`device_map="auto"`), same run.
+# Knobs: TESTS=0, DUMP_CONVERSATIONS (1500), EQUAL_SAMPLES (64), TRAIN_STEPS (60), TP_TABLE=0,
+# TP_LAYERS (the 8B shape's 32; fewer for a quicker table).
+set -uo pipefail
+source "$(dirname "$0")/head_lib.sh"
+use_cublas_libraries
+EXTRA_FILES="scripts/reference/make_random_llama.py scripts/reference/hf_step_bench.py scripts/ranks.sh scripts/train_dp.sh"
+DUMP_CONVERSATIONS="${DUMP_CONVERSATIONS:-1500}"
+EQUAL_SAMPLES="${EQUAL_SAMPLES:-64}"
+TRAIN_STEPS="${TRAIN_STEPS:-60}"
+
+own_pack() {
+  pack_smollm2 || return 1
+  python3 scripts/reference/sharegpt_subset.py data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json \
+    --count "$DUMP_CONVERSATIONS" --out /tmp/two-gpus-sharegpt.jsonl \
+    --exclude data/mtbench/question.jsonl data/humaneval/HumanEval.jsonl.gz || return 1
+  xz -9 -c /tmp/two-gpus-sharegpt.jsonl > .device/a/sharegpt.jsonl.xz
+  du -b .device/a/sharegpt.jsonl.xz
+}
+
+own_a() {
+  phase_a
+  xz -dc .device/a/sharegpt.jsonl.xz > "$W/sharegpt.jsonl"
+  wc -l "$W/sharegpt.jsonl"
+}
+
+# dump_on DEVICES OUT DATASET [options]: `tandem dump --devices DEVICES` of DATASET (capture
+# only), its wall time into $R/OUT.wall.
+dump_on() {
+  local devices=$1 out=$2 dataset=$3 t0
+  shift 3
+  rm -rf "${W:?}/$out"
+  t0=$(date +%s.%N)
+  timeout 900 "$T" dump --model "$M" --dataset "$dataset" --out "$W/$out" --device cuda \
+    --devices "$devices" --max-len 1024 --quiet "$@" > "$R/$out.log" 2>&1
+  echo "dump $out on $devices: exit $?" | tee -a "$R/summary.txt"
+  python3 -c "import time; print(time.time() - $t0)" > "$R/$out.wall"
+}
+
+# same_records A B: every record of dumps A and B (all ranks' shards) by sample id: the ids, the
+# mask and the bytes of both hidden-state columns; prints how many are identical.
+same_records() {
+  python3 - "$W/$1" "$W/$2" <<'PY' | tee -a "$R/summary.txt"
+import glob, hashlib, os, sys
+import pyarrow.ipc as ipc
+def records(d):
+    out = {}
+    for path in sorted(glob.glob(os.path.join(d, "**", "shard-*.arrow"), recursive=True)):
+        with open(path, "rb") as f:
+            table = ipc.open_file(f).read_all()
+        for i in range(table.num_rows):
+            row = {c: table.column(c)[i] for c in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}
+            digest = {c: hashlib.sha256(str(v.as_py()).encode()).hexdigest() for c, v in row.items()}
+            out[table.column("sample_id")[i].as_py()] = digest
+    return out
+a, b = records(sys.argv[1]), records(sys.argv[2])
+common = sorted(set(a) & set(b))
+same = sum(a[k] == b[k] for k in common)
+tokens_same = sum(a[k]["input_ids"] == b[k]["input_ids"] and a[k]["loss_mask"] == b[k]["loss_mask"] for k in common)
+print(f"{os.path.basename(sys.argv[1])} vs {os.path.basename(sys.argv[2])}: {len(a)} and {len(b)} records, "
+      f"{len(common)} in both; ids and masks equal in {tokens_same}; every byte equal in {same}")
+PY
+}
+
+# dump_rate NAME: tokens/s of dump NAME (manifest tokens over its wall time).
+dump_rate() {
+  python3 - "$W/$1" "$R/$1.wall" <<'PY'
+import json, sys
+m = json.load(open(f"{sys.argv[1]}/manifest.json"))
+wall = float(open(sys.argv[2]).read())
+print(f"{m['tokens']} tokens, {m['rows']} rows, {wall:.1f} s, {m['tokens'] / wall:,.0f} tokens/s")
+PY
+}
+
+train_on() {
+  local devices=$1 out=$2
+  rm -rf "${W:?}/$out"
+  timeout 900 "$T" train --dump "$W/dump-2" --out "$W/$out" --model "$M" --device cuda \
+    --devices "$devices" --batch-size 16 --max-len 1024 --max-steps "$TRAIN_STEPS" --seed 7 \
+    --save-every 0 --quiet > "$R/$out.log" 2>&1
+  echo "train $out on $devices: exit $?" | tee -a "$R/summary.txt"
+  cp "$W/$out/metrics.jsonl" "$R/$out.metrics.jsonl" 2>/dev/null
+}
+
+# curves ONE OTHER: median train tokens/s (steps after 5) and the largest relative loss gap.
+curves() {
+  python3 - "$R/$1.metrics.jsonl" "$R/$2.metrics.jsonl" "$2" <<'PY' | tee -a "$R/summary.txt"
+import json, statistics, sys
+def train(p):
+    try:
+        return [l for l in map(json.loads, filter(str.strip, open(p))) if l.get("kind") == "train"]
+    except OSError:
+        return []
+one, other = train(sys.argv[1]), train(sys.argv[2])
+if not one or not other:
+    print(f"{sys.argv[3]}: no metrics"); sys.exit()
+rate = lambda ls: statistics.median(l["tokens_per_s"] for l in ls[5:] or ls)
+gap = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(other, one))
+print(f"{sys.argv[3]}: {len(other)} steps, {rate(other):,.0f} train tok/s against {rate(one):,.0f} "
+      f"on one GPU ({rate(other) / rate(one):.2f}x); largest relative loss gap {gap:.2e}")
+PY
+}
+
+pipeline() {
+  source "$W/nccl_env.sh"
+  local gpus
+  gpus=$(nvidia-smi -L | wc -l)
+  echo "GPUs: $gpus" | tee -a "$R/summary.txt"
+  nvidia-smi topo -m > "$R/topology.txt" 2>&1
+  [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 600
+  local both=0
+  (( gpus >= 2 )) && both=0,1
+  if [[ "$both" == 0 ]]; then
+    echo "one GPU: the 2-GPU rows below run on GPU 0 only (no speedups measured)" | tee -a "$R/summary.txt"
+  fi
+  # 2. Data-parallel dump.
+  dump_on 0 dump-1 "$W/sharegpt.jsonl"
+  dump_on "$both" dump-2 "$W/sharegpt.jsonl"
+  for d in dump-1 dump-2; do echo "$d: $(dump_rate $d)" | tee -a "$R/summary.txt"; done
+  same_records dump-1 dump-2
+  head -n "$EQUAL_SAMPLES" "$W/sharegpt.jsonl" > "$W/sharegpt-equal.jsonl"
+  dump_on 0 equal-1 "$W/sharegpt-equal.jsonl" --batch-size 1
+  dump_on "$both" equal-2 "$W/sharegpt-equal.jsonl" --batch-size 1
+  same_records equal-1 equal-2
+  mark "data-parallel dump done"
+  # 3. Data-parallel training.
+  train_on 0 train-1
+  train_on "$both" train-2
+  curves train-1 train-2
+  mark "data-parallel training done"
+  # 4. Two processes as on two machines.
+  if (( gpus >= 2 )); then
+    rm -rf "$W/train-nodes"
+    export TANDEM_RUN_ID="two-gpus-$(date +%s)"
+    for node in 0 1; do
+      NNODES=2 NODE_RANK=$node DEVICES=$node LOG_DIR="$R/nodes" TANDEM="$T" timeout 900 \
+        bash "$W/train_dp.sh" --dump "$W/dump-2" --out "$W/train-nodes" --model "$M" --device cuda \
+        --batch-size 16 --max-len 1024 --max-steps "$TRAIN_STEPS" --seed 7 --save-every 0 \
+        > "$R/node-$node.log" 2>&1 &
+    done
+    wait
+    cp "$W/train-nodes/metrics.jsonl" "$R/train-nodes.metrics.jsonl" 2>/dev/null
+    curves train-1 train-nodes
+    mark "two-process bootstrap done"
+  fi
+  # 5. Tensor parallelism on an 8B-shaped model.
+  if [[ "${TP_TABLE:-1}" == 1 ]]; then
+    local big=$W/llama8b-random tp
+    timeout 600 python3 "$W/make_random_llama.py" "$big" --tokenizer-from "$M" \
+      ${TP_LAYERS:+--layers "$TP_LAYERS"} > "$R/make_random.log" 2>&1
+    echo "8B-shaped model: exit $?" | tee -a "$R/summary.txt"
+    for tp in 1 2; do
+      (( tp > gpus )) && { echo "tp $tp: skipped (one GPU)" | tee -a "$R/summary.txt"; continue; }
+      timeout 600 "$T" fast-bench --model "$big" --tp "$tp" --batch 1,32 --verify-widths 4,8,32 \
+        --new-tokens 32 --repeats 3 --with-taps --graphs-only --json "$R/fast-bench-tp$tp.json" \
+        > "$R/fast-bench-tp$tp.md" 2> "$R/fast-bench-tp$tp.log"
+      echo "fast-bench --tp $tp: exit $?" | tee -a "$R/summary.txt"
+    done
+    timeout 900 python3 "$W/hf_step_bench.py" "$big" --batch 1,32 --widths 4,8,32 --steps 10 \
+      --device-map auto --json "$R/hf-tp.json" > "$R/hf-tp.log" 2>&1
+    echo "hf sdpa, device_map auto: exit $?" | tee -a "$R/summary.txt"
+    mark "tensor-parallel table done"
+  fi
+}
+
+report() {
+  grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log 2>/dev/null | tail -20
+  cat "$R/summary.txt" 2>/dev/null
+  cat "$R"/fast-bench-tp*.md 2>/dev/null
+  tail -n 12 "$R/hf-tp.log" 2>/dev/null
+}
+
+run_phases "$0" "${1:-}" "${2:-}"
