@@ -9,6 +9,10 @@
 //! verification): `fast-check` and the tests prove the taps and logits equal the reference's.
 //! Steps of up to [`GRAPH_MAX_WIDTH`] tokens per sequence (decode, tree verification, the
 //! head's draft steps) replay CUDA graphs of that same code ([`graphs`]).
+//!
+//! Past one GPU: [`tensor_parallel`] splits the target over several GPUs (NCCL all-reduces,
+//! taps on rank 0 after them), [`collective`] bootstraps NCCL across processes for the
+//! data-parallel trainer.
 
 mod cache;
 mod capture;
