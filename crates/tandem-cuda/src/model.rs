@@ -21,7 +21,7 @@ use crate::device::{
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
-use crate::tensor_parallel::{RankSplit, Reducer, TpReduction};
+use crate::tensor_parallel::{RankSplit, Reducer, TpReduction, unwinding_as_error};
 use crate::weights::DeviceWeights;
 
 /// Widest step that replays a CUDA graph: decode (1 token per sequence) and tree verification
@@ -934,13 +934,15 @@ impl CudaTarget {
                 .map(|(peer, peer_cache)| {
                     let none = &none;
                     scope.spawn(move || {
-                        let out = peer.forward_rank(
-                            step,
-                            &mut peer_cache.cache,
-                            none,
-                            LogitsFor::None,
-                            None,
-                        );
+                        let out = unwinding_as_error(|| {
+                            peer.forward_rank(
+                                step,
+                                &mut peer_cache.cache,
+                                none,
+                                LogitsFor::None,
+                                None,
+                            )
+                        });
                         if out.is_err() {
                             peer.abort_reductions();
                         }
@@ -948,7 +950,7 @@ impl CudaTarget {
                     })
                 })
                 .collect();
-            let own = self.forward_rank(step, cache, taps, logits_for, None);
+            let own = unwinding_as_error(|| self.forward_rank(step, cache, taps, logits_for, None));
             if own.is_err() {
                 tp.reducer.abort();
             }
@@ -958,7 +960,7 @@ impl CudaTarget {
                 .map(|(i, h)| {
                     h.join().unwrap_or_else(|_| {
                         Err(CudaError::Collective(format!(
-                            "tensor-parallel rank {} panicked",
+                            "tensor-parallel rank {} ended abnormally",
                             i + 1
                         )))
                     })

@@ -77,6 +77,23 @@ pub fn column_block(values: &[f32], cols: usize, take: Range<usize>) -> Vec<f32>
         .collect()
 }
 
+/// `f`'s result, with a panic turned into an error: a tensor-parallel rank that panicked must
+/// still release the ranks waiting for its partial sums, or the step would never end.
+pub(crate) fn unwinding_as_error<T>(
+    f: impl FnOnce() -> Result<T, CudaError>,
+) -> Result<T, CudaError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic");
+        Err(CudaError::Collective(format!(
+            "a tensor-parallel rank panicked: {what}"
+        )))
+    })
+}
+
 /// An NCCL communicator that may move to its rank's thread: NCCL allows a communicator to be
 /// used from any thread, and the [`Mutex`] around it lets one thread at a time.
 pub(crate) struct RankComm(Comm);
@@ -337,6 +354,18 @@ mod tests {
             assert_eq!(rounds[0], vec![6.0, expected_tail]);
             assert_eq!(rounds[1], vec![60.0, expected_tail]);
         }
+    }
+
+    #[test]
+    fn a_panicking_rank_becomes_an_error_naming_the_panic() {
+        let err = unwinding_as_error::<()>(|| panic!("rank 1 ran out of memory"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("a tensor-parallel rank panicked: rank 1 ran out of memory"),
+            "{err}"
+        );
+        assert_eq!(unwinding_as_error(|| Ok(7)).unwrap(), 7);
     }
 
     #[test]
