@@ -143,6 +143,35 @@ fn assert_taps_close(a: &Taps<DeviceRows>, b: &Taps<DeviceRows>, tolerance: f32,
     }
 }
 
+/// A step's outputs against a reference's (`expected`): logits and every tap slot within
+/// `tolerance` of the largest value, and the same greedy token in every row unless the
+/// reference has a near-tie there (1e-3); returns the reference's greedy tokens.
+fn assert_outputs_close(
+    got: tandem_cuda::CudaStepOutput,
+    expected: tandem_cuda::CudaStepOutput,
+    tolerance: f32,
+    label: &str,
+) -> Vec<u32> {
+    let (lg, le) = (
+        got.logits.expect("logits"),
+        expected.logits.expect("logits"),
+    );
+    let (hg, he) = (lg.to_host().unwrap(), le.to_host().unwrap());
+    let gap = rel_err(&hg, &he);
+    assert!(gap <= tolerance, "{label}: logits differ by {gap}");
+    let (ids_g, ids_e) = (lg.argmax().unwrap(), le.argmax().unwrap());
+    for (row, (&x, &y)) in ids_g.iter().zip(&ids_e).enumerate() {
+        let logits = &he[row * le.vocab..(row + 1) * le.vocab];
+        let margin = (logits[y as usize] - logits[x as usize]).abs();
+        assert!(
+            x == y || margin <= 1e-3,
+            "{label} row {row}: greedy {x} vs {y} (margin {margin})"
+        );
+    }
+    assert_taps_close(&got.taps, &expected.taps, tolerance, label);
+    ids_e
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn graph_replay_gives_the_eager_outputs() {
@@ -926,30 +955,7 @@ fn small_steps_match_the_unfused_kernels(
             let out_b = unfused
                 .forward(step, b, &taps, logits_for)
                 .expect("unfused");
-            let (la, lb) = (out_a.logits.expect("logits"), out_b.logits.expect("logits"));
-            let (ha, hb) = (la.to_host().unwrap(), lb.to_host().unwrap());
-            let gap = rel_err(&ha, &hb);
-            assert!(
-                gap <= 2e-3,
-                "{architecture} {label}: logits differ by {gap}"
-            );
-            let (ids_a, ids_b) = (la.argmax().unwrap(), lb.argmax().unwrap());
-            for (row, (&x, &y)) in ids_a.iter().zip(&ids_b).enumerate() {
-                // A different greedy token is only acceptable at a near-tie of the reference.
-                let logits = &hb[row * lb.vocab..(row + 1) * lb.vocab];
-                let margin = (logits[y as usize] - logits[x as usize]).abs();
-                assert!(
-                    x == y || margin <= 1e-3,
-                    "{architecture} {label} row {row}: greedy {x} vs {y} (margin {margin})"
-                );
-            }
-            assert_taps_close(
-                &out_a.taps,
-                &out_b.taps,
-                2e-3,
-                &format!("{architecture} {label}"),
-            );
-            ids_b
+            assert_outputs_close(out_a, out_b, 2e-3, &format!("{architecture} {label}"))
         };
         let prefill = caches[0]
             .layout()
@@ -1399,21 +1405,7 @@ fn tensor_parallel_case(
         let out_b = split
             .forward(step, b, &taps, logits_for)
             .unwrap_or_else(|e| panic!("{label} {what}: {e}"));
-        let (la, lb) = (out_a.logits.expect("logits"), out_b.logits.expect("logits"));
-        let (ha, hb) = (la.to_host().unwrap(), lb.to_host().unwrap());
-        let gap = rel_err(&hb, &ha);
-        assert!(gap <= 2e-3, "{label} {what}: logits differ by {gap}");
-        assert_taps_close(&out_b.taps, &out_a.taps, 2e-3, &format!("{label} {what}"));
-        let (ids_a, ids_b) = (la.argmax().unwrap(), lb.argmax().unwrap());
-        for (row, (&x, &y)) in ids_b.iter().zip(&ids_a).enumerate() {
-            let logits = &ha[row * la.vocab..(row + 1) * la.vocab];
-            let margin = (logits[y as usize] - logits[x as usize]).abs();
-            assert!(
-                x == y || margin <= 1e-3,
-                "{label} {what} row {row}: greedy {x} vs {y} (margin {margin})"
-            );
-        }
-        ids_a
+        assert_outputs_close(out_b, out_a, 2e-3, &format!("{label} {what}"))
     };
     let prefill = caches[0]
         .layout()

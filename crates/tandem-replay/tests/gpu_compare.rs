@@ -90,6 +90,46 @@ fn fixture() -> Fixture {
     }
 }
 
+/// The fixture target's fingerprint as the dumps here record it (placeholder hashes: replay is
+/// given the same fingerprint).
+fn fixture_fingerprint() -> TargetFingerprint {
+    TargetFingerprint {
+        architecture: "LlamaForCausalLM".into(),
+        model_type: "llama".into(),
+        num_layers: LAYERS,
+        hidden_size: HIDDEN,
+        vocab_size: VOCAB,
+        config_sha256: "0".repeat(64),
+        tokenizer_sha256: "0".repeat(64),
+        chat_template_sha256: None,
+    }
+}
+
+/// A bf16 dump manifest of `taps` at the residual stream, produced on `device` by `path`.
+fn dump_identity(
+    fingerprint: TargetFingerprint,
+    taps: &[TapId],
+    device: &str,
+    path: &str,
+    dataset: &str,
+) -> DumpManifest {
+    DumpManifest::new(
+        WiringManifest::new(
+            fingerprint,
+            taps.to_vec(),
+            TapPoint::ResidualStream,
+            "bf16",
+            Producer::tandem(Job::Dump, device, path),
+        ),
+        StorageDtype::Bf16,
+        dataset,
+        DumpSettings {
+            max_len: 256,
+            regenerate: None,
+        },
+    )
+}
+
 /// Four prompts continued greedily by burn's target, with burn's taps and last block.
 fn write_dump(f: &Fixture) -> PathBuf {
     let prompts: Vec<Vec<u32>> = (0..4)
@@ -100,32 +140,8 @@ fn write_dump(f: &Fixture) -> PathBuf {
         })
         .collect();
     let samples = generate_samples(&f.cpu_target, &prompts, 24, &[]).unwrap();
-    let fingerprint = TargetFingerprint {
-        architecture: "LlamaForCausalLM".into(),
-        model_type: "llama".into(),
-        num_layers: LAYERS,
-        hidden_size: HIDDEN,
-        vocab_size: VOCAB,
-        config_sha256: "0".repeat(64),
-        tokenizer_sha256: "0".repeat(64),
-        chat_template_sha256: None,
-    };
-    let wiring = WiringManifest::new(
-        fingerprint,
-        f.taps.clone(),
-        TapPoint::ResidualStream,
-        "bf16",
-        Producer::tandem(Job::Dump, "cpu", "prefill"),
-    );
-    let identity = DumpManifest::new(
-        wiring,
-        StorageDtype::Bf16,
-        "gpu-compare",
-        DumpSettings {
-            max_len: 256,
-            regenerate: None,
-        },
-    );
+    let fingerprint = fixture_fingerprint();
+    let identity = dump_identity(fingerprint, &f.taps, "cpu", "prefill", "gpu-compare");
     let dir = scratch_dir("gpu-compare-dump");
     let mut writer = DumpWriter::open(&dir, &identity, ShardLimits::default()).unwrap();
     let mut request = f.taps.clone();
@@ -305,30 +321,13 @@ fn replay_names_a_tensor_parallel_partial_sum_taken_on_the_fast_path() {
         CudaTarget::load_tensor_parallel(&f.dir, &[gpu, second], TpReduction::HostSimulation)
             .expect("2-way split target");
     let taps = vec![TapId::Block(0), TapId::Block(1), TapId::Block(2)];
-    let fingerprint = TargetFingerprint {
-        architecture: "LlamaForCausalLM".into(),
-        model_type: "llama".into(),
-        num_layers: LAYERS,
-        hidden_size: HIDDEN,
-        vocab_size: VOCAB,
-        config_sha256: "0".repeat(64),
-        tokenizer_sha256: "0".repeat(64),
-        chat_template_sha256: None,
-    };
-    let identity = DumpManifest::new(
-        WiringManifest::new(
-            fingerprint.clone(),
-            taps.clone(),
-            TapPoint::ResidualStream,
-            "bf16",
-            Producer::tandem(Job::Dump, "cuda", "prefill, tensor-parallel 2"),
-        ),
-        StorageDtype::Bf16,
+    let fingerprint = fixture_fingerprint();
+    let identity = dump_identity(
+        fingerprint.clone(),
+        &taps,
+        "cuda",
+        "prefill, tensor-parallel 2",
         "tp-partial-sum",
-        DumpSettings {
-            max_len: 256,
-            regenerate: None,
-        },
     );
     let dir = scratch_dir("gpu-tp-partial-dump");
     let mut writer = DumpWriter::open(&dir, &identity, ShardLimits::default()).unwrap();
