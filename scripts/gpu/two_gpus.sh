@@ -27,7 +27,9 @@
 #  4. two processes bootstrapped as on two machines (scripts/train_dp.sh with NNODES=2 and
 #     NODE_RANK 0 and 1, one GPU each, a shared rendezvous file and TANDEM_RUN_ID): the loss
 #     curve against step 3's single-GPU one;
-#  5. tensor parallelism on an 8B-shaped random bf16 model (scripts/reference/make_random_llama.py):
+#  5. tensor parallelism: `tandem fast-check --tp 2` of a 4-layer Qwen2.5-1.5B-shaped random model
+#     against the CPU f32 reference (every tap and the logits, prefill and decode points), then
+#     an 8B-shaped random bf16 model (scripts/reference/make_random_llama.py):
 #     `tandem fast-bench --tp 1` and `--tp 2` (batch 1 and 32, verify 4, 8 and 32), next to HF
 #     transformers (sdpa) with the model spread over both GPUs (`device_map="auto"`), same run.
 # Knobs: TESTS=0, DUMP_CONVERSATIONS (1500), EQUAL_SAMPLES (64), TRAIN_STEPS (60), TP_TABLE=0,
@@ -174,7 +176,18 @@ pipeline() {
     curves train-1 train-nodes
     mark "two-process bootstrap done"
   fi
-  # 5. Tensor parallelism on an 8B-shaped model.
+  # 5. Tensor parallelism: a 4-layer Qwen2.5-1.5B-shaped random model (q/k/v biases, 12 heads
+  # and 2 KV heads: splits 2 ways) split over the GPUs against the CPU f32 reference, then the
+  # 8B-shaped table.
+  local qshape=$W/qwen-shape
+  timeout 300 python3 "$W/make_random_llama.py" "$qshape" --shape qwen2.5-1.5b --layers 4 \
+    --tokenizer-from "$M" > "$R/make_qwen_shape.log" 2>&1
+  local reduction=""
+  (( gpus < 2 )) && reduction=1
+  TANDEM_CUDA_TP_SIMULATE=$reduction timeout 600 "$T" fast-check --model "$qshape" --tp 2 \
+    --kv-lens 1,33,160 --batches 3 --points 2x64 --json "$R/fast-check-tp2.json" \
+    > "$R/fast-check-tp2.md" 2> "$R/fast-check-tp2.log"
+  echo "fast-check --tp 2 (qwen2.5-1.5b shape, 4 layers${reduction:+, host sums on one GPU}): exit $?" | tee -a "$R/summary.txt"
   if [[ "${TP_TABLE:-1}" == 1 ]]; then
     local big=$W/llama8b-random tp
     timeout 600 python3 "$W/make_random_llama.py" "$big" --tokenizer-from "$M" \
@@ -197,7 +210,7 @@ pipeline() {
 report() {
   grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log 2>/dev/null | tail -20
   cat "$R/summary.txt" 2>/dev/null
-  cat "$R"/fast-bench-tp*.md 2>/dev/null
+  cat "$R/fast-check-tp2.md" "$R"/fast-bench-tp*.md 2>/dev/null
   tail -n 12 "$R/hf-tp.log" 2>/dev/null
 }
 

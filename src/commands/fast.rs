@@ -33,11 +33,22 @@ pub struct FastCheckArgs {
     pub points: Vec<String>,
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Check the target split over N tensor-parallel ranks (GPUs 0..N over NCCL;
+    /// TANDEM_CUDA_TP_SIMULATE=1: every rank on GPU 0) against the same CPU reference.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
 }
 
 pub fn run_check(args: FastCheckArgs) -> anyhow::Result<()> {
-    let gpu = Gpu::new(0)?;
-    let (fast, reference) = load_pair(&args.model, gpu.clone())?;
+    let (fast, reference) = if args.tp > 1 {
+        (
+            CudaTarget::load_ranks(&args.model, args.tp)?,
+            tandem_model::TargetModel::load(&args.model, &Default::default())?,
+        )
+    } else {
+        load_pair(&args.model, Gpu::new(0)?)?
+    };
+    let gpu = fast.gpu().clone();
     let mut points: Vec<CheckPoint> = args
         .kv_lens
         .iter()
@@ -59,8 +70,12 @@ pub fn run_check(args: FastCheckArgs) -> anyhow::Result<()> {
     }
     let tolerance = Tolerance::default();
     eprintln!(
-        "fast path on {} vs CPU f32 reference; tolerance {tolerance:?}",
-        gpu.name()
+        "fast path on {}{} vs CPU f32 reference; tolerance {tolerance:?}",
+        gpu.name(),
+        match fast.tensor_parallel() {
+            1 => String::new(),
+            n => format!(", tensor-parallel over {n} ranks"),
+        }
     );
     // Rows are printed as points finish, so a run cut short keeps what it measured.
     println!(
