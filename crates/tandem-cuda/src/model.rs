@@ -525,6 +525,10 @@ impl CudaTarget {
         if ranks <= 1 {
             return Self::load(dir, Gpu::new(0)?);
         }
+        // A split the model does not allow is named before any GPU is touched.
+        HfConfig::load(&dir.join("config.json"))?
+            .resolve()?
+            .check_tensor_parallel(ranks)?;
         let reduction = TpReduction::from_env();
         let gpus = (0..ranks)
             .map(|rank| match reduction {
