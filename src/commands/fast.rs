@@ -194,6 +194,8 @@ impl FusedModes {
 
 #[derive(Debug, serde::Serialize)]
 struct FastBenchRow {
+    /// Tensor-parallel ranks the target ran on (1: one GPU).
+    tensor_parallel: usize,
     graphs: bool,
     /// `unfused`, `fused` or `persistent`.
     kernels: &'static str,
@@ -314,6 +316,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                     );
                 }
                 let row = FastBenchRow {
+                    tensor_parallel: model.tensor_parallel(),
                     graphs,
                     kernels,
                     step: "decode",
@@ -361,6 +364,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                     },
                 )?;
                 let row = FastBenchRow {
+                    tensor_parallel: model.tensor_parallel(),
                     graphs,
                     kernels,
                     step: "verify",
