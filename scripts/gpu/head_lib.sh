@@ -90,6 +90,8 @@ except (OSError, ValueError) as e:
 pos = " ".join(f"{p:.2f}" for p in d["per_position"])
 target = d.get("target_tokens_per_second")
 ratio = f"target {target:.1f} speedup {d['speedup']:.3f}" if target else "no baseline"
+if target and d.get("speedup_se") is not None:
+    ratio += f" (se {d['speedup_se']:.3f}{', interleaved' if d.get('interleaved') else ''})"
 se = f" (se {d['accept_length_se']:.3f})" if d.get("accept_length_se") is not None else ""
 print(f"{sys.argv[2]:10s} {sys.argv[3]:7s} accept {d['accept_length']:.3f}{se} [{pos}] "
       f"spec {d['spec_tokens_per_second']:.1f} tok/s {ratio} "

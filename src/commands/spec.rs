@@ -247,6 +247,11 @@ pub struct BenchArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Alternate the two runs batch by batch (target-only, then speculative, on each batch of
+    /// prompts) instead of all target-only batches first: a drift of the device's speed
+    /// during the bench (clocks, another tenant) then falls on both sides alike.
+    #[arg(long)]
+    pub interleave: bool,
     /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast.
     #[arg(long, default_value = "auto")]
     pub engine: EngineKind,
@@ -284,6 +289,11 @@ pub struct BenchReport {
     pub spec_tokens_per_second: f64,
     /// Speculative over target-only tokens/s; `None` with `--no-baseline`.
     pub speedup: Option<f64>,
+    /// Standard error of `speedup` over the batches of prompts, each timed both ways
+    /// (`tandem_infer::speedup_se`); `None` without a baseline or below two batches.
+    pub speedup_se: Option<f64>,
+    /// Whether the two runs alternated batch by batch (`--interleave`).
+    pub interleaved: bool,
     pub accept_length: f64,
     /// Standard error of the accept length: the larger of the per-round and the per-prompt
     /// estimate (`tandem_infer::accept_length_se`); `None` below two rounds.
@@ -384,34 +394,65 @@ pub fn measure_bench(
     logits_after: impl FnMut(&[u32]) -> anyhow::Result<Vec<f32>>,
 ) -> anyhow::Result<()> {
     let batch = args.batch.max(1);
+    let chunks: Vec<&[Vec<u32>]> = prompts.chunks(batch).collect();
+    // (speculative?, batch index) in the order they run.
+    let baseline_runs = (!args.no_baseline).then_some(false);
+    let order: Vec<(bool, usize)> = if args.interleave {
+        (0..chunks.len())
+            .flat_map(|c| baseline_runs.into_iter().chain([true]).map(move |s| (s, c)))
+            .collect()
+    } else {
+        baseline_runs
+            .into_iter()
+            .flat_map(|s| (0..chunks.len()).map(move |c| (s, c)))
+            .chain((0..chunks.len()).map(|c| (true, c)))
+            .collect()
+    };
     let mut reference: Vec<Vec<u32>> = Vec::new();
     let (mut target_tokens, mut target_seconds) = (0usize, 0f64);
-    if !args.no_baseline {
-        for (c, chunk) in prompts.chunks(batch).enumerate() {
-            let start = Instant::now();
-            let out = baseline(chunk, c * batch)?;
-            target_seconds += start.elapsed().as_secs_f64();
-            target_tokens += out.iter().map(Vec::len).sum::<usize>();
-            reference.extend(out);
-        }
-    }
     let mut stats = AcceptanceStats::new(config.num_steps);
     let mut per_prompt = Vec::with_capacity(prompts.len());
     let mut timings = tandem_infer::Timings::default();
     let (mut spec_tokens, mut spec_seconds) = (0usize, 0f64);
     let mut outputs = Vec::new();
-    for (c, chunk) in prompts.chunks(batch).enumerate() {
+    // Per batch: (tokens, seconds) of the target-only and of the speculative run.
+    let mut per_batch = vec![[(0usize, 0f64); 2]; chunks.len()];
+    for (speculative_run, c) in order {
+        let chunk = chunks[c];
         let start = Instant::now();
+        if !speculative_run {
+            let out = baseline(chunk, c * batch)?;
+            let seconds = start.elapsed().as_secs_f64();
+            let tokens = out.iter().map(Vec::len).sum::<usize>();
+            per_batch[c][0] = (tokens, seconds);
+            target_seconds += seconds;
+            target_tokens += tokens;
+            reference.extend(out);
+            continue;
+        }
         let out = speculative(chunk, c * batch)?;
-        spec_seconds += start.elapsed().as_secs_f64();
+        let seconds = start.elapsed().as_secs_f64();
+        spec_seconds += seconds;
         timings += out.timings;
+        let mut tokens = 0;
         for seq in out.sequences {
-            spec_tokens += seq.tokens.len();
+            tokens += seq.tokens.len();
             stats.merge(&seq.stats);
             per_prompt.push(seq.stats);
             outputs.push(seq.tokens);
         }
+        spec_tokens += tokens;
+        per_batch[c][1] = (tokens, seconds);
     }
+    let paired: Vec<tandem_infer::PairedRun> = per_batch
+        .iter()
+        .map(|[(tt, ts), (st, ss)]| tandem_infer::PairedRun {
+            spec_tokens: *st as f64,
+            spec_seconds: *ss,
+            target_tokens: *tt as f64,
+            target_seconds: *ts,
+        })
+        .collect();
     let comparison = if config.sampling.is_greedy() {
         compare_outputs(&outputs, &reference, prompts, logits_after)?
     } else {
@@ -431,6 +472,8 @@ pub fn measure_bench(
         spec_seconds,
         spec_tokens_per_second: per_second(spec_tokens, spec_seconds),
         speedup: baseline_rate.map(|rate| per_second(spec_tokens, spec_seconds) / rate),
+        speedup_se: baseline_rate.and_then(|_| tandem_infer::speedup_se(&paired)),
+        interleaved: args.interleave,
         accept_length: stats.accept_length(),
         accept_length_se: tandem_infer::accept_length_se(&stats, &per_prompt),
         per_position: stats.per_position(),
@@ -461,7 +504,13 @@ fn write_json(path: &Path, report: &BenchReport) -> anyhow::Result<()> {
 /// The target-only tok/s and speedup cells of the bench table: "-" without a baseline run.
 fn baseline_cells(r: &BenchReport) -> (String, String) {
     match (r.target_tokens_per_second, r.speedup) {
-        (Some(rate), Some(speedup)) => (format!("{rate:.1}"), format!("{speedup:.2}x")),
+        (Some(rate), Some(speedup)) => (
+            format!("{rate:.1}"),
+            match r.speedup_se {
+                Some(se) => format!("{speedup:.3}x (se {se:.3})"),
+                None => format!("{speedup:.2}x"),
+            },
+        ),
         _ => ("- (--no-baseline)".to_owned(), "-".to_owned()),
     }
 }
@@ -674,6 +723,8 @@ mod tests {
             spec_seconds: 0.5,
             spec_tokens_per_second: 128.0,
             speedup,
+            speedup_se: None,
+            interleaved: false,
             accept_length: 1.9,
             accept_length_se: Some(0.02),
             per_position: vec![0.5, 0.5, 0.5],
@@ -705,6 +756,11 @@ mod tests {
             baseline_cells(&both),
             ("100.0".to_owned(), "1.28x".to_owned())
         );
+        let with_se = BenchReport {
+            speedup_se: Some(0.021),
+            ..report(Some(100.0), Some(1.2834))
+        };
+        assert_eq!(baseline_cells(&with_se).1, "1.283x (se 0.021)");
     }
 
     #[test]

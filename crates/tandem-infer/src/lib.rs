@@ -26,7 +26,10 @@ pub use engine::{
 };
 pub use fast::{FastRunningBatch, FastSpecEngine, fast_target_generate};
 pub use policy::{Choice, CostTable, PolicyConfig, Shape, SpeculationPolicy};
-pub use stats::{AcceptanceStats, accept_length_se, position_se, ratio_se, share_se};
+pub use stats::{
+    AcceptanceStats, PairedRun, accept_length_se, pooled_speedup, position_se, ratio_se, share_se,
+    speedup_se,
+};
 pub use trace::RoundRecord;
 pub use tree::{BeamSearch, BeamStep, DraftStep, DraftTree, TreeBuilder, TreeError};
 pub use verify::{Acceptance, verify_greedy, verify_sampling};
