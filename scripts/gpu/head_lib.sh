@@ -73,6 +73,7 @@ pack_gguf() {
 
 # bench HEAD_DIR NAME SHAPE [bench options...]: MT-Bench, 80 first turns, 128 tokens, greedy,
 # batch 1, fast path; one summary line per run in $R/summary.txt, the JSON in $R.
+# INTERLEAVE=1: target-only and speculative alternate prompt by prompt (`bench --interleave`).
 bench() {
   local dir=$1 name=$2 shape=$3 s k n
   shift 3
@@ -80,7 +81,8 @@ bench() {
   local tag="${name}_${s}_${k}_${n}"
   timeout 300 "$T" bench --model "$M" --draft "$dir" --device cuda --prompts mtbench \
     --data-root "$W/data" --max-prompts 80 --max-new-tokens 128 --steps "$s" --topk "$k" \
-    --num-draft-tokens "$n" --batch 1 --json "$R/bench_${tag}.json" "$@" > "$R/bench_${tag}.log" 2>&1
+    --num-draft-tokens "$n" --batch 1 --json "$R/bench_${tag}.json" ${INTERLEAVE:+--interleave} "$@" \
+    > "$R/bench_${tag}.log" 2>&1
   python3 - "$R/bench_${tag}.json" "$name" "$shape" <<'PY' | tee -a "$LOG" "$R/summary.txt"
 import json, sys
 try:

@@ -17,7 +17,9 @@
 # runs with these variables exported, labelled `ab`: an A/B of one switch in one binary and run.
 # FAST_AB="VAR=value ..": fast-bench (fused) again with these exported, in the same run.
 # AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, FAST_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS.
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, FAST_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
+# INTERLEAVE=1 (benches alternate target-only and speculative prompt by prompt; every bench prints
+# its speedup's standard error).
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
 #             KEEP_HEAD=1 bash scripts/gpu/lean_tree.sh enter
 #   call 1 (carry .device/a): bash scripts/gpu/rows_profile.sh a
