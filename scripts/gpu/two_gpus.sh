@@ -164,10 +164,12 @@ pipeline() {
   # 4. Two processes as on two machines.
   if (( gpus >= 2 )); then
     rm -rf "$W/train-nodes"
+    # train_dp.sh sources gpu/nccl_env.sh and ranks.sh next to itself.
+    mkdir -p "$W/gpu" && cp "$W/nccl_env.sh" "$W/gpu/nccl_env.sh"
     export TANDEM_RUN_ID="two-gpus-$(date +%s)"
     for node in 0 1; do
       NNODES=2 NODE_RANK=$node DEVICES=$node LOG_DIR="$R/nodes" TANDEM="$T" timeout 900 \
-        bash "$W/train_dp.sh" --dump "$W/dump-2" --out "$W/train-nodes" --model "$M" --device cuda \
+        bash "$W/train_dp.sh" --dump "$W/dump-2" --out "$W/train-nodes" --model "$M" \
         --batch-size 16 --max-len 1024 --max-steps "$TRAIN_STEPS" --seed 7 --save-every 0 \
         > "$R/node-$node.log" 2>&1 &
     done
