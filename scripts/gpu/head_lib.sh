@@ -123,9 +123,9 @@ last_val() {
 # wait_for DONE_FILE: until $R/DONE_FILE exists or WAIT_SECONDS (default 560) have passed, so a
 # call returns before the device tool's 600 s limit; the next call waits again.
 wait_for() {
-  local start
-  start=$(date +%s)
-  while [[ ! -f "$R/$1" ]] && (( $(date +%s) - start < ${WAIT_SECONDS:-560} )); do sleep 10; done
+  local deadline
+  deadline=$(( $(date +%s) + ${WAIT_SECONDS:-560} ))
+  while [[ ! -f "$R/$1" ]] && (( $(date +%s) < deadline )); do sleep 5; done
 }
 
 # collect TARBALL PARTS: $R (without model pieces) as $OUT/TARBALL, and the pieces of the
@@ -192,7 +192,14 @@ run_gpu_tests() {
   # communicators; two: the 2-rank cases too).
   [[ -f "$W/nccl_env.sh" ]] && source "$W/nccl_env.sh"
   export TANDEM_TEST_GPUS=$(nvidia-smi -L | wc -l)
-  timeout "$1" "$W/gpu-tests" --ignored --test-threads 1 > "$R/tests-cuda.log" 2>&1
+  # The tensor-parallel test first and alone, under a short limit: it is the one whose NCCL
+  # all-reduces could hang, and a hang must not eat the whole suite's time.
+  local tp_test=tensor_parallel_taps_and_logits_equal_one_gpu
+  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 240 "$W/gpu-tests" --ignored --exact "$tp_test" \
+    --nocapture --test-threads 1 > "$R/tests-cuda-tp.log" 2>&1
+  echo "tandem-cuda tensor-parallel GPU test: exit $?" | tee -a "$R/summary.txt"
+  timeout "$1" "$W/gpu-tests" --ignored --test-threads 1 --skip "$tp_test" \
+    > "$R/tests-cuda.log" 2>&1
   echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
   timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
   echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
@@ -265,7 +272,11 @@ serve_load() {
   "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
     --round-log "$R/rounds_$label.csv" "$@" > "$R/serve_$label.txt" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 "${SERVE_WAIT:-180}"); do grep -q "listening on" "$R/serve_$label.txt" && break; sleep 1; done
+  for _ in $(seq 1 "${SERVE_WAIT:-180}"); do
+    grep -q "listening on" "$R/serve_$label.txt" && break
+    kill -0 $pid 2> /dev/null || break # it died at start: its log says why
+    sleep 1
+  done
   "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
     --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
   timeout 300 "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "${REQUESTS:-64}" \
@@ -330,9 +341,15 @@ run_phases() {
     for f in ${EXTRA_FILES:-}; do cp "$f" "$W/"; done
     (cd /tmp && setsid nohup bash "$W/$name" pipeline > "$W/pipeline.out" 2>&1 < /dev/null &)
     sleep 2
-    exec bash "$script" wait
+    # The call's 600 s cover the import above, the wait and the report: the wait gets what
+    # WAIT_SECONDS leaves of them (a call killed at its limit brings nothing back).
+    WAIT_SECONDS=$(( ${WAIT_SECONDS:-560} - SECONDS - 15 )) exec bash "$script" wait
     ;;
   wait)
+    if [[ ! -f "$W/pipeline.out" ]]; then
+      echo "no pipeline on this machine (a fresh one after an idle release?): run a, piece and start again" >&2
+      return 3
+    fi
     wait_for done
     cat "$R/phases.txt"
     report

@@ -142,16 +142,19 @@ PY
   fi
   # MT-Bench at batch 1 with the committed head and the default kernels, each bench with its
   # own target-only baseline; the round's parts against a decode step of that baseline.
-  local s
+  # A shape listed twice is benched twice (the run's bench-to-bench spread): each pass has its
+  # own reports (default1, default2, ...).
+  local s pass=0
   for s in ${SHAPES:-3/1/4 3/4/8 5/8/32}; do
-    bench "$W/head" default "$s"
+    pass=$((pass + 1))
+    bench "$W/head" "default$pass" "$s"
     # The same bench with each phase waiting for its device work: the round's split.
-    bench "$W/head" phases "$s" --phase-timing --no-baseline
-    rounds_line default "$s" phases
+    bench "$W/head" "phases$pass" "$s" --phase-timing --no-baseline
+    rounds_line "default$pass" "$s" "phases$pass"
     if [[ -n "${AB_ENV:-}" ]]; then
-      (export $AB_ENV; bench "$W/head" ab "$s"
-       bench "$W/head" abphases "$s" --phase-timing --no-baseline)
-      rounds_line ab "$s" abphases
+      (export $AB_ENV; bench "$W/head" "ab$pass" "$s"
+       bench "$W/head" "abphases$pass" "$s" --phase-timing --no-baseline)
+      rounds_line "ab$pass" "$s" "abphases$pass"
     fi
   done
   mark "spec bench done"

@@ -17,29 +17,29 @@
 #     GPUs 0 and 1, graphs on and off), replay naming the partial-sum fault, the data-parallel
 #     trainer's steps against one GPU's;
 #  2. data-parallel dump: the same DUMP_CONVERSATIONS ShareGPT conversations (capture only, no
-#     generation) with `--devices 0` and `--devices 0,1`: tokens/s of each, then every record of
-#     the two dumps compared by sample id (ids, mask, and the bytes of the hidden states), and
-#     the same comparison of a batch-1 pair (EQUAL_SAMPLES conversations, `--batch-size 1`),
-#     where batch composition cannot change a kernel's choice;
+#     generation, so one conversation at a time on each rank) with `--devices 0` and
+#     `--devices 0,1`: tokens/s of each (the rank manifests' tokens over the wall time), then
+#     every record of the two dumps compared by source index (ids, mask, and the raw bytes of
+#     the hidden states);
 #  3. data-parallel training on the 2-GPU dump, `--devices 0` against `--devices 0,1`, same global
 #     batch and seed, TRAIN_STEPS steps: tokens/s of each (median after 5 steps) and the largest
 #     relative difference of the loss curves;
-#  4. two processes bootstrapped as on two machines (scripts/train_dp.sh with NNODES=2 and
-#     NODE_RANK 0 and 1, one GPU each, a shared rendezvous file and TANDEM_RUN_ID): the loss
-#     curve against step 3's single-GPU one;
-#  5. tensor parallelism: `tandem fast-check --tp 2` of a 4-layer Qwen2.5-1.5B-shaped random model
+#  4. tensor parallelism: `tandem fast-check --tp 2` of a 4-layer Qwen2.5-1.5B-shaped random model
 #     against the CPU f32 reference (every tap and the logits, prefill and decode points), then
 #     an 8B-shaped random bf16 model (scripts/reference/make_random_llama.py):
 #     `tandem fast-bench --tp 1` and `--tp 2` (batch 1 and 32, verify 4, 8 and 32), next to HF
-#     transformers (sdpa) with the model spread over both GPUs (`device_map="auto"`), same run.
-# Knobs: TESTS=0, DUMP_CONVERSATIONS (1500), EQUAL_SAMPLES (64), TRAIN_STEPS (60), TP_TABLE=0,
-# TP_LAYERS (the 8B shape's 32; fewer for a quicker table).
+#     transformers (sdpa) with the model spread over both GPUs (`device_map="auto"`), same run;
+#  5. two processes bootstrapped as on two machines (scripts/train_dp.sh with NNODES=2 and
+#     NODE_RANK 0 and 1, one GPU each, a shared rendezvous file and TANDEM_RUN_ID), only when
+#     step 3's two-GPU run worked: the loss curve against step 3's single-GPU one.
+# Every rank's own log comes back next to its job's (`<job>.rank-N.log`).
+# Knobs: DUMP_CONVERSATIONS (500; read by `pack`); on the `start` call: TESTS=0, TRAIN_STEPS
+# (60), TP_TABLE=0, TP_LAYERS (the 8B shape's 32; fewer for a quicker table).
 set -uo pipefail
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 EXTRA_FILES="scripts/reference/make_random_llama.py scripts/reference/hf_step_bench.py scripts/ranks.sh scripts/train_dp.sh"
-DUMP_CONVERSATIONS="${DUMP_CONVERSATIONS:-1500}"
-EQUAL_SAMPLES="${EQUAL_SAMPLES:-64}"
+DUMP_CONVERSATIONS="${DUMP_CONVERSATIONS:-500}"
 TRAIN_STEPS="${TRAIN_STEPS:-60}"
 
 own_pack() {
@@ -57,6 +57,15 @@ own_a() {
   wc -l "$W/sharegpt.jsonl"
 }
 
+# rank_logs OUT: the per-rank logs a `--devices` job leaves in $W/OUT, brought back (the job's
+# own log only names the rank that failed).
+rank_logs() {
+  local f
+  for f in "$W/$1"/rank-*.log; do
+    [[ -f "$f" ]] && cp "$f" "$R/$1.$(basename "$f")"
+  done
+}
+
 # dump_on DEVICES OUT DATASET [options]: `tandem dump --devices DEVICES` of DATASET (capture
 # only), its wall time into $R/OUT.wall.
 dump_on() {
@@ -68,23 +77,33 @@ dump_on() {
     --devices "$devices" --max-len 1024 --quiet "$@" > "$R/$out.log" 2>&1
   echo "dump $out on $devices: exit $?" | tee -a "$R/summary.txt"
   python3 -c "import time; print(time.time() - $t0)" > "$R/$out.wall"
+  rank_logs "$out"
 }
 
-# same_records A B: every record of dumps A and B (all ranks' shards) by sample id: the ids, the
-# mask and the bytes of both hidden-state columns; prints how many are identical.
+# same_records A B: every record of dumps A and B (all ranks' shards) by source index (the
+# record's place in the dataset; sample ids repeat in ShareGPT): the ids, the mask and the raw
+# bytes of both hidden-state columns (hashed from the Arrow buffers: converting 700 x 1,728
+# values to Python objects takes 0.14 s a record); prints how many are identical.
 same_records() {
   python3 - "$W/$1" "$W/$2" <<'PY' | tee -a "$R/summary.txt"
 import glob, hashlib, os, sys
+import pyarrow as pa
 import pyarrow.ipc as ipc
+def raw(value):
+    a = value.values
+    if isinstance(a, pa.FixedSizeListArray):
+        a = a.flatten()
+    k = a.type.bit_width // 8
+    return a.buffers()[1][a.offset * k:(a.offset + len(a)) * k]
 def records(d):
     out = {}
     for path in sorted(glob.glob(os.path.join(d, "**", "shard-*.arrow"), recursive=True)):
         with open(path, "rb") as f:
             table = ipc.open_file(f).read_all()
         for i in range(table.num_rows):
-            row = {c: table.column(c)[i] for c in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}
-            digest = {c: hashlib.sha256(str(v.as_py()).encode()).hexdigest() for c, v in row.items()}
-            out[table.column("sample_id")[i].as_py()] = digest
+            digest = {c: hashlib.sha256(raw(table.column(c)[i])).hexdigest()
+                      for c in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}
+            out[table.column("source_index")[i].as_py()] = digest
     return out
 a, b = records(sys.argv[1]), records(sys.argv[2])
 common = sorted(set(a) & set(b))
@@ -95,24 +114,29 @@ print(f"{os.path.basename(sys.argv[1])} vs {os.path.basename(sys.argv[2])}: {len
 PY
 }
 
-# dump_rate NAME: tokens/s of dump NAME (manifest tokens over its wall time).
+# dump_rate NAME: tokens/s of dump NAME (its rank manifests' tokens over its wall time; a
+# `--devices` dump, even of one GPU, is a directory of ranks).
 dump_rate() {
   python3 - "$W/$1" "$R/$1.wall" <<'PY'
-import json, sys
-m = json.load(open(f"{sys.argv[1]}/manifest.json"))
+import glob, json, os, sys
+ms = [json.load(open(p)) for p in glob.glob(os.path.join(sys.argv[1], "rank-*", "manifest.json"))]
+if not ms:
+    print("no rank manifests"); sys.exit()
+tokens, rows = sum(m["tokens"] for m in ms), sum(m["rows"] for m in ms)
 wall = float(open(sys.argv[2]).read())
-print(f"{m['tokens']} tokens, {m['rows']} rows, {wall:.1f} s, {m['tokens'] / wall:,.0f} tokens/s")
+print(f"{tokens} tokens, {rows} rows, {len(ms)} ranks, {wall:.1f} s, {tokens / wall:,.0f} tokens/s")
 PY
 }
 
 train_on() {
   local devices=$1 out=$2
   rm -rf "${W:?}/$out"
-  timeout 900 "$T" train --dump "$W/dump-2" --out "$W/$out" --model "$M" --device cuda \
+  timeout 300 "$T" train --dump "$W/dump-2" --out "$W/$out" --model "$M" --device cuda \
     --devices "$devices" --batch-size 16 --max-len 1024 --max-steps "$TRAIN_STEPS" --seed 7 \
     --save-every 0 --quiet > "$R/$out.log" 2>&1
   echo "train $out on $devices: exit $?" | tee -a "$R/summary.txt"
   cp "$W/$out/metrics.jsonl" "$R/$out.metrics.jsonl" 2>/dev/null
+  rank_logs "$out"
 }
 
 # curves ONE OTHER: median train tokens/s (steps after 5) and the largest relative loss gap.
@@ -151,34 +175,13 @@ pipeline() {
   dump_on "$both" dump-2 "$W/sharegpt.jsonl"
   for d in dump-1 dump-2; do echo "$d: $(dump_rate $d)" | tee -a "$R/summary.txt"; done
   same_records dump-1 dump-2
-  head -n "$EQUAL_SAMPLES" "$W/sharegpt.jsonl" > "$W/sharegpt-equal.jsonl"
-  dump_on 0 equal-1 "$W/sharegpt-equal.jsonl" --batch-size 1
-  dump_on "$both" equal-2 "$W/sharegpt-equal.jsonl" --batch-size 1
-  same_records equal-1 equal-2
   mark "data-parallel dump done"
   # 3. Data-parallel training.
   train_on 0 train-1
   train_on "$both" train-2
   curves train-1 train-2
   mark "data-parallel training done"
-  # 4. Two processes as on two machines.
-  if (( gpus >= 2 )); then
-    rm -rf "$W/train-nodes"
-    # train_dp.sh sources gpu/nccl_env.sh and ranks.sh next to itself.
-    mkdir -p "$W/gpu" && cp "$W/nccl_env.sh" "$W/gpu/nccl_env.sh"
-    export TANDEM_RUN_ID="two-gpus-$(date +%s)"
-    for node in 0 1; do
-      NNODES=2 NODE_RANK=$node DEVICES=$node LOG_DIR="$R/nodes" TANDEM="$T" timeout 900 \
-        bash "$W/train_dp.sh" --dump "$W/dump-2" --out "$W/train-nodes" --model "$M" \
-        --batch-size 16 --max-len 1024 --max-steps "$TRAIN_STEPS" --seed 7 --save-every 0 \
-        > "$R/node-$node.log" 2>&1 &
-    done
-    wait
-    cp "$W/train-nodes/metrics.jsonl" "$R/train-nodes.metrics.jsonl" 2>/dev/null
-    curves train-1 train-nodes
-    mark "two-process bootstrap done"
-  fi
-  # 5. Tensor parallelism: a 4-layer Qwen2.5-1.5B-shaped random model (q/k/v biases, 12 heads
+  # 4. Tensor parallelism: a 4-layer Qwen2.5-1.5B-shaped random model (q/k/v biases, 12 heads
   # and 2 KV heads: splits 2 ways) split over the GPUs against the CPU f32 reference, then the
   # 8B-shaped table.
   local qshape=$W/qwen-shape
@@ -206,6 +209,24 @@ pipeline() {
       --device-map auto --json "$R/hf-tp.json" > "$R/hf-tp.log" 2>&1
     echo "hf sdpa, device_map auto: exit $?" | tee -a "$R/summary.txt"
     mark "tensor-parallel table done"
+  fi
+  # 5. Two processes as on two machines, once the two-GPU trainer has worked (a rank 0 that
+  # dies before publishing its NCCL id leaves rank 1 waiting out the rendezvous timeout).
+  if (( gpus >= 2 )) && [[ -s "$R/train-2.metrics.jsonl" ]]; then
+    rm -rf "$W/train-nodes"
+    # train_dp.sh sources gpu/nccl_env.sh and ranks.sh next to itself.
+    mkdir -p "$W/gpu" && cp "$W/nccl_env.sh" "$W/gpu/nccl_env.sh"
+    export TANDEM_RUN_ID="two-gpus-$(date +%s)"
+    for node in 0 1; do
+      NNODES=2 NODE_RANK=$node DEVICES=$node LOG_DIR="$R/nodes" TANDEM="$T" timeout 300 \
+        bash "$W/train_dp.sh" --dump "$W/dump-2" --out "$W/train-nodes" --model "$M" \
+        --batch-size 16 --max-len 1024 --max-steps "$TRAIN_STEPS" --seed 7 --save-every 0 \
+        > "$R/node-$node.log" 2>&1 &
+    done
+    wait
+    cp "$W/train-nodes/metrics.jsonl" "$R/train-nodes.metrics.jsonl" 2>/dev/null
+    curves train-1 train-nodes
+    mark "two-process bootstrap done"
   fi
 }
 
