@@ -103,13 +103,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let addr = listener.local_addr()?;
         println!(
             "tandem serve: listening on http://{addr} (model `{model_id}` from {}, head {head}, \
-             device {}{}, context {}, max batch {})",
+             device {}{}{}, context {}, max batch {})",
             args.model.model.display(),
             args.model.device,
             if args.model.device.to_string() == "cuda" && args.engine != EngineKind::Burn {
                 ", CUDA fast path"
             } else {
                 ""
+            },
+            match args.model.tp {
+                1 => String::new(),
+                n => format!(", tensor-parallel over {n} ranks"),
             },
             scheduler.limits.context,
             args.max_batch

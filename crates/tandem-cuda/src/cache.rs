@@ -189,6 +189,12 @@ impl Drop for CudaKvCache {
             std::mem::take(&mut self.values),
         );
         self.recycle(keys, values);
+        // The other ranks' caches go back to their pools (which may free) with their own GPU
+        // current: cudarc frees without binding a context.
+        for peer in self.peers.drain(..) {
+            let _ = peer.gpu.bind_to_thread();
+            drop(peer);
+        }
     }
 }
 

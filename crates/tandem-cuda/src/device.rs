@@ -483,6 +483,39 @@ impl Gpu {
         Ok(())
     }
 
+    /// Lets `peer` read and write every buffer this GPU's stream-ordered pool hands out. NCCL
+    /// connects the GPUs of one process by direct pointers and, for large messages, its
+    /// kernels on one GPU read and write the other's user buffer; peer access enabled by
+    /// `cuCtxEnablePeerAccess` (which NCCL does) does not cover memory from `cuMemAllocAsync`
+    /// pools, which needs `cuMemPoolSetAccess` (PyTorch's cudaMallocAsync backend and XLA do
+    /// the same). Without it a tensor-parallel all-reduce of a long prefill is an illegal
+    /// address. Returns whether the GPUs can reach each other at all (if not, NCCL goes
+    /// through its own buffers and nothing is needed).
+    pub(crate) fn share_pool_with(&self, peer: &Gpu) -> Result<bool, CudaError> {
+        use cudarc::driver::sys;
+        let (own, other) = (self.ctx.cu_device(), peer.ctx.cu_device());
+        if own == other {
+            return Ok(false);
+        }
+        let mut reachable: std::ffi::c_int = 0;
+        // SAFETY: both device handles come from live contexts; the out-pointer is a local.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut reachable, other, own) }.result()?;
+        if reachable == 0 {
+            return Ok(false);
+        }
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: peer.ordinal() as std::ffi::c_int,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let pool = Self::pool_of(&self.ctx)?;
+        // SAFETY: the pool is this device's default pool; one descriptor, read during the call.
+        unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }.result()?;
+        Ok(true)
+    }
+
     /// Whether models loaded on this GPU replay CUDA graphs for decode-sized steps unless told
     /// otherwise: yes, except with the environment variable `TANDEM_CUDA_GRAPHS=0` (every
     /// kernel launched eagerly, the baseline of the graphs' benchmarks).
@@ -743,6 +776,10 @@ impl Gpu {
         accumulate: bool,
     ) -> Result<(), CudaError> {
         assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
+        // cuBLAS runs in the current context, and cudarc binds one only for its own calls:
+        // after another GPU's work on this thread (a tensor-parallel peer's cache or graphs
+        // freed), this GPU's must be current again. Kernel launches bind the same way.
+        self.ctx.bind_to_thread()?;
         let alpha = 1.0f32;
         let beta = if accumulate { 1.0f32 } else { 0.0f32 };
         let (xp, _x) = x.device_ptr(&self.stream);

@@ -42,6 +42,9 @@ pub(crate) struct GraphKey {
     pub fused: bool,
     /// Whether the step ran the persistent one-launch step.
     pub persistent: bool,
+    /// Whether the step took the injected partial-sum tap (its graph copies another buffer
+    /// into the tap).
+    pub partial_fault: bool,
 }
 
 impl GraphKey {
@@ -63,6 +66,7 @@ impl GraphKey {
             cache: cache.addresses(gpu),
             fused: false,
             persistent: false,
+            partial_fault: false,
         }
     }
 
@@ -74,6 +78,14 @@ impl GraphKey {
     /// The key of a step that ran (or did not run) the persistent step.
     pub fn with_persistent(self, persistent: bool) -> Self {
         Self { persistent, ..self }
+    }
+
+    /// The key of a step that took (or did not take) the injected partial-sum tap.
+    pub fn with_partial_fault(self, partial_fault: bool) -> Self {
+        Self {
+            partial_fault,
+            ..self
+        }
     }
 }
 

@@ -66,6 +66,39 @@ struct TensorParallel {
     reducer: Reducer,
     /// On rank 0, ranks 1.. (each on its GPU), which run every step beside it.
     peers: Vec<CudaTarget>,
+    /// This rank's GPU, made current again after the peers are dropped.
+    home: Arc<Gpu>,
+    /// On rank 0: a step failed on some rank over NCCL. The other ranks' all-reduces of that
+    /// step may still sit queued on their GPUs and would pair with the next step's, shifting
+    /// every later sum by a step, so the target refuses further steps.
+    poisoned: AtomicBool,
+}
+
+impl Drop for TensorParallel {
+    /// Each peer's buffers are freed with its own GPU current (cudarc frees without binding
+    /// a context), then this rank's GPU is current again.
+    fn drop(&mut self) {
+        for peer in self.peers.drain(..) {
+            let _ = peer.gpu.bind_to_thread();
+            drop(peer);
+        }
+        let _ = self.home.bind_to_thread();
+    }
+}
+
+/// How a rank runs a step's graph: its own choice (one GPU), or the one rank 0 made for every
+/// rank. NCCL requires that an all-reduce be captured (or not) on every rank alike and that
+/// each rank replay the graph of the same joint capture; ranks keyed on their own (rank 0's
+/// taps and logits, each rank's cache addresses) would choose differently.
+#[derive(Clone, Copy)]
+enum GraphPlan<'a> {
+    Own,
+    /// Rank 0's choice: `padded` steps go the graph path (the batch padded to a graph size);
+    /// `graph` is the key every rank captures or replays under, `None` an eager step.
+    Shared {
+        padded: bool,
+        graph: Option<&'a GraphKey>,
+    },
 }
 
 /// Drafted chain tokens on the device for a verification step (see
@@ -503,6 +536,8 @@ impl CudaTarget {
                 split: RankSplit { rank, ranks },
                 reducer,
                 peers: Vec::new(),
+                home: Arc::clone(gpu),
+                poisoned: AtomicBool::new(false),
             };
             targets.push(Self::load_rank(
                 dir,
@@ -883,7 +918,7 @@ impl CudaTarget {
             Some(tp) if !tp.peers.is_empty() => {
                 self.forward_ranks(tp, step, cache, taps, logits_for, chain)
             }
-            _ => self.forward_rank(step, cache, taps, logits_for, chain),
+            _ => self.forward_rank(step, cache, taps, logits_for, chain, GraphPlan::Own),
         }
     }
 
@@ -900,6 +935,13 @@ impl CudaTarget {
         logits_for: LogitsFor,
         chain: Option<ChainTokens<'_>>,
     ) -> Result<CudaStepOutput, CudaError> {
+        if tp.poisoned.load(Ordering::Relaxed) {
+            return Err(CudaError::Collective(
+                "an earlier step failed on a tensor-parallel rank, and the ranks' NCCL \
+                 all-reduces may be out of step since: load the target again"
+                    .into(),
+            ));
+        }
         if cache.peers.len() != tp.peers.len() {
             return Err(ModelError::InvalidStep {
                 reason: format!(
@@ -910,6 +952,17 @@ impl CudaTarget {
             }
             .into());
         }
+        // What only rank 0 checks (the others take no taps) fails here, before any rank has
+        // queued an all-reduce that its partners would never meet.
+        taps.validate(self.rank_spec.num_layers)?;
+        cache.check(step)?;
+        let vocab_size = self.rank_spec.vocab_size;
+        if let Some(&id) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(ModelError::TokenOutOfRange { id, vocab_size }.into());
+        }
+        // A host sum aborted by a failed step starts the next one clean (every rank thread of
+        // that step has been joined).
+        tp.reducer.reset();
         // The other ranks take the step's tokens from the host: drafted chain tokens on rank
         // 0's GPU come back first (one read-back, which waits for the drafting).
         let filled;
@@ -928,6 +981,15 @@ impl CudaTarget {
             None => step,
         };
         cache.sync_peers();
+        // One graph decision for every rank, made here on rank 0's graph cache.
+        let padded = self.graphs_enabled() && step.width <= GRAPH_MAX_WIDTH;
+        let key = padded
+            .then(|| self.shared_graph_key(step, cache, taps, logits_for))
+            .filter(|key| self.graphs.lock().ready(key));
+        let plan = GraphPlan::Shared {
+            padded,
+            graph: key.as_ref(),
+        };
         let mut peer_caches = std::mem::take(&mut cache.peers);
         let none = TapRequest::none();
         let (own, others) = std::thread::scope(|scope| {
@@ -945,6 +1007,7 @@ impl CudaTarget {
                                 none,
                                 LogitsFor::None,
                                 None,
+                                plan,
                             )
                         });
                         if out.is_err() {
@@ -954,7 +1017,8 @@ impl CudaTarget {
                     })
                 })
                 .collect();
-            let own = unwinding_as_error(|| self.forward_rank(step, cache, taps, logits_for, None));
+            let own =
+                unwinding_as_error(|| self.forward_rank(step, cache, taps, logits_for, None, plan));
             if own.is_err() {
                 tp.reducer.abort();
             }
@@ -973,11 +1037,55 @@ impl CudaTarget {
             (own, others)
         });
         cache.peers = peer_caches;
+        if (own.is_err() || others.iter().any(Result::is_err)) && tp.reducer.capturable() {
+            tp.poisoned.store(true, Ordering::Relaxed);
+        }
         let own = own?;
         for other in others {
             other?;
         }
         Ok(own)
+    }
+
+    /// The graph key rank 0 decides a tensor-parallel step by: the key of its own step of the
+    /// padded shape, with every rank's cache addresses (a rank whose buffers moved alone must
+    /// not replay a graph over the old ones).
+    fn shared_graph_key(
+        &self,
+        step: &StepInput,
+        cache: &CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> GraphKey {
+        let spec = &self.rank_spec;
+        let shape = AttentionShape {
+            batch: graph_batch(step.batch, cache.rows_allocated()),
+            width: step.width,
+            heads: spec.num_heads,
+            kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            capacity: cache.layout().capacity(),
+        };
+        let mut key = self.graph_key(shape, cache, taps, logits_for);
+        for peer in &cache.peers {
+            key.cache.extend(peer.cache.addresses(&peer.gpu));
+        }
+        key
+    }
+
+    /// What a graph of a step of `shape` over `cache` is kept under: the shape, the outputs,
+    /// the cache buffers and every switch that changes the launches.
+    fn graph_key(
+        &self,
+        shape: AttentionShape,
+        cache: &CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> GraphKey {
+        GraphKey::new(&self.gpu, shape, cache, logits_for as u8, &taps.taps)
+            .with_fused(self.fuses(shape.rows()))
+            .with_persistent(self.persists(shape.rows(), taps.taps.len()))
+            .with_partial_fault(self.partial_sum_fault())
     }
 
     fn abort_reductions(&self) {
@@ -1002,6 +1110,7 @@ impl CudaTarget {
         taps: &TapRequest,
         logits_for: LogitsFor,
         chain: Option<ChainTokens<'_>>,
+        plan: GraphPlan<'_>,
     ) -> Result<CudaStepOutput, CudaError> {
         let spec = &self.rank_spec;
         taps.validate(spec.num_layers)?;
@@ -1019,7 +1128,11 @@ impl CudaTarget {
             .enumerate()
             .map(|(b, i)| (b * step.width + i.unwrap_or(0)) as i32)
             .collect();
-        let mut output = if self.graphs_enabled() && step.width <= GRAPH_MAX_WIDTH {
+        let padded = match plan {
+            GraphPlan::Own => self.graphs_enabled() && step.width <= GRAPH_MAX_WIDTH,
+            GraphPlan::Shared { padded, .. } => padded,
+        };
+        let mut output = if padded {
             // A running batch changes size at every join and leave; padded to a few sizes, its
             // steps keep replaying the same graphs.
             let padded = graph_batch(step.batch, cache.rows_allocated());
@@ -1027,7 +1140,7 @@ impl CudaTarget {
             for b in step.batch..padded {
                 last.push((b * step.width) as i32 + last[0]);
             }
-            self.forward_graphed(&host, &last, cache, taps, logits_for, chain)?
+            self.forward_graphed(&host, &last, cache, taps, logits_for, chain, plan)?
         } else {
             self.forward_eager(&host, &last, cache, taps, logits_for, chain)?
         };
@@ -1045,10 +1158,15 @@ impl CudaTarget {
     /// Turns graph replay of decode-sized steps on or off (`fast-bench` measures both; the
     /// outputs are the same either way, which the GPU tests check).
     pub fn set_graphs(&self, on: bool) {
-        self.graphs.set(on);
-        for peer in self.tp.iter().flat_map(|tp| &tp.peers) {
-            peer.set_graphs(on);
+        // Turning graphs off frees each rank's graph buffers: with that rank's GPU current.
+        if let Some(tp) = self.tp.as_ref().filter(|tp| !tp.peers.is_empty()) {
+            for peer in &tp.peers {
+                let _ = peer.gpu.bind_to_thread();
+                peer.set_graphs(on);
+            }
+            let _ = self.gpu.bind_to_thread();
         }
+        self.graphs.set(on);
     }
 
     /// Graphs captured so far and steps replayed from them.
@@ -1077,6 +1195,7 @@ impl CudaTarget {
         Ok(buffers.into_output(self, captured.taps, captured.visited))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn forward_graphed(
         &self,
         host: &HostStep,
@@ -1085,18 +1204,27 @@ impl CudaTarget {
         taps: &TapRequest,
         logits_for: LogitsFor,
         chain: Option<ChainTokens<'_>>,
+        plan: GraphPlan<'_>,
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*self.gpu;
-        let key = GraphKey::new(gpu, host.shape, cache, logits_for as u8, &taps.taps)
-            .with_fused(self.fuses(host.shape.rows()))
-            .with_persistent(self.persists(host.shape.rows(), taps.taps.len()));
+        // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS pick
+        // its kernels outside a capture); the step after them is captured.
+        let key = match plan {
+            GraphPlan::Own => {
+                let key = self.graph_key(host.shape, cache, taps, logits_for);
+                if !self.graphs.lock().ready(&key) {
+                    return self.forward_eager(host, last, cache, taps, logits_for, chain);
+                }
+                key
+            }
+            GraphPlan::Shared { graph: None, .. } => {
+                return self.forward_eager(host, last, cache, taps, logits_for, chain);
+            }
+            GraphPlan::Shared {
+                graph: Some(key), ..
+            } => key.clone(),
+        };
         let mut graphs = self.graphs.lock();
-        if !graphs.ready(&key) {
-            // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS
-            // pick its kernels outside a capture); the step after them is captured.
-            drop(graphs);
-            return self.forward_eager(host, last, cache, taps, logits_for, chain);
-        }
         if !graphs.captured.contains_key(&key) {
             let mut buffers =
                 StepBuffers::new(self, host.shape, host.shape.capacity, taps, logits_for)?;

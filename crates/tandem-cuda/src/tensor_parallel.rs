@@ -143,6 +143,11 @@ impl Reducer {
                     )));
                 }
                 crate::collective::nccl_present()?;
+                for gpu in gpus {
+                    for peer in gpus {
+                        gpu.share_pool_with(peer)?;
+                    }
+                }
                 let streams = gpus.iter().map(|g| g.stream().clone()).collect();
                 let comms = Comm::from_devices(streams)
                     .map_err(|e| CudaError::Collective(format!("ncclCommInitAll: {e:?}")))?;
@@ -189,6 +194,13 @@ impl Reducer {
     pub(crate) fn abort(&self) {
         if let Reducer::Host { sum, .. } = self {
             sum.abort();
+        }
+    }
+
+    /// Clears an aborted host sum before the next step (called with no rank in a step).
+    pub(crate) fn reset(&self) {
+        if let Reducer::Host { sum, .. } = self {
+            sum.reset();
         }
     }
 }
@@ -278,6 +290,15 @@ impl HostSum {
         let mut state = self.state.lock().expect("a rank panicked in the host sum");
         state.aborted = true;
         self.changed.notify_all();
+    }
+
+    /// Forgets an aborted round: its partials, its sum, the abort.
+    fn reset(&self) {
+        let mut state = self.state.lock().expect("a rank panicked in the host sum");
+        state.partials.iter_mut().for_each(|p| *p = None);
+        state.total = None;
+        state.taken = 0;
+        state.aborted = false;
     }
 }
 
@@ -379,5 +400,30 @@ mod tests {
         sum.abort();
         let err = waiter.join().unwrap().unwrap_err().to_string();
         assert!(err.contains("another tensor-parallel rank failed"), "{err}");
+    }
+
+    /// A step that failed (rank 0 posted its partial, then rank 1 aborted) must not leave the
+    /// next step failing, nor summing the stale partial into it.
+    #[test]
+    fn a_reset_host_sum_serves_the_next_step_without_the_failed_ones_partials() {
+        let sum = Arc::new(HostSum::new(2));
+        let posted = {
+            let sum = Arc::clone(&sum);
+            std::thread::spawn(move || sum.exchange(0, vec![100.0]))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        sum.abort();
+        assert!(posted.join().unwrap().is_err());
+        assert!(
+            sum.exchange(1, vec![1.0]).is_err(),
+            "still aborted before the reset"
+        );
+        sum.reset();
+        let other = {
+            let sum = Arc::clone(&sum);
+            std::thread::spawn(move || sum.exchange(1, vec![2.0]))
+        };
+        assert_eq!(sum.exchange(0, vec![1.0]).unwrap(), vec![3.0]);
+        assert_eq!(other.join().unwrap().unwrap(), vec![3.0]);
     }
 }
