@@ -8,7 +8,8 @@
 # machines (ranks NODE_RANK*G .. NODE_RANK*G+G-1 of N*G); TANDEM is the binary (default
 # target/release/tandem); each rank logs to LOG_DIR/JOB-rank-R.log (LOG_DIR defaults to the
 # current directory). Waits for every rank, names the ones that failed, prints the last lines
-# of every log and returns 1 if any failed.
+# of every log and returns 1 if any failed. STOP_ON_FAILURE=1 (ranks that meet in collectives,
+# which would wait for a dead rank for good) stops the others once one fails.
 launch_ranks() {
   local job=$1 i rank status=0
   shift
@@ -25,13 +26,28 @@ launch_ranks() {
       "$tandem" "$job" --quiet "$@" > "$logs/$job-rank-$rank.log" 2>&1 &
     pids+=($!)
   done
-  for i in "${!pids[@]}"; do
-    rank=$((node * local_world + i))
-    if ! wait "${pids[$i]}"; then
-      echo "rank $rank failed: $logs/$job-rank-$rank.log" >&2
-      status=1
-    fi
-  done
+  if [[ "${STOP_ON_FAILURE:-0}" == 1 ]]; then
+    local left=${#pids[@]}
+    while (( left > 0 )); do
+      # (pids already reaped are named "no such job" and passed over)
+      if ! wait -n "${pids[@]}" 2> /dev/null; then
+        echo "a rank failed: stopping the others (the logs below say which)" >&2
+        kill "${pids[@]}" 2> /dev/null
+        wait
+        status=1
+        break
+      fi
+      left=$((left - 1))
+    done
+  else
+    for i in "${!pids[@]}"; do
+      rank=$((node * local_world + i))
+      if ! wait "${pids[$i]}"; then
+        echo "rank $rank failed: $logs/$job-rank-$rank.log" >&2
+        status=1
+      fi
+    done
+  fi
   for i in "${!gpus[@]}"; do tail -n 6 "$logs/$job-rank-$((node * local_world + i)).log"; done
   return $status
 }

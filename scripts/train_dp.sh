@@ -4,7 +4,8 @@
 # its GPU). The replicas join one NCCL communicator: rank 0 writes its unique id to
 # RENDEZVOUS (a file on a filesystem every machine sees; default OUT/nccl-id), tagged with
 # TANDEM_RUN_ID so no rank joins a file an earlier launch left; without a shared filesystem,
-# export the same TANDEM_NCCL_ID=$(tandem nccl-id) on every machine instead. Every step, each
+# export NCCL_COMM_ID=<machine of rank 0>:<free port> on every machine instead (NCCL's own
+# rendezvous: rank 0 listens there). Every step, each
 # replica trains on its share of the global batch (--batch-size rows) and the gradients are
 # summed over NCCL, so the run takes the steps one GPU would take. Rank 0 writes the head,
 # checkpoints and OUT/metrics.jsonl; rank R>0 logs the same numbers in OUT/rank-R/.
@@ -18,11 +19,13 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=gpu/nccl_env.sh
 . "$here/gpu/nccl_env.sh"
-if [ "${NNODES:-1}" -gt 1 ] && [ -z "${TANDEM_NCCL_ID:-}" ] && [ -z "${TANDEM_RUN_ID:-}" ]; then
-  echo "NNODES>1: set the same TANDEM_RUN_ID on every machine (or TANDEM_NCCL_ID)" >&2
+if [ "${NNODES:-1}" -gt 1 ] && [ -z "${NCCL_COMM_ID:-}" ] && [ -z "${TANDEM_RUN_ID:-}" ]; then
+  echo "NNODES>1: set the same TANDEM_RUN_ID on every machine (or NCCL_COMM_ID=host:port)" >&2
   exit 2
 fi
 export TANDEM_RUN_ID=${TANDEM_RUN_ID:-run-$(date +%s)-$$}
 # shellcheck source=ranks.sh
 . "$here/ranks.sh"
-launch_ranks train --device cuda "$@"
+# Replicas meet in every step's all-reduce: one that fails stops the others, which would
+# otherwise wait for it in NCCL for good.
+STOP_ON_FAILURE=1 launch_ranks train --device cuda "$@"

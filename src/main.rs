@@ -46,9 +46,6 @@ enum Command {
     /// The GPU trainer against burn's autodiff on the CPU (loss, every gradient, one AdamW
     /// step) on a small random target; exits non-zero outside tolerance.
     TrainCheck,
-    /// Print a fresh NCCL unique id (hex): export it as TANDEM_NCCL_ID on every rank of a
-    /// data-parallel run whose machines share no filesystem.
-    NcclId,
     /// Export a head in another format: `speculators` (vLLM loads it natively; the aux ids at
     /// the top level in vLLM's convention, the Tandem manifest kept).
     ExportHead(commands::export::ExportHeadArgs),
@@ -89,7 +86,6 @@ fn main() -> anyhow::Result<()> {
         Command::FastBench(args) => commands::fast::run_bench(args),
         Command::Train(args) => commands::train::run(args),
         Command::TrainCheck => commands::train::run_check(),
-        Command::NcclId => commands::train::run_nccl_id(),
         Command::ExportHead(args) => commands::export::run(args),
         Command::TrainCurves(args) => commands::train::run_curves(args),
         Command::Bench(args) => commands::spec::run_bench(args),

@@ -40,11 +40,24 @@ def main():
     else:
         model = AutoModelForCausalLM.from_pretrained(
             args.model, dtype=torch.bfloat16, attn_implementation=args.attn).to("cuda").eval()
+    # The inputs go where lm_head is: accelerate returns outputs on the inputs' device, so ids
+    # on GPU 0 would copy every step's full logits back from the last GPU (263 MB for verify 32
+    # at batch 32); the embedding's hook moves the few ids to GPU 0 itself.
+    device = torch.device("cuda")
+    used = ["cuda:0"]
+    if args.device_map:
+        placement = getattr(model, "hf_device_map", None) or {}
+        used = sorted({str(v) for v in placement.values()})
+        if {"cpu", "disk"} & set(used):
+            raise SystemExit(f"the device map puts layers off the GPUs: {placement}")
+        print("device map:", placement, flush=True)
+        head = placement.get("lm_head", next(iter(placement.values()), 0))
+        device = torch.device("cuda", head) if isinstance(head, int) else torch.device(str(head))
     seed = tok(SEED_TEXT, add_special_tokens=False)["input_ids"]
     prompt = (seed * (args.prompt_tokens // len(seed) + 1))[: args.prompt_tokens]
     rows = []
     for batch in [int(b) for b in args.batch.split(",")]:
-        ids = torch.tensor([prompt] * batch, device="cuda")
+        ids = torch.tensor([prompt] * batch, device=device)
         with torch.no_grad():
             cache = DynamicCache()
             out = model(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -53,7 +66,8 @@ def main():
                 times = []
                 step_ids = nxt.repeat(1, width)
                 for i in range(args.steps + 2):
-                    torch.cuda.synchronize()
+                    for d in range(torch.cuda.device_count()):
+                        torch.cuda.synchronize(d)
                     t0 = time.perf_counter()
                     o = model(input_ids=step_ids, past_key_values=cache, use_cache=True)
                     o.logits.argmax(-1).cpu()
@@ -64,8 +78,8 @@ def main():
                 ms = statistics.median(times) * 1e3
                 impl = f"hf-transformers-{args.attn}"
                 if args.device_map:
-                    impl += f"-device-map-{args.device_map}-{torch.cuda.device_count()}gpu"
-                row = {"impl": impl, "batch": batch,
+                    impl += f"-device-map-{args.device_map}-{len(used)}gpu"
+                row = {"impl": impl, "batch": batch, "devices": used,
                        "step": "decode" if width == 1 else f"verify {width}", "width": width,
                        "step_ms_median": ms,
                        "tokens_per_second": batch / ms * 1e3 if width == 1 else None}

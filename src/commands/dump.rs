@@ -98,7 +98,14 @@ pub struct DumpArgs {
 /// `tandem dump --devices A,B,..`: this command again once per device, as ranks 0..N-1 of a
 /// data-parallel dump, in parallel; fails when a rank fails, naming its log.
 fn run_on_devices(args: &DumpArgs) -> anyhow::Result<()> {
-    super::ranks::run_on_devices(&args.devices, &args.out, "data-parallel dump")?;
+    // Dump ranks never meet: one that fails leaves the others' records worth finishing (the
+    // job resumes per rank).
+    super::ranks::run_on_devices(
+        &args.devices,
+        &args.out,
+        "data-parallel dump",
+        super::ranks::OnRankFailure::LetOthersFinish,
+    )?;
     let world = args.devices.len();
     let reader = tandem_dump::DumpReader::open(&args.out)?;
     let m = reader.manifest();
@@ -208,14 +215,18 @@ pub fn run(args: DumpArgs) -> anyhow::Result<()> {
         }
         EngineKind::Fast | EngineKind::Auto if cuda && !micro_batched => {
             let model = &args.model;
+            // A data-parallel rank's GPUs: its own when the launcher left them all visible
+            // (torchrun's LOCAL_RANK), GPU 0 of the one `--devices` leaves it.
+            let first = match options.partition {
+                Some(_) => super::ranks::local_device()? * model.tp,
+                None => 0,
+            };
             let summary = tandem_dump::run_dump_with(&options, || {
-                let target = tandem_cuda::CudaTarget::load_ranks(&model.model, model.tp)?;
+                let target =
+                    tandem_cuda::CudaTarget::load_ranks_from(&model.model, model.tp, first)?;
                 eprintln!(
                     "dump: the CUDA fast path's target{}",
-                    match model.tp {
-                        1 => String::new(),
-                        n => format!(", tensor-parallel over {n} ranks"),
-                    }
+                    target.tensor_parallel_label()
                 );
                 Ok(Box::new(target))
             })?;

@@ -72,10 +72,7 @@ pub fn run_check(args: FastCheckArgs) -> anyhow::Result<()> {
     eprintln!(
         "fast path on {}{} vs CPU f32 reference; tolerance {tolerance:?}",
         gpu.name(),
-        match fast.tensor_parallel() {
-            1 => String::new(),
-            n => format!(", tensor-parallel over {n} ranks"),
-        }
+        fast.tensor_parallel_label()
     );
     // Rows are printed as points finish, so a run cut short keeps what it measured.
     println!(
@@ -127,7 +124,8 @@ pub struct FastBenchArgs {
     pub model: PathBuf,
     /// Split the target over N tensor-parallel ranks on GPUs 0..N (NCCL; every rank on GPU 0
     /// with host sums under TANDEM_CUDA_TP_SIMULATE=1). Split steps run the unfused kernels
-    /// eagerly, so the graph and fused modes measure the same thing there.
+    /// (`--fused` and `--persistent` do not apply); CUDA graphs replay over NCCL, not with
+    /// host sums. Rows record the kernels and graphs that actually ran.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     #[arg(long, default_value_t = 128)]
@@ -196,6 +194,8 @@ impl FusedModes {
 struct FastBenchRow {
     /// Tensor-parallel ranks the target ran on (1: one GPU).
     tensor_parallel: usize,
+    /// How the ranks' sums were added: `Nccl`, or `HostSimulation` (one GPU, a stand-in).
+    tp_reduction: Option<String>,
     graphs: bool,
     /// `unfused`, `fused` or `persistent`.
     kernels: &'static str,
@@ -229,6 +229,12 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
         .take(args.prompt_tokens)
         .collect();
     let layers = model.spec.num_layers;
+    anyhow::ensure!(
+        layers >= 4,
+        "fast-bench taps the head's three layers (1, L/2-1, L-4): the model needs at least 4 \
+         layers, {} has {layers}",
+        args.model.display()
+    );
     let eagle_taps = TapRequest::new(vec![
         TapId::Block(1),
         TapId::Block(layers / 2 - 1),
@@ -262,6 +268,16 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     if args.persistent {
         kernel_modes.push((0, tandem_cuda::GEMV_MAX_ROWS));
     }
+    if model.tensor_parallel() > 1 {
+        // The fused and persistent kernels add o_proj and down_proj into the residual, which
+        // leaves nothing to all-reduce: a split target runs the unfused ones whatever is set.
+        if kernel_modes != [(0, 0)] {
+            eprintln!("fast-bench: --tp {}: the unfused kernels only", args.tp);
+        }
+        kernel_modes = vec![(0, 0)];
+    }
+    // Graph modes as they run: a split target with host sums replays none.
+    let mut measured = Vec::new();
     let (regs, spilled, sms, warps) = gpu.persistent_resources()?;
     eprintln!(
         "persistent step: {regs} registers and {spilled} spilled bytes per thread, one block of {warps} warps on each of {sms} SMs"
@@ -278,6 +294,11 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
         model.set_graphs(graphs);
         model.set_fused_rows(fused_rows);
         model.set_persistent_rows(persistent_rows);
+        let graphs = model.graphs_enabled();
+        if measured.contains(&(graphs, fused_rows, persistent_rows)) {
+            continue;
+        }
+        measured.push((graphs, fused_rows, persistent_rows));
         for taps in &requests {
             for &batch in &args.batch {
                 let prompts: Vec<&[u32]> = (0..batch).map(|_| prompt.as_slice()).collect();
@@ -317,6 +338,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 }
                 let row = FastBenchRow {
                     tensor_parallel: model.tensor_parallel(),
+                    tp_reduction: model.tensor_parallel_reduction().map(|r| format!("{r:?}")),
                     graphs,
                     kernels,
                     step: "decode",
@@ -365,6 +387,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                 )?;
                 let row = FastBenchRow {
                     tensor_parallel: model.tensor_parallel(),
+                    tp_reduction: model.tensor_parallel_reduction().map(|r| format!("{r:?}")),
                     graphs,
                     kernels,
                     step: "verify",
@@ -384,10 +407,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     println!(
         "cold start (process start to first token, fast path on {}{}): {:.2} s; graphs captured {}, steps replayed {}",
         gpu.name(),
-        match model.tensor_parallel() {
-            1 => String::new(),
-            n => format!(", tensor-parallel over {n} ranks"),
-        },
+        model.tensor_parallel_label(),
         first_token_s.unwrap_or(0.0),
         stats.captured,
         stats.replays

@@ -60,10 +60,81 @@ pub fn run_tag() -> String {
         .unwrap_or_default()
 }
 
+/// What a rank's child sees as its one GPU for `--devices` entry `device`: the entry itself,
+/// or, when this process was already given a `CUDA_VISIBLE_DEVICES` list, that list's entry
+/// at the index `device` names (`--devices 0,1` under `CUDA_VISIBLE_DEVICES=2,3` are GPUs 2
+/// and 3, as inside the parent).
+pub fn child_visible_device(device: &str, parent: Option<&str>) -> String {
+    let visible: Vec<&str> = parent
+        .map(|p| {
+            p.split(',')
+                .map(str::trim)
+                .filter(|d| !d.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    match device.trim().parse::<usize>() {
+        Ok(i) if i < visible.len() => visible[i].to_string(),
+        _ => device.to_string(),
+    }
+}
+
+/// How ranks end: every one waited for, or, for ranks that meet in collectives, the others
+/// stopped once one fails (the others would wait for it in NCCL, which has no timeout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnRankFailure {
+    LetOthersFinish,
+    StopOthers,
+}
+
+/// Waits for every rank's process; returns one line per rank that failed (or was stopped),
+/// naming its log.
+pub fn wait_for_ranks(
+    mut children: Vec<(usize, PathBuf, std::process::Child)>,
+    on_failure: OnRankFailure,
+) -> anyhow::Result<Vec<String>> {
+    let mut failed = Vec::new();
+    while !children.is_empty() {
+        let mut i = 0;
+        let mut stop = false;
+        while i < children.len() {
+            match children[i].2.try_wait()? {
+                Some(status) => {
+                    let (rank, log_path, _) = children.remove(i);
+                    if !status.success() {
+                        failed.push(format!("rank {rank} ({status}; {})", log_path.display()));
+                        stop = on_failure == OnRankFailure::StopOthers;
+                    }
+                }
+                None => i += 1,
+            }
+        }
+        if stop {
+            for (rank, log_path, mut child) in children.drain(..) {
+                let _ = child.kill();
+                let _ = child.wait();
+                failed.push(format!(
+                    "rank {rank} (stopped after another rank failed; {})",
+                    log_path.display()
+                ));
+            }
+        }
+        if !children.is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+    Ok(failed)
+}
+
 /// Runs this command again once per device in `devices`, as ranks 0..N-1, in parallel (each
 /// with only its GPU visible, NVLink multicast off, logs in `out/rank-i.log`); fails when a
 /// rank fails, naming its log. `what` names the job in messages.
-pub fn run_on_devices(devices: &[String], out: &Path, what: &str) -> anyhow::Result<()> {
+pub fn run_on_devices(
+    devices: &[String],
+    out: &Path,
+    what: &str,
+    on_failure: OnRankFailure,
+) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("finding the tandem binary to start the ranks")?;
     // The same arguments without --devices (both `--devices X` and `--devices=X`).
     let mut forwarded = Vec::new();
@@ -86,14 +157,16 @@ pub fn run_on_devices(devices: &[String], out: &Path, what: &str) -> anyhow::Res
             .map_or(0, |d| d.as_nanos())
     );
     let world = devices.len();
+    let parent_visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let mut children = Vec::with_capacity(world);
     for (rank, device) in devices.iter().enumerate() {
+        let device = child_visible_device(device, parent_visible.as_deref());
         let log_path = out.join(format!("rank-{rank}.log"));
         let log = std::fs::File::create(&log_path)
             .with_context(|| format!("creating {}", log_path.display()))?;
         let child = std::process::Command::new(&exe)
             .args(&forwarded)
-            .env("CUDA_VISIBLE_DEVICES", device)
+            .env("CUDA_VISIBLE_DEVICES", &device)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -110,13 +183,7 @@ pub fn run_on_devices(devices: &[String], out: &Path, what: &str) -> anyhow::Res
         );
         children.push((rank, log_path, child));
     }
-    let mut failed = Vec::new();
-    for (rank, log_path, mut child) in children {
-        let status = child.wait()?;
-        if !status.success() {
-            failed.push(format!("rank {rank} ({status}; {})", log_path.display()));
-        }
-    }
+    let failed = wait_for_ranks(children, on_failure)?;
     if !failed.is_empty() {
         anyhow::bail!("{what}: {} failed", failed.join(", "));
     }
@@ -126,4 +193,64 @@ pub fn run_on_devices(devices: &[String], out: &Path, what: &str) -> anyhow::Res
 /// Where rank 0 publishes the NCCL id unless told: `out/nccl-id`.
 pub fn default_rendezvous(out: &Path, given: Option<&PathBuf>) -> PathBuf {
     given.cloned().unwrap_or_else(|| out.join("nccl-id"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_index_the_parents_visible_list() {
+        assert_eq!(child_visible_device("1", Some("2,3")), "3");
+        assert_eq!(child_visible_device("0", Some(" 2 , 3 ")), "2");
+        // Without a list, or past its end, or a UUID: the entry as given.
+        assert_eq!(child_visible_device("1", None), "1");
+        assert_eq!(child_visible_device("1", Some("")), "1");
+        assert_eq!(child_visible_device("4", Some("2,3")), "4");
+        assert_eq!(child_visible_device("GPU-ab12", Some("2,3")), "GPU-ab12");
+    }
+
+    fn spawn(script: &str) -> std::process::Child {
+        std::process::Command::new("sh")
+            .args(["-c", script])
+            .spawn()
+            .expect("sh")
+    }
+
+    #[test]
+    fn a_failed_collective_rank_stops_the_others() {
+        let start = std::time::Instant::now();
+        let children = vec![
+            (0, PathBuf::from("rank-0.log"), spawn("sleep 30")),
+            (1, PathBuf::from("rank-1.log"), spawn("exit 3")),
+        ];
+        let failed = wait_for_ranks(children, OnRankFailure::StopOthers).unwrap();
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        assert!(
+            failed[0].starts_with("rank 1 (exit status: 3"),
+            "{failed:?}"
+        );
+        assert!(failed[1].starts_with("rank 0 (stopped after another rank failed"));
+    }
+
+    #[test]
+    fn independent_ranks_finish_after_one_fails() {
+        let children = vec![
+            (0, PathBuf::from("rank-0.log"), spawn("sleep 1; exit 0")),
+            (1, PathBuf::from("rank-1.log"), spawn("exit 2")),
+            (2, PathBuf::from("rank-2.log"), spawn("sleep 1; exit 4")),
+        ];
+        let mut failed = wait_for_ranks(children, OnRankFailure::LetOthersFinish).unwrap();
+        failed.sort();
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        assert!(
+            failed[0].starts_with("rank 1 (exit status: 2"),
+            "{failed:?}"
+        );
+        assert!(
+            failed[1].starts_with("rank 2 (exit status: 4"),
+            "{failed:?}"
+        );
+    }
 }

@@ -140,17 +140,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub world_size: Option<usize>,
     /// The file through which rank 0 hands the NCCL id to the others (on a filesystem every
-    /// rank sees) [default: OUT/nccl-id]; without a shared filesystem give every rank the
-    /// same TANDEM_NCCL_ID (`tandem nccl-id` prints one).
+    /// rank sees) [default: OUT/nccl-id]; without a shared filesystem set NCCL_COMM_ID=HOST:PORT
+    /// (rank 0's machine and a free port) on every rank instead.
     #[arg(long)]
     pub rendezvous: Option<PathBuf>,
-}
-
-/// `tandem nccl-id`: prints a fresh NCCL unique id (hex) for TANDEM_NCCL_ID.
-pub fn run_nccl_id() -> anyhow::Result<()> {
-    let id = tandem_cuda::collective::new_nccl_id()?;
-    println!("{}", tandem_cuda::collective::encode_id(&id));
-    Ok(())
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
@@ -158,7 +151,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         if args.device.to_string() != "cuda" {
             anyhow::bail!("--devices trains data-parallel on GPUs: pass --device cuda");
         }
-        return super::ranks::run_on_devices(&args.devices, &args.out, "data-parallel train");
+        // Replicas meet in every step's all-reduce: one that fails would leave the others
+        // waiting in NCCL for good.
+        return super::ranks::run_on_devices(
+            &args.devices,
+            &args.out,
+            "data-parallel train",
+            super::ranks::OnRankFailure::StopOthers,
+        );
     }
     let data_parallel = super::ranks::rank_and_world(args.rank, args.world_size)?
         .map(|(rank, world_size)| -> anyhow::Result<_> {

@@ -1,7 +1,8 @@
 //! Data-parallel replicas over NCCL: one process per GPU (as torchrun or `tandem train
 //! --devices` starts them), joined into one communicator bootstrapped the way a multi-node run
 //! is: rank 0 makes the NCCL unique id and publishes it through a file on a shared filesystem
-//! (or every rank is given it in `TANDEM_NCCL_ID`), the others wait for it.
+//! and the others wait for it (or, with `NCCL_COMM_ID=HOST:PORT` on every rank, NCCL's own
+//! rendezvous at rank 0's address).
 //!
 //! The reductions themselves are NCCL's (`ncclAllReduce` on the trainer's stream, so they are
 //! ordered with its kernels); nothing here reduces over host memory.
@@ -25,9 +26,12 @@ pub const NCCL_ID_BYTES: usize = 128;
 /// An NCCL unique id as bytes.
 pub type NcclId = [u8; NCCL_ID_BYTES];
 
-/// The environment variable that carries the id to every rank when there is no shared
-/// filesystem (hex, as `tandem nccl-id` prints it).
-pub const NCCL_ID_ENV: &str = "TANDEM_NCCL_ID";
+/// NCCL's own rendezvous without a shared filesystem, `HOST:PORT` of rank 0's machine (what
+/// torchrun's MASTER_ADDR:MASTER_PORT is): set on every rank, each makes the same id from the
+/// address, and rank 0's `ncclCommInitRank` listens there. (An id printed by a process that
+/// then exits cannot serve: `ncclGetUniqueId` starts the listener inside the calling
+/// process.)
+pub const NCCL_COMM_ID_ENV: &str = "NCCL_COMM_ID";
 
 /// One rank's place in a group of processes, as torchrun describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +41,7 @@ pub struct ProcessGroup {
     /// Processes in the group.
     pub world_size: usize,
     /// Where the id comes from: a file every rank can read (rank 0 writes it), unless
-    /// `TANDEM_NCCL_ID` is set.
+    /// `NCCL_COMM_ID` is set.
     pub rendezvous: PathBuf,
     /// A tag naming this launch (`TANDEM_RUN_ID`, else torchrun's `TORCHELASTIC_RUN_ID`):
     /// ranks only accept an id file carrying their own tag, so a file left by an earlier run
@@ -134,6 +138,22 @@ pub(crate) fn nccl_present() -> Result<(), CudaError> {
     }
 }
 
+/// Refuses a file rendezvous of several ranks without a tag of their own launch: with an
+/// empty tag (or torchrun's `none`, the same at every launch) a rank could join the id an
+/// earlier launch left in the file, whose listener is gone, and hang.
+pub fn check_run_tag(group: &ProcessGroup) -> Result<(), CudaError> {
+    let tag = group.run_tag.trim();
+    if group.world_size > 1 && (tag.is_empty() || tag == "none") {
+        return Err(CudaError::Collective(format!(
+            "{} ranks meet through {} with no tag of this launch: set the same fresh \
+             TANDEM_RUN_ID on every rank (tandem train --devices and scripts/train_dp.sh do)",
+            group.world_size,
+            group.rendezvous.display()
+        )));
+    }
+    Ok(())
+}
+
 /// A fresh NCCL unique id (what rank 0 publishes).
 pub fn new_nccl_id() -> Result<NcclId, CudaError> {
     nccl_present()?;
@@ -159,9 +179,9 @@ impl std::fmt::Debug for Collective {
 }
 
 impl Collective {
-    /// Joins `group` on `gpu`: rank 0 makes and publishes the id (unless `TANDEM_NCCL_ID`
-    /// gives it), the others wait up to `timeout` for it; then `ncclCommInitRank`, which
-    /// returns once every rank has joined.
+    /// Joins `group` on `gpu`: rank 0 makes and publishes the id, the others wait up to
+    /// `timeout` for it (or, with `NCCL_COMM_ID` set, every rank makes the id of that
+    /// address); then `ncclCommInitRank`, which returns once every rank has joined.
     pub fn bootstrap(
         gpu: &Arc<Gpu>,
         group: &ProcessGroup,
@@ -174,14 +194,16 @@ impl Collective {
                 group.rank, group.world_size
             )));
         }
-        let id = match std::env::var(NCCL_ID_ENV) {
-            Ok(text) => decode_id(&text)?,
-            Err(_) if group.rank == 0 => {
-                let id = new_nccl_id()?;
-                publish_id(&group.rendezvous, &group.run_tag, &id)?;
-                id
-            }
-            Err(_) => wait_for_id(&group.rendezvous, &group.run_tag, timeout)?,
+        let id = if std::env::var_os(NCCL_COMM_ID_ENV).is_some() {
+            new_nccl_id()?
+        } else if group.rank == 0 {
+            check_run_tag(group)?;
+            let id = new_nccl_id()?;
+            publish_id(&group.rendezvous, &group.run_tag, &id)?;
+            id
+        } else {
+            check_run_tag(group)?;
+            wait_for_id(&group.rendezvous, &group.run_tag, timeout)?
         };
         Self::join(gpu, group.rank, group.world_size, &id)
     }
@@ -262,6 +284,25 @@ mod tests {
         bad.replace_range(10..12, "zz");
         let err = decode_id(&bad).unwrap_err().to_string();
         assert!(err.contains("character 10"), "{err}");
+    }
+
+    #[test]
+    fn several_ranks_need_a_tag_of_their_launch() {
+        let group = |world_size, tag: &str| ProcessGroup {
+            rank: 0,
+            world_size,
+            rendezvous: PathBuf::from("out/nccl-id"),
+            run_tag: tag.to_owned(),
+        };
+        assert!(
+            check_run_tag(&group(1, "")).is_ok(),
+            "one rank meets nobody"
+        );
+        assert!(check_run_tag(&group(2, "run-17")).is_ok());
+        for tag in ["", "none", " "] {
+            let err = check_run_tag(&group(2, tag)).unwrap_err().to_string();
+            assert!(err.contains("TANDEM_RUN_ID"), "{tag:?}: {err}");
+        }
     }
 
     #[test]

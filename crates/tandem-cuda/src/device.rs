@@ -1123,7 +1123,9 @@ impl Gpu {
     }
 
     /// Launches `func` on the stream with the programmatic-stream-serialization attribute (when
-    /// `TANDEM_CUDA_PDL=1` on an sm_90+ GPU): the kernel may start while the one before it
+    /// `TANDEM_CUDA_PDL=1`, or `TANDEM_CUDA_PDL_ROWS=N` and a launch of at most N rows, on an
+    /// sm_90+ GPU; the row cap goes by the launch's rows, so a wide step's logits of `batch`
+    /// rows may take it): the kernel may start while the one before it
     /// still runs, and waits for it with `PDL_WAIT` (kernels/common.cuh) before reading its outputs, so a small
     /// step's weight loads and launch overlap the previous kernel. CUDA graphs capture the
     /// relaxed dependency. Only kernels that call `PDL_WAIT` before touching anything their

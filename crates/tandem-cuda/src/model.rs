@@ -74,6 +74,16 @@ struct TensorParallel {
     poisoned: AtomicBool,
 }
 
+impl Drop for CudaTarget {
+    /// The graphs go first, with this GPU current: a graph that captured NCCL all-reduces
+    /// holds a reference on the communicator, whose abort (in the `tp` field, dropped before
+    /// `graphs`) would otherwise wait for that reference for good.
+    fn drop(&mut self) {
+        let _ = self.gpu.bind_to_thread();
+        self.graphs.lock().clear();
+    }
+}
+
 impl Drop for TensorParallel {
     /// Each peer's buffers are freed with its own GPU current (cudarc frees without binding
     /// a context), then this rank's GPU is current again.
@@ -557,8 +567,14 @@ impl CudaTarget {
     /// [`CudaTarget::load_tensor_parallel`] over GPUs 0..ranks with NCCL, or every rank on GPU
     /// 0 with host sums under `TANDEM_CUDA_TP_SIMULATE=1` ([`TpReduction::from_env`]).
     pub fn load_ranks(dir: &Path, ranks: usize) -> Result<Self, CudaError> {
+        Self::load_ranks_from(dir, ranks, 0)
+    }
+
+    /// [`CudaTarget::load_ranks`] over GPUs `first..first + ranks` (a data-parallel process
+    /// of a launcher that leaves every GPU visible takes its own, from LOCAL_RANK).
+    pub fn load_ranks_from(dir: &Path, ranks: usize, first: usize) -> Result<Self, CudaError> {
         if ranks <= 1 {
-            return Self::load(dir, Gpu::new(0)?);
+            return Self::load(dir, Gpu::new(first)?);
         }
         // A split the model does not allow is named before any GPU is touched.
         HfConfig::load(&dir.join("config.json"))?
@@ -567,8 +583,8 @@ impl CudaTarget {
         let reduction = TpReduction::from_env();
         let gpus = (0..ranks)
             .map(|rank| match reduction {
-                TpReduction::Nccl => Gpu::new(rank),
-                TpReduction::HostSimulation => Gpu::new(0),
+                TpReduction::Nccl => Gpu::new(first + rank),
+                TpReduction::HostSimulation => Gpu::new(first),
             })
             .collect::<Result<Vec<_>, _>>()?;
         Self::load_tensor_parallel(dir, &gpus, reduction)
@@ -605,6 +621,34 @@ impl CudaTarget {
     /// The tensor-parallel degree (1: the whole model on one GPU).
     pub fn tensor_parallel(&self) -> usize {
         self.tp.as_ref().map_or(1, |tp| tp.split.ranks)
+    }
+
+    /// How a split target's partial sums are added (`None` on one GPU).
+    pub fn tensor_parallel_reduction(&self) -> Option<TpReduction> {
+        let tp = self.tp.as_ref().filter(|tp| tp.split.ranks > 1)?;
+        Some(if tp.reducer.capturable() {
+            TpReduction::Nccl
+        } else {
+            TpReduction::HostSimulation
+        })
+    }
+
+    /// What jobs print after the device: nothing on one GPU, else the ranks and how their
+    /// sums are added (", tensor-parallel over 2 ranks (NCCL)").
+    pub fn tensor_parallel_label(&self) -> String {
+        match self.tensor_parallel_reduction() {
+            None => String::new(),
+            Some(TpReduction::Nccl) => {
+                format!(
+                    ", tensor-parallel over {} ranks (NCCL)",
+                    self.tensor_parallel()
+                )
+            }
+            Some(TpReduction::HostSimulation) => format!(
+                ", tensor-parallel over {} ranks (host sums on one GPU, a test stand-in)",
+                self.tensor_parallel()
+            ),
+        }
     }
 
     fn load_rank(

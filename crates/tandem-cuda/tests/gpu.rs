@@ -145,7 +145,8 @@ fn assert_taps_close(a: &Taps<DeviceRows>, b: &Taps<DeviceRows>, tolerance: f32,
 
 /// A step's outputs against a reference's (`expected`): logits and every tap slot within
 /// `tolerance` of the largest value, and the same greedy token in every row unless the
-/// reference has a near-tie there (1e-3); returns the reference's greedy tokens.
+/// reference has a near-tie there (within twice that tolerance); returns the reference's
+/// greedy tokens.
 fn assert_outputs_close(
     got: tandem_cuda::CudaStepOutput,
     expected: tandem_cuda::CudaStepOutput,
@@ -162,9 +163,12 @@ fn assert_outputs_close(
     let (ids_g, ids_e) = (lg.argmax().unwrap(), le.argmax().unwrap());
     for (row, (&x, &y)) in ids_g.iter().zip(&ids_e).enumerate() {
         let logits = &he[row * le.vocab..(row + 1) * le.vocab];
+        // A changed argmax is forgiven within what the logits tolerance allows (relative to
+        // the row's largest logit, ~20 on the tied test models).
+        let largest = logits.iter().fold(0f32, |m, v| m.max(v.abs()));
         let margin = (logits[y as usize] - logits[x as usize]).abs();
         assert!(
-            x == y || margin <= 1e-3,
+            x == y || margin <= 2.0 * tolerance * largest.max(1.0),
             "{label} row {row}: greedy {x} vs {y} (margin {margin})"
         );
     }
@@ -1430,14 +1434,16 @@ fn tensor_parallel_case(
         .iter()
         .map(|(t, p)| (t.as_slice(), p.as_slice()))
         .collect();
-    let base = caches[0].layout().used();
     let step = caches[0].layout().tree_step(&refs).unwrap();
     let ids = compare(&step, &mut caches, LogitsFor::All, "tree of 4");
+    // Slots 0 and 1 (a root-to-leaf path) accepted: the rejected slots stay in the cache as
+    // invalid columns, which the later steps must mask and the compaction drop on every rank.
     for cache in caches.iter_mut() {
-        let layout = cache.layout_mut();
-        layout.rollback(base);
+        for b in 0..2 {
+            cache.layout_mut().keep_only(b, 4, &[0, 1]);
+        }
     }
-    next = vec![ids[0], ids[4]];
+    next = vec![ids[1], ids[4 + 1]];
     let step = caches[0].layout().decode_step(&next).unwrap();
     next = compare(&step, &mut caches, LogitsFor::Last, "decode after the tree");
     // Sequence 0 leaves; a newcomer prefilled on its own joins; the columns are compacted.

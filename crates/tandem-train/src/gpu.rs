@@ -334,37 +334,12 @@ fn train_gpu_with(
         write_json(&options.out.join(OPTIONS_FILE), options)?;
     }
 
-    // The trainer and the corpus on the GPU; replicas join their communicator first (it
-    // returns once every rank is there).
+    // The trainer and the corpus on the GPU, then replicas join their communicator (it returns
+    // once every rank is there).
     let target = head.host_pieces();
     let draft_ids = draft.vocab.target_ids();
     let gpu =
         Gpu::new(options.data_parallel.as_ref().map_or(0, |dp| dp.device)).map_err(cuda_err)?;
-    let collective = match &options.data_parallel {
-        None => None,
-        Some(dp) => {
-            let join_start = Instant::now();
-            let collective = Collective::bootstrap(
-                &gpu,
-                &ProcessGroup {
-                    rank: dp.rank,
-                    world_size: dp.world_size,
-                    rendezvous: dp.rendezvous.clone(),
-                    run_tag: dp.run_tag.clone(),
-                },
-                RENDEZVOUS_TIMEOUT,
-            )
-            .map_err(cuda_err)?;
-            eprintln!(
-                "rank {} of {} joined NCCL on {} in {:.1}s",
-                dp.rank,
-                dp.world_size,
-                gpu.name(),
-                join_start.elapsed().as_secs_f64()
-            );
-            Some(collective)
-        }
-    };
     let mut trainer = CudaHeadTrainer::new(
         Arc::clone(&gpu),
         draft.spec.clone(),
@@ -405,9 +380,38 @@ fn train_gpu_with(
     let argmax_start = Instant::now();
     trainer.finish_corpus().map_err(cuda_err)?;
     let argmax_seconds = argmax_start.elapsed().as_secs_f64();
+    let total = load_start.elapsed().as_secs_f64();
+    // Only once this rank's setup is over: replicas are threads of one process under
+    // `--devices` tests, and a rank whose first all-reduce already spins on its GPU while
+    // another still allocates and frees page-locked memory (which synchronises every device)
+    // would deadlock, as XLA's and xgboost's threaded NCCL runs did. Joining is the barrier.
+    let collective = match &options.data_parallel {
+        None => None,
+        Some(dp) => {
+            let join_start = Instant::now();
+            let collective = Collective::bootstrap(
+                &gpu,
+                &ProcessGroup {
+                    rank: dp.rank,
+                    world_size: dp.world_size,
+                    rendezvous: dp.rendezvous.clone(),
+                    run_tag: dp.run_tag.clone(),
+                },
+                RENDEZVOUS_TIMEOUT,
+            )
+            .map_err(cuda_err)?;
+            eprintln!(
+                "rank {} of {} joined NCCL on {} in {:.1}s",
+                dp.rank,
+                dp.world_size,
+                gpu.name(),
+                join_start.elapsed().as_secs_f64()
+            );
+            Some(collective)
+        }
+    };
     // The split says which part to speed up (session 23: 59.7 s for 2.55M tokens, of which
     // 40 s "GPU setup and upload" before the upload went through page-locked buffers).
-    let total = load_start.elapsed().as_secs_f64();
     let bytes = corpus_tokens * hidden * (slots + 1) * 2;
     eprintln!(
         "loaded {} rows ({} tokens, {} train / {} validation) onto {} in {total:.1}s (read \

@@ -574,8 +574,14 @@ pub(crate) fn fresh_state(
     train_rows: usize,
     total_steps: usize,
 ) -> Result<TrainState, TrainError> {
+    // Only the replica that writes checkpoints clears them: data-parallel replicas share
+    // `--out`, and two removing one tree at once fail on each other's deletions.
+    let primary = options
+        .data_parallel
+        .as_ref()
+        .is_none_or(|dp| dp.is_primary());
     let checkpoints = options.out.join(CHECKPOINT_DIR);
-    if checkpoints.exists() {
+    if primary && checkpoints.exists() {
         std::fs::remove_dir_all(&checkpoints).map_err(TrainError::io("clear", &checkpoints))?;
     }
     Ok(TrainState {
