@@ -131,12 +131,18 @@ PY
 train_on() {
   local devices=$1 out=$2
   rm -rf "${W:?}/$out"
-  timeout 300 "$T" train --dump "$W/dump-2" --out "$W/$out" --model "$M" --device cuda \
+  # NCCL says which transport joins the GPUs (P2P/IPC over NVLink, or SHM through the host,
+  # which would cap the speedup): its INFO lines of the 2-GPU run go to the summary.
+  local debug=WARN
+  [[ "$devices" == *,* ]] && debug=INFO
+  NCCL_DEBUG=$debug timeout 300 "$T" train --dump "$W/dump-2" --out "$W/$out" --model "$M" --device cuda \
     --devices "$devices" --batch-size 16 --max-len 1024 --max-steps "$TRAIN_STEPS" --seed 7 \
     --save-every 0 --quiet > "$R/$out.log" 2>&1
   echo "train $out on $devices: exit $?" | tee -a "$R/summary.txt"
   cp "$W/$out/metrics.jsonl" "$R/$out.metrics.jsonl" 2>/dev/null
   rank_logs "$out"
+  grep -oh "via \(P2P\|SHM\|NET\)[A-Za-z0-9/_]*" "$R/$out".rank-*.log 2>/dev/null | sort | uniq -c \
+    | sed "s/^ */$out NCCL channels: /" | tee -a "$R/summary.txt"
 }
 
 # curves ONE OTHER: median train tokens/s (steps after 5) and the largest relative loss gap.
