@@ -24,6 +24,11 @@ if [ "${NNODES:-1}" -gt 1 ] && [ -z "${NCCL_COMM_ID:-}" ] && [ -z "${TANDEM_RUN_
   exit 2
 fi
 export TANDEM_RUN_ID=${TANDEM_RUN_ID:-run-$(date +%s)-$$}
+if [ -n "${NCCL_COMM_ID:-}" ]; then
+  # Rank 0 listens at NCCL_COMM_ID only once its corpus is loaded; NCCL's default retries
+  # (~60 s) would give up on a rank 0 whose load takes longer.
+  export NCCL_SOCKET_RETRY_CNT=${NCCL_SOCKET_RETRY_CNT:-1000}
+fi
 # shellcheck source=ranks.sh
 . "$here/ranks.sh"
 # Replicas meet in every step's all-reduce: one that fails stops the others, which would

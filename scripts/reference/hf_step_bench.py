@@ -47,9 +47,11 @@ def main():
     used = ["cuda:0"]
     if args.device_map:
         placement = getattr(model, "hf_device_map", None) or {}
-        used = sorted({str(v) for v in placement.values()})
-        if {"cpu", "disk"} & set(used):
+        names = {str(torch.device("cuda", v)) if isinstance(v, int) else str(v)
+                 for v in placement.values()}
+        if {"cpu", "disk"} & names:
             raise SystemExit(f"the device map puts layers off the GPUs: {placement}")
+        used = sorted(names)
         print("device map:", placement, flush=True)
         head = placement.get("lm_head", next(iter(placement.values()), 0))
         device = torch.device("cuda", head) if isinstance(head, int) else torch.device(str(head))
@@ -66,8 +68,8 @@ def main():
                 times = []
                 step_ids = nxt.repeat(1, width)
                 for i in range(args.steps + 2):
-                    for d in range(torch.cuda.device_count()):
-                        torch.cuda.synchronize(d)
+                    for d in used:
+                        torch.cuda.synchronize(torch.device(d))
                     t0 = time.perf_counter()
                     o = model(input_ids=step_ids, past_key_values=cache, use_cache=True)
                     o.logits.argmax(-1).cpu()

@@ -64,18 +64,23 @@ pub fn run_tag() -> String {
 /// or, when this process was already given a `CUDA_VISIBLE_DEVICES` list, that list's entry
 /// at the index `device` names (`--devices 0,1` under `CUDA_VISIBLE_DEVICES=2,3` are GPUs 2
 /// and 3, as inside the parent).
-pub fn child_visible_device(device: &str, parent: Option<&str>) -> String {
+pub fn child_visible_device(device: &str, parent: Option<&str>) -> anyhow::Result<String> {
+    let Some(parent) = parent else {
+        return Ok(device.to_string());
+    };
     let visible: Vec<&str> = parent
-        .map(|p| {
-            p.split(',')
-                .map(str::trim)
-                .filter(|d| !d.is_empty())
-                .collect()
-        })
-        .unwrap_or_default();
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect();
     match device.trim().parse::<usize>() {
-        Ok(i) if i < visible.len() => visible[i].to_string(),
-        _ => device.to_string(),
+        Ok(i) if i < visible.len() => Ok(visible[i].to_string()),
+        Ok(i) => anyhow::bail!(
+            "--devices names GPU {i}, but this process sees {} (CUDA_VISIBLE_DEVICES={parent:?})",
+            visible.len()
+        ),
+        // A UUID or MIG name is passed through as given.
+        Err(_) => Ok(device.to_string()),
     }
 }
 
@@ -158,25 +163,41 @@ pub fn run_on_devices(
     );
     let world = devices.len();
     let parent_visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let mut children = Vec::with_capacity(world);
-    for (rank, device) in devices.iter().enumerate() {
-        let device = child_visible_device(device, parent_visible.as_deref());
+    let visible = devices
+        .iter()
+        .map(|d| child_visible_device(d, parent_visible.as_deref()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut children: Vec<(usize, PathBuf, std::process::Child)> = Vec::with_capacity(world);
+    for (rank, device) in visible.iter().enumerate() {
         let log_path = out.join(format!("rank-{rank}.log"));
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
-        let child = std::process::Command::new(&exe)
-            .args(&forwarded)
-            .env("CUDA_VISIBLE_DEVICES", &device)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("TANDEM_RUN_ID", &tag)
-            .env("NCCL_NVLS_ENABLE", "0")
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting rank {rank} on device {device}"))?;
+        let started = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))
+            .and_then(|log| {
+                std::process::Command::new(&exe)
+                    .args(&forwarded)
+                    .env("CUDA_VISIBLE_DEVICES", device)
+                    .env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("LOCAL_RANK", rank.to_string())
+                    .env("LOCAL_WORLD_SIZE", world.to_string())
+                    .env("TANDEM_RUN_ID", &tag)
+                    .env("NCCL_NVLS_ENABLE", "0")
+                    .stdout(log.try_clone()?)
+                    .stderr(log)
+                    .spawn()
+                    .with_context(|| format!("starting rank {rank} on device {device}"))
+            });
+        let child = match started {
+            Ok(child) => child,
+            Err(e) => {
+                // The ranks already started would wait for this one (in NCCL, for good).
+                for (_, _, mut child) in children {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                return Err(e);
+            }
+        };
         eprintln!(
             "{what}: rank {rank} of {world} on device {device}: log {}",
             log_path.display()
@@ -201,13 +222,19 @@ mod tests {
 
     #[test]
     fn devices_index_the_parents_visible_list() {
-        assert_eq!(child_visible_device("1", Some("2,3")), "3");
-        assert_eq!(child_visible_device("0", Some(" 2 , 3 ")), "2");
-        // Without a list, or past its end, or a UUID: the entry as given.
-        assert_eq!(child_visible_device("1", None), "1");
-        assert_eq!(child_visible_device("1", Some("")), "1");
-        assert_eq!(child_visible_device("4", Some("2,3")), "4");
-        assert_eq!(child_visible_device("GPU-ab12", Some("2,3")), "GPU-ab12");
+        let visible = |d, parent| child_visible_device(d, parent).map_err(|e| e.to_string());
+        assert_eq!(visible("1", Some("2,3")).unwrap(), "3");
+        assert_eq!(visible("0", Some(" 2 , 3 ")).unwrap(), "2");
+        // Without a list the entry as given; a UUID as given.
+        assert_eq!(visible("1", None).unwrap(), "1");
+        assert_eq!(visible("GPU-ab12", Some("2,3")).unwrap(), "GPU-ab12");
+        // Past the parent's list (or an empty one): a GPU this process was not given.
+        let err = visible("4", Some("2,3")).unwrap_err();
+        assert!(
+            err.contains("names GPU 4, but this process sees 2"),
+            "{err}"
+        );
+        assert!(visible("0", Some("")).is_err());
     }
 
     fn spawn(script: &str) -> std::process::Child {

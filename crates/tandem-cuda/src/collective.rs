@@ -125,7 +125,8 @@ fn nccl_err(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> CudaError
     move |e| CudaError::Collective(format!("{what}: {e:?}"))
 }
 
-pub(crate) fn nccl_present() -> Result<(), CudaError> {
+/// Whether libnccl can be loaded (an error naming the fix if not).
+pub fn nccl_present() -> Result<(), CudaError> {
     // cudarc panics when libnccl cannot be loaded; ask first.
     // SAFETY: this only tries to dlopen the library.
     if unsafe { cudarc::nccl::sys::is_culib_present() } {

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tandem_wiring::TapId;
 
@@ -119,8 +119,11 @@ impl<B> Graphs<B> {
         self.lock().stats
     }
 
+    /// The cache, also after a panic while it was held (a tensor-parallel rank's panic is
+    /// turned into an error, and the target is dropped afterwards: a second panic there
+    /// would abort the process).
     pub fn lock(&self) -> MutexGuard<'_, GraphCache<B>> {
-        self.cache.lock().expect("graph cache lock")
+        self.cache.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -1083,6 +1083,19 @@ impl CudaTarget {
         cache.peers = peer_caches;
         if (own.is_err() || others.iter().any(Result::is_err)) && tp.reducer.capturable() {
             tp.poisoned.store(true, Ordering::Relaxed);
+            // Release whatever all-reduce still waits on some GPU for a rank that failed
+            // before queuing its own: the graphs first (an executable graph in flight is
+            // freed when it completes; a communicator's abort would wait on graphs that
+            // captured it), then every rank's communicator.
+            self.set_graphs(false);
+            for peer in &tp.peers {
+                if let Some(peer_tp) = &peer.tp {
+                    let _ = peer.gpu.bind_to_thread();
+                    peer_tp.reducer.shut_down();
+                }
+            }
+            let _ = self.gpu.bind_to_thread();
+            tp.reducer.shut_down();
         }
         let own = own?;
         for other in others {

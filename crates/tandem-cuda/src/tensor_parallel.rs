@@ -16,7 +16,7 @@
 #![allow(unsafe_code)]
 
 use std::ops::Range;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use cudarc::driver::CudaSlice;
 use cudarc::nccl::safe::{Comm, ReduceOp};
@@ -103,8 +103,12 @@ unsafe impl Send for RankComm {}
 
 /// One rank's end of the all-reduce.
 pub(crate) enum Reducer {
-    Nccl(Mutex<RankComm>),
-    Host { sum: Arc<HostSum>, rank: usize },
+    /// `None` once [`Reducer::shut_down`] aborted it.
+    Nccl(Mutex<Option<RankComm>>),
+    Host {
+        sum: Arc<HostSum>,
+        rank: usize,
+    },
 }
 
 impl std::fmt::Debug for Reducer {
@@ -153,7 +157,7 @@ impl Reducer {
                     .map_err(|e| CudaError::Collective(format!("ncclCommInitAll: {e:?}")))?;
                 Ok(comms
                     .into_iter()
-                    .map(|c| Reducer::Nccl(Mutex::new(RankComm(c))))
+                    .map(|c| Reducer::Nccl(Mutex::new(Some(RankComm(c)))))
                     .collect())
             }
         }
@@ -168,7 +172,14 @@ impl Reducer {
     ) -> Result<(), CudaError> {
         match self {
             Reducer::Nccl(comm) => {
-                let comm = comm.lock().expect("an NCCL call panicked");
+                let comm = comm.lock().unwrap_or_else(PoisonError::into_inner);
+                let Some(comm) = comm.as_ref() else {
+                    return Err(CudaError::Collective(
+                        "this tensor-parallel target's NCCL communicators were aborted after \
+                         a failed step: load it again"
+                            .into(),
+                    ));
+                };
                 comm.0
                     .all_reduce_in_place(&mut buffer.slice_mut(0..n), &ReduceOp::Sum)
                     .map_err(|e| CudaError::Collective(format!("ncclAllReduce: {e:?}")))?;
@@ -194,6 +205,16 @@ impl Reducer {
     pub(crate) fn abort(&self) {
         if let Reducer::Host { sum, .. } = self {
             sum.abort();
+        }
+    }
+
+    /// Aborts this rank's NCCL communicator (`ncclCommAbort`, when cudarc drops it): after a
+    /// step that failed on some rank, the others' all-reduces may wait on their GPUs for a
+    /// partner that never comes, and everything queued behind them on that stream with
+    /// them; the abort releases them. Later reductions are errors.
+    pub(crate) fn shut_down(&self) {
+        if let Reducer::Nccl(comm) = self {
+            drop(comm.lock().unwrap_or_else(PoisonError::into_inner).take());
         }
     }
 

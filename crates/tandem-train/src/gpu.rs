@@ -134,6 +134,16 @@ fn load_all(
     })
 }
 
+/// The NCCL process group of a data-parallel replica.
+fn group_of(dp: &crate::replicas::DataParallel) -> ProcessGroup {
+    ProcessGroup {
+        rank: dp.rank,
+        world_size: dp.world_size,
+        rendezvous: dp.rendezvous.clone(),
+        run_tag: dp.run_tag.clone(),
+    }
+}
+
 fn cuda_err(e: tandem_cuda::CudaError) -> TrainError {
     TrainError::Gpu {
         reason: e.to_string(),
@@ -216,6 +226,14 @@ fn train_gpu_with(
                 options.ttt_steps
             ),
         });
+    }
+    // A replica joins NCCL only after minutes of loading: what would stop it there is asked
+    // now (a missing libnccl, ranks without a tag of their launch).
+    if let Some(dp) = &options.data_parallel {
+        tandem_cuda::collective::nccl_present().map_err(cuda_err)?;
+        if std::env::var_os(tandem_cuda::collective::NCCL_COMM_ID_ENV).is_none() {
+            tandem_cuda::collective::check_run_tag(&group_of(dp)).map_err(cuda_err)?;
+        }
     }
     let start = Instant::now();
     std::fs::create_dir_all(&options.out).map_err(TrainError::io("create", &options.out))?;
@@ -389,17 +407,8 @@ fn train_gpu_with(
         None => None,
         Some(dp) => {
             let join_start = Instant::now();
-            let collective = Collective::bootstrap(
-                &gpu,
-                &ProcessGroup {
-                    rank: dp.rank,
-                    world_size: dp.world_size,
-                    rendezvous: dp.rendezvous.clone(),
-                    run_tag: dp.run_tag.clone(),
-                },
-                RENDEZVOUS_TIMEOUT,
-            )
-            .map_err(cuda_err)?;
+            let collective =
+                Collective::bootstrap(&gpu, &group_of(dp), RENDEZVOUS_TIMEOUT).map_err(cuda_err)?;
             eprintln!(
                 "rank {} of {} joined NCCL on {} in {:.1}s",
                 dp.rank,
