@@ -32,8 +32,9 @@ launch_ranks() {
       # (pids already reaped are named "no such job" and passed over)
       if ! wait -n "${pids[@]}" 2> /dev/null; then
         echo "a rank failed: stopping the others (the logs below say which)" >&2
-        # Only jobs still running (the failed one is reaped; callers run under set -e).
-        kill $(jobs -pr) 2> /dev/null || true
+        # The ranks only (this file is sourced); one already reaped makes kill fail, which
+        # must not end a caller running under set -e.
+        kill "${pids[@]}" 2> /dev/null || true
         wait || true
         status=1
         break

@@ -26,8 +26,10 @@ fi
 export TANDEM_RUN_ID=${TANDEM_RUN_ID:-run-$(date +%s)-$$}
 if [ -n "${NCCL_COMM_ID:-}" ]; then
   # Rank 0 listens at NCCL_COMM_ID only once its corpus is loaded; NCCL's default retries
-  # (~60 s) would give up on a rank 0 whose load takes longer.
-  export NCCL_SOCKET_RETRY_CNT=${NCCL_SOCKET_RETRY_CNT:-1000}
+  # (34, sleeping n x 100 ms: ~60 s) would give up on a rank 0 whose load takes longer. 600
+  # retries of n x 5 ms wait ~900 s (the file rendezvous' limit), with gaps of at most 3 s.
+  export NCCL_SOCKET_RETRY_CNT=${NCCL_SOCKET_RETRY_CNT:-600}
+  export NCCL_SOCKET_RETRY_SLEEP_MSEC=${NCCL_SOCKET_RETRY_SLEEP_MSEC:-5}
 fi
 # shellcheck source=ranks.sh
 . "$here/ranks.sh"

@@ -271,7 +271,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     if model.tensor_parallel() > 1 {
         // The fused and persistent kernels add o_proj and down_proj into the residual, which
         // leaves nothing to all-reduce: a split target runs the unfused ones whatever is set.
-        if args.persistent || !matches!(args.fused, FusedModes::Default) {
+        if args.persistent || matches!(args.fused, FusedModes::On | FusedModes::Both) {
             eprintln!("fast-bench: --tp {}: the unfused kernels only", args.tp);
         }
         kernel_modes = vec![(0, 0)];

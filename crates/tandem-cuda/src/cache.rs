@@ -192,7 +192,7 @@ impl Drop for CudaKvCache {
         // The other ranks' caches go back to their pools (which may free) with their own GPU
         // current: cudarc frees without binding a context.
         for peer in self.peers.drain(..) {
-            let _ = peer.gpu.bind_to_thread();
+            peer.gpu.make_current();
             drop(peer);
         }
     }

@@ -553,6 +553,15 @@ impl Gpu {
         Ok(self.ctx.bind_to_thread()?)
     }
 
+    /// Makes this GPU's context current even after an error was recorded on it (cudarc's
+    /// bind returns that error, clearing it, without binding): for freeing and aborting
+    /// after a failed step, where such an error is likely.
+    pub(crate) fn make_current(&self) {
+        if self.ctx.bind_to_thread().is_err() {
+            let _ = self.ctx.bind_to_thread();
+        }
+    }
+
     pub fn synchronize(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)
     }
@@ -646,10 +655,16 @@ impl Gpu {
     ) -> Result<StepGraph, CudaError> {
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let recorded = record();
-        // The capture always ends, also when recording failed, so the stream stays usable.
+        // The capture always ends, also when recording failed or panicked, so the stream stays
+        // usable (and an unfinished graph holding NCCL all-reduces cannot keep a
+        // communicator's abort waiting for good). cudarc's end_capture binds the context
+        // first, which fails on an error recorded earlier: that check clears it.
+        let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(record));
+        let stale = self.ctx.check_err();
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let recorded = recorded.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         recorded?;
+        stale?;
         let graph = graph?.ok_or_else(|| CudaError::Unsupported {
             what: "an empty graph capture".into(),
             architecture: "-".into(),

@@ -79,7 +79,7 @@ impl Drop for CudaTarget {
     /// holds a reference on the communicator, whose abort (in the `tp` field, dropped before
     /// `graphs`) would otherwise wait for that reference for good.
     fn drop(&mut self) {
-        let _ = self.gpu.bind_to_thread();
+        self.gpu.make_current();
         self.graphs.lock().clear();
     }
 }
@@ -89,10 +89,10 @@ impl Drop for TensorParallel {
     /// a context), then this rank's GPU is current again.
     fn drop(&mut self) {
         for peer in self.peers.drain(..) {
-            let _ = peer.gpu.bind_to_thread();
+            peer.gpu.make_current();
             drop(peer);
         }
-        let _ = self.home.bind_to_thread();
+        self.home.make_current();
     }
 }
 
@@ -1090,11 +1090,11 @@ impl CudaTarget {
             self.set_graphs(false);
             for peer in &tp.peers {
                 if let Some(peer_tp) = &peer.tp {
-                    let _ = peer.gpu.bind_to_thread();
+                    peer.gpu.make_current();
                     peer_tp.reducer.shut_down();
                 }
             }
-            let _ = self.gpu.bind_to_thread();
+            self.gpu.make_current();
             tp.reducer.shut_down();
         }
         let own = own?;
@@ -1218,10 +1218,10 @@ impl CudaTarget {
         // Turning graphs off frees each rank's graph buffers: with that rank's GPU current.
         if let Some(tp) = self.tp.as_ref().filter(|tp| !tp.peers.is_empty()) {
             for peer in &tp.peers {
-                let _ = peer.gpu.bind_to_thread();
+                peer.gpu.make_current();
                 peer.set_graphs(on);
             }
-            let _ = self.gpu.bind_to_thread();
+            self.gpu.make_current();
         }
         self.graphs.set(on);
     }

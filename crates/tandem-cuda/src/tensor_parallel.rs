@@ -214,7 +214,12 @@ impl Reducer {
     /// them; the abort releases them. Later reductions are errors.
     pub(crate) fn shut_down(&self) {
         if let Reducer::Nccl(comm) = self {
-            drop(comm.lock().unwrap_or_else(PoisonError::into_inner).take());
+            let taken = comm.lock().unwrap_or_else(PoisonError::into_inner).take();
+            // cudarc's drop panics if the abort reports an error (old NCCL): the other ranks'
+            // aborts must still run.
+            if let Some(comm) = taken {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(comm)));
+            }
         }
     }
 
