@@ -385,6 +385,33 @@ extern "C" __global__ void scatter_chain_tokens(const unsigned int* __restrict__
     }
 }
 
+// The roots the next greedy chains draft from, chosen on the device right after the head's
+// extend over every verified slot (queued before the host reads the verification): for sequence
+// b (block b), its accepted length k, the leading drafts equal to the target's greedy id at the
+// slot before them (chain[s * batch + b] == ids[b * width + s], as verify_greedy walks a chain),
+// then row b * width + k of the extend's hidden [rows, h] and logits [rows, vocab] (f32) into
+// row b of `out_hidden` and `out_logits`. Grid: batch; block: 256.
+extern "C" __global__ void gather_accepted_roots(const unsigned int* __restrict__ ids,
+                                                 const unsigned int* __restrict__ chain,
+                                                 int batch, int steps, int width,
+                                                 const float* __restrict__ hidden, int h,
+                                                 const float* __restrict__ logits, int vocab,
+                                                 float* __restrict__ out_hidden,
+                                                 float* __restrict__ out_logits) {
+    const int b = blockIdx.x;
+    int k = 0;
+    while (k < steps && chain[(size_t)k * batch + b] == ids[(size_t)b * width + k]) {
+        ++k;
+    }
+    const size_t row = (size_t)b * width + k;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        out_hidden[(size_t)b * h + i] = hidden[row * h + i];
+    }
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        out_logits[(size_t)b * vocab + i] = logits[row * vocab + i];
+    }
+}
+
 // Uniform in (0, 1) from a row's seed and a token id (splitmix64; 24 bits are plenty for a
 // Gumbel draw and keep u away from 0 and 1).
 __device__ __forceinline__ float seeded_uniform(unsigned long long seed, int token) {

@@ -4,7 +4,7 @@
 //! wrapper states the sizes it relies on and the callers pass buffers of those sizes.
 #![allow(unsafe_code)]
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::result::gemm_ex;
@@ -16,8 +16,9 @@ use cudarc::driver::sys::{
     CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView,
+    CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
@@ -251,6 +252,7 @@ struct Kernels {
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
     scatter_chain_tokens: CudaFunction,
+    gather_accepted_roots: CudaFunction,
     sample_rows: CudaFunction,
     copy_rows: CudaFunction,
     copy_rows_u16: CudaFunction,
@@ -300,6 +302,55 @@ pub struct Gpu {
     /// Idle KV-cache buffers, so that a new cache of a shape seen before gets the addresses
     /// the graphs were captured over ([`crate::kv_pool`]).
     kv_pool: Arc<KvPool>,
+    /// Page-locked host buffers with their events, reused by [`Gpu::read_back`].
+    read_backs: Mutex<Vec<ReadBackBuffer>>,
+}
+
+/// A page-locked host buffer and the event recorded after the last copy into it.
+struct ReadBackBuffer {
+    host: PinnedHostSlice<u32>,
+    event: CudaEvent,
+}
+
+/// A copy to the host queued by [`Gpu::read_back`]: [`PendingRead::wait`] waits for that copy
+/// (and the work queued before it) only, not for what was queued on the stream after it.
+pub struct PendingRead {
+    gpu: Arc<Gpu>,
+    buffer: Option<ReadBackBuffer>,
+    len: usize,
+}
+
+impl PendingRead {
+    /// The values, once the copy has landed.
+    pub fn wait(mut self) -> Result<Vec<u32>, CudaError> {
+        let buffer = self
+            .buffer
+            .take()
+            .expect("a pending read is waited for once");
+        let waited = buffer.event.synchronize();
+        let values = waited
+            .map_err(CudaError::from)
+            .and_then(|()| Ok(buffer.host.as_slice()?[..self.len].to_vec()));
+        self.gpu.recycle_read_back(buffer);
+        values
+    }
+}
+
+impl Drop for PendingRead {
+    fn drop(&mut self) {
+        // Not waited for (an error between queueing and reading): the copy may still be
+        // writing the buffer, so it is waited for before the buffer can be reused.
+        if let Some(buffer) = self.buffer.take() {
+            let _ = buffer.event.synchronize();
+            self.gpu.recycle_read_back(buffer);
+        }
+    }
+}
+
+impl std::fmt::Debug for PendingRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PendingRead({} values)", self.len)
+    }
 }
 
 impl std::fmt::Debug for Gpu {
@@ -417,6 +468,7 @@ impl Gpu {
             gather_rows: module.load_function("gather_rows")?,
             argmax_rows: module.load_function("argmax_rows")?,
             scatter_chain_tokens: module.load_function("scatter_chain_tokens")?,
+            gather_accepted_roots: module.load_function("gather_accepted_roots")?,
             sample_rows: module.load_function("sample_rows")?,
             copy_rows: module.load_function("copy_rows")?,
             copy_rows_u16: module.load_function("copy_rows_u16")?,
@@ -452,6 +504,7 @@ impl Gpu {
                 .and_then(|v| parse_gemv_outputs(&v))
                 .unwrap_or(GEMV_OUTPUTS),
             kv_pool: Arc::new(KvPool::from_env()),
+            read_backs: Mutex::new(Vec::new()),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         Ok(Arc::new(gpu))
@@ -683,6 +736,48 @@ impl Gpu {
         device: &CudaSlice<T>,
     ) -> Result<Vec<T>, CudaError> {
         Ok(self.stream.clone_dtoh(device)?)
+    }
+
+    /// Queues a copy of `src` into page-locked host memory and an event after it, without
+    /// waiting: the host can queue more work (e.g. the head's extend after a verification) and
+    /// then wait for these values alone ([`PendingRead::wait`]). A `Vec` read-back
+    /// ([`Gpu::download`]) waits for the whole stream instead.
+    pub fn read_back(self: &Arc<Self>, src: &CudaView<'_, u32>) -> Result<PendingRead, CudaError> {
+        let len = src.len();
+        let reusable = {
+            let mut pool = self.read_backs.lock().unwrap_or_else(|e| e.into_inner());
+            pool.iter()
+                .position(|b| b.host.len() >= len)
+                .map(|i| pool.swap_remove(i))
+        };
+        let mut buffer = match reusable {
+            Some(buffer) => buffer,
+            None => ReadBackBuffer {
+                // Cached (not write-combined) memory: the host reads it.
+                // SAFETY: only the first `len` values are read, after the copy that writes
+                // them has completed.
+                host: unsafe { self.ctx.alloc_pinned_with_flags::<u32>(len.max(64), 0) }?,
+                event: self.ctx.new_event(None)?,
+            },
+        };
+        let queued = self
+            .stream
+            .memcpy_dtoh(src, &mut buffer.host)
+            .and_then(|()| buffer.event.record(&self.stream));
+        let pending = PendingRead {
+            gpu: self.clone(),
+            buffer: Some(buffer),
+            len,
+        };
+        queued?;
+        Ok(pending)
+    }
+
+    fn recycle_read_back(&self, buffer: ReadBackBuffer) {
+        self.read_backs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buffer);
     }
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
@@ -1924,6 +2019,57 @@ impl Gpu {
         // each reads `vocab` values (and one `map` entry) and writes its row's id; sizes
         // asserted.
         unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
+        Ok(())
+    }
+
+    /// The next chains' roots from a head extend over whole verified greedy chains
+    /// (`gather_accepted_roots` in kernels/llama.cu): for each of `batch` sequences, its
+    /// accepted length from the verification's greedy `ids` (`[batch * width]`) and the chain's
+    /// drafts (`chain`, `[steps, batch]`), then that slot's row of `hidden` (`[_, h]`) and
+    /// `logits` (`[_, vocab]`) into row `b` of `out_hidden` / `out_logits`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_accepted_roots(
+        &self,
+        ids: &CudaView<'_, u32>,
+        chain: &CudaView<'_, u32>,
+        (batch, steps, width): (usize, usize, usize),
+        hidden: &CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        (h, vocab): (usize, usize),
+        out_hidden: &mut CudaSlice<f32>,
+        out_logits: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        assert!(
+            steps < width,
+            "a chain verification holds its root and every draft"
+        );
+        assert!(ids.len() >= batch * width && chain.len() >= batch * steps);
+        assert!(hidden.len() >= batch * width * h && logits.len() >= batch * width * vocab);
+        assert!(out_hidden.len() >= batch * h && out_logits.len() >= batch * vocab);
+        if batch == 0 {
+            return Ok(());
+        }
+        let (batch_i, steps_i, width_i) = (batch as i32, steps as i32, width as i32);
+        let (h_i, vocab_i) = (h as i32, vocab as i32);
+        let mut launch = self
+            .stream
+            .launch_builder(&self.kernels.gather_accepted_roots);
+        launch
+            .arg(ids)
+            .arg(chain)
+            .arg(&batch_i)
+            .arg(&steps_i)
+            .arg(&width_i)
+            .arg(hidden)
+            .arg(&h_i)
+            .arg(logits)
+            .arg(&vocab_i)
+            .arg(out_hidden)
+            .arg(out_logits);
+        // SAFETY: signature (const u32*, const u32*, int, int, int, const f32*, int, const
+        // f32*, int, f32*, f32*); block b reads `steps` chain and id entries of its sequence
+        // and one row of each input, and writes its own output rows; sizes asserted.
+        unsafe { launch.launch(Self::rows_config(batch, 256)) }?;
         Ok(())
     }
 

@@ -314,6 +314,95 @@ impl CudaDraft {
         cache: &mut CudaKvCache,
         last: &[i32],
     ) -> Result<DraftStepOutput, CudaError> {
+        self.extend_taps_with(step, taps, tap_rows, cache, Some(last), None, None)
+    }
+
+    /// [`CudaDraft::extend_taps`] of every slot of `step`, with the slots' tokens read from
+    /// `tokens` on the device (`[step.batch * step.width]`, over whatever `step.tokens` holds):
+    /// the extend over a whole verified chain whose tokens are the verification's greedy ids,
+    /// queued before the host has read them. Returns every slot's hidden output and logits.
+    pub fn extend_taps_tokens(
+        &self,
+        step: &StepInput,
+        taps: &Taps<DeviceRows>,
+        tap_rows: &[i32],
+        cache: &mut CudaKvCache,
+        tokens: &CudaView<'_, u32>,
+    ) -> Result<DraftStepOutput, CudaError> {
+        let rows = step.batch * step.width;
+        if tokens.len() < rows {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "{} device tokens for an extend of {rows} slots",
+                    tokens.len()
+                ),
+            }
+            .into());
+        }
+        self.extend_taps_with(step, taps, tap_rows, cache, None, Some(tokens), None)
+    }
+
+    /// [`CudaDraft::extend_taps_tokens`] of whole verified greedy chains, returning only each
+    /// sequence's root for the next chain: the row of its last accepted slot, found on the
+    /// device from the verification's greedy `ids` (`[step.batch * step.width]`, also the
+    /// slots' tokens) and the verified `chain` (`[steps, batch]` target ids, as
+    /// [`CudaDraft::draft_chain_ids`] leaves them). Nothing here waits for the host, so the
+    /// extend and the roots are queued before the verification is read.
+    pub fn extend_verified_chains(
+        &self,
+        step: &StepInput,
+        taps: &Taps<DeviceRows>,
+        cache: &mut CudaKvCache,
+        ids: &CudaView<'_, u32>,
+        chain: &CudaView<'_, u32>,
+        steps: usize,
+    ) -> Result<DraftStepOutput, CudaError> {
+        let rows = step.batch * step.width;
+        if ids.len() < rows || chain.len() < steps * step.batch || steps >= step.width {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "{} greedy ids and {} chain tokens do not fit chains of {steps} drafts \
+                     verified in {} sequences of {} slots",
+                    ids.len(),
+                    chain.len(),
+                    step.batch,
+                    step.width
+                ),
+            }
+            .into());
+        }
+        let slots: Vec<i32> = (0..rows as i32).collect();
+        let accepted = Kept::Accepted {
+            ids: ids.slice(..rows),
+            chain: chain.slice(..steps * step.batch),
+            batch: step.batch,
+            steps,
+            width: step.width,
+        };
+        let tokens = ids.slice(..rows);
+        self.extend_taps_with(
+            step,
+            taps,
+            &slots,
+            cache,
+            None,
+            Some(&tokens),
+            Some(&accepted),
+        )
+    }
+
+    // The three public extends differ only in their tokens (host or device) and what comes back.
+    #[allow(clippy::too_many_arguments)]
+    fn extend_taps_with(
+        &self,
+        step: &StepInput,
+        taps: &Taps<DeviceRows>,
+        tap_rows: &[i32],
+        cache: &mut CudaKvCache,
+        last: Option<&[i32]>,
+        tokens: Option<&CudaView<'_, u32>>,
+        accepted: Option<&Kept<'_>>,
+    ) -> Result<DraftStepOutput, CudaError> {
         let rows = step.batch * step.width;
         if tap_rows.len() != rows {
             return Err(ModelError::InvalidStep {
@@ -321,6 +410,7 @@ impl CudaDraft {
             }
             .into());
         }
+        let last = last.unwrap_or(&[]);
         if let Some(&bad) = last.iter().find(|&&r| r < 0 || r as usize >= rows) {
             return Err(ModelError::InvalidStep {
                 reason: format!("extend output row {bad} is outside the step's {rows} slots"),
@@ -338,13 +428,18 @@ impl CudaDraft {
             .collect();
         let index = self.gpu.upload(&index)?;
         let aux = self.fc_input_at(taps, &index.slice(..rows), rows)?;
-        let keep = Kept {
+        let rows_kept = Kept::Rows {
             from: index.slice(rows..rows + n),
             to: index.slice(rows + n..rows + 2 * n),
             count: n,
         };
+        let keep = match (accepted, tokens) {
+            (Some(keep), _) => Some(keep),
+            (None, None) => Some(&rows_kept),
+            (None, Some(_)) => None,
+        };
         let host = self.step_host(cache, step)?;
-        self.forward_host_step(step, host, StepHidden::Fc(&aux), cache, None, Some(&keep))
+        self.forward_host_step(step, host, StepHidden::Fc(&aux), cache, tokens, keep)
     }
 
     /// `fc(aux)` for `rows` rows, f32 `[rows, H]`, in a new buffer ([`CudaDraft::fc_into`]).
@@ -891,12 +986,25 @@ enum StepHidden<'a> {
     Fc(&'a CudaSlice<u16>),
 }
 
-/// The slots of a step to return (`from`, flat slot indices) and the output rows they go to
-/// (`to`, `0..count`), both already on the device.
-struct Kept<'a> {
-    from: CudaView<'a, i32>,
-    to: CudaView<'a, i32>,
-    count: usize,
+/// The slots of a step to return.
+enum Kept<'a> {
+    /// The slots `from` (flat slot indices) into the output rows `to` (`0..count`), both
+    /// already on the device.
+    Rows {
+        from: CudaView<'a, i32>,
+        to: CudaView<'a, i32>,
+        count: usize,
+    },
+    /// One row per sequence of an extend over whole verified greedy chains: its last accepted
+    /// slot, found on the device from the verification's greedy `ids` (`[batch * width]`) and
+    /// the drafted `chain` (`[steps, batch]`) ([`Gpu::gather_accepted_roots`]).
+    Accepted {
+        ids: CudaView<'a, u32>,
+        chain: CudaView<'a, u32>,
+        batch: usize,
+        steps: usize,
+        width: usize,
+    },
 }
 
 /// Every device buffer of one draft step (see the target's `StepBuffers`).
@@ -989,20 +1097,44 @@ impl DraftBuffers {
         }
     }
 
-    /// The rows `keep.from` of the step's hidden output and logits (flat slot indices, checked
-    /// by the caller) into rows `keep.to` of new `[keep.count, _]` buffers: two row copies.
+    /// The kept rows of the step's hidden output and logits ([`Kept`]; slot indices checked by
+    /// the caller) in new `[n, _]` buffers: two row copies, or one launch that finds each
+    /// sequence's accepted slot and copies both of its rows.
     fn kept_output(
         &self,
         draft: &CudaDraft,
         keep: &Kept<'_>,
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*draft.gpu;
-        let n = keep.count;
         let (h, vocab) = (draft.spec.hidden_size, draft.spec.draft_vocab_size);
+        let n = match keep {
+            Kept::Rows { count, .. } => *count,
+            Kept::Accepted { batch, .. } => *batch,
+        };
         let mut hidden = gpu.scratch::<f32>(n * h)?;
         let mut logits = gpu.scratch::<f32>(n * vocab)?;
-        gpu.copy_rows(&self.hidden, &keep.from, &mut hidden, &keep.to, n, h)?;
-        gpu.copy_rows(&self.logits, &keep.from, &mut logits, &keep.to, n, vocab)?;
+        match keep {
+            Kept::Rows { from, to, .. } => {
+                gpu.copy_rows(&self.hidden, from, &mut hidden, to, n, h)?;
+                gpu.copy_rows(&self.logits, from, &mut logits, to, n, vocab)?;
+            }
+            Kept::Accepted {
+                ids,
+                chain,
+                batch,
+                steps,
+                width,
+            } => gpu.gather_accepted_roots(
+                ids,
+                chain,
+                (*batch, *steps, *width),
+                &self.hidden,
+                &self.logits,
+                (h, vocab),
+                &mut hidden,
+                &mut logits,
+            )?,
+        }
         Ok(DraftStepOutput {
             hidden: DeviceRows {
                 data: hidden,

@@ -33,7 +33,8 @@ pub use cache::{ColumnMoves, CudaKvCache, HostKv};
 pub use collective::{Collective, NcclId, ProcessGroup};
 pub use cudarc::driver::{CudaSlice, CudaView};
 pub use device::{
-    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, QkvInput, compile_all_kernels, nvrtc_present,
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PendingRead, QkvInput, compile_all_kernels,
+    nvrtc_present,
 };
 pub use draft::{CudaDraft, DraftStepOutput, chain_ids_to_host};
 pub use error::CudaError;

@@ -141,6 +141,19 @@ pub struct RunningBatch<T: SpecBackend> {
     /// work. Off (the default), rounds overlap the host's work with the device's and wait for
     /// it only where they read results back.
     pub phase_timing: bool,
+    /// Greedy chain rounds queue the head's extend over the whole verified chain right behind
+    /// the verification, with the target's greedy ids as its tokens, before the host reads the
+    /// results ([`SpecBackend::head_extend_greedy`]): the device runs the extend while the host
+    /// accepts, instead of waiting for the host to build an extend over the accepted tokens.
+    /// The accepted slots get the same inputs either way. On by default;
+    /// `TANDEM_EARLY_EXTEND=0` turns it off (the same-run baseline). Phase-timed batches never
+    /// use it (their phases wait for the device one by one).
+    pub early_extend: bool,
+}
+
+/// [`RunningBatch::early_extend`]'s default: on unless `TANDEM_EARLY_EXTEND=0`.
+pub fn early_extend_default() -> bool {
+    std::env::var("TANDEM_EARLY_EXTEND").map_or(true, |v| v.trim() != "0")
 }
 
 impl<T: SpecBackend> RunningBatch<T> {
@@ -333,6 +346,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             retirements: 0,
             trace: None,
             phase_timing: false,
+            early_extend: early_extend_default(),
         }
     }
 
@@ -1031,14 +1045,50 @@ impl<T: SpecBackend> Engine<'_, T> {
         if timing {
             batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
         }
-        let reads = VerifyReads::of(self.target, &logits, rows)?;
-        let trees = match device_chains {
-            None => trees,
-            Some(chains) => roots
-                .iter()
-                .zip(self.target.chains_to_host(&chains)?)
-                .map(|(&t, d)| DraftTree::chain(t, &d))
-                .collect(),
+        let early =
+            batch.early_extend && !timing && rows.iter().all(|r| r.request.sampling.is_greedy());
+        let mut early_extend = None;
+        let (reads, trees) = match (device_chains, self.draft, &mut caches.head) {
+            (Some(chains), Some(draft), Some((dcache, _))) if early => {
+                let read = self.target.greedy_read_back(&logits, &chains)?;
+                let t_extend = Instant::now();
+                let placeholders = vec![vec![0u32; step.width]; rows.len()];
+                let refs: Vec<&[u32]> = placeholders.iter().map(Vec::as_slice).collect();
+                let extend_step = T::layout(dcache).prefill_step(&refs)?;
+                early_extend = Some(self.target.head_extend_greedy(
+                    draft,
+                    dcache,
+                    &extend_step,
+                    &step_taps,
+                    &read,
+                )?);
+                let queued = t_extend.elapsed();
+                let (argmax, chains) = self.target.finish_read_back(read)?;
+                // The extend's enqueueing is its own phase, not the verification's wait.
+                batch.timings.extend_s += queued.as_secs_f64();
+                let trees = roots
+                    .iter()
+                    .zip(chains)
+                    .map(|(&t, d)| DraftTree::chain(t, &d))
+                    .collect();
+                let reads = VerifyReads {
+                    argmax: Some(argmax),
+                    host: None,
+                };
+                (reads, trees)
+            }
+            (chains, _, _) => {
+                let reads = VerifyReads::of(self.target, &logits, rows)?;
+                let trees = match chains {
+                    None => trees,
+                    Some(chains) => roots
+                        .iter()
+                        .zip(self.target.chains_to_host(&chains)?)
+                        .map(|(&t, d)| DraftTree::chain(t, &d))
+                        .collect(),
+                };
+                (reads, trees)
+            }
         };
         let verify_width = step.width;
         let acceptances = reads.accept(self.target, &trees, verify_width, rows);
@@ -1087,6 +1137,17 @@ impl<T: SpecBackend> Engine<'_, T> {
             chunks.push(committed);
         }
         match (self.draft, &mut caches.head, shape) {
+            (Some(_), Some((dcache, head_roots)), Some(_)) if early_extend.is_some() => {
+                // The extend ran over every verified slot and left the roots at the last
+                // accepted ones: keep each sequence's accepted slots.
+                let (hidden, logits) = early_extend.take().expect("checked above");
+                let layout = T::layout_mut(dcache);
+                for (b, path) in slots.iter().enumerate() {
+                    layout.keep_only(b, verify_width, path);
+                }
+                layout.forget_invisible_tail();
+                *head_roots = Roots { hidden, logits };
+            }
             (Some(draft), Some((dcache, head_roots)), Some(_)) => {
                 *head_roots =
                     self.draft_extend(draft, dcache, &chunks, &step_taps, verify_width, &slots)?;

@@ -19,7 +19,7 @@ pub mod wiring;
 
 pub use admission::Admission;
 pub use backend::SpecBackend;
-pub use driver::{Engine, Roots, RunningBatch};
+pub use driver::{Engine, Roots, RunningBatch, early_extend_default};
 pub use engine::{
     BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecEngine, SpecGenerate,
     SpecOutput, Timings,

@@ -607,3 +607,96 @@ fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
         assert_eq!(tokens[i], expected, "prompt {i}");
     }
 }
+
+/// The head's extend queued over the whole verified chain before the host reads the
+/// verification (`RunningBatch::early_extend`, the tokens being the target's greedy ids) leaves
+/// what the extend over the accepted tokens leaves. Two batches of the same prompts run in
+/// lockstep, one each way, with partial acceptance rigged as above (the head always proposes
+/// token 0; the target emits it in runs): every round must stream the same tokens with the same
+/// acceptance, and the head's roots (its hidden state at each row's last accepted slot, which
+/// depends on every key kept in its cache) must agree.
+#[test]
+fn early_extend_over_the_whole_chain_leaves_what_the_accepted_extend_leaves() {
+    use tandem_model::burn::module::Param;
+    use tandem_model::burn::prelude::*;
+    let (mut target, mut draft, taps) = setup("early-extend");
+    let [h, _] = target.lm_head_t.dims();
+    let column0 = target.lm_head_t.clone().slice([0..h, 0..1]) * 6.0;
+    target.lm_head_t = target.lm_head_t.clone().slice_assign([0..h, 0..1], column0);
+    draft.norm.weight =
+        Param::from_tensor(Tensor::zeros([draft.spec.hidden_size], &Default::default()));
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(4),
+    };
+    let prompts = [
+        vec![9u32, 4, 33],
+        vec![61u32, 2, 2, 8, 90, 17],
+        vec![5u32, 0, 7, 7],
+    ];
+    let mut early = engine.new_batch(128);
+    early.early_extend = true;
+    let mut exact = engine.new_batch(128);
+    exact.early_extend = false;
+    early.record_rounds();
+    exact.record_rounds();
+    let summary = |progress: Vec<tandem_infer::Progress>| -> Vec<(u64, Vec<u32>, Option<usize>)> {
+        progress
+            .into_iter()
+            .map(|p| (p.id, p.tokens, p.accepted))
+            .collect()
+    };
+    assert_eq!(
+        summary(
+            engine
+                .admit(&mut early, greedy_requests(&prompts, 36))
+                .unwrap()
+        ),
+        summary(
+            engine
+                .admit(&mut exact, greedy_requests(&prompts, 36))
+                .unwrap()
+        )
+    );
+    let (mut rounds, mut partial, mut accepted) = (0, 0, 0);
+    while !exact.is_empty() {
+        let got = summary(engine.step(&mut early).unwrap());
+        let want = summary(engine.step(&mut exact).unwrap());
+        assert_eq!(got, want, "round {rounds}");
+        for (_, _, a) in &want {
+            let a = a.expect("every round drafts");
+            accepted += a;
+            partial += usize::from(a > 0 && a < 4);
+        }
+        let got = engine.head_roots(&early).unwrap().unwrap_or_default();
+        let want = engine.head_roots(&exact).unwrap().unwrap_or_default();
+        assert_eq!(got.len(), want.len(), "round {rounds}");
+        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            worst <= 1e-5 * scale,
+            "round {rounds}: head roots differ by {worst} (largest {scale})"
+        );
+        rounds += 1;
+    }
+    assert!(early.is_empty(), "both batches finish in the same round");
+    // The same columns in use in both caches at every round: the rejected tail of each early
+    // extend is forgotten, not left as holes.
+    let columns = |b: &tandem_infer::RunningBatch<_>| -> Vec<(usize, usize)> {
+        b.round_records()
+            .iter()
+            .filter(|r| r.kind == "round")
+            .map(|r| (r.target_columns, r.head_columns))
+            .collect()
+    };
+    assert_eq!(columns(&early), columns(&exact));
+    assert!(
+        accepted >= 5 && partial >= 2,
+        "acceptance must be partial in places: {accepted} accepted, {partial} partial rounds"
+    );
+}

@@ -1245,3 +1245,88 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
     let policy = SpeculationPolicy::adaptive(shapes, costs.clone(), PolicyConfig::default());
     assert!(policy.is_ok(), "{costs:?}");
 }
+
+/// The head's extend queued on the GPU right behind the verification, over every verified slot
+/// with the verification's greedy ids as tokens (`RunningBatch::early_extend`), against the
+/// extend over the accepted tokens built after the host has read the results: two batches of
+/// the same ragged prompts in lockstep, chain 3/1/4, each sequence's root found on the GPU. Every round must stream the same tokens
+/// with the same acceptance, and the head's roots must be the same bits (the fused small-step
+/// kernels give a row the same bits at every step width) in every round.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn early_extend_on_the_gpu_leaves_the_bits_of_the_accepted_extend() {
+    let f = fixture("early-extend");
+    // Two sequences: the early extend's 2 x 4 slots stay on the fused kernels (at most 8
+    // rows), as every extend of the accepted slots does, so the bits can be compared.
+    let prompts: Vec<Vec<u32>> = vec![vec![3, 14, 15, 92, 65], vec![2, 71, 82]];
+    let engine = FastSpecEngine {
+        target: &f.target,
+        draft: Some(&f.draft),
+        taps: f.taps.clone(),
+        config: SpecConfig::chain(3),
+    };
+    let requests = || {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| tandem_infer::Request {
+                id: i as u64,
+                prompt: p.clone(),
+                max_new_tokens: 40,
+                stop_ids: vec![],
+                sampling: SamplingParams::greedy(),
+                seed: 0,
+            })
+            .collect::<Vec<_>>()
+    };
+    let summary = |progress: Vec<tandem_infer::Progress>| -> Vec<(u64, Vec<u32>, Option<usize>)> {
+        progress
+            .into_iter()
+            .map(|p| (p.id, p.tokens, p.accepted))
+            .collect()
+    };
+    let mut early = engine.new_batch(256);
+    early.early_extend = true;
+    let mut exact = engine.new_batch(256);
+    exact.early_extend = false;
+    let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut keep = |progress: &[(u64, Vec<u32>, Option<usize>)]| {
+        for (id, tokens, _) in progress {
+            streamed[*id as usize].extend(tokens);
+        }
+    };
+    let admitted = summary(engine.admit(&mut early, requests()).unwrap());
+    assert_eq!(
+        admitted,
+        summary(engine.admit(&mut exact, requests()).unwrap())
+    );
+    keep(&admitted);
+    let mut rounds = 0;
+    while !exact.is_empty() {
+        let got = summary(engine.step(&mut early).unwrap());
+        let want = summary(engine.step(&mut exact).unwrap());
+        assert_eq!(got, want, "round {rounds}");
+        keep(&got);
+        let got = engine.head_roots(&early).unwrap().unwrap_or_default();
+        let want = engine.head_roots(&exact).unwrap().unwrap_or_default();
+        assert_eq!(got.len(), want.len(), "round {rounds}");
+        let differ = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "round {rounds}: {differ} head-root values differ"
+        );
+        rounds += 1;
+    }
+    assert!(early.is_empty(), "both batches finish in the same round");
+    assert!(rounds > 5, "{rounds} rounds");
+    // The greedy output is still the target's.
+    let expected =
+        fast_target_generate(&f.target, &prompts, 40, &[], SamplingParams::greedy(), 0).unwrap();
+    for (b, want) in expected.iter().enumerate() {
+        assert_eq!(streamed[b], want.tokens, "sequence {b}");
+    }
+}

@@ -370,6 +370,19 @@ impl ColumnLayout {
         }
     }
 
+    /// Forgets the trailing columns no sequence sees, e.g. the rejected tail of a head extend
+    /// run over a whole verified chain before its acceptance was known: afterwards the layout
+    /// is the one an extend over only the kept slots (padded to the longest) would have left.
+    pub fn forget_invisible_tail(&mut self) {
+        let seen = self
+            .valid
+            .iter()
+            .filter_map(|v| v.iter().rposition(|&ok| ok))
+            .max()
+            .map_or(0, |last| last + 1);
+        self.rollback(seen);
+    }
+
     /// Appends the sequences of `other` (same capacity) after this batch's. Each keeps the
     /// columns it owns; columns past the shorter layout's `used` are invalid for its rows.
     pub fn append(&mut self, other: ColumnLayout) -> Result<(), ModelError> {
@@ -723,6 +736,41 @@ mod tests {
             }
         }
         mask
+    }
+
+    #[test]
+    fn forgetting_the_invisible_tail_leaves_what_an_extend_of_the_kept_slots_leaves() {
+        // A head extend over two whole verified chains of 4, then acceptance keeps 2 and 3
+        // slots: the layout must equal an extend of those slots alone (ragged: padding).
+        let mut early = ColumnLayout::new(2, 32);
+        let mut exact = ColumnLayout::new(2, 32);
+        for layout in [&mut early, &mut exact] {
+            let prompt = layout.prefill_step(&[&[1, 2, 3], &[4, 5]]).unwrap();
+            layout.advance(&prompt);
+        }
+        let chains = early
+            .prefill_step(&[&[7, 8, 9, 10], &[11, 12, 13, 14]])
+            .unwrap();
+        early.advance(&chains);
+        early.keep_only(0, 4, &[0, 1]);
+        early.keep_only(1, 4, &[0, 1, 2]);
+        early.forget_invisible_tail();
+        let kept = exact.prefill_step(&[&[7, 8], &[11, 12, 13]]).unwrap();
+        exact.advance(&kept);
+        assert_eq!(early.used(), exact.used());
+        assert_eq!(early.valid, exact.valid);
+        assert_eq!(early.next_position, exact.next_position);
+        // Nothing visible at the end: nothing forgotten.
+        let before = early.clone();
+        early.forget_invisible_tail();
+        assert_eq!(early.valid, before.valid);
+        // Every sequence rejected everything: back to where the extend started.
+        let all = early.prefill_step(&[&[1, 1], &[2, 2]]).unwrap();
+        early.advance(&all);
+        early.keep_only(0, 2, &[]);
+        early.keep_only(1, 2, &[]);
+        early.forget_invisible_tail();
+        assert_eq!(early.used(), before.used());
     }
 
     #[test]

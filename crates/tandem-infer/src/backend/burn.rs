@@ -180,6 +180,34 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
     fn chains_to_host(&self, chains: &Vec<Vec<u32>>) -> Result<Vec<Vec<u32>>, InferError> {
         Ok(chains.clone())
     }
+    /// Read at once: the CPU has no queue to overlap.
+    type ReadBack = (Vec<u32>, Vec<Vec<u32>>);
+    fn greedy_read_back(
+        &self,
+        logits: &Tensor<B, 3>,
+        chains: &Vec<Vec<u32>>,
+    ) -> Result<Self::ReadBack, InferError> {
+        Ok((self.argmax(logits)?, chains.clone()))
+    }
+    fn head_extend_greedy(
+        &self,
+        head: &Eagle3Draft<B>,
+        cache: &mut KvCache<B>,
+        step: &StepInput,
+        taps: &Taps<Tensor<B, 3>>,
+        read: &Self::ReadBack,
+    ) -> Result<(Tensor<B, 3>, Tensor<B, 3>), InferError> {
+        let slots: Vec<usize> = (0..step.batch * step.width).collect();
+        let roots = super::accepted_slots(&read.0, &read.1, step.width);
+        let step = super::with_greedy_tokens(step, &read.0)?;
+        self.head_extend(head, cache, &step, taps, &slots, &roots)
+    }
+    fn finish_read_back(
+        &self,
+        read: Self::ReadBack,
+    ) -> Result<(Vec<u32>, Vec<Vec<u32>>), InferError> {
+        Ok(read)
+    }
     fn forward_chains(
         &self,
         step: &StepInput,

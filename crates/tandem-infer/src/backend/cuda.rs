@@ -4,7 +4,7 @@
 
 use tandem_cuda::{
     CudaDraft, CudaKvCache, CudaSlice, CudaStepOutput, CudaTarget, DeviceLogits, DeviceRows, Gpu,
-    chain_ids_to_host,
+    PendingRead, chain_ids_to_host,
 };
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
@@ -210,6 +210,95 @@ impl SpecBackend for CudaTarget {
         with_logits(out)
     }
 
+    /// The greedy ids stay on the GPU for the head's extend, and go to the host through
+    /// page-locked memory with an event of their own ([`Gpu::read_back`]), with the chain's
+    /// tokens after them: the extend queued behind the read does not delay it.
+    type ReadBack = CudaReadBack;
+    fn greedy_read_back(
+        &self,
+        logits: &DeviceLogits,
+        chains: &CudaChains,
+    ) -> Result<CudaReadBack, InferError> {
+        let gpu = self.gpu();
+        let rows = logits.rows;
+        let (host_chains, chain_len) = match chains {
+            CudaChains::Host(host) => (Some(host.clone()), 0),
+            CudaChains::Device { batch, steps, .. } => (None, batch * steps),
+        };
+        let mut ids = gpu.scratch::<u32>(rows + chain_len)?;
+        gpu.argmax_rows_into(
+            &logits.data,
+            rows,
+            logits.vocab,
+            None,
+            &mut ids.slice_mut(..rows),
+        )?;
+        if let CudaChains::Device { ids: chain, .. } = chains {
+            gpu.copy_view_into(&chain.slice(..chain_len), &mut ids.slice_mut(rows..))?;
+        }
+        let pending = gpu.read_back(&ids.slice(..rows + chain_len))?;
+        Ok(CudaReadBack {
+            ids,
+            rows,
+            pending,
+            chains: match chains {
+                CudaChains::Host(_) => None,
+                CudaChains::Device { batch, steps, .. } => Some((*batch, *steps)),
+            },
+            host_chains,
+        })
+    }
+    fn head_extend_greedy(
+        &self,
+        head: &CudaDraft,
+        cache: &mut CudaKvCache,
+        step: &StepInput,
+        taps: &Taps<DeviceRows>,
+        read: &CudaReadBack,
+    ) -> Result<(DeviceRows, DeviceLogits), InferError> {
+        let ids = read.ids.slice(..read.rows);
+        let out = match (read.chains, &read.host_chains) {
+            // Each sequence's root is found on the GPU from the ids and the drafts there.
+            (Some((_, steps)), _) => {
+                let chain = read.ids.slice(read.rows..);
+                head.extend_verified_chains(step, taps, cache, &ids, &chain, steps)?
+            }
+            // Chains drafted through the host go to the GPU in the device chain's layout.
+            (None, Some(host)) => {
+                let steps = host.first().map_or(0, Vec::len);
+                let batch = host.len();
+                let flat: Vec<u32> = (0..steps)
+                    .flat_map(|s| host.iter().map(move |c| c[s]))
+                    .collect();
+                let chain = self.gpu().upload(&flat)?;
+                debug_assert_eq!(flat.len(), batch * steps);
+                head.extend_verified_chains(step, taps, cache, &ids, &chain.slice(..), steps)?
+            }
+            (None, None) => {
+                return Err(InferError::Config {
+                    field: "chains",
+                    reason: "a greedy read-back without the chains it verified".into(),
+                });
+            }
+        };
+        Ok((out.hidden, out.logits))
+    }
+    fn finish_read_back(
+        &self,
+        read: CudaReadBack,
+    ) -> Result<(Vec<u32>, Vec<Vec<u32>>), InferError> {
+        let values = read.pending.wait()?;
+        let (ids, chain) = values.split_at(read.rows);
+        let chains = match (read.chains, read.host_chains) {
+            (_, Some(host)) => host,
+            (Some((batch, steps)), None) => (0..batch)
+                .map(|b| (0..steps).map(|s| chain[s * batch + b]).collect())
+                .collect(),
+            (None, None) => Vec::new(),
+        };
+        Ok((ids.to_vec(), chains))
+    }
+
     fn gather_rows(
         &self,
         sources: &[&DeviceRows],
@@ -366,6 +455,16 @@ pub enum CudaChains {
         steps: usize,
     },
     Host(Vec<Vec<u32>>),
+}
+
+/// A greedy verification's ids (then its device chain's tokens, `[steps, batch]`) on the GPU,
+/// and their copy to the host under way.
+pub struct CudaReadBack {
+    ids: CudaSlice<u32>,
+    rows: usize,
+    pending: PendingRead,
+    chains: Option<(usize, usize)>,
+    host_chains: Option<Vec<Vec<u32>>>,
 }
 
 /// Whether greedy chains are drafted on the GPU (`TANDEM_CUDA_DEVICE_CHAIN=0` turns it off).

@@ -135,6 +135,43 @@ pub trait SpecBackend {
         chains: &Self::Chains,
     ) -> Result<(Self::Logits, Taps<Self::Rows>), InferError>;
 
+    /// A greedy verification's results on their way to the host: the target's greedy id of
+    /// every verified slot and the verified chains' tokens. Queued by
+    /// [`SpecBackend::greedy_read_back`], read where they are by
+    /// [`SpecBackend::head_extend_greedy`], and waited for by
+    /// [`SpecBackend::finish_read_back`], which a backend may let skip the work queued after
+    /// the read (the head's extend then overlaps the host's acceptance).
+    type ReadBack;
+    /// Queues the read-back of the greedy id of every row of `logits` (a verification of
+    /// greedy `chains`) and of the chains' tokens.
+    fn greedy_read_back(
+        &self,
+        logits: &Self::Logits,
+        chains: &Self::Chains,
+    ) -> Result<Self::ReadBack, InferError>;
+    /// [`SpecBackend::head_extend`] of every slot of `step` (a head step as wide as the
+    /// verification `read` came from, one chunk per sequence), slot `s` reading tap row `s` and
+    /// the target's greedy id of verified slot `s` as its token, before the host has read
+    /// them: for greedy acceptance, the token after every accepted slot is exactly that id (the
+    /// next accepted draft, or the bonus token after the last), so the slots that end up
+    /// accepted get the inputs an extend over the committed tokens gives them. Returns the
+    /// roots, row `b` the `(hidden, logits)` of sequence `b`'s last accepted slot
+    /// ([`accepted_slots`], found where the ids are).
+    fn head_extend_greedy(
+        &self,
+        head: &Self::Head,
+        cache: &mut Self::Cache,
+        step: &StepInput,
+        taps: &Taps<Self::Rows>,
+        read: &Self::ReadBack,
+    ) -> Result<(Self::Rows, Self::Logits), InferError>;
+    /// The values of [`SpecBackend::greedy_read_back`]: `(greedy ids, chains)`.
+    #[allow(clippy::type_complexity)]
+    fn finish_read_back(
+        &self,
+        read: Self::ReadBack,
+    ) -> Result<(Vec<u32>, Vec<Vec<u32>>), InferError>;
+
     /// New rows: `picks[j] = (source, row)` is row `j`.
     fn gather_rows(
         &self,
@@ -265,11 +302,63 @@ pub fn with_chain_tokens(step: &StepInput, chains: &[Vec<u32>]) -> Result<StepIn
     Ok(step)
 }
 
+/// The flat slot of each sequence's last accepted node when greedy `chains` (`[batch][steps]`)
+/// were verified in steps of `width` slots with greedy ids `ids` (`[batch * width]`): the
+/// leading drafts equal to the target's id at the slot before them, as
+/// [`crate::verify_greedy`] walks a chain.
+pub fn accepted_slots(ids: &[u32], chains: &[Vec<u32>], width: usize) -> Vec<usize> {
+    chains
+        .iter()
+        .enumerate()
+        .map(|(b, chain)| {
+            let accepted = chain
+                .iter()
+                .zip(&ids[b * width..])
+                .take_while(|(draft, id)| draft == id)
+                .count();
+            b * width + accepted
+        })
+        .collect()
+}
+
+/// `step` with every slot's token replaced by `ids[slot]` (a verification's greedy ids, one
+/// per slot of a step as wide as the verification).
+pub fn with_greedy_tokens(step: &StepInput, ids: &[u32]) -> Result<StepInput, InferError> {
+    let slots = step.batch * step.width;
+    if ids.len() < slots {
+        return Err(InferError::Config {
+            field: "ids",
+            reason: format!("{} greedy ids for a step of {slots} slots", ids.len()),
+        });
+    }
+    let mut step = step.clone();
+    step.tokens.copy_from_slice(&ids[..slots]);
+    Ok(step)
+}
+
 #[cfg(test)]
 mod tests {
     use tandem_model::ColumnLayout;
 
     use super::with_chain_tokens;
+
+    #[test]
+    fn accepted_slots_walk_each_chain_as_greedy_verification_does() {
+        use super::accepted_slots;
+        use crate::tree::DraftTree;
+        use crate::verify_greedy;
+        // Three chains of 3 drafts verified in slots of 4: all accepted, the second rejected,
+        // the first rejected (a later draft matching its slot's id does not count).
+        let chains = vec![vec![5, 6, 7], vec![8, 1, 9], vec![2, 3, 4]];
+        let ids = [5, 6, 7, 11, 8, 2, 9, 12, 0, 3, 4, 13];
+        let got = accepted_slots(&ids, &chains, 4);
+        assert_eq!(got, vec![3, 5, 8]);
+        for (b, chain) in chains.iter().enumerate() {
+            let tree = DraftTree::chain(100, chain);
+            let acc = verify_greedy(&tree, &ids[b * 4..b * 4 + 4]);
+            assert_eq!(got[b], b * 4 + acc.accepted.len(), "chain {b}");
+        }
+    }
 
     #[test]
     fn chain_tokens_go_after_each_root_and_misfits_are_refused() {
