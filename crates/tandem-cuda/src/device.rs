@@ -760,10 +760,22 @@ impl Gpu {
                 event: self.ctx.new_event(None)?,
             },
         };
-        let queued = self
-            .stream
-            .memcpy_dtoh(src, &mut buffer.host)
-            .and_then(|()| buffer.event.record(&self.stream));
+        // cudarc's `memcpy_dtoh` copies as many values as the destination holds (it only
+        // asserts that the source is not longer), so the copy is issued for `len` values here.
+        let queued = buffer.host.as_mut_slice().and_then(|host| {
+            let (src_ptr, _record) = src.device_ptr(&self.stream);
+            // SAFETY: `host[..len]` is page-locked memory that stays allocated (in the pool or
+            // the pending read) until the event after the copy has completed; `src` holds
+            // `len` values on this stream's context.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut host[..len],
+                    src_ptr,
+                    self.stream.cu_stream(),
+                )
+            }
+        });
+        let queued = queued.and_then(|()| buffer.event.record(&self.stream));
         let pending = PendingRead {
             gpu: self.clone(),
             buffer: Some(buffer),
