@@ -314,38 +314,14 @@ impl CudaDraft {
         cache: &mut CudaKvCache,
         last: &[i32],
     ) -> Result<DraftStepOutput, CudaError> {
-        self.extend_taps_with(step, taps, tap_rows, cache, Some(last), None, None)
+        self.extend_taps_with(step, taps, tap_rows, cache, last, None)
     }
 
-    /// [`CudaDraft::extend_taps`] of every slot of `step`, with the slots' tokens read from
-    /// `tokens` on the device (`[step.batch * step.width]`, over whatever `step.tokens` holds):
-    /// the extend over a whole verified chain whose tokens are the verification's greedy ids,
-    /// queued before the host has read them. Returns every slot's hidden output and logits.
-    pub fn extend_taps_tokens(
-        &self,
-        step: &StepInput,
-        taps: &Taps<DeviceRows>,
-        tap_rows: &[i32],
-        cache: &mut CudaKvCache,
-        tokens: &CudaView<'_, u32>,
-    ) -> Result<DraftStepOutput, CudaError> {
-        let rows = step.batch * step.width;
-        if tokens.len() < rows {
-            return Err(ModelError::InvalidStep {
-                reason: format!(
-                    "{} device tokens for an extend of {rows} slots",
-                    tokens.len()
-                ),
-            }
-            .into());
-        }
-        self.extend_taps_with(step, taps, tap_rows, cache, None, Some(tokens), None)
-    }
-
-    /// [`CudaDraft::extend_taps_tokens`] of whole verified greedy chains, returning only each
-    /// sequence's root for the next chain: the row of its last accepted slot, found on the
-    /// device from the verification's greedy `ids` (`[step.batch * step.width]`, also the
-    /// slots' tokens) and the verified `chain` (`[steps, batch]` target ids, as
+    /// [`CudaDraft::extend_taps`] of every slot of whole verified greedy chains, the slots'
+    /// tokens read on the device from the verification's greedy `ids` (`[step.batch *
+    /// step.width]`, over whatever `step.tokens` holds), returning only each sequence's root
+    /// for the next chain: the row of its last accepted slot, found on the device from those
+    /// ids and the verified `chain` (`[steps, batch]` target ids, as
     /// [`CudaDraft::draft_chain_ids`] leaves them). Nothing here waits for the host, so the
     /// extend and the roots are queued before the verification is read.
     pub fn extend_verified_chains(
@@ -379,29 +355,19 @@ impl CudaDraft {
             steps,
             width: step.width,
         };
-        let tokens = ids.slice(..rows);
-        self.extend_taps_with(
-            step,
-            taps,
-            &slots,
-            cache,
-            None,
-            Some(&tokens),
-            Some(&accepted),
-        )
+        self.extend_taps_with(step, taps, &slots, cache, &[], Some(&accepted))
     }
 
-    // The three public extends differ only in their tokens (host or device) and what comes back.
-    #[allow(clippy::too_many_arguments)]
+    /// The two public extends: the slots `last` back (tokens from the host), or `roots` (a
+    /// [`Kept::Accepted`], whose greedy ids are also the slots' tokens on the device).
     fn extend_taps_with(
         &self,
         step: &StepInput,
         taps: &Taps<DeviceRows>,
         tap_rows: &[i32],
         cache: &mut CudaKvCache,
-        last: Option<&[i32]>,
-        tokens: Option<&CudaView<'_, u32>>,
-        accepted: Option<&Kept<'_>>,
+        last: &[i32],
+        roots: Option<&Kept<'_>>,
     ) -> Result<DraftStepOutput, CudaError> {
         let rows = step.batch * step.width;
         if tap_rows.len() != rows {
@@ -410,7 +376,6 @@ impl CudaDraft {
             }
             .into());
         }
-        let last = last.unwrap_or(&[]);
         if let Some(&bad) = last.iter().find(|&&r| r < 0 || r as usize >= rows) {
             return Err(ModelError::InvalidStep {
                 reason: format!("extend output row {bad} is outside the step's {rows} slots"),
@@ -433,13 +398,10 @@ impl CudaDraft {
             to: index.slice(rows + n..rows + 2 * n),
             count: n,
         };
-        let keep = match (accepted, tokens) {
-            (Some(keep), _) => Some(keep),
-            (None, None) => Some(&rows_kept),
-            (None, Some(_)) => None,
-        };
+        let keep = roots.unwrap_or(&rows_kept);
         let host = self.step_host(cache, step)?;
-        self.forward_host_step(step, host, StepHidden::Fc(&aux), cache, tokens, keep)
+        let tokens = keep.device_tokens();
+        self.forward_host_step(step, host, StepHidden::Fc(&aux), cache, tokens, Some(keep))
     }
 
     /// `fc(aux)` for `rows` rows, f32 `[rows, H]`, in a new buffer ([`CudaDraft::fc_into`]).
@@ -1007,6 +969,17 @@ enum Kept<'a> {
     },
 }
 
+impl Kept<'_> {
+    /// The step's tokens where they are on the device: the greedy ids of [`Kept::Accepted`]
+    /// (the token after each verified slot), none for [`Kept::Rows`] (the host's).
+    fn device_tokens(&self) -> Option<&CudaView<'_, u32>> {
+        match self {
+            Kept::Rows { .. } => None,
+            Kept::Accepted { ids, .. } => Some(ids),
+        }
+    }
+}
+
 /// Every device buffer of one draft step (see the target's `StepBuffers`).
 struct DraftBuffers {
     /// Tokens, positions, `[col0, total]` for graph replays and the mask.
@@ -1181,7 +1154,13 @@ pub fn chain_ids_to_host(
         return Ok(vec![Vec::new(); batch]);
     }
     let ids = gpu.download(ids)?;
-    Ok((0..batch)
+    Ok(chains_from_step_major(&ids, batch, steps))
+}
+
+/// Greedy chains `[batch][steps]` from their device layout, `[steps, batch]` (step `s` of
+/// sequence `b` at `s * batch + b`, as [`CudaDraft::draft_chain_ids`] leaves them).
+pub fn chains_from_step_major(ids: &[u32], batch: usize, steps: usize) -> Vec<Vec<u32>> {
+    (0..batch)
         .map(|b| (0..steps).map(|s| ids[s * batch + b]).collect())
-        .collect())
+        .collect()
 }

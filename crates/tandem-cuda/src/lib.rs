@@ -36,7 +36,7 @@ pub use device::{
     AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PendingRead, QkvInput, compile_all_kernels,
     nvrtc_present,
 };
-pub use draft::{CudaDraft, DraftStepOutput, chain_ids_to_host};
+pub use draft::{CudaDraft, DraftStepOutput, chain_ids_to_host, chains_from_step_major};
 pub use error::CudaError;
 pub use graphs::GraphStats;
 pub use kv_pool::{CACHE_COLUMNS_STEP, cache_columns};

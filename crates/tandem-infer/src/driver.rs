@@ -1049,7 +1049,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         let early =
             batch.early_extend && !timing && rows.iter().all(|r| r.request.sampling.is_greedy());
         let mut early_extend = None;
-        let (reads, trees) = match (device_chains, self.draft, &mut caches.head) {
+        let (reads, drafted_chains) = match (device_chains, self.draft, &mut caches.head) {
             (Some(chains), Some(draft), Some((dcache, _))) if early => {
                 let read = self.target.greedy_read_back(&logits, &chains)?;
                 let t_extend = Instant::now();
@@ -1067,29 +1067,25 @@ impl<T: SpecBackend> Engine<'_, T> {
                 let (argmax, chains) = self.target.finish_read_back(read)?;
                 // The extend's enqueueing is its own phase, not the verification's wait.
                 batch.timings.extend_s += queued.as_secs_f64();
-                let trees = roots
-                    .iter()
-                    .zip(chains)
-                    .map(|(&t, d)| DraftTree::chain(t, &d))
-                    .collect();
                 let reads = VerifyReads {
                     argmax: Some(argmax),
                     host: None,
                 };
-                (reads, trees)
+                (reads, Some(chains))
             }
             (chains, _, _) => {
                 let reads = VerifyReads::of(self.target, &logits, rows)?;
-                let trees = match chains {
-                    None => trees,
-                    Some(chains) => roots
-                        .iter()
-                        .zip(self.target.chains_to_host(&chains)?)
-                        .map(|(&t, d)| DraftTree::chain(t, &d))
-                        .collect(),
-                };
-                (reads, trees)
+                let chains = chains.map(|c| self.target.chains_to_host(&c)).transpose()?;
+                (reads, chains)
             }
+        };
+        let trees = match drafted_chains {
+            None => trees,
+            Some(chains) => roots
+                .iter()
+                .zip(chains)
+                .map(|(&t, d)| DraftTree::chain(t, &d))
+                .collect(),
         };
         let verify_width = step.width;
         let acceptances = reads.accept(self.target, &trees, verify_width, rows);

@@ -125,20 +125,26 @@ fn tree_greedy_equals_target_greedy() {
     });
 }
 
-/// Partial acceptance exercised for real: the head's final norm is zeroed so it always proposes
-/// token 0, and the target's lm_head column for token 0 is scaled so the target itself emits
-/// token 0 in runs at some positions and other tokens elsewhere. Greedy output must still equal
-/// target-only greedy output, and accepted runs must show up in the statistics.
-#[test]
-fn partially_accepted_drafts_commit_correctly() {
+/// Rigs partial acceptance: the head's final norm is zeroed so it always proposes token 0, and
+/// the target's lm_head column for token 0 is scaled so the target itself emits token 0 in runs
+/// at some positions and other tokens elsewhere. Returns the target's vocabulary size.
+fn rig_partial_acceptance(target: &mut TargetModel<B>, draft: &mut Eagle3Draft<B>) -> usize {
     use tandem_model::burn::module::Param;
     use tandem_model::burn::prelude::*;
-    let (mut target, mut draft, taps) = setup("partial");
     let [h, v] = target.lm_head_t.dims();
     let column0 = target.lm_head_t.clone().slice([0..h, 0..1]) * 6.0;
     target.lm_head_t = target.lm_head_t.clone().slice_assign([0..h, 0..1], column0);
     draft.norm.weight =
         Param::from_tensor(Tensor::zeros([draft.spec.hidden_size], &Default::default()));
+    v
+}
+
+/// Partial acceptance exercised for real ([`rig_partial_acceptance`]). Greedy output must still equal
+/// target-only greedy output, and accepted runs must show up in the statistics.
+#[test]
+fn partially_accepted_drafts_commit_correctly() {
+    let (mut target, mut draft, taps) = setup("partial");
+    let v = rig_partial_acceptance(&mut target, &mut draft);
     let prompts = vec![vec![9u32, 4, 33], vec![61u32, 2, 2, 8, 90, 17]];
     for config in [
         SpecConfig::chain(4),
@@ -617,14 +623,8 @@ fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
 /// depends on every key kept in its cache) must agree.
 #[test]
 fn early_extend_over_the_whole_chain_leaves_what_the_accepted_extend_leaves() {
-    use tandem_model::burn::module::Param;
-    use tandem_model::burn::prelude::*;
     let (mut target, mut draft, taps) = setup("early-extend");
-    let [h, _] = target.lm_head_t.dims();
-    let column0 = target.lm_head_t.clone().slice([0..h, 0..1]) * 6.0;
-    target.lm_head_t = target.lm_head_t.clone().slice_assign([0..h, 0..1], column0);
-    draft.norm.weight =
-        Param::from_tensor(Tensor::zeros([draft.spec.hidden_size], &Default::default()));
+    rig_partial_acceptance(&mut target, &mut draft);
     let engine = SpecEngine {
         target: &target,
         draft: Some(&draft),

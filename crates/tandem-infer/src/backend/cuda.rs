@@ -4,7 +4,7 @@
 
 use tandem_cuda::{
     CudaDraft, CudaKvCache, CudaSlice, CudaStepOutput, CudaTarget, DeviceLogits, DeviceRows, Gpu,
-    PendingRead, chain_ids_to_host,
+    PendingRead, chain_ids_to_host, chains_from_step_major,
 };
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
@@ -221,9 +221,15 @@ impl SpecBackend for CudaTarget {
     ) -> Result<CudaReadBack, InferError> {
         let gpu = self.gpu();
         let rows = logits.rows;
-        let (host_chains, chain_len) = match chains {
-            CudaChains::Host(host) => (Some(host.clone()), 0),
-            CudaChains::Device { batch, steps, .. } => (None, batch * steps),
+        let (drafts, chain_len) = match chains {
+            CudaChains::Host(host) => (ReadDrafts::Host(host.clone()), 0),
+            CudaChains::Device { batch, steps, .. } => (
+                ReadDrafts::Device {
+                    batch: *batch,
+                    steps: *steps,
+                },
+                batch * steps,
+            ),
         };
         let mut ids = gpu.scratch::<u32>(rows + chain_len)?;
         gpu.argmax_rows_into(
@@ -241,11 +247,7 @@ impl SpecBackend for CudaTarget {
             ids,
             rows,
             pending,
-            chains: match chains {
-                CudaChains::Host(_) => None,
-                CudaChains::Device { batch, steps, .. } => Some((*batch, *steps)),
-            },
-            host_chains,
+            drafts,
         })
     }
     fn head_extend_greedy(
@@ -257,28 +259,20 @@ impl SpecBackend for CudaTarget {
         read: &CudaReadBack,
     ) -> Result<(DeviceRows, DeviceLogits), InferError> {
         let ids = read.ids.slice(..read.rows);
-        let out = match (read.chains, &read.host_chains) {
+        let out = match &read.drafts {
             // Each sequence's root is found on the GPU from the ids and the drafts there.
-            (Some((_, steps)), _) => {
+            ReadDrafts::Device { steps, .. } => {
                 let chain = read.ids.slice(read.rows..);
-                head.extend_verified_chains(step, taps, cache, &ids, &chain, steps)?
+                head.extend_verified_chains(step, taps, cache, &ids, &chain, *steps)?
             }
             // Chains drafted through the host go to the GPU in the device chain's layout.
-            (None, Some(host)) => {
+            ReadDrafts::Host(host) => {
                 let steps = host.first().map_or(0, Vec::len);
-                let batch = host.len();
                 let flat: Vec<u32> = (0..steps)
                     .flat_map(|s| host.iter().map(move |c| c[s]))
                     .collect();
                 let chain = self.gpu().upload(&flat)?;
-                debug_assert_eq!(flat.len(), batch * steps);
                 head.extend_verified_chains(step, taps, cache, &ids, &chain.slice(..), steps)?
-            }
-            (None, None) => {
-                return Err(InferError::Config {
-                    field: "chains",
-                    reason: "a greedy read-back without the chains it verified".into(),
-                });
             }
         };
         Ok((out.hidden, out.logits))
@@ -289,12 +283,9 @@ impl SpecBackend for CudaTarget {
     ) -> Result<(Vec<u32>, Vec<Vec<u32>>), InferError> {
         let values = read.pending.wait()?;
         let (ids, chain) = values.split_at(read.rows);
-        let chains = match (read.chains, read.host_chains) {
-            (_, Some(host)) => host,
-            (Some((batch, steps)), None) => (0..batch)
-                .map(|b| (0..steps).map(|s| chain[s * batch + b]).collect())
-                .collect(),
-            (None, None) => Vec::new(),
+        let chains = match read.drafts {
+            ReadDrafts::Host(host) => host,
+            ReadDrafts::Device { batch, steps } => chains_from_step_major(chain, batch, steps),
         };
         Ok((ids.to_vec(), chains))
     }
@@ -463,8 +454,14 @@ pub struct CudaReadBack {
     ids: CudaSlice<u32>,
     rows: usize,
     pending: PendingRead,
-    chains: Option<(usize, usize)>,
-    host_chains: Option<Vec<Vec<u32>>>,
+    drafts: ReadDrafts,
+}
+
+/// Where a read-back's verified drafts are: after the ids in its buffer (device chains), or
+/// already on the host (`TANDEM_CUDA_DEVICE_CHAIN=0`).
+enum ReadDrafts {
+    Device { batch: usize, steps: usize },
+    Host(Vec<Vec<u32>>),
 }
 
 /// Whether greedy chains are drafted on the GPU (`TANDEM_CUDA_DEVICE_CHAIN=0` turns it off).
