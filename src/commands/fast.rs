@@ -214,7 +214,10 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let model = CudaTarget::load_ranks(&args.model, args.tp)?;
     let gpu = model.gpu().clone();
     if let Some(bytes) = args.pool_release_threshold {
-        gpu.set_pool_release_threshold(bytes)?;
+        // Every rank's pool: a split target allocates its scratch buffers on each GPU.
+        for rank_gpu in model.rank_gpus() {
+            rank_gpu.set_pool_release_threshold(bytes)?;
+        }
     }
     let tokenizer = TargetTokenizer::load(&args.model)?;
     let seed = tokenizer.encode(

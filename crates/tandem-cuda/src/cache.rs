@@ -4,7 +4,7 @@
 //! one piece of code for both paths.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
-use tandem_model::{ColumnLayout, MaskParts, ModelError, StepInput};
+use tandem_model::{ColumnLayout, MaskParts, ModelError, StepInput, check_token_ids};
 
 use std::sync::Arc;
 
@@ -482,9 +482,7 @@ impl CudaKvCache {
         [heads, kv_heads, head_dim]: [usize; 3],
     ) -> Result<HostStep, CudaError> {
         self.check(step)?;
-        if let Some(&id) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(ModelError::TokenOutOfRange { id, vocab_size }.into());
-        }
+        check_token_ids(&step.tokens, vocab_size)?;
         Ok(HostStep {
             tokens: step.tokens.clone(),
             positions: step.positions.iter().map(|&p| p as i32).collect(),

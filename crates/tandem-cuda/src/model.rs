@@ -10,7 +10,7 @@ use tandem_model::backend::CpuBackend;
 use tandem_model::weights::WeightFiles;
 use tandem_model::{
     CaptureHook, HfConfig, LogitsFor, ModelError, ModelSpec, StepInput, TapRequest, Taps,
-    TargetModel,
+    TargetModel, check_token_ids,
 };
 use tandem_wiring::TapId;
 
@@ -808,6 +808,15 @@ impl CudaTarget {
         &self.gpu
     }
 
+    /// Every rank's GPU, rank 0 (this target's) first: one GPU unless the target is split.
+    /// Device-wide settings (the memory pool's release threshold) go to each of them.
+    pub fn rank_gpus(&self) -> Vec<&Arc<Gpu>> {
+        let peers = self.tp.iter().flat_map(|tp| &tp.peers);
+        std::iter::once(&self.gpu)
+            .chain(peers.map(|peer| &peer.gpu))
+            .collect()
+    }
+
     /// The token embedding `[vocab, hidden]` (bf16), which the draft head shares.
     pub fn embedding(&self) -> &CudaSlice<u16> {
         &self.weights.embed
@@ -968,8 +977,10 @@ impl CudaTarget {
 
     /// A step of a tensor-parallel target: rank 0 (this target) here, every other rank on a
     /// thread of its own over its cache, all meeting at the all-reduces. Only rank 0 takes taps
-    /// and logits. A rank that fails releases the others (host sums; an NCCL rank that fails
-    /// leaves the others' reductions waiting on their GPUs).
+    /// and logits. A rank that fails releases the others: host sums are aborted; with NCCL the
+    /// step's graphs are dropped and every rank's communicator is aborted (an all-reduce queued
+    /// on a partner's GPU would otherwise wait for ever), and the target refuses further steps
+    /// until it is loaded again.
     fn forward_ranks(
         &self,
         tp: &TensorParallel,
@@ -1000,10 +1011,7 @@ impl CudaTarget {
         // queued an all-reduce that its partners would never meet.
         taps.validate(self.rank_spec.num_layers)?;
         cache.check(step)?;
-        let vocab_size = self.rank_spec.vocab_size;
-        if let Some(&id) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(ModelError::TokenOutOfRange { id, vocab_size }.into());
-        }
+        check_token_ids(&step.tokens, self.rank_spec.vocab_size)?;
         // A host sum aborted by a failed step starts the next one clean (every rank thread of
         // that step has been joined).
         tp.reducer.reset();

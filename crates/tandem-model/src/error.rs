@@ -82,3 +82,36 @@ pub enum ModelError {
     #[error(transparent)]
     Device(Box<dyn std::error::Error + Send + Sync>),
 }
+
+/// Fails on the first token id at or past `vocab_size` (an embedding row that does not exist).
+/// Every forward path checks its tokens with this before it writes anything: the burn model, the
+/// CUDA cache's step, and a tensor-parallel step before any rank queues an all-reduce.
+pub fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<(), ModelError> {
+    match tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        Some(&id) => Err(ModelError::TokenOutOfRange { id, vocab_size }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ids_are_checked_against_the_vocabulary_and_the_first_bad_one_is_named() {
+        assert!(check_token_ids(&[0, 5, 9], 10).is_ok());
+        assert!(check_token_ids(&[], 10).is_ok());
+        let err = check_token_ids(&[3, 10, 12], 10).unwrap_err();
+        assert!(matches!(
+            err,
+            ModelError::TokenOutOfRange {
+                id: 10,
+                vocab_size: 10
+            }
+        ));
+        assert_eq!(
+            err.to_string(),
+            "token id 10 is outside the vocabulary (size 10)"
+        );
+    }
+}

@@ -21,7 +21,7 @@ pub use cache::{ColumnLayout, KvCache, MaskParts, StepInput, fill_order};
 pub use capture::{CaptureHook, CapturedTaps, TapRequest, Taps};
 pub use capture_target::CaptureTarget;
 pub use config::{Family, HfConfig, MlaSpec, ModelSpec, MoeSpec};
-pub use error::ModelError;
+pub use error::{ModelError, check_token_ids};
 pub use generate::{FinishReason, GenerateOptions, Generation, generate};
 pub use micro_batch::{Execution, MicroBatch};
 pub use model::{LogitsFor, StepOutput, TargetModel};

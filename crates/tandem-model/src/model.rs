@@ -537,12 +537,7 @@ impl<B: Backend> TargetModel<B> {
         batch: usize,
         width: usize,
     ) -> Result<Tensor<B, 3>, ModelError> {
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.spec.vocab_size) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab_size: self.spec.vocab_size,
-            });
-        }
+        crate::error::check_token_ids(tokens, self.spec.vocab_size)?;
         let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
         let ids =
             Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
