@@ -288,6 +288,56 @@ serve_load() {
   tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
 }
 
+# serve_pairs CONCURRENCY LABEL:ENV:ARGS ...: every server of the list up at once, one port
+# each (8199, 8200, ..; ENV: "VAR=value ..", or "-" for none; ARGS: serve options, spaces
+# allowed), each warmed up; then SERVE_REPEATS rounds (default 5) in which every server takes
+# the measured load (REQUESTS of MAX_TOKENS) in turn, the order rotating round by round, so
+# that drift (clocks, heat, the page cache) falls on every server alike. A 64-request run
+# lasts ~0.6 s at c=32, where one server after the other gave ratios from 0.96 to 1.05 on the
+# same code (sessions 29-33). serve_pairs.py prints each server's ratio to the first, round by
+# round, its median and spread. Loads: load_LABEL_cC_rN.json; rounds_LABEL_cC.csv holds every
+# round.
+serve_pairs() {
+  local concurrency=$1 port=8199 spec label env args pid
+  shift
+  local labels=() ports=() pids=()
+  for spec in "$@"; do
+    IFS=: read -r label env args <<< "$spec"
+    label="${label}_c$concurrency"
+    [[ "$env" == "-" ]] && env=""
+    # shellcheck disable=SC2086 # ENV and ARGS are word lists
+    env $env "$T" serve --model "$M" --device cuda --port "$port" --max-batch "$concurrency" \
+      --context 2048 --round-log "$R/rounds_$label.csv" $args > "$R/serve_$label.txt" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 "${SERVE_WAIT:-180}"); do
+      grep -q "listening on" "$R/serve_$label.txt" && break
+      kill -0 $pid 2> /dev/null || break # it died at start: its log says why
+      sleep 1
+    done
+    "$T" load-test --url "http://127.0.0.1:$port" --data-root "$W/data" --requests "$concurrency" \
+      --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
+    labels+=("$label") ports+=("$port") pids+=("$pid")
+    port=$((port + 1))
+  done
+  local rep i j n=${#labels[@]}
+  for rep in $(seq 1 "${SERVE_REPEATS:-5}"); do
+    for j in $(seq 0 $((n - 1))); do
+      i=$(((j + rep - 1) % n))
+      timeout 300 "$T" load-test --url "http://127.0.0.1:${ports[$i]}" --data-root "$W/data" \
+        --requests "${REQUESTS:-64}" --concurrency "$concurrency" --max-tokens "${MAX_TOKENS:-128}" \
+        --label "${labels[$i]}_r$rep" --json "$R/load_${labels[$i]}_r$rep.json" \
+        >> "$R/load_${labels[$i]}.log" 2>&1
+    done
+  done
+  for i in $(seq 0 $((n - 1))); do
+    curl -s "http://127.0.0.1:${ports[$i]}/metrics" | grep -E "^tandem_policy_rounds_total" \
+      > "$R/metrics_${labels[$i]}.txt"
+    kill -TERM "${pids[$i]}"
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  python3 "$(dirname "${BASH_SOURCE[0]}")/serve_pairs.py" "$R" "${labels[@]}" | tee -a "$R/summary.txt"
+}
+
 # rounds_line NAME SHAPE [PHASES]: draft, extend and verify ms per round (rounds = speculative
 # tokens / accept length) and their ratio to a target-only decode step of bench NAME. The split
 # comes from bench PHASES when given (a `--phase-timing` bench of the same shape: each phase

@@ -6,7 +6,8 @@
 # duration, registers, achieved occupancy and DRAM bytes, grouped by the step's row count
 # (read from the attention grid: rows x heads blocks).
 # Then every GPU suite, MT-Bench at batch 1 (SHAPES, default 3/1/4 3/4/8 5/8/32) and, with
-# SERVE="1 8 32 64", the serve load test at those concurrencies.
+# SERVE="1 8 32 64", the serve load test at those concurrencies (the servers up at once, loaded
+# in turn SERVE_REPEATS times, default 5: serve_pairs in head_lib.sh).
 # QWEN=1: a Qwen2.5-1.5B-shaped random model's step times too, fused against cuBLAS.
 # GEMV_SWEEP="1,1,2,4 1,1,1,1 ..": fused step times for each outputs-a-warp setting of gemv_rows
 # (TANDEM_CUDA_GEMV_OUTPUTS), the fastest then used by the bench and serve; SERVE_LONG="64":
@@ -196,17 +197,18 @@ PY
     rm -rf "$W/qwen-random"
     mark "qwen done"
   fi
-  # The serve load test (64 MT-Bench requests, 128 tokens), target-only then the adaptive
-  # policy, one server after the other, at each concurrency in SERVE (default none).
-  local c
+  # The serve load test (64 MT-Bench requests, 128 tokens) at each concurrency in SERVE
+  # (default none): target-only and the adaptive policy (and, with AB_ENV, the adaptive policy
+  # with those variables; AB_TARGET=1 target-only with them too) up at once, loaded in turn
+  # SERVE_REPEATS times (serve_pairs); ratios to target-only in summary.txt.
+  local c servers
   for c in ${SERVE:-}; do
-    serve_load "target-only_c$c" "$c" --no-draft
-    serve_load "adaptive_c$c" "$c" --draft "$W/head"
+    servers=("target-only:-:--no-draft" "adaptive:-:--draft $W/head")
     if [[ -n "${AB_ENV:-}" ]]; then
-      (export $AB_ENV; serve_load "adaptive-ab_c$c" "$c" --draft "$W/head")
-      # AB_TARGET=1: target-only with AB_ENV too (a switch that changes the target's steps).
-      [[ "${AB_TARGET:-0}" == 1 ]] && (export $AB_ENV; serve_load "target-only-ab_c$c" "$c" --no-draft)
+      servers+=("adaptive-ab:$AB_ENV:--draft $W/head")
+      [[ "${AB_TARGET:-0}" == 1 ]] && servers+=("target-only-ab:$AB_ENV:--no-draft")
     fi
+    serve_pairs "$c" "${servers[@]}"
   done
   # Steady state: 256 requests at the concurrencies in SERVE_LONG.
   for c in ${SERVE_LONG:-}; do
