@@ -4,7 +4,8 @@
 //! wrapper states the sizes it relies on and the callers pass buffers of those sizes.
 #![allow(unsafe_code)]
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::result::gemm_ex;
@@ -24,6 +25,10 @@ use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
 use crate::error::CudaError;
 use crate::kv_pool::KvPool;
+
+mod mma_attention;
+use mma_attention::MmaAttention;
+pub use mma_attention::assemble_mma_attention;
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
@@ -51,20 +56,25 @@ fn compile_source_for(
     } else {
         ""
     };
-    // The launch shapes the kernels assume, from the constants the launchers use, so the two
-    // cannot drift apart (llama.cu refuses to compile without them).
-    let define = format!(
-        "{pdl}#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define GEMV_BLOCK_WARPS {}\n{defines}",
-        GEMV_THREADS / 32
-    );
     Ok(compile_ptx_with_opts(
-        format!("{define}{COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}"),
+        full_source(source, name, &format!("{pdl}{defines}")),
         CompileOptions {
             name: Some(name.into()),
             arch: programmatic.then_some("compute_90"),
             ..Default::default()
         },
     )?)
+}
+
+/// What NVRTC compiles for `source`: the launch shapes the kernels assume, from the constants
+/// the launchers use, so the two cannot drift apart (llama.cu refuses to compile without them),
+/// then `defines`, `kernels/common.cuh` and the source after a `#line` directive.
+fn full_source(source: &str, name: &str, defines: &str) -> String {
+    format!(
+        "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define GEMV_BLOCK_WARPS {}\n{defines}\
+         {COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}",
+        GEMV_THREADS / 32
+    )
 }
 
 /// Whether libnvrtc can be loaded. Compiling the kernels needs it; a GPU it does not.
@@ -93,7 +103,19 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
         "#define PERSIST_THREADS 256\n",
     )?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
-    Ok(vec!["kernels/llama.cu", "kernels/train.cu"])
+    compile_ptx_with_opts(
+        full_source(mma_attention::MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
+        CompileOptions {
+            name: Some("attention_mma.cu".into()),
+            arch: Some("compute_80"),
+            ..Default::default()
+        },
+    )?;
+    Ok(vec![
+        "kernels/llama.cu",
+        "kernels/train.cu",
+        "kernels/attention_mma.cu",
+    ])
 }
 
 /// Threads per block of the attention kernel (8 warps, each taking 32 cache columns at a time).
@@ -304,6 +326,11 @@ pub struct Gpu {
     kv_pool: Arc<KvPool>,
     /// Page-locked host buffers with their events, reused by [`Gpu::read_back`].
     read_backs: Mutex<Vec<ReadBackBuffer>>,
+    /// The tensor-core attention of wide steps (`kernels/attention_mma.cu`), compiled when
+    /// first switched on ([`Gpu::set_mma_attention`]) on an sm_80+ GPU.
+    mma_attention: OnceLock<MmaAttention>,
+    /// The narrowest step (slots a sequence) it takes; 0: none.
+    mma_attention_width: AtomicUsize,
 }
 
 /// A page-locked host buffer and the event recorded after the last copy into it.
@@ -505,8 +532,13 @@ impl Gpu {
                 .unwrap_or(GEMV_OUTPUTS),
             kv_pool: Arc::new(KvPool::from_env()),
             read_backs: Mutex::new(Vec::new()),
+            mma_attention: OnceLock::new(),
+            mma_attention_width: AtomicUsize::new(0),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
+        gpu.set_mma_attention(mma_attention::min_width(
+            std::env::var("TANDEM_CUDA_MMA_ATTENTION").ok().as_deref(),
+        ))?;
         Ok(Arc::new(gpu))
     }
 
@@ -1198,6 +1230,21 @@ impl Gpu {
                 None => (warps + 1) * head_dim * 4,
             },
         };
+        if visible.is_none()
+            && let Some(kernels) = self.mma_attention_for(&s)
+        {
+            return self.attention_mma(
+                kernels,
+                q,
+                k_cache,
+                v_cache,
+                mask,
+                out,
+                s,
+                total,
+                step_scalars,
+            );
+        }
         // SAFETY: the argument list matches the kernel's signature (q, caches, mask, [list,
         // counts,] out, seven scalars, step scalars); sizes asserted above; dynamic shared memory
         // as each kernel declares; the caches are whole allocations, so key rows are 16-byte

@@ -17,6 +17,9 @@ pub enum CudaError {
     Blas(#[from] CublasError),
     #[error("NVRTC could not compile the CUDA kernels (the log names the file): {0}")]
     Compile(#[from] CompileError),
+    /// A kernel that cannot be assembled or run on this GPU (the message says which and why).
+    #[error("{0}")]
+    Kernel(String),
     #[error("the CUDA fast path does not support {what} (model {architecture}); use the burn path")]
     Unsupported { what: String, architecture: String },
     /// The head trainer cannot go on (its inputs, or what the GPU can hold).

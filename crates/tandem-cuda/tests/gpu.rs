@@ -1480,3 +1480,163 @@ fn tensor_parallel_case(
         );
     }
 }
+
+/// The tensor-core attention (kernels/attention_mma.cu) on the hardware: the same steps through
+/// the row kernel and through it, both against the f32 host reference, for a ragged causal
+/// prefill with padding slots (head_dim 64, SmolLM2's 9/3 heads, two row tiles), a tree of 40
+/// nodes after a 130-column prefix with hidden columns (head_dim 128, GQA 4/2, three column
+/// tiles) and long causal rows with a sharp softmax. The emulator test
+/// (`tests/emulated_kernels.rs`) checks the same kernel's indexing on the CPU; this checks that
+/// the GPU's mma fragments are what the emulator assumes.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tensor_core_attention_matches_the_row_kernel() {
+    use tandem_cuda::AttentionShape;
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let bf = |b: u16| half::bf16::from_bits(b).to_f32();
+    type Visible = Box<dyn Fn(usize, usize, usize) -> bool>;
+    let parents: Vec<usize> = (0..40)
+        .map(|i| if i == 0 { 0 } else { (i * 7 + 3) % i })
+        .collect();
+    let hidden_prefix: Vec<bool> = (0..130).map(|j| j % 5 == 2).collect();
+    let cases: Vec<(&str, AttentionShape, usize, Visible, f32)> = vec![
+        (
+            "ragged causal prefill",
+            AttentionShape {
+                batch: 2,
+                width: 70,
+                heads: 9,
+                kv_heads: 3,
+                head_dim: 64,
+                capacity: 96,
+            },
+            0,
+            // Sequence 1's prompt is 50 slots; its padding slots see only their own column.
+            Box::new(|b, i, j| if b == 1 && i >= 50 { j == i } else { j <= i }),
+            3.0,
+        ),
+        (
+            "tree after a prefix with hidden columns",
+            AttentionShape {
+                batch: 1,
+                width: 40,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 128,
+                capacity: 200,
+            },
+            130,
+            Box::new(move |_, i, j| {
+                if j < 130 {
+                    return !hidden_prefix[j];
+                }
+                let mut node = i;
+                loop {
+                    if j - 130 == node {
+                        return true;
+                    }
+                    if node == 0 {
+                        return false;
+                    }
+                    node = parents[node];
+                }
+            }),
+            4.0,
+        ),
+        (
+            "long causal, sharp softmax",
+            AttentionShape {
+                batch: 1,
+                width: 150,
+                heads: 2,
+                kv_heads: 2,
+                head_dim: 64,
+                capacity: 160,
+            },
+            0,
+            Box::new(|_, i, j| j <= i),
+            12.0,
+        ),
+    ];
+    for (name, shape, used, visible, spread) in cases {
+        let (rows, hd) = (shape.rows(), shape.head_dim);
+        let total = used + shape.width;
+        let q: Vec<f32> = (0..rows * shape.heads * hd)
+            .map(|_| rng.random_range(-1.0..1.0f32) * spread)
+            .collect();
+        let cache_len = shape.batch * shape.kv_heads * shape.capacity * hd;
+        let mut random_bf16 = || -> Vec<u16> {
+            (0..cache_len)
+                .map(|_| half::bf16::from_f32(rng.random_range(-1.0..1.0)).to_bits())
+                .collect()
+        };
+        let (keys, values) = (random_bf16(), random_bf16());
+        let mut mask = vec![f32::NEG_INFINITY; rows * total];
+        for r in 0..rows {
+            for j in 0..total {
+                if visible(r / shape.width, r % shape.width, j) {
+                    mask[r * total + j] = 0.0;
+                }
+            }
+        }
+        let (q_dev, k_dev, v_dev, mask_dev) = (
+            gpu.upload(&q).unwrap(),
+            gpu.upload(&keys).unwrap(),
+            gpu.upload(&values).unwrap(),
+            gpu.upload(&mask).unwrap(),
+        );
+        let run = |min_width: usize| -> Vec<f32> {
+            gpu.set_mma_attention(min_width).unwrap();
+            let mut out = gpu.zeros::<u16>(rows * shape.heads * hd).unwrap();
+            gpu.attention(
+                &q_dev, &k_dev, &v_dev, &mask_dev, None, &mut out, shape, total, None,
+            )
+            .unwrap();
+            gpu.download(&out).unwrap().into_iter().map(bf).collect()
+        };
+        let by_rows = run(0);
+        let by_mma = run(1);
+        gpu.set_mma_attention(0).unwrap();
+        let at =
+            |b: usize, h: usize, col: usize| ((b * shape.kv_heads + h) * shape.capacity + col) * hd;
+        let (mut worst_rows, mut worst_mma) = (0.0f32, 0.0f32);
+        for r in 0..rows {
+            let b = r / shape.width;
+            let seen: Vec<bool> = (0..total).map(|j| mask[r * total + j] == 0.0).collect();
+            for h in 0..shape.heads {
+                let kvh = h / (shape.heads / shape.kv_heads);
+                let ks: Vec<Vec<f32>> = (0..total)
+                    .map(|c| {
+                        keys[at(b, kvh, c)..at(b, kvh, c) + hd]
+                            .iter()
+                            .map(|&x| bf(x))
+                            .collect()
+                    })
+                    .collect();
+                let vs: Vec<Vec<f32>> = (0..total)
+                    .map(|c| {
+                        values[at(b, kvh, c)..at(b, kvh, c) + hd]
+                            .iter()
+                            .map(|&x| bf(x))
+                            .collect()
+                    })
+                    .collect();
+                let at_q = (r * shape.heads + h) * hd;
+                let want = reference::attention(&q[at_q..at_q + hd], &ks, &vs, &seen);
+                for d in 0..hd {
+                    worst_rows = worst_rows.max((by_rows[at_q + d] - want[d]).abs());
+                    worst_mma = worst_mma.max((by_mma[at_q + d] - want[d]).abs());
+                }
+            }
+        }
+        eprintln!("{name}: max |error| row kernel {worst_rows:.2e}, tensor cores {worst_mma:.2e}");
+        // The row kernel keeps the query in f32 (one bf16 rounding of the output); the tensor
+        // cores also round the query and the probabilities to bf16 (a few 1e-3 on the emulator).
+        assert!(worst_rows < 5e-3, "{name}: row kernel off by {worst_rows}");
+        assert!(
+            worst_mma < 2e-2,
+            "{name}: tensor-core kernel off by {worst_mma}"
+        );
+    }
+}

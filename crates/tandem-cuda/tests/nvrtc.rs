@@ -15,7 +15,37 @@ fn every_kernel_source_compiles_with_nvrtc() {
         return;
     }
     match tandem_cuda::compile_all_kernels() {
-        Ok(sources) => assert_eq!(sources, ["kernels/llama.cu", "kernels/train.cu"]),
+        Ok(sources) => assert_eq!(
+            sources,
+            [
+                "kernels/llama.cu",
+                "kernels/train.cu",
+                "kernels/attention_mma.cu"
+            ]
+        ),
         Err(e) => panic!("{e}"),
+    }
+}
+
+/// The tensor-core attention's `mma.sync` is inline PTX, which NVRTC passes into its PTX output
+/// unchecked; ptxas (run by NVRTC when it makes machine code) is what would refuse a wrong
+/// shape, type or operand count. Assembled for the two architectures it runs on here: sm_80
+/// (the least it needs) and sm_90 (the H100/H200).
+#[test]
+fn the_tensor_core_attention_assembles_for_sm_80_and_sm_90() {
+    if !tandem_cuda::nvrtc_present() {
+        assert!(
+            std::env::var_os("TANDEM_REQUIRE_NVRTC").is_none(),
+            "TANDEM_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
+        );
+        eprintln!("libnvrtc not found: kernel assembly not checked");
+        return;
+    }
+    for arch in ["sm_80", "sm_90"] {
+        match tandem_cuda::assemble_mma_attention(arch) {
+            // Two kernels (head_dim 64 and 128) of a few thousand instructions each.
+            Ok(bytes) => assert!(bytes > 10_000, "{arch}: a cubin of only {bytes} bytes"),
+            Err(e) => panic!("{e}"),
+        }
     }
 }

@@ -1,0 +1,227 @@
+//! The tensor-core attention of wide steps (`kernels/attention_mma.cu`): prefills and wide tree
+//! verifications, where the row kernel (`attention`, one block per query row and head) reads
+//! every visible key row once per query row and head. Compiled on its own for compute_80 (its
+//! `mma.sync` needs sm_80), on GPUs that have it, and used for steps of at least
+//! [`Gpu::mma_attention_min_width`] slots a sequence: `TANDEM_CUDA_MMA_ATTENTION=N` (off by
+//! default until measured on a GPU). Its indexing is checked on the CPU by an emulator
+//! (`tests/emulated_kernels.rs`); its PTX is assembled for sm_80 and sm_90 in CI
+//! ([`assemble_mma_attention`]).
+
+use std::ffi::{CStr, CString};
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
+
+use super::{AttentionShape, Gpu, KernelArgs, full_source};
+use crate::error::CudaError;
+
+pub(super) const MMA_ATTENTION_SOURCE: &str = include_str!("../../../../kernels/attention_mma.cu");
+
+/// Query rows a block takes and cache columns a tile (`MMA_TILE_ROWS`, `MMA_TILE_KEYS`).
+const TILE_ROWS: usize = 64;
+const TILE_KEYS: usize = 64;
+/// Threads a block (`MMA_WARPS` warps of 16 query rows).
+const THREADS: u32 = 128;
+
+/// The kernels for head_dim 64 and 128.
+pub(super) struct MmaAttention {
+    head_dim_64: CudaFunction,
+    head_dim_128: CudaFunction,
+}
+
+impl MmaAttention {
+    pub(super) fn load(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    ) -> Result<Self, CudaError> {
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+            full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
+            cudarc::nvrtc::CompileOptions {
+                name: Some("attention_mma.cu".into()),
+                arch: Some("compute_80"),
+                ..Default::default()
+            },
+        )?;
+        let module = ctx.load_module(ptx)?;
+        Ok(Self {
+            head_dim_64: module.load_function("attention_mma_64")?,
+            head_dim_128: module.load_function("attention_mma_128")?,
+        })
+    }
+}
+
+/// `TANDEM_CUDA_MMA_ATTENTION`'s value as the narrowest step (slots a sequence) the tensor-core
+/// kernel takes: a whole number above 0; anything else (unset, 0, not a number) is off.
+pub(super) fn min_width(value: Option<&str>) -> usize {
+    value.and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Whether the tensor-core kernel can take a step of this shape: head_dim 64 or 128 (what it is
+/// compiled for) and whole query-head groups.
+pub(super) fn takes(shape: &AttentionShape) -> bool {
+    matches!(shape.head_dim, 64 | 128)
+        && shape.kv_heads > 0
+        && shape.heads.is_multiple_of(shape.kv_heads)
+}
+
+impl Gpu {
+    /// The narrowest step (slots a sequence) that runs the tensor-core attention; 0: none (no
+    /// sm_80 GPU, or off).
+    pub fn mma_attention_min_width(&self) -> usize {
+        if self.mma_attention.get().is_none() {
+            return 0;
+        }
+        self.mma_attention_width.load(Ordering::Relaxed)
+    }
+
+    /// Steps of at least `min_width` slots a sequence (0: none) run the tensor-core attention
+    /// from now on (compiled on first use; an error on a GPU before sm_80). CUDA graphs
+    /// captured before keep the kernel they captured.
+    pub fn set_mma_attention(&self, min_width: usize) -> Result<(), CudaError> {
+        if min_width > 0 && self.mma_attention.get().is_none() {
+            let (major, _) = self.ctx.compute_capability()?;
+            if major < 8 {
+                return Err(CudaError::Kernel(format!(
+                    "the tensor-core attention needs an sm_80 or later GPU; this one is sm_{major}x"
+                )));
+            }
+            let kernels = MmaAttention::load(&self.ctx)?;
+            let _ = self.mma_attention.set(kernels);
+        }
+        self.mma_attention_width.store(min_width, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether [`Gpu::attention`] gives a step of this shape (no visible-column lists) to the
+    /// tensor-core kernel.
+    pub(super) fn mma_attention_for(&self, shape: &AttentionShape) -> Option<&MmaAttention> {
+        let min_width = self.mma_attention_width.load(Ordering::Relaxed);
+        let kernels = self.mma_attention.get()?;
+        (min_width > 0 && shape.width >= min_width && takes(shape)).then_some(kernels)
+    }
+
+    /// [`Gpu::attention`] on the tensor cores (kernels/attention_mma.cu), whatever the step's
+    /// width; the caller checked the sizes and [`takes`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_mma(
+        &self,
+        kernels: &MmaAttention,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        mask: &CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+        shape: AttentionShape,
+        total: usize,
+        step_scalars: Option<&CudaView<'_, i32>>,
+    ) -> Result<(), CudaError> {
+        let s = shape;
+        let func = match s.head_dim {
+            64 => &kernels.head_dim_64,
+            128 => &kernels.head_dim_128,
+            other => unreachable!("takes() admits head_dim 64 and 128, not {other}"),
+        };
+        let row_tiles = s.width.div_ceil(TILE_ROWS);
+        let blocks = s.batch * row_tiles * s.heads;
+        let args = KernelArgs::default()
+            .buffer(self, q)
+            .buffer(self, k_cache)
+            .buffer(self, v_cache)
+            .buffer(self, mask)
+            .buffer(self, out)
+            .int(s.width)
+            .int(s.heads)
+            .int(s.kv_heads)
+            .int(s.capacity)
+            .int(total)
+            .float(1.0 / (s.head_dim as f32).sqrt())
+            .optional_view(self, step_scalars);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(blocks).expect("blocks fit a grid dimension"),
+                1,
+                1,
+            ),
+            block_dim: (THREADS, 1, 1),
+            // The key and value tiles, rows padded by 8 bf16.
+            shared_mem_bytes: (2 * TILE_KEYS * (s.head_dim + 8) * 2) as u32,
+        };
+        // SAFETY: the argument list matches `attention_mma_{64,128}` (q, caches, mask, out, five
+        // ints, the scale, step scalars); the caller asserted the buffer sizes as for
+        // `attention`; key rows are 16-byte aligned (head_dim a multiple of 8, whole
+        // allocations); the shared memory is what the kernel indexes (below the 48 KiB a block
+        // gets without opting in: 34,816 bytes at head_dim 128).
+        unsafe { self.launch_ex(func, cfg, args, None) }
+    }
+}
+
+/// Assembles `kernels/attention_mma.cu` to machine code for `arch` (e.g. `sm_90`) with NVRTC,
+/// which runs ptxas: the PTX text of its `mma.sync` is checked only there (NVRTC's PTX output
+/// carries inline PTX unchecked), so CI assembles it without a GPU. Returns the cubin's bytes.
+pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
+    use cudarc::nvrtc::{result, sys};
+    if !super::nvrtc_present() {
+        return Err(CudaError::MissingLibrary("libnvrtc (CUDA runtime compiler)"));
+    }
+    let failed = |what: String| CudaError::Kernel(format!("{what} (for {arch})"));
+    let source = CString::new(full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""))
+        .expect("kernel sources hold no NUL");
+    let name = CString::new("attention_mma.cu").expect("no NUL");
+    let program = result::create_program(&source, Some(&name))
+        .map_err(|e| failed(format!("nvrtcCreateProgram: {e:?}")))?;
+    // SAFETY: `program` was just created and is destroyed once below; the buffers handed to
+    // NVRTC are sized by its own size queries.
+    unsafe {
+        let compiled = result::compile_program(program, &[format!("--gpu-architecture={arch}")]);
+        let outcome = match compiled {
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(program, &mut size)
+                    .result()
+                    .map(|()| size)
+                    .map_err(|e| failed(format!("nvrtcGetCUBINSize: {e:?}")))
+            }
+            Err(e) => {
+                let log = result::get_program_log(program)
+                    .map(|raw| CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(failed(format!(
+                    "assembling kernels/attention_mma.cu ({e:?}): {log}"
+                )))
+            }
+        };
+        let _ = result::destroy_program(program);
+        outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_width_switch_reads_whole_numbers_and_is_off_otherwise() {
+        assert_eq!(min_width(None), 0);
+        assert_eq!(min_width(Some("16")), 16);
+        assert_eq!(min_width(Some(" 32\n")), 32);
+        assert_eq!(min_width(Some("0")), 0);
+        assert_eq!(min_width(Some("on")), 0);
+        assert_eq!(min_width(Some("-4")), 0);
+    }
+
+    #[test]
+    fn only_head_dims_64_and_128_in_whole_groups_are_taken() {
+        let shape = |head_dim, heads, kv_heads| AttentionShape {
+            batch: 1,
+            width: 32,
+            heads,
+            kv_heads,
+            head_dim,
+            capacity: 64,
+        };
+        assert!(takes(&shape(64, 9, 3)));
+        assert!(takes(&shape(128, 12, 2)));
+        assert!(!takes(&shape(96, 8, 8)));
+        assert!(!takes(&shape(256, 8, 8)));
+        assert!(!takes(&shape(64, 9, 2)));
+    }
+}
