@@ -13,12 +13,14 @@
 // and walks the cache in tiles of 64 columns, FlashAttention-2 style:
 // - the tile's key and value rows go to shared memory once for the block;
 // - S = Q K^T for the warp's 16 rows with mma.sync m16n8k16 (bf16 in, f32 accumulate);
-// - the step's mask (`[rows, total]`, 0 visible, -inf hidden, the same as `attention` reads)
-//   is added, and an online softmax keeps each row's running maximum and sum;
+// - the step's mask (`[rows, total]`, 0 visible, -inf hidden, as `attention` reads it; the
+//   masks the engines build hold nothing else, and this kernel reads a column as shown or
+//   hidden rather than adding its value) hides scores, and an online softmax keeps each row's
+//   running maximum and sum;
 // - P (rounded to bf16, as FlashAttention and torch's bf16 sdpa do) times V, again on the
 //   tensor cores, into f32 accumulators that are rescaled when the maximum moves;
 // - a tile whose mask hides every column from all of the block's rows is skipped (the upper
-//   half of a causal prefill).
+//   half of a causal prefill); the mask is read once, into one bit a score.
 // The query is scaled and rounded to bf16 once. Output bf16 `[rows, heads, head_dim]`, as
 // `attention` writes it; a row with no visible column gets zeros.
 //
@@ -96,7 +98,6 @@ __device__ void attention_mma_body(const float* __restrict__ q,
     const bool valid1 = i1 < width;
     const size_t r0 = (size_t)b * width + i0;
     const size_t r1 = (size_t)b * width + i1;
-    const int block_rows = min(MMA_TILE_ROWS, width - block_row0);
 
     // Q as A fragments, scaled and rounded to bf16 once.
     unsigned int qa[KSTEPS][4];
@@ -126,16 +127,28 @@ __device__ void attention_mma_body(const float* __restrict__ q,
 
     for (int c0 = 0; c0 < total; c0 += MMA_TILE_KEYS) {
         const int cols = min(MMA_TILE_KEYS, total - c0);
-        // Skip the tile if no row of the block sees any of its columns. The barrier also
-        // keeps the previous tile in shared memory until every warp is done with it.
-        int seen = 0;
-        for (int idx = threadIdx.x; idx < block_rows * cols; idx += blockDim.x) {
-            const int rr = idx / cols;
-            const int cc = idx - rr * cols;
-            const size_t row = (size_t)b * width + block_row0 + rr;
-            seen |= mask[row * total + c0 + cc] != NEG_INF;
+        // Which of this thread's 32 scores (rows g and g + 8, columns n * 8 + 2 tig + e) the
+        // mask shows: bit n * 4 + e for row g, n * 4 + 2 + e for row g + 8. The threads of the
+        // block cover its 64 rows x 64 columns between them, so the tile is skipped when no bit
+        // is set anywhere; the barrier also keeps the previous tile in shared memory until
+        // every warp is done with it.
+        unsigned int shown = 0u;
+#pragma unroll
+        for (int n = 0; n < MMA_TILE_KEYS / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = n * 8 + 2 * tig + e;
+                if (c < cols) {
+                    if (valid0 && mask0[c0 + c] != NEG_INF) {
+                        shown |= 1u << (n * 4 + e);
+                    }
+                    if (valid1 && mask1[c0 + c] != NEG_INF) {
+                        shown |= 1u << (n * 4 + 2 + e);
+                    }
+                }
+            }
         }
-        if (!__syncthreads_or(seen)) {
+        if (!__syncthreads_or(shown != 0u)) {
             continue;
         }
         // The tile's key and value rows, 16 bytes at a time (zeros past `total`: a finite
@@ -169,18 +182,19 @@ __device__ void attention_mma_body(const float* __restrict__ q,
                 mma_bf16_16816(s[n], qa[kk], kb);
             }
         }
-        // The mask, then the online softmax of rows g and g + 8 (the four threads of a group
-        // hold a row between them).
+        // The mask (hidden scores to -inf), then the online softmax of rows g and g + 8 (the
+        // four threads of a group hold a row between them).
         float tile_max0 = NEG_INF, tile_max1 = NEG_INF;
 #pragma unroll
         for (int n = 0; n < MMA_TILE_KEYS / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int c = n * 8 + 2 * tig + e;
-                const float bias0 = valid0 && c < cols ? mask0[c0 + c] : NEG_INF;
-                const float bias1 = valid1 && c < cols ? mask1[c0 + c] : NEG_INF;
-                s[n][e] = bias0 == NEG_INF ? NEG_INF : s[n][e] + bias0;
-                s[n][2 + e] = bias1 == NEG_INF ? NEG_INF : s[n][2 + e] + bias1;
+                if (!((shown >> (n * 4 + e)) & 1u)) {
+                    s[n][e] = NEG_INF;
+                }
+                if (!((shown >> (n * 4 + 2 + e)) & 1u)) {
+                    s[n][2 + e] = NEG_INF;
+                }
                 tile_max0 = fmaxf(tile_max0, s[n][e]);
                 tile_max1 = fmaxf(tile_max1, s[n][2 + e]);
             }
