@@ -11,7 +11,8 @@
 #   here:   bash scripts/gpu/big_target.sh pack       # .device/big (binary, tokenizer)
 #   device: bash scripts/gpu/big_target.sh alone      # carry [".device/big"]
 # It also times SmolLM2's decode and verify steps (fast-bench, eager and graphs) and profiles
-# its batch-1 decode kernel by kernel with ncu; BIG=0 runs only that.
+# its batch-1 decode kernel by kernel with ncu; BIG=0 runs only that. MMA_AB=16: the 8B
+# fast-bench again with the tensor-core attention (TANDEM_CUDA_MMA_ATTENTION=16).
 set -uo pipefail
 PHASE="${1:?usage: $0 start|wait|pipeline}"
 source "$(dirname "$0")/head_lib.sh"
@@ -46,6 +47,7 @@ wait)
   cat "$R/big_phases.txt" 2>/dev/null
   grep -E "^\||cold start" "$R/big_smol_fast.log"
   tail -n 30 "$R/big_fast.log" 2>/dev/null | grep -E "^\||cold start"
+  tail -n 30 "$R/big_fast_mma.log" 2>/dev/null | grep -E "^\||cold start" | sed 's/^/MMA /'
   grep -E "^\|" "$R/big_hf_steps.log"
   grep -E "^\|" "$R/big_hf_generate.log"
   head -30 "$R/big_ncu_summary.txt" 2>/dev/null; tail -3 "$R/big_ncu.err" 2>/dev/null
@@ -67,6 +69,14 @@ pipeline)
     --graphs-only --prompt-tokens 128 --new-tokens 32 --repeats 3 --json "$R/big_fast.json" \
     > "$R/big_fast.log" 2>&1
   stamp "fast-bench exit $?"
+  # MMA_AB=N: the same with the tensor-core attention for steps of >= N slots a sequence
+  # (kernels/attention_mma.cu: the prefill and the verification of 32 tokens at N=16).
+  if [[ -n "${MMA_AB:-}" ]]; then
+    TANDEM_CUDA_MMA_ATTENTION="$MMA_AB" timeout 500 "$T" fast-bench --model "$B" --batch 1,8,32 \
+      --verify-widths 4,8,32 --with-taps --graphs-only --prompt-tokens 128 --new-tokens 32 \
+      --repeats 3 --json "$R/big_fast_mma.json" > "$R/big_fast_mma.log" 2>&1
+    stamp "fast-bench (tensor-core attention from width $MMA_AB) exit $?"
+  fi
   timeout 400 python3 hf_step_bench.py "$B" --batch 1,8,32 --widths 4,8,32 --attn sdpa \
     --json "$R/big_hf_steps.json" > "$R/big_hf_steps.log" 2>&1
   stamp "hf steps exit $?"
