@@ -1,12 +1,14 @@
 """Same-run table of rows_profile.sh's MMA_AB: fast-bench with the row attention kernel and
-with the tensor-core one (kernels/attention_mma.cu), prompt by prompt length.
+with the tensor-core one (kernels/attention_mma.cu) from each width N, prompt length by prompt
+length.
 
-Usage: python3 mma_ab.py RESULTS_DIR   (reads prefill-{rows,mma}-{128,512}.json)
+Usage: python3 mma_ab.py RESULTS_DIR PROMPT... -- N...
+(reads prefill-rows-P.json and prefill-N-P.json)
 
-One line per (prompt tokens, step, batch): the prefill's TTFT and the step's median ms under
-each kernel, and the row kernel's time over the tensor cores' (above 1: the tensor cores are
-faster). Decode steps (one slot a sequence) run the row kernel in both arms: their ratio is the
-run's noise.
+One line per (prompt tokens, step, batch): the prefill's TTFT and the step's median ms with the
+row kernel, then for each N the same and the row kernel's time over it (above 1: faster with
+the tensor cores). Steps narrower than N run the row kernel in both arms (the fused steps of at
+most 8 rows always do): their ratio is the run's noise.
 """
 
 import json
@@ -24,26 +26,34 @@ def load(root, arm, prompt):
         return None
 
 
-def main(root):
-    print("| prompt | step | batch | TTFT ms rows / mma | x | step ms rows / mma | x |")
-    print("|---|---|---|---|---|---|---|")
-    for prompt in (128, 512):
-        rows, mma = load(root, "rows", prompt), load(root, "mma", prompt)
-        if rows is None or mma is None:
+def main(root, prompts, widths):
+    head = "| prompt | step | batch | rows: TTFT ms, step ms |"
+    head += "".join(f" N={n}: TTFT ms (x), step ms (x) |" for n in widths)
+    print(head)
+    print("|---" * (4 + len(widths)) + "|")
+    for prompt in prompts:
+        base = load(root, "rows", prompt)
+        arms = [load(root, n, prompt) for n in widths]
+        if base is None:
             continue
-        for key in sorted(rows, key=lambda k: (k[0], k[1], k[2])):
-            if key not in mma:
-                continue
-            a, b = rows[key], mma[key]
+        for key in sorted(base, key=lambda k: (k[0], k[1], k[2])):
+            a = base[key]
             step = "decode" if key[0] == "decode" else f"verify {key[1]}"
-            print(
-                f"| {prompt} | {step} | {key[2]} | {a['ttft_ms_median']:.2f} / {b['ttft_ms_median']:.2f} "
-                f"| {a['ttft_ms_median'] / b['ttft_ms_median']:.2f} | {a['step_ms_median']:.3f} / "
-                f"{b['step_ms_median']:.3f} | {a['step_ms_median'] / b['step_ms_median']:.2f} |"
-            )
+            line = f"| {prompt} | {step} | {key[2]} | {a['ttft_ms_median']:.2f}, {a['step_ms_median']:.3f} |"
+            for arm in arms:
+                b = (arm or {}).get(key)
+                if b is None:
+                    line += " - |"
+                    continue
+                line += (
+                    f" {b['ttft_ms_median']:.2f} ({a['ttft_ms_median'] / b['ttft_ms_median']:.2f}),"
+                    f" {b['step_ms_median']:.3f} ({a['step_ms_median'] / b['step_ms_median']:.2f}) |"
+                )
+            print(line)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if "--" not in sys.argv[2:]:
         sys.exit(__doc__)
-    main(sys.argv[1])
+    cut = sys.argv.index("--")
+    main(sys.argv[1], sys.argv[2:cut], sys.argv[cut + 1 :])

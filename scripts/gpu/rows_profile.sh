@@ -17,8 +17,8 @@
 # AB_ENV="VAR=value ..": each shape's bench (and the adaptive serve at each concurrency) also
 # runs with these variables exported, labelled `ab`: an A/B of one switch in one binary and run.
 # FAST_AB="VAR=value ..": fast-bench (fused) again with these exported, in the same run.
-# MMA_AB=N: prefill and verify-32 step times with the tensor-core attention for steps of at
-# least N slots a sequence against the row kernel (fast-bench twice, same run).
+# MMA_AB="N ..": prefill and verify step times with the tensor-core attention for steps of at
+# least N slots a sequence (one arm per N) against the row kernel (fast-bench, same run).
 # AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
 # Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, FAST_AB, MMA_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
 # INTERLEAVE=1 (benches alternate target-only and speculative prompt by prompt; every bench prints
@@ -98,23 +98,24 @@ pipeline() {
     fi
     mark "fast-bench done"
   fi
-  # MMA_AB=N: the tensor-core attention (kernels/attention_mma.cu) for steps of at least N slots
-  # a sequence (TANDEM_CUDA_MMA_ATTENTION=N) against the row kernel, same run and binary:
-  # fast-bench prefills (TTFT) of 128- and 512-token prompts at batch 1, 8 and 32, and verifying
-  # 32 tokens after them. Table in summary.txt (mma_ab.py).
+  # MMA_AB="N ..": the tensor-core attention (kernels/attention_mma.cu) for steps of at least N
+  # slots a sequence (TANDEM_CUDA_MMA_ATTENTION=N), one arm per N, against the row kernel, same
+  # run and binary: fast-bench prefills (TTFT) of MMA_PROMPTS-token prompts (default 512) at
+  # batch 1, 8 and 32, and verifying 4, 8 and 32 tokens after them (N=4 also takes the
+  # unfused verifications of 4 and 8 tokens, i.e. batch 8 and up). Table in summary.txt.
   if [[ -n "${MMA_AB:-}" ]]; then
     local p arm
-    for p in 128 512; do
-      for arm in rows mma; do
+    for p in ${MMA_PROMPTS:-512}; do
+      for arm in rows ${MMA_AB}; do
         # shellcheck disable=SC2046 # no variable for the row kernel
-        env $([[ $arm == mma ]] && echo "TANDEM_CUDA_MMA_ATTENTION=$MMA_AB") timeout 300 "$T" \
-          fast-bench --model "$M" --prompt-tokens "$p" --batch 1,8,32 --verify-widths 32 \
+        env $([[ $arm != rows ]] && echo "TANDEM_CUDA_MMA_ATTENTION=$arm") timeout 300 "$T" \
+          fast-bench --model "$M" --prompt-tokens "$p" --batch 1,8,32 --verify-widths 4,8,32 \
           --new-tokens 16 --repeats 3 --with-taps --graphs-only --json "$R/prefill-$arm-$p.json" \
           > "$R/prefill-$arm-$p.md" 2> "$R/prefill-$arm-$p.log"
-        echo "fast-bench $arm attention, $p-token prompts: exit $?" | tee -a "$R/summary.txt"
+        echo "fast-bench, attention $arm, $p-token prompts: exit $?" | tee -a "$R/summary.txt"
       done
     done
-    python3 "$(dirname "$0")/mma_ab.py" "$R" | tee -a "$R/summary.txt"
+    python3 "$(dirname "$0")/mma_ab.py" "$R" ${MMA_PROMPTS:-512} -- ${MMA_AB} | tee -a "$R/summary.txt"
     mark "mma attention A/B done"
   fi
   # Outputs a warp of gemv_rows per row bucket (TANDEM_CUDA_GEMV_OUTPUTS; bits never change):
