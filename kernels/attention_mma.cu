@@ -9,8 +9,9 @@
 // column reads across a tile's queries on CUDA cores, made each warp's serial work longer and
 // lost; the work has to move onto the tensor cores.
 //
-// Here a block takes 64 query rows of one sequence and one query head (4 warps, 16 rows each)
-// and walks the cache in tiles of 64 columns, FlashAttention-2 style:
+// Here a block takes 64 query rows of one sequence and one KV head (4 warps, 16 rows each; a
+// row is a slot under one of the query heads that share the KV head) and walks the cache in
+// tiles of 64 columns, FlashAttention-2 style:
 // - the tile's key and value rows go to shared memory once for the block;
 // - S = Q K^T for the warp's 16 rows with mma.sync m16n8k16 (bf16 in, f32 accumulate);
 // - the step's mask (`[rows, total]`, 0 visible, -inf hidden, as `attention` reads it; the
@@ -57,12 +58,15 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned int* a,
 }
 #endif
 
-// The kernel for head_dim HD (64 or 128). Grid: batch * ceil(width / 64) * heads blocks, block
-// ((b * row_tiles + t) * heads + h) for sequence b, row tile t and query head h, so the query
-// heads of one KV head run as neighbours and find its tiles in L2. Block: 128 threads. Dynamic
-// shared: 2 * 64 * (HD + 8) bf16 (key and value tiles; rows padded by 16 bytes so that the
-// eight row groups of a fragment load fall in different banks). `step_scalars` (when not null)
-// overrides `total` with step_scalars[1], as in `attention`.
+// The kernel for head_dim HD (64 or 128). A block's 64 query rows are (slot, head) pairs of
+// one sequence and one KV head: virtual row v is slot v / group and query head
+// kvh * group + v % group (group = heads / kv_heads), so the heads that share a KV head share
+// its tiles in shared memory, and a narrow step (a verification of 8 tokens at GQA 3 is 24
+// rows) fills a block instead of a sixteenth of one. Grid: batch * kv_heads *
+// ceil(width * group / 64) blocks, block ((b * kv_heads + kvh) * row_tiles + t). Block: 128
+// threads. Dynamic shared: 2 * 64 * (HD + 8) bf16 (key and value tiles; rows padded by 16 bytes
+// so that the eight row groups of a fragment load fall in different banks). `step_scalars`
+// (when not null) overrides `total` with step_scalars[1], as in `attention`.
 template <int HD>
 __device__ void attention_mma_body(const float* __restrict__ q,
                                    const unsigned short* __restrict__ k_cache,
@@ -78,11 +82,12 @@ __device__ void attention_mma_body(const float* __restrict__ q,
     constexpr int STRIDE = HD + 8;  // bf16 per shared tile row
     constexpr int KSTEPS = HD / 16;
     constexpr int DTILES = HD / 8;
-    const int row_tiles = (width + MMA_TILE_ROWS - 1) / MMA_TILE_ROWS;
-    const int h = blockIdx.x % heads;
-    const int t = (blockIdx.x / heads) % row_tiles;
-    const int b = blockIdx.x / (heads * row_tiles);
-    const int kvh = h / (heads / kv_heads);
+    const int group = heads / kv_heads;
+    const int virtual_rows = width * group;
+    const int row_tiles = (virtual_rows + MMA_TILE_ROWS - 1) / MMA_TILE_ROWS;
+    const int t = blockIdx.x % row_tiles;
+    const int kvh = (blockIdx.x / row_tiles) % kv_heads;
+    const int b = blockIdx.x / (row_tiles * kv_heads);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
@@ -90,20 +95,21 @@ __device__ void attention_mma_body(const float* __restrict__ q,
     unsigned short* ks = tiles;
     unsigned short* vs = tiles + MMA_TILE_KEYS * STRIDE;
 
-    // This thread's two query rows (g and g + 8 of the warp's 16) within the sequence.
-    const int block_row0 = t * MMA_TILE_ROWS;
-    const int i0 = block_row0 + warp * 16 + g;
-    const int i1 = i0 + 8;
-    const bool valid0 = i0 < width;
-    const bool valid1 = i1 < width;
+    // This thread's two query rows (g and g + 8 of the warp's 16): virtual rows v0 and v1, i.e.
+    // slots i0, i1 of the sequence (step rows r0, r1) under query heads h0, h1.
+    const int v0 = t * MMA_TILE_ROWS + warp * 16 + g;
+    const int v1 = v0 + 8;
+    const bool valid0 = v0 < virtual_rows;
+    const bool valid1 = v1 < virtual_rows;
+    const int i0 = v0 / group, i1 = v1 / group;
+    const int h0 = kvh * group + v0 % group, h1 = kvh * group + v1 % group;
     const size_t r0 = (size_t)b * width + i0;
     const size_t r1 = (size_t)b * width + i1;
-
     // Q as A fragments, scaled and rounded to bf16 once.
     unsigned int qa[KSTEPS][4];
     {
-        const float* q0 = q + (r0 * heads + h) * HD;
-        const float* q1 = q + (r1 * heads + h) * HD;
+        const float* q0 = q + (r0 * heads + h0) * HD;
+        const float* q1 = q + (r1 * heads + h1) * HD;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const int d = kk * 16 + 2 * tig;
@@ -260,11 +266,11 @@ __device__ void attention_mma_body(const float* __restrict__ q,
     for (int nd = 0; nd < DTILES; ++nd) {
         const int d = nd * 8 + 2 * tig;
         if (valid0) {
-            *reinterpret_cast<unsigned int*>(out + (r0 * heads + h) * HD + d) =
+            *reinterpret_cast<unsigned int*>(out + (r0 * heads + h0) * HD + d) =
                 pack_bf16x2(o[nd][0] * inv0, o[nd][1] * inv0);
         }
         if (valid1) {
-            *reinterpret_cast<unsigned int*>(out + (r1 * heads + h) * HD + d) =
+            *reinterpret_cast<unsigned int*>(out + (r1 * heads + h1) * HD + d) =
                 pack_bf16x2(o[nd][2] * inv1, o[nd][3] * inv1);
         }
     }

@@ -51,7 +51,8 @@ fn build_and_run(harness: &str) -> String {
 /// kernels/attention_mma.cu against a double-precision attention over the same bf16 keys and
 /// values: a ragged causal prefill with padding slots (SmolLM2's 9/3 heads, head_dim 64), a
 /// tree after a cached prefix with hidden columns (head_dim 128, GQA), long causal rows with a
-/// sharp softmax (maxima that move from tile to tile), and rows that see nothing. Tolerance
+/// sharp softmax (maxima that move from tile to tile), a narrow verification at batch 3 (the
+/// rows of three query heads in one block), and rows that see nothing. Tolerance
 /// 2e-2 absolute (the kernel rounds the query and the probabilities to bf16: a few 1e-3 here;
 /// a wrong fragment, rescale or mask bit is off by 0.1-1: each of nine such mutations failed it).
 #[test]
@@ -60,7 +61,7 @@ fn tensor_core_attention_matches_a_plain_attention_on_the_emulator() {
     eprintln!("{report}");
     assert_eq!(
         report.lines().filter(|l| l.ends_with(" ok")).count(),
-        4,
+        5,
         "{report}"
     );
 }

@@ -1485,7 +1485,8 @@ fn tensor_parallel_case(
 /// the row kernel and through it, both against the f32 host reference, for a ragged causal
 /// prefill with padding slots (head_dim 64, SmolLM2's 9/3 heads, two row tiles), a tree of 40
 /// nodes after a 130-column prefix with hidden columns (head_dim 128, GQA 4/2, three column
-/// tiles) and long causal rows with a sharp softmax. The emulator test
+/// tiles), a verification of 8 tokens at batch 3 (three query heads' rows in one block) and long
+/// causal rows with a sharp softmax. The emulator test
 /// (`tests/emulated_kernels.rs`) checks the same kernel's indexing on the CPU; this checks that
 /// the GPU's mma fragments are what the emulator assumes.
 #[test]
@@ -1543,6 +1544,27 @@ fn tensor_core_attention_matches_the_row_kernel() {
                 }
             }),
             4.0,
+        ),
+        (
+            // Three query heads a KV head in one block: 24 rows.
+            "narrow chain verification after a prefix, batch 3",
+            AttentionShape {
+                batch: 3,
+                width: 8,
+                heads: 9,
+                kv_heads: 3,
+                head_dim: 64,
+                capacity: 128,
+            },
+            100,
+            Box::new(|b, i, j| {
+                if j < 100 {
+                    (j * 7 + b * 3) % 11 != 0
+                } else {
+                    j - 100 <= i
+                }
+            }),
+            3.0,
         ),
         (
             "long causal, sharp softmax",

@@ -1,6 +1,8 @@
-//! The tensor-core attention of wide steps (`kernels/attention_mma.cu`): prefills and wide tree
-//! verifications, where the row kernel (`attention`, one block per query row and head) reads
-//! every visible key row once per query row and head. Compiled on its own for compute_80 (its
+//! The tensor-core attention of wide steps (`kernels/attention_mma.cu`): prefills, wide tree
+//! verifications and (from width 4) the unfused verifications of batches past the fused
+//! kernels' 8 rows, where the row kernel (`attention`, one block per query row and head) reads
+//! every visible key row once per query row and head; here once per 64 (slot, query head)
+//! rows of a KV head. Compiled on its own for compute_80 (its
 //! `mma.sync` needs sm_80), on GPUs that have it, and used for steps of at least
 //! [`Gpu::mma_attention_min_width`] slots a sequence: `TANDEM_CUDA_MMA_ATTENTION=N` (off by
 //! default until measured on a GPU). Its indexing is checked on the CPU by an emulator
@@ -120,8 +122,9 @@ impl Gpu {
             128 => &kernels.head_dim_128,
             other => unreachable!("takes() admits head_dim 64 and 128, not {other}"),
         };
-        let row_tiles = s.width.div_ceil(TILE_ROWS);
-        let blocks = s.batch * row_tiles * s.heads;
+        // A block's rows are (slot, query head) pairs under one KV head.
+        let row_tiles = (s.width * (s.heads / s.kv_heads)).div_ceil(TILE_ROWS);
+        let blocks = s.batch * s.kv_heads * row_tiles;
         let args = KernelArgs::default()
             .buffer(self, q)
             .buffer(self, k_cache)
@@ -160,7 +163,9 @@ impl Gpu {
 pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
     use cudarc::nvrtc::{result, sys};
     if !super::nvrtc_present() {
-        return Err(CudaError::MissingLibrary("libnvrtc (CUDA runtime compiler)"));
+        return Err(CudaError::MissingLibrary(
+            "libnvrtc (CUDA runtime compiler)",
+        ));
     }
     let failed = |what: String| CudaError::Kernel(format!("{what} (for {arch})"));
     let source = CString::new(full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""))

@@ -56,8 +56,8 @@ static bool run(const Case& c, std::mt19937& rng) {
                     c.visible(b, i, j) ? 0.0f : NEG_INF;
     std::vector<unsigned short> out(q.size(), 0xffff);
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    const int row_tiles = (c.width + MMA_TILE_ROWS - 1) / MMA_TILE_ROWS;
-    const EmuDim3 grid{static_cast<unsigned int>(c.batch * row_tiles * c.heads), 1, 1};
+    const int row_tiles = (c.width * (c.heads / c.kv_heads) + MMA_TILE_ROWS - 1) / MMA_TILE_ROWS;
+    const EmuDim3 grid{static_cast<unsigned int>(c.batch * c.kv_heads * row_tiles), 1, 1};
     const EmuDim3 block{MMA_WARPS * 32, 1, 1};
     emu_launch(grid, block, [&] {
         if (c.head_dim == 64) {
@@ -144,6 +144,15 @@ int main() {
     // Long causal rows whose maxima move from tile to tile (a sharp softmax), 3 row tiles.
     cases.push_back({"long causal, sharp softmax (MHA)", 64, 2, 2, 1, 150, 160, 0,
                      [](int, int i, int j) { return j <= i; }, 12.0f});
+    // A verification of 8 tokens at batch 3 after a 100-column prefix (SmolLM2's heads: 24
+    // rows a KV head, one block): each sequence hides different prefix columns and its chain
+    // sees itself causally.
+    cases.push_back({"narrow chain verification, batch 3 (GQA 9/3)", 64, 9, 3, 3, 8, 128, 100,
+                     [](int b, int i, int j) {
+                         if (j < 100) return (j * 7 + b * 3) % 11 != 0;
+                         return j - 100 <= i;
+                     },
+                     3.0f});
     // Rows that see nothing (zeros out) next to rows that see one column.
     cases.push_back({"empty and single-column rows", 128, 2, 1, 1, 18, 64, 10,
                      [](int, int i, int j) { return i % 3 == 0 ? false : j == (i * 7) % 28; },
