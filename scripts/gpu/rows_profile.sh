@@ -223,10 +223,21 @@ PY
   # (default none): target-only and the adaptive policy (and, with AB_ENV, the adaptive policy
   # with those variables; AB_TARGET=1 target-only with them too) up at once, loaded in turn
   # SERVE_REPEATS times (serve_pairs); ratios to target-only in summary.txt.
-  local c servers
+  # SERVE_ARMS="LABEL:ENV:ARGS;..." replaces those servers (ENV "-" for none; @HEAD stands for
+  # the head), e.g. "target-only:-:--no-draft;adaptive:-:--draft @HEAD;
+  # target-only-mma:TANDEM_CUDA_MMA_ATTENTION=4:--no-draft;adaptive-mma:TANDEM_CUDA_MMA_ATTENTION=4:--draft @HEAD"
+  # (the first is every ratio's baseline; adaptive-X is also set against target-only-X).
+  local c servers arm
   for c in ${SERVE:-}; do
     servers=("target-only:-:--no-draft" "adaptive:-:--draft $W/head")
-    if [[ -n "${AB_ENV:-}" ]]; then
+    if [[ -n "${SERVE_ARMS:-}" ]]; then
+      servers=()
+      IFS=';' read -ra arms <<< "$SERVE_ARMS"
+      for arm in "${arms[@]}"; do
+        arm="${arm#"${arm%%[![:space:]]*}"}"
+        [[ -n "$arm" ]] && servers+=("${arm//@HEAD/$W/head}")
+      done
+    elif [[ -n "${AB_ENV:-}" ]]; then
       servers+=("adaptive-ab:$AB_ENV:--draft $W/head")
       [[ "${AB_TARGET:-0}" == 1 ]] && servers+=("target-only-ab:$AB_ENV:--no-draft")
     fi

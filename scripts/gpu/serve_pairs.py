@@ -3,7 +3,8 @@
 Usage: python3 serve_pairs.py RESULTS_DIR BASELINE_LABEL LABEL...
 
 Reads RESULTS_DIR/load_LABEL_rN.json for every repeat N that every label has, and prints one
-line per label after the first: its tokens/s to the baseline's, repeat by repeat (the loads of
+line per label after the first (and one per adaptive-X against target-only-X where both ran):
+its tokens/s to the baseline's, repeat by repeat (the loads of
 one repeat ran back to back), then the median, the smallest and the largest. A ratio of medians
 would pair a fast repeat of one server with a slow one of the other; the median of per-repeat
 ratios does not. A repeat where either load failed requests is left out and counted.
@@ -72,6 +73,13 @@ def main(argv):
         return
     for label in others:
         print(summary_line(label, base_label, baseline, loads(root, label)))
+    # adaptive-X against target-only-X as well (the same switch on both servers).
+    for label in others:
+        if not label.startswith("adaptive"):
+            continue
+        twin = "target-only" + label[len("adaptive"):]
+        if twin != base_label and twin in others:
+            print(summary_line(label, twin, loads(root, twin), loads(root, label)))
 
 
 if __name__ == "__main__":
