@@ -54,7 +54,7 @@ fn build_and_run(harness: &str) -> String {
 /// sharp softmax (maxima that move from tile to tile), a narrow verification at batch 3 (the
 /// rows of three query heads in one block), and rows that see nothing. Tolerance
 /// 2e-2 absolute (the kernel rounds the query and the probabilities to bf16: a few 1e-3 here;
-/// a wrong fragment, rescale or mask bit is off by 0.1-1: each of nine such mutations failed it).
+/// a wrong fragment, rescale or mask bit is off by 0.1-1: each of eleven such mutations failed it).
 #[test]
 fn tensor_core_attention_matches_a_plain_attention_on_the_emulator() {
     let report = build_and_run("attention_mma_check.cpp");
