@@ -281,10 +281,10 @@ __device__ void attention_mma_body(const float* __restrict__ q,
         const float* q, const unsigned short* k_cache, const unsigned short* v_cache,         \
         const float* mask, unsigned short* out, int width, int heads, int kv_heads,           \
         int capacity, int total, float scale, const int* step_scalars) {                      \
-        extern __shared__ uint4 attention_mma_tiles_##HD[];                                   \
+        DYNAMIC_SHARED(uint4, attention_mma_tiles);                                           \
         attention_mma_body<HD>(q, k_cache, v_cache, mask, out, width, heads, kv_heads,        \
                                capacity, total, scale, step_scalars,                          \
-                               reinterpret_cast<unsigned short*>(attention_mma_tiles_##HD));  \
+                               reinterpret_cast<unsigned short*>(attention_mma_tiles));       \
     }
 
 ATTENTION_MMA_KERNEL(64)

@@ -10,6 +10,13 @@
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// A kernel's dynamic shared memory (sized at launch): `DYNAMIC_SHARED(float, name);` declares
+// `name` as the block's array of `type`. A macro so that the CPU emulator of the kernel tests
+// (crates/tandem-cuda/tests/emulated/cuda_emu.h) can give each launch its own buffer.
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 // Programmatic dependent launch (sm_90+, with TANDEM_CUDA_PDL=1, or TANDEM_CUDA_PDL_ROWS=N for
 // launches of at most N rows: `tandem_cuda` then defines TANDEM_PDL 1 and launches the
 // small-step kernels and attention with the programmatic-serialization attribute; off by

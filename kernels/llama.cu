@@ -195,7 +195,7 @@ extern "C" __global__ void attention(const float* q, const unsigned short* k_cac
     const int MAX_DIMS_PER_LANE = 8;
     __shared__ float warp_max[32];
     __shared__ float warp_sum_exp[32];
-    extern __shared__ float shared_attention[];
+    DYNAMIC_SHARED(float, shared_attention);
     // One grid dimension (up to 2^31 - 1 blocks): a ragged prefill of 64 prompts of 2,048
     // tokens has 131,072 rows, past grid y's 65,535 (the launch then fails with
     // CUDA_ERROR_INVALID_VALUE); times 32 heads it is 4.2M blocks.
@@ -1012,7 +1012,7 @@ __device__ __forceinline__ void gemv_split(const unsigned short* __restrict__ x,
     }
     PDL_WAIT();
     if (NORM) {
-        extern __shared__ uint4 gemv_shared[];
+        DYNAMIC_SHARED(uint4, gemv_shared);
         unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
         stage_rms_normed(xf, norm_w, xs, rows, inp, eps);
         x = xs;
@@ -1131,7 +1131,7 @@ extern "C" __global__ void norm_gate_up_silu(const float* __restrict__ x,
                                              const unsigned short* __restrict__ w,
                                              unsigned short* __restrict__ act, int rows,
                                              int hidden, int inter, float eps) {
-    extern __shared__ uint4 gemv_shared[];
+    DYNAMIC_SHARED(uint4, gemv_shared);
     unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -1178,7 +1178,7 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
                                          const unsigned short* __restrict__ embed_table,
                                          const unsigned int* __restrict__ tokens) {
     PDL_LAUNCH_DEPENDENTS();
-    extern __shared__ uint4 gemv_shared[];
+    DYNAMIC_SHARED(uint4, gemv_shared);
     unsigned short* xs = reinterpret_cast<unsigned short*>(gemv_shared);
     unsigned short* xs2 = xs + (size_t)rows * hidden;
     const int lane = threadIdx.x & 31;
@@ -1657,7 +1657,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 unsigned long long* profile, int layers, int rows,
                 int width, int hidden_size, int heads, int kv_heads, int head_dim, int inter,
                 int capacity, int col0, int total, int vocab, float eps, float scale) {
-    extern __shared__ uint4 persist_shared[];
+    DYNAMIC_SHARED(uint4, persist_shared);
     __shared__ int tap_point[PERSIST_MAX_TAPS];
     __shared__ float* tap_dst[PERSIST_MAX_TAPS];
     const int lane = threadIdx.x & 31;
@@ -1943,7 +1943,7 @@ extern "C" __global__ void attention_invariant(const float* q, const unsigned sh
     if (step_scalars != nullptr) {
         total = step_scalars[1];
     }
-    extern __shared__ float invariant_shared[];
+    DYNAMIC_SHARED(float, invariant_shared);
     const int warps = blockDim.x >> 5;
     const int r = blockIdx.x / heads;
     const int h = blockIdx.x % heads;

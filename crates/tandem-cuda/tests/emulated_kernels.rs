@@ -1,10 +1,11 @@
-//! CUDA kernels run on the CPU: `tests/emulated/cuda_emu.h` emulates the few CUDA features they
-//! use (a thread per CUDA thread, barriers for `__syncthreads`, warp exchanges for shuffles and
-//! `mma.sync`, whose fragments it decodes by the PTX ISA's layout), and a harness compiled with
-//! the kernel source checks its outputs against a plain implementation. CI has no GPU; this is
-//! how a kernel's indexing, fragment assembly and online softmax are checked before a GPU
-//! session (the GPU test `tensor_core_attention_matches_the_row_kernel` then checks the same
-//! kernel on the hardware). Needs g++ with C++20.
+//! CUDA kernels run on the CPU: `tests/emulated/cuda_emu.h` emulates the CUDA features the
+//! kernels of `kernels/` use (a thread per CUDA thread, barriers for `__syncthreads`, warp
+//! exchanges for shuffles, ballots and `mma.sync`, whose fragments it decodes by the PTX ISA's
+//! layout; static shared arrays as statics, dynamic ones through `DYNAMIC_SHARED`), and a harness
+//! compiled with the kernel sources checks their outputs against plain host implementations.
+//! CI has no GPU; this is how a kernel's indexing, fragment assembly and online softmax are
+//! checked before a GPU session (the GPU tests, e.g. `tensor_core_attention_matches_the_row_kernel`,
+//! then check the same kernels on the hardware). Needs g++ with C++20.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -62,6 +63,23 @@ fn tensor_core_attention_matches_a_plain_attention_on_the_emulator() {
     assert_eq!(
         report.lines().filter(|l| l.ends_with(" ok")).count(),
         5,
+        "{report}"
+    );
+}
+
+/// kernels/llama.cu on the emulator: `gather_accepted_roots` (the early extend's root pick,
+/// which has not yet run on a GPU) against the host's walk of greedy verification (accepted
+/// lengths 0 to 3, and a draft that matches again after a mismatch, which must not count; two
+/// layout mutations each fail it), and the row attention kernel `attention` next to the
+/// tensor-core one on the same ragged prefill after a prefix with hidden columns: each against a
+/// double-precision attention (5e-3 and 2e-2) and each other (2e-2).
+#[test]
+fn llama_kernels_match_their_host_models_on_the_emulator() {
+    let report = build_and_run("llama_kernels_check.cpp");
+    eprintln!("{report}");
+    assert_eq!(
+        report.lines().filter(|l| l.ends_with(" ok")).count(),
+        4,
         "{report}"
     );
 }

@@ -19,10 +19,6 @@
 #include <random>
 #include <string>
 
-// The kernels' dynamic shared memory (blocks run one at a time).
-uint4 attention_mma_tiles_64[4096];
-uint4 attention_mma_tiles_128[4096];
-
 static unsigned short to_bf16(float f) {
     unsigned int u = __float_as_uint(f);
     u += 0x7fffu + ((u >> 16) & 1u);
@@ -59,17 +55,12 @@ static bool run(const Case& c, std::mt19937& rng) {
     const int row_tiles = (c.width * (c.heads / c.kv_heads) + MMA_TILE_ROWS - 1) / MMA_TILE_ROWS;
     const EmuDim3 grid{static_cast<unsigned int>(c.batch * c.kv_heads * row_tiles), 1, 1};
     const EmuDim3 block{MMA_WARPS * 32, 1, 1};
-    emu_launch(grid, block, [&] {
-        if (c.head_dim == 64) {
-            attention_mma_body<64>(q.data(), k.data(), v.data(), mask.data(), out.data(), c.width,
-                                   c.heads, c.kv_heads, c.capacity, total, scale, nullptr,
-                                   reinterpret_cast<unsigned short*>(attention_mma_tiles_64));
-        } else {
-            attention_mma_body<128>(q.data(), k.data(), v.data(), mask.data(), out.data(),
-                                    c.width, c.heads, c.kv_heads, c.capacity, total, scale,
-                                    nullptr,
-                                    reinterpret_cast<unsigned short*>(attention_mma_tiles_128));
-        }
+    // The launch the Rust side makes (device/mma_attention.rs): 2 * 64 * (head_dim + 8) bf16.
+    const std::size_t shared = 2 * MMA_TILE_KEYS * (c.head_dim + 8) * 2;
+    emu_launch(grid, block, shared, [&] {
+        auto kernel = c.head_dim == 64 ? attention_mma_64 : attention_mma_128;
+        kernel(q.data(), k.data(), v.data(), mask.data(), out.data(), c.width, c.heads,
+               c.kv_heads, c.capacity, total, scale, nullptr);
     });
     double worst = 0.0;
     int hidden_rows = 0;

@@ -10,7 +10,10 @@
 // fragments wrongly gets the wrong product here as on the GPU.
 //
 // What this does not check: timing, races that a real GPU would expose (the emulator's
-// barriers are stricter than a warp's lockstep), and anything the kernel does not use.
+// barriers are stricter than a warp's lockstep), kernels whose blocks wait for each other (the
+// persistent step's grid barrier: blocks run one after another here), and PTX other than the
+// mma it decodes. Static `__shared__` arrays become `static` (one per program, i.e. per block);
+// dynamic ones come from `DYNAMIC_SHARED` (kernels/common.cuh), a buffer per launch.
 #pragma once
 
 #include <math.h>
@@ -18,6 +21,7 @@
 #include <array>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -80,7 +84,42 @@ inline thread_local EmuBlock* emu_block = nullptr;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__
+#define __launch_bounds__(...)
+// Static shared arrays: one per program, which is one per block since blocks run one at a time.
+#define __shared__ static
+
+// The launch's dynamic shared memory (emu_launch sizes it).
+inline std::vector<uint4> emu_dynamic;
+inline void* emu_dynamic_shared() { return emu_dynamic.data(); }
+#define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu_dynamic_shared())
+
+struct uint2 {
+    unsigned int x, y;
+};
+struct float4 {
+    float x, y, z, w;
+};
+inline uint2 make_uint2(unsigned int x, unsigned int y) { return uint2{x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
+// Cached and L2-only loads are plain loads here.
+template <typename T>
+inline T __ldg(const T* p) {
+    return *p;
+}
+template <typename T>
+inline T __ldcg(const T* p) {
+    return *p;
+}
+inline int __popc(unsigned int v) { return __builtin_popcount(v); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline long long clock64() {
+    return std::chrono::steady_clock::now().time_since_epoch().count();
+}
+template <typename T>
+inline T atomicAdd(T* address, T value) {
+    return std::atomic_ref<T>(*address).fetch_add(value);
+}
 
 inline void __syncthreads() { emu_block->block.arrive_and_wait(); }
 
@@ -100,17 +139,41 @@ inline int __syncthreads_or(int predicate) {
 
 inline void emu_warp_sync() { emu_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 
-template <typename T>
-inline T __shfl_xor_sync(unsigned int, T value, int lane_mask) {
+// Every lane of the warp puts `value` out and takes lane `source(lane)`'s.
+template <typename T, typename Source>
+inline T emu_exchange(T value, Source source) {
     static_assert(sizeof(T) == 4, "32-bit shuffles only");
     const int lane = threadIdx.x & 31;
     auto& slots = emu_block->exchange[threadIdx.x >> 5];
     std::memcpy(&slots[lane][0], &value, 4);
     emu_warp_sync();
     T other;
-    std::memcpy(&other, &slots[lane ^ lane_mask][0], 4);
+    std::memcpy(&other, &slots[source(lane) & 31][0], 4);
     emu_warp_sync();
     return other;
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned int, T value, int lane_mask) {
+    return emu_exchange(value, [&](int lane) { return lane ^ lane_mask; });
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned int, T value, int source_lane) {
+    return emu_exchange(value, [&](int) { return source_lane; });
+}
+
+inline unsigned int __ballot_sync(unsigned int, int predicate) {
+    const int lane = threadIdx.x & 31;
+    auto& slots = emu_block->exchange[threadIdx.x >> 5];
+    slots[lane][0] = predicate ? 1u : 0u;
+    emu_warp_sync();
+    unsigned int bits = 0;
+    for (int l = 0; l < 32; ++l) {
+        bits |= slots[l][0] << l;
+    }
+    emu_warp_sync();
+    return bits;
 }
 
 inline float emu_bf16(std::uint32_t bits16) { return __uint_as_float((bits16 & 0xffffu) << 16); }
@@ -163,11 +226,12 @@ inline void mma_bf16_16816(float* d, const unsigned int* a, const unsigned int* 
 }
 
 // Runs `kernel` (a callable taking no arguments) over `grid` blocks of `block` threads, one
-// block at a time.
+// block at a time, with `shared_bytes` of dynamic shared memory.
 template <typename Kernel>
-void emu_launch(EmuDim3 grid, EmuDim3 block, Kernel kernel) {
+void emu_launch(EmuDim3 grid, EmuDim3 block, std::size_t shared_bytes, Kernel kernel) {
     gridDim = grid;
     blockDim = block;
+    emu_dynamic.assign(shared_bytes / sizeof(uint4) + 1, uint4{0, 0, 0, 0});
     for (unsigned int bx = 0; bx < grid.x; ++bx) {
         EmuBlock state(static_cast<int>(block.x));
         std::vector<std::thread> threads;
@@ -178,6 +242,9 @@ void emu_launch(EmuDim3 grid, EmuDim3 block, Kernel kernel) {
                 blockIdx = EmuDim3{bx, 0, 0};
                 emu_block = &state;
                 kernel();
+                // A thread that is done (or returned early) no longer holds up the block's
+                // barriers, as on the GPU.
+                state.block.arrive_and_drop();
             });
         }
         for (auto& thread : threads) {

@@ -1,0 +1,158 @@
+// Kernels of kernels/llama.cu on the CPU emulator (cuda_emu.h), each against a host model of
+// what it must do, with the launch shapes the Rust side uses (crates/tandem-cuda/src/device.rs).
+// Prints one line per check and exits non-zero when one fails.
+//
+// - gather_accepted_roots (the early extend's root pick, never yet run on a GPU): every
+//   accepted length from 0 to `steps`, including a first draft that matches and a later one
+//   that does not;
+// - the row attention kernel `attention` (GPU-tested) and the tensor-core `attention_mma_64`
+//   on the same ragged prefill: each against a double-precision attention, and each other.
+#define TANDEM_EMULATE 1
+#include "cuda_emu.h"
+
+#define GEMV_MAX_ROWS 8
+#define GEMV_BLOCK_WARPS 4
+#define PERSIST_THREADS 512
+#include "common.cuh"
+#include "llama.cu"
+#include "attention_mma.cu"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+static bool report(const char* what, bool ok, const char* detail) {
+    std::printf("%-60s %s %s\n", what, detail, ok ? "ok" : "FAILED");
+    return ok;
+}
+
+// Block size of the row kernels (`rows_config(batch, 256)`) and of `attention`
+// (ATTENTION_THREADS).
+constexpr unsigned int ROWS_BLOCK = 256;
+constexpr unsigned int ATTENTION_THREADS = 256;
+
+static bool check_gather_accepted_roots(std::mt19937& rng) {
+    const int batch = 6, steps = 3, width = 4, h = 40, vocab = 70;
+    // Sequence b accepts b % (steps + 1) drafts: its first k drafts equal the target's greedy
+    // id at the slot before them, and draft k (if any) differs.
+    std::vector<unsigned int> ids(batch * width), chain(steps * batch);
+    std::vector<int> want_k(batch);
+    for (int b = 0; b < batch; ++b) {
+        for (int s = 0; s < width; ++s) ids[b * width + s] = rng() % 1000;
+        const int k = b % (steps + 1);
+        want_k[b] = k;
+        for (int s = 0; s < steps; ++s) {
+            chain[s * batch + b] = s < k ? ids[b * width + s] : ids[b * width + s] + 1 + rng() % 5;
+        }
+    }
+    // A draft after the first mismatch that matches again must not count.
+    chain[2 * batch + 1] = ids[1 * width + 2];
+    std::vector<float> hidden(batch * width * h), logits(batch * width * vocab);
+    for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = static_cast<float>(i);
+    for (size_t i = 0; i < logits.size(); ++i) logits[i] = -static_cast<float>(i);
+    std::vector<float> out_hidden(batch * h, NAN), out_logits(batch * vocab, NAN);
+    emu_launch(EmuDim3{batch, 1, 1}, EmuDim3{ROWS_BLOCK, 1, 1}, 0, [&] {
+        gather_accepted_roots(ids.data(), chain.data(), batch, steps, width, hidden.data(), h,
+                              logits.data(), vocab, out_hidden.data(), out_logits.data());
+    });
+    bool ok = true;
+    for (int b = 0; b < batch; ++b) {
+        const int row = b * width + want_k[b];
+        for (int i = 0; i < h; ++i) ok &= out_hidden[b * h + i] == hidden[row * h + i];
+        for (int i = 0; i < vocab; ++i) ok &= out_logits[b * vocab + i] == logits[row * vocab + i];
+    }
+    return report("gather_accepted_roots: each sequence's last accepted slot", ok,
+                  "(accepted lengths 0..3, a match after a mismatch)");
+}
+
+static unsigned short to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<unsigned short>(u >> 16);
+}
+static float from_bf16(unsigned short v) { return __uint_as_float(static_cast<unsigned int>(v) << 16); }
+
+static bool check_attention_kernels(std::mt19937& rng) {
+    // A ragged causal prefill (sequence 1 is 17 of 24 slots, its padding sees itself), 6/2
+    // heads, head_dim 64, after 20 cached columns of which every third is hidden. (Small: the
+    // row kernel is 288 blocks of 256 threads here, a thread each.)
+    const int batch = 2, width = 24, heads = 6, kv_heads = 2, hd = 64, capacity = 64, used = 20;
+    const int rows = batch * width, total = used + width;
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    std::vector<float> q(rows * heads * hd);
+    for (auto& v : q) v = uni(rng) * 3.0f;
+    std::vector<unsigned short> k(batch * kv_heads * capacity * hd), v(k.size());
+    for (auto& x : k) x = to_bf16(uni(rng));
+    for (auto& x : v) x = to_bf16(uni(rng));
+    std::vector<float> mask(rows * total, NEG_INF);
+    for (int b = 0; b < batch; ++b)
+        for (int i = 0; i < width; ++i)
+            for (int j = 0; j < total; ++j) {
+                const bool padding = b == 1 && i >= 17;
+                const bool seen = padding ? j == used + i
+                                          : (j < used ? j % 3 != 1 : j - used <= i);
+                if (seen) mask[(b * width + i) * total + j] = 0.0f;
+            }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    std::vector<unsigned short> by_rows(q.size()), by_mma(q.size());
+    const unsigned int warps = ATTENTION_THREADS / 32;
+    emu_launch(EmuDim3{static_cast<unsigned int>(rows * heads), 1, 1},
+               EmuDim3{ATTENTION_THREADS, 1, 1}, (warps + 1) * hd * 4, [&] {
+                   attention(q.data(), k.data(), v.data(), mask.data(), by_rows.data(), width,
+                             heads, kv_heads, hd, capacity, total, scale, nullptr);
+               });
+    const int row_tiles = (width * (heads / kv_heads) + MMA_TILE_ROWS - 1) / MMA_TILE_ROWS;
+    emu_launch(EmuDim3{static_cast<unsigned int>(batch * kv_heads * row_tiles), 1, 1},
+               EmuDim3{MMA_WARPS * 32, 1, 1}, 2 * MMA_TILE_KEYS * (hd + 8) * 2, [&] {
+                   attention_mma_64(q.data(), k.data(), v.data(), mask.data(), by_mma.data(),
+                                    width, heads, kv_heads, capacity, total, scale, nullptr);
+               });
+    double worst_rows = 0, worst_mma = 0, worst_between = 0;
+    for (int r = 0; r < rows; ++r) {
+        const int b = r / width;
+        for (int hh = 0; hh < heads; ++hh) {
+            const size_t base = (static_cast<size_t>(b) * kv_heads + hh / (heads / kv_heads)) * capacity * hd;
+            std::vector<double> score(total, -INFINITY);
+            double top = -INFINITY;
+            for (int j = 0; j < total; ++j) {
+                if (mask[r * total + j] != 0.0f) continue;
+                double dot = 0;
+                for (int d = 0; d < hd; ++d)
+                    dot += static_cast<double>(q[(r * heads + hh) * hd + d]) * scale * from_bf16(k[base + j * hd + d]);
+                score[j] = dot;
+                top = std::max(top, dot);
+            }
+            std::vector<double> want(hd, 0.0);
+            double sum = 0;
+            for (int j = 0; j < total; ++j) {
+                if (score[j] == -INFINITY) continue;
+                const double p = std::exp(score[j] - top);
+                sum += p;
+                for (int d = 0; d < hd; ++d) want[d] += p * from_bf16(v[base + j * hd + d]);
+            }
+            for (int d = 0; d < hd; ++d) {
+                const size_t at = (r * heads + hh) * hd + d;
+                const double a = from_bf16(by_rows[at]), m = from_bf16(by_mma[at]);
+                worst_rows = std::max(worst_rows, std::fabs(a - want[d] / sum));
+                worst_mma = std::max(worst_mma, std::fabs(m - want[d] / sum));
+                worst_between = std::max(worst_between, std::fabs(a - m));
+            }
+        }
+    }
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(max |error| %.1e, tolerance 5e-3)", worst_rows);
+    bool ok = report("attention (row kernel) against a plain attention", worst_rows <= 5e-3, detail);
+    std::snprintf(detail, sizeof detail, "(max |error| %.1e, tolerance 2e-2)", worst_mma);
+    ok &= report("attention_mma_64 against a plain attention", worst_mma <= 2e-2, detail);
+    std::snprintf(detail, sizeof detail, "(max |difference| %.1e, tolerance 2e-2)", worst_between);
+    ok &= report("attention_mma_64 against the row kernel", worst_between <= 2e-2, detail);
+    return ok;
+}
+
+int main() {
+    std::mt19937 rng(34);
+    bool ok = check_gather_accepted_roots(rng);
+    ok = check_attention_kernels(rng) && ok;
+    return ok ? 0 : 1;
+}
