@@ -231,7 +231,8 @@ phase_import() {
   run "$T" import-gguf "$W/smollm2.gguf" "$M" | tail -1
   rm -f "$W/smollm2.gguf" "$W"/part-?
   cp -r heads/smollm2-135m-eagle3 "$W/head"
-  cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh scripts/gpu/nccl_env.sh "$W/"
+  cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh scripts/gpu/nccl_env.sh \
+    scripts/gpu/serve_pairs.py "$W/"
 }
 
 # ncu_decode_profile NAME [launches]: where SmolLM2's batch-1 decode step spends its time, kernel

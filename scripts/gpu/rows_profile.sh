@@ -31,7 +31,7 @@
 set -uo pipefail
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
-EXTRA_FILES="scripts/reference/make_random_llama.py"
+EXTRA_FILES="scripts/reference/make_random_llama.py scripts/gpu/mma_ab.py"
 
 # ncu_rows NAME FAST_BENCH_ARGS...: ncu over one fast-bench run, summarised by rows and kernel.
 ncu_rows() {
