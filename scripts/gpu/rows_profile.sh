@@ -116,6 +116,15 @@ pipeline() {
       done
     done
     python3 "$(dirname "$0")/mma_ab.py" "$R" ${MMA_PROMPTS:-512} -- ${MMA_AB} | tee -a "$R/summary.txt"
+    # The real model's prefill, decode and tree steps with the tensor cores from the smallest
+    # width, every tap and the logits against the burn CPU f32 reference (fast-check's
+    # bf16 tolerances), at a few points (the full sweep takes minutes of CPU reference).
+    local narrowest
+    narrowest=$(printf '%s\n' ${MMA_AB} | sort -n | head -1)
+    TANDEM_CUDA_MMA_ATTENTION="$narrowest" timeout 240 "$T" fast-check --model "$M" \
+      --kv-lens 33,144,511 --batches 3,8 --points 8x300 --json "$R/fast-check-mma.json" \
+      > "$R/fast-check-mma.md" 2> "$R/fast-check-mma.log"
+    echo "fast-check, tensor-core attention from width $narrowest: exit $?" | tee -a "$R/summary.txt"
     mark "mma attention A/B done"
   fi
   # Outputs a warp of gemv_rows per row bucket (TANDEM_CUDA_GEMV_OUTPUTS; bits never change):
