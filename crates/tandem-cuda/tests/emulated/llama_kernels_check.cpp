@@ -6,7 +6,8 @@
 //   accepted length from 0 to `steps`, including a first draft that matches and a later one
 //   that does not;
 // - the row attention kernel `attention` (GPU-tested) and the tensor-core `attention_mma_64`
-//   on the same ragged prefill: each against a double-precision attention, and each other.
+//   on the same ragged prefill: each against a double-precision attention, and each other;
+// - gemv_rows' batch invariance: a row's bits in every row bucket and outputs-a-warp variant.
 #define TANDEM_EMULATE 1
 #include "cuda_emu.h"
 
@@ -150,9 +151,60 @@ static bool check_attention_kernels(std::mt19937& rng) {
     return ok;
 }
 
+// gemv_rows' batch invariance, which greedy speculative output equal to target-only output
+// rests on: a row's outputs have the same bits whichever row bucket (1, 2, 4, 8) and outputs a
+// warp (1, 2, 4) the launcher picks and whatever other rows share the step; and they are the
+// dot products (against double precision). Launch as `gemv_rows_by`: GEMV_THREADS (128)
+// threads, `split` = gemv_split(out) warps an output, ceil(out / (4 / split * outputs)) blocks.
+static bool check_gemv_rows_invariance(std::mt19937& rng) {
+    const int inp = 96, out = 40, split = 4;  // gemv_split(40) = 4: four warps an output
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    std::vector<unsigned short> w(out * inp), x(8 * inp);
+    for (auto& v : w) v = to_bf16(uni(rng));
+    for (auto& v : x) v = to_bf16(uni(rng));
+    using Kernel = void (*)(const unsigned short*, const unsigned short*, float*, int, int, int,
+                            int, int);
+    struct Variant {
+        const char* name;
+        Kernel kernel;
+        int rows, outputs;
+    };
+    const Variant variants[] = {
+        {"r1_o1", gemv_rows_r1_o1, 1, 1}, {"r2_o2", gemv_rows_r2_o2, 2, 2},
+        {"r4_o4", gemv_rows_r4_o4, 3, 4}, {"r8_o1", gemv_rows_r8_o1, 8, 1},
+        {"r8_o2", gemv_rows_r8_o2, 5, 2},
+    };
+    std::vector<float> first_row;
+    bool same_bits = true;
+    double worst = 0.0;
+    for (const auto& v : variants) {
+        std::vector<float> y(8 * out, NAN);
+        const int per_block = 4 / split * v.outputs;
+        emu_launch(EmuDim3{static_cast<unsigned int>((out + per_block - 1) / per_block), 1, 1},
+                   EmuDim3{128, 1, 1}, 0, [&] {
+                       v.kernel(x.data(), w.data(), y.data(), v.rows, inp, out, 0, split);
+                   });
+        std::vector<float> row0(y.begin(), y.begin() + out);
+        if (first_row.empty()) first_row = row0;
+        same_bits &= std::memcmp(row0.data(), first_row.data(), out * sizeof(float)) == 0;
+        for (int r = 0; r < v.rows; ++r)
+            for (int o = 0; o < out; ++o) {
+                double dot = 0;
+                for (int i = 0; i < inp; ++i) dot += static_cast<double>(from_bf16(x[r * inp + i])) * from_bf16(w[o * inp + i]);
+                worst = std::max(worst, std::fabs(y[r * out + o] - dot));
+            }
+    }
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(5 kernels, 1-8 rows; max |error| %.1e, tolerance 1e-4)", worst);
+    bool ok = report("gemv_rows: row 0's bits the same in every variant", same_bits, "");
+    ok &= report("gemv_rows: the dot products", worst <= 1e-4, detail);
+    return ok;
+}
+
 int main() {
     std::mt19937 rng(34);
     bool ok = check_gather_accepted_roots(rng);
     ok = check_attention_kernels(rng) && ok;
+    ok = check_gemv_rows_invariance(rng) && ok;
     return ok ? 0 : 1;
 }
