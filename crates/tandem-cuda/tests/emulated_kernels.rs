@@ -49,6 +49,14 @@ fn build_and_run(harness: &str) -> String {
     stdout
 }
 
+/// The harness's report has `checks` lines, each ending in "ok" (it exits non-zero otherwise,
+/// which `build_and_run` already refused).
+fn expect_all_ok(report: &str, checks: usize) {
+    eprintln!("{report}");
+    let ok = report.lines().filter(|l| l.ends_with(" ok")).count();
+    assert_eq!(ok, checks, "{report}");
+}
+
 /// kernels/attention_mma.cu against a double-precision attention over the same bf16 keys and
 /// values: a ragged causal prefill with padding slots (SmolLM2's 9/3 heads, head_dim 64), a
 /// tree after a cached prefix with hidden columns (head_dim 128, GQA), long causal rows with a
@@ -58,13 +66,7 @@ fn build_and_run(harness: &str) -> String {
 /// a wrong fragment, rescale or mask bit is off by 0.1-1: each of eleven such mutations failed it).
 #[test]
 fn tensor_core_attention_matches_a_plain_attention_on_the_emulator() {
-    let report = build_and_run("attention_mma_check.cpp");
-    eprintln!("{report}");
-    assert_eq!(
-        report.lines().filter(|l| l.ends_with(" ok")).count(),
-        5,
-        "{report}"
-    );
+    expect_all_ok(&build_and_run("attention_mma_check.cpp"), 5);
 }
 
 /// kernels/llama.cu on the emulator: `gather_accepted_roots` (the early extend's root pick,
@@ -78,11 +80,5 @@ fn tensor_core_attention_matches_a_plain_attention_on_the_emulator() {
 /// slicing that depends on the row count fails it), and are its dot products (1e-4).
 #[test]
 fn llama_kernels_match_their_host_models_on_the_emulator() {
-    let report = build_and_run("llama_kernels_check.cpp");
-    eprintln!("{report}");
-    assert_eq!(
-        report.lines().filter(|l| l.ends_with(" ok")).count(),
-        6,
-        "{report}"
-    );
+    expect_all_ok(&build_and_run("llama_kernels_check.cpp"), 6);
 }

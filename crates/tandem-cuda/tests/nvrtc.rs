@@ -4,14 +4,23 @@
 //! compile fails here instead of at the start of a GPU session. Without the library (a plain
 //! `cargo test` elsewhere) the test says so and passes.
 
+/// Whether libnvrtc can be loaded; without it (and without TANDEM_REQUIRE_NVRTC) the test says
+/// that `what` is not checked and passes.
+fn nvrtc_or_skip(what: &str) -> bool {
+    if tandem_cuda::nvrtc_present() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("TANDEM_REQUIRE_NVRTC").is_none(),
+        "TANDEM_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
+    );
+    eprintln!("libnvrtc not found: {what} not checked");
+    false
+}
+
 #[test]
 fn every_kernel_source_compiles_with_nvrtc() {
-    if !tandem_cuda::nvrtc_present() {
-        assert!(
-            std::env::var_os("TANDEM_REQUIRE_NVRTC").is_none(),
-            "TANDEM_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
-        );
-        eprintln!("libnvrtc not found: kernel compilation not checked");
+    if !nvrtc_or_skip("kernel compilation") {
         return;
     }
     match tandem_cuda::compile_all_kernels() {
@@ -33,12 +42,7 @@ fn every_kernel_source_compiles_with_nvrtc() {
 /// (the least it needs) and sm_90 (the H100/H200).
 #[test]
 fn the_tensor_core_attention_assembles_for_sm_80_and_sm_90() {
-    if !tandem_cuda::nvrtc_present() {
-        assert!(
-            std::env::var_os("TANDEM_REQUIRE_NVRTC").is_none(),
-            "TANDEM_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
-        );
-        eprintln!("libnvrtc not found: kernel assembly not checked");
+    if !nvrtc_or_skip("kernel assembly") {
         return;
     }
     for arch in ["sm_80", "sm_90"] {
