@@ -82,6 +82,36 @@ for key in sorted(by, key=lambda key: (key[0], -sum(k.get("gpu__time_duration.su
 PY
 }
 
+mma_attention_ab() {
+  # MMA_AB="N ..": the tensor-core attention (kernels/attention_mma.cu) for steps of at least N
+  # slots a sequence (TANDEM_CUDA_MMA_ATTENTION=N), one arm per N, against the row kernel, same
+  # run and binary: fast-bench prefills (TTFT) of MMA_PROMPTS-token prompts (default 512) at
+  # batch 1, 8 and 32, and verifying 4, 8 and 32 tokens after them (N=4 also takes the
+  # unfused verifications of 4 and 8 tokens, i.e. batch 8 and up). Table in summary.txt.
+  local p arm
+  for p in ${MMA_PROMPTS:-512}; do
+    for arm in rows ${MMA_AB}; do
+      # shellcheck disable=SC2046 # no variable for the row kernel
+      env $([[ $arm != rows ]] && echo "TANDEM_CUDA_MMA_ATTENTION=$arm") timeout 300 "$T" \
+        fast-bench --model "$M" --prompt-tokens "$p" --batch 1,8,32 --verify-widths 4,8,32 \
+        --new-tokens 16 --repeats 3 --with-taps --graphs-only --json "$R/prefill-$arm-$p.json" \
+        > "$R/prefill-$arm-$p.md" 2> "$R/prefill-$arm-$p.log"
+      echo "fast-bench, attention $arm, $p-token prompts: exit $?" | tee -a "$R/summary.txt"
+    done
+  done
+  python3 "$(dirname "$0")/mma_ab.py" "$R" ${MMA_PROMPTS:-512} -- ${MMA_AB} | tee -a "$R/summary.txt"
+  # The real model's prefill, decode and tree steps with the tensor cores from the smallest
+  # width, every tap and the logits against the burn CPU f32 reference (fast-check's
+  # bf16 tolerances), at a few points (the full sweep takes minutes of CPU reference).
+  local narrowest
+  narrowest=$(printf '%s\n' ${MMA_AB} | sort -n | head -1)
+  TANDEM_CUDA_MMA_ATTENTION="$narrowest" timeout 240 "$T" fast-check --model "$M" \
+    --kv-lens 33,144,511 --batches 3,8 --points 8x300 --json "$R/fast-check-mma.json" \
+    > "$R/fast-check-mma.md" 2> "$R/fast-check-mma.log"
+  echo "fast-check, tensor-core attention from width $narrowest: exit $?" | tee -a "$R/summary.txt"
+  mark "mma attention A/B done"
+}
+
 pipeline() {
   [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 300
   if [[ "${BENCH:-1}" == 1 ]]; then
@@ -98,35 +128,7 @@ pipeline() {
     fi
     mark "fast-bench done"
   fi
-  # MMA_AB="N ..": the tensor-core attention (kernels/attention_mma.cu) for steps of at least N
-  # slots a sequence (TANDEM_CUDA_MMA_ATTENTION=N), one arm per N, against the row kernel, same
-  # run and binary: fast-bench prefills (TTFT) of MMA_PROMPTS-token prompts (default 512) at
-  # batch 1, 8 and 32, and verifying 4, 8 and 32 tokens after them (N=4 also takes the
-  # unfused verifications of 4 and 8 tokens, i.e. batch 8 and up). Table in summary.txt.
-  if [[ -n "${MMA_AB:-}" ]]; then
-    local p arm
-    for p in ${MMA_PROMPTS:-512}; do
-      for arm in rows ${MMA_AB}; do
-        # shellcheck disable=SC2046 # no variable for the row kernel
-        env $([[ $arm != rows ]] && echo "TANDEM_CUDA_MMA_ATTENTION=$arm") timeout 300 "$T" \
-          fast-bench --model "$M" --prompt-tokens "$p" --batch 1,8,32 --verify-widths 4,8,32 \
-          --new-tokens 16 --repeats 3 --with-taps --graphs-only --json "$R/prefill-$arm-$p.json" \
-          > "$R/prefill-$arm-$p.md" 2> "$R/prefill-$arm-$p.log"
-        echo "fast-bench, attention $arm, $p-token prompts: exit $?" | tee -a "$R/summary.txt"
-      done
-    done
-    python3 "$(dirname "$0")/mma_ab.py" "$R" ${MMA_PROMPTS:-512} -- ${MMA_AB} | tee -a "$R/summary.txt"
-    # The real model's prefill, decode and tree steps with the tensor cores from the smallest
-    # width, every tap and the logits against the burn CPU f32 reference (fast-check's
-    # bf16 tolerances), at a few points (the full sweep takes minutes of CPU reference).
-    local narrowest
-    narrowest=$(printf '%s\n' ${MMA_AB} | sort -n | head -1)
-    TANDEM_CUDA_MMA_ATTENTION="$narrowest" timeout 240 "$T" fast-check --model "$M" \
-      --kv-lens 33,144,511 --batches 3,8 --points 8x300 --json "$R/fast-check-mma.json" \
-      > "$R/fast-check-mma.md" 2> "$R/fast-check-mma.log"
-    echo "fast-check, tensor-core attention from width $narrowest: exit $?" | tee -a "$R/summary.txt"
-    mark "mma attention A/B done"
-  fi
+  [[ -n "${MMA_AB:-}" ]] && mma_attention_ab
   # Outputs a warp of gemv_rows per row bucket (TANDEM_CUDA_GEMV_OUTPUTS; bits never change):
   # fused step times for each setting in GEMV_SWEEP, and the fastest over the 4- and 8-row
   # steps is exported for the bench and the serve load test below.
