@@ -1,0 +1,128 @@
+//! The helpers that summarise GPU runs (scripts/gpu/*.py) on hand-made reports: their numbers
+//! go into BENCHMARKS.md and the closing notes, and a GPU session is too scarce to find a wrong
+//! summary there.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("tandem-gpu-scripts-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+fn run_script(script: &str, args: &[&str]) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts/gpu")
+        .join(script);
+    let out = Command::new("python3")
+        .arg(&path)
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{script} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn write_json(dir: &Path, name: &str, value: serde_json::Value) {
+    std::fs::write(dir.join(name), value.to_string()).expect("report written");
+}
+
+/// serve_pairs.py: the median of per-repeat ratios (not a ratio of medians), a repeat with
+/// failed requests left out and named, and adaptive-X against target-only-X.
+#[test]
+fn serve_pairs_takes_the_median_of_per_repeat_ratios() {
+    let dir = scratch("serve-pairs");
+    // Repeat by repeat (tok/s): target-only 100, 110, 90, 100; adaptive 98, 100, 99, 120 (its
+    // repeat 4 had a failed request). Ratios of repeats 1-3: 0.98, 0.909.., 1.1 -> median 0.98.
+    // (The ratio of the medians over those repeats, 99 / 100, would be 0.99.)
+    let target = [100.0, 110.0, 90.0, 100.0];
+    let adaptive = [98.0, 100.0, 99.0, 120.0];
+    for (i, (t, a)) in target.iter().zip(adaptive).enumerate() {
+        let rep = i + 1;
+        write_json(
+            &dir,
+            &format!("load_target-only_c32_r{rep}.json"),
+            serde_json::json!({"tokens_per_second": t, "failed": 0}),
+        );
+        write_json(
+            &dir,
+            &format!("load_adaptive_c32_r{rep}.json"),
+            serde_json::json!({"tokens_per_second": a, "failed": u32::from(rep == 4)}),
+        );
+        // The same switch on both servers: adaptive-mma 2x target-only-mma every repeat.
+        write_json(
+            &dir,
+            &format!("load_target-only-mma_c32_r{rep}.json"),
+            serde_json::json!({"tokens_per_second": 50.0 * rep as f64, "failed": 0}),
+        );
+        write_json(
+            &dir,
+            &format!("load_adaptive-mma_c32_r{rep}.json"),
+            serde_json::json!({"tokens_per_second": 100.0 * rep as f64, "failed": 0}),
+        );
+    }
+    let root = dir.to_str().unwrap();
+    let out = run_script(
+        "serve_pairs.py",
+        &[
+            root,
+            "target-only_c32",
+            "adaptive_c32",
+            "target-only-mma_c32",
+            "adaptive-mma_c32",
+        ],
+    );
+    let line = |prefix: &str| {
+        out.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line `{prefix}` in:\n{out}"))
+            .to_owned()
+    };
+    let adaptive_line = line("adaptive_c32 / target-only_c32:");
+    assert!(adaptive_line.contains("median 0.980"), "{adaptive_line}");
+    assert!(
+        adaptive_line.contains("min 0.909, max 1.100"),
+        "{adaptive_line}"
+    );
+    assert!(adaptive_line.contains("3 repeats"), "{adaptive_line}");
+    assert!(adaptive_line.contains("repeats [4]"), "{adaptive_line}");
+    assert!(
+        line("adaptive-mma_c32 / target-only-mma_c32:").contains("median 2.000"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// mma_ab.py: the row kernel's times over each tensor-core arm's, per prompt, step and batch.
+#[test]
+fn mma_ab_divides_the_row_kernels_times_by_each_arms() {
+    let dir = scratch("mma-ab");
+    let report = |ttft: f64, step: f64| {
+        serde_json::json!([
+            {"step": "verify", "width": 32, "batch": 8, "ttft_ms_median": ttft, "step_ms_median": step}
+        ])
+    };
+    write_json(&dir, "prefill-rows-512.json", report(12.0, 3.0));
+    write_json(&dir, "prefill-4-512.json", report(4.0, 1.5));
+    write_json(&dir, "prefill-16-512.json", report(6.0, 3.0));
+    let out = run_script(
+        "mma_ab.py",
+        &[dir.to_str().unwrap(), "512", "--", "4", "16"],
+    );
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("| 512 | verify 32 | 8 |"))
+        .unwrap_or_else(|| panic!("no verify row in:\n{out}"));
+    assert!(
+        row.contains("| 12.00, 3.000 | 4.00 (3.00), 1.500 (2.00) | 6.00 (2.00), 3.000 (1.00) |"),
+        "{row}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
