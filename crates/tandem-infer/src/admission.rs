@@ -58,9 +58,140 @@ impl Admission {
     }
 }
 
+/// Splits one join's prompts into prefill groups, each prefilled on its own (one step, padded to
+/// its longest prompt). A prefill costs about a fixed part plus a part per padded slot: in
+/// session 33's c=32/c=64 round logs (H200, SmolLM2) one-prompt prefills took ~2.7 ms + 13 us a
+/// token, and batched ones 8-11 us a padded slot, where MT-Bench prompts padded to the longest
+/// of 63 made 3.6 slots per prompt token (25,263 slots for 6,967 tokens, 202 ms). So the
+/// prompts, longest first, are cut into the runs that minimise `groups * fixed_slots + padded
+/// slots` (`fixed_slots`: the fixed part in slots). Returns indices into `lengths`, each group
+/// longest first, the longest group first; one group when nothing is gained. Ties keep fewer
+/// groups.
+pub fn prefill_groups(lengths: &[usize], fixed_slots: usize) -> Vec<Vec<usize>> {
+    let n = lengths.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    // Longest first; equal lengths keep the call's order.
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    // best[j]: the least cost of the first j prompts (in `order`), cut[j]: where its last group
+    // starts. A group order[i..j] costs fixed_slots + (j - i) * lengths[order[i]].
+    let mut best = vec![0usize; n + 1];
+    let mut cut = vec![0usize; n + 1];
+    for j in 1..=n {
+        best[j] = usize::MAX;
+        for i in 0..j {
+            let cost = best[i]
+                .saturating_add(fixed_slots)
+                .saturating_add((j - i).saturating_mul(lengths[order[i]]));
+            if cost < best[j] {
+                best[j] = cost;
+                cut[j] = i;
+            }
+        }
+    }
+    let mut groups = Vec::new();
+    let mut j = n;
+    while j > 0 {
+        let i = cut[j];
+        groups.push(order[i..j].to_vec());
+        j = i;
+    }
+    groups.reverse();
+    groups
+}
+
+/// `TANDEM_PREFILL_GROUPS`' value as [`prefill_groups`]' fixed part, in slots: a whole number
+/// above 0; unset, 0 or anything else keeps one prefill a join (the default until measured on
+/// a GPU).
+pub fn prefill_group_slots(value: Option<&str>) -> Option<usize> {
+    value
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&slots: &usize| slots > 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_groups_cut_where_padding_costs_more_than_a_prefill() {
+        // One long prompt and three short ones, 256 slots a prefill: together 256 + 4 * 400 =
+        // 1,856; the long one alone, then the rest, 656 + 346 = 1,002; each alone 1,499.
+        assert_eq!(
+            prefill_groups(&[30, 400, 25, 20], 256),
+            vec![vec![1], vec![0, 2, 3]]
+        );
+        // Equal lengths: nothing to gain, one group in the call's order.
+        assert_eq!(prefill_groups(&[50, 50, 50], 256), vec![vec![0, 1, 2]]);
+        // A dearer fixed part keeps one group: at 2,000 slots a prefill, 2,000 + 4 * 400 = 3,600
+        // against 2,400 + 2,090 = 4,490 for the cut above.
+        assert_eq!(
+            prefill_groups(&[30, 400, 25, 20], 2_000),
+            vec![vec![1, 0, 2, 3]]
+        );
+        // No fixed part: every distinct length alone (no padding at all).
+        assert_eq!(
+            prefill_groups(&[30, 400, 30, 20], 0),
+            vec![vec![1], vec![0, 2], vec![3]]
+        );
+        // Nothing to split.
+        assert_eq!(prefill_groups(&[], 256), Vec::<Vec<usize>>::new());
+        assert_eq!(prefill_groups(&[7], 256), vec![vec![0]]);
+    }
+
+    #[test]
+    fn prefill_groups_match_an_exhaustive_search() {
+        // Every way of cutting the sorted prompts into runs, for a few ragged joins: the
+        // dynamic programme's cost is the least of them.
+        let cost = |lengths: &[usize], groups: &[Vec<usize>], fixed: usize| {
+            groups
+                .iter()
+                .map(|g| fixed + g.len() * g.iter().map(|&i| lengths[i]).max().unwrap())
+                .sum::<usize>()
+        };
+        let joins: [&[usize]; 4] = [
+            &[401, 12, 350, 33, 90, 91, 7, 200],
+            &[64, 64, 63, 1, 2, 300],
+            &[5, 500, 5, 500, 5, 500],
+            &[100, 90, 80, 70, 60, 50, 40, 30, 20, 10],
+        ];
+        for lengths in joins {
+            for fixed in [0, 16, 100, 256, 1_000] {
+                let groups = prefill_groups(lengths, fixed);
+                let mut all: Vec<usize> = groups.iter().flatten().copied().collect();
+                all.sort_unstable();
+                assert_eq!(all, (0..lengths.len()).collect::<Vec<_>>(), "a partition");
+                let mut sorted: Vec<usize> = (0..lengths.len()).collect();
+                sorted.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+                let n = sorted.len();
+                let mut least = usize::MAX;
+                for mask in 0..(1u32 << (n - 1)) {
+                    // Bit k set: a cut after sorted position k.
+                    let mut runs = vec![vec![sorted[0]]];
+                    for k in 1..n {
+                        if mask & (1 << (k - 1)) != 0 {
+                            runs.push(Vec::new());
+                        }
+                        runs.last_mut().unwrap().push(sorted[k]);
+                    }
+                    least = least.min(cost(lengths, &runs, fixed));
+                }
+                assert_eq!(
+                    cost(lengths, &groups, fixed),
+                    least,
+                    "{lengths:?} at {fixed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_group_switch_reads_whole_numbers_above_zero() {
+        assert_eq!(prefill_group_slots(None), None);
+        assert_eq!(prefill_group_slots(Some("256")), Some(256));
+        assert_eq!(prefill_group_slots(Some(" 64 ")), Some(64));
+        assert_eq!(prefill_group_slots(Some("0")), None);
+        assert_eq!(prefill_group_slots(Some("on")), None);
+    }
 
     fn request(id: u64, prompt_len: usize) -> Request {
         request_with(id, vec![1; prompt_len])

@@ -150,6 +150,11 @@ pub struct RunningBatch<T: SpecBackend> {
     /// `TANDEM_EARLY_EXTEND=1` turns it on. Phase-timed batches never use it (their phases
     /// wait for the device one by one).
     pub early_extend: bool,
+    /// A join of several prompts is prefilled in groups of similar length
+    /// ([`crate::admission::prefill_groups`], with this fixed cost of a prefill in padded slots)
+    /// instead of one step padded to its longest prompt. `None` (the default until measured on
+    /// a GPU): one prefill a join; `TANDEM_PREFILL_GROUPS=N` sets it.
+    pub prefill_group_slots: Option<usize>,
 }
 
 /// [`RunningBatch::early_extend`]'s default: off unless `TANDEM_EARLY_EXTEND=1`.
@@ -348,6 +353,9 @@ impl<T: SpecBackend> Engine<'_, T> {
             trace: None,
             phase_timing: false,
             early_extend: early_extend_default(),
+            prefill_group_slots: crate::admission::prefill_group_slots(
+                std::env::var("TANDEM_PREFILL_GROUPS").ok().as_deref(),
+            ),
         }
     }
 
@@ -544,8 +552,49 @@ impl<T: SpecBackend> Engine<'_, T> {
 
     /// Prefills `requests` on their own (target prefill with taps, first token, draft extend)
     /// and moves them into the running batch. Requests are all checked first: one bad request
-    /// refuses the call and changes nothing.
+    /// refuses the call and changes nothing. With [`RunningBatch::prefill_group_slots`] the
+    /// prompts are prefilled in groups of similar length (one admission each, longest group
+    /// first); the progress comes back in the requests' order either way.
     pub fn admit(
+        &self,
+        batch: &mut RunningBatch<T>,
+        requests: Vec<Request>,
+    ) -> Result<Vec<Progress>, InferError> {
+        let lengths: Vec<usize> = requests.iter().map(|r| r.prompt.len()).collect();
+        let groups = match batch.prefill_group_slots {
+            Some(fixed) if requests.len() > 1 => crate::admission::prefill_groups(&lengths, fixed),
+            _ => Vec::new(),
+        };
+        if groups.len() <= 1 {
+            return self.admit_group(batch, requests);
+        }
+        self.config.validate()?;
+        self.admission(batch).check(&requests, &batch.ids())?;
+        let order: Vec<u64> = requests.iter().map(|r| r.id).collect();
+        let mut waiting: Vec<Option<Request>> = requests.into_iter().map(Some).collect();
+        let mut progress = Vec::with_capacity(order.len());
+        for group in groups {
+            let part: Vec<Request> = group
+                .iter()
+                .map(|&i| waiting[i].take().expect("each request is in one group"))
+                .collect();
+            match self.admit_group(batch, part) {
+                Ok(admitted) => progress.extend(admitted),
+                Err(e) => {
+                    // The call changes nothing: the groups it admitted leave again.
+                    for p in &progress {
+                        self.cancel(batch, p.id)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        progress.sort_by_key(|p| order.iter().position(|&id| id == p.id));
+        Ok(progress)
+    }
+
+    /// [`Engine::admit`] of one prefill group, recorded as one admission.
+    fn admit_group(
         &self,
         batch: &mut RunningBatch<T>,
         requests: Vec<Request>,

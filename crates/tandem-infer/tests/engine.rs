@@ -700,3 +700,48 @@ fn early_extend_over_the_whole_chain_leaves_what_the_accepted_extend_leaves() {
         "acceptance must be partial in places: {accepted} accepted, {partial} partial rounds"
     );
 }
+
+/// A join of ragged prompts prefilled in groups of similar length
+/// (`RunningBatch::prefill_group_slots`): with a fixed cost of 4 slots a prefill, prompts of 30,
+/// 3, 4 and 28 tokens are cut into {30, 28} and {4, 3} (76 padded-and-fixed slots against 124
+/// for one prefill), so the batch holds them longest group first; the progress still comes back
+/// in the requests' order, and every sequence's greedy output equals target-only greedy output.
+#[test]
+fn a_ragged_join_prefilled_in_groups_keeps_greedy_output_exact() {
+    let (target, draft, taps) = setup("prefill-groups");
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    let prompts: Vec<Vec<u32>> = [30usize, 3, 4, 28]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|t| ((t * 7 + i * 13) % 90 + 1) as u32).collect())
+        .collect();
+    let mut batch = engine.new_batch(96);
+    batch.prefill_group_slots = Some(4);
+    let first = engine
+        .admit(&mut batch, greedy_requests(&prompts, 10))
+        .unwrap();
+    assert_eq!(
+        first.iter().map(|p| p.id).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
+    assert_eq!(batch.ids(), vec![0, 3, 2, 1], "two groups, longest first");
+    let mut outputs: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+    let mut record = |progress: Vec<tandem_infer::Progress>| {
+        for p in progress {
+            outputs.entry(p.id).or_default().extend(&p.tokens);
+        }
+    };
+    record(first);
+    while !batch.is_empty() {
+        record(engine.step(&mut batch).unwrap());
+    }
+    for (id, prompt) in prompts.iter().enumerate() {
+        let expected = target_greedy(&target, prompt, 10, &[]).unwrap();
+        assert_eq!(outputs[&(id as u64)], expected, "request {id}");
+    }
+}
