@@ -167,11 +167,11 @@ mod tests {
                 for mask in 0..(1u32 << (n - 1)) {
                     // Bit k set: a cut after sorted position k.
                     let mut runs = vec![vec![sorted[0]]];
-                    for k in 1..n {
+                    for (k, &prompt) in sorted.iter().enumerate().skip(1) {
                         if mask & (1 << (k - 1)) != 0 {
                             runs.push(Vec::new());
                         }
-                        runs.last_mut().unwrap().push(sorted[k]);
+                        runs.last_mut().unwrap().push(prompt);
                     }
                     least = least.min(cost(lengths, &runs, fixed));
                 }
