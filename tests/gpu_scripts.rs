@@ -126,3 +126,40 @@ fn mma_ab_divides_the_row_kernels_times_by_each_arms() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// round_logs.py: a server's admissions and rounds from its round log, summed by kind, with the
+/// mean one-prompt prefill and the rounds by choice.
+#[test]
+fn round_logs_sum_admissions_and_rounds_by_kind() {
+    let dir = scratch("round-logs");
+    let header = "at_s,kind,rows,target_columns,longest,head_columns,choice,tokens,draft_s,verify_s,\
+                  extend_s,catch_up_s,housekeeping_s,wall_s,queued_s,setup_s,captured,predicted_s,\
+                  predicted_plain_s";
+    let rows = [
+        // Two one-prompt admissions (prefills of 2 and 4 ms), one of three prompts.
+        "0.1,admit,1,0,0,0,extended,50,0,0.002,0.001,0,0,0.003,0,0,0,NaN,NaN",
+        "0.2,admit,1,50,50,50,extended,70,0,0.004,0.001,0,0,0.005,0,0,0,NaN,NaN",
+        "0.3,admit,3,70,70,70,deferred,200,0,0.010,0,0,0,0.010,0,0,0,NaN,NaN",
+        "0.4,round,5,80,80,80,3/1/4,11,0,0.001,0,0,0,0.002,0,0,1,0.002,0.001",
+        "0.5,round,5,84,84,84,none,5,0,0.001,0,0,0,0.001,0,0,0,0.002,0.001",
+        "0.6,round,5,85,85,85,3/1/4,9,0,0.001,0,0,0,0.002,0,0,0,0.002,0.001",
+    ];
+    std::fs::write(
+        dir.join("rounds_adaptive_c8.csv"),
+        format!("{}\n{}\n", header.replace(' ', ""), rows.join("\n")),
+    )
+    .expect("log written");
+    let out = run_script(
+        "round_logs.py",
+        &[dir.to_str().unwrap(), "adaptive_c8", "absent_c8"],
+    );
+    assert!(
+        out.contains(
+            "adaptive_c8: admissions 3 (320 prompt tokens, 0.018 s; one-prompt prefill 3.00 ms), \
+             rounds 3 (25 tokens, 0.005 s): 3/1/4 2, none 1"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("absent_c8: no round log"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -232,7 +232,7 @@ phase_import() {
   rm -f "$W/smollm2.gguf" "$W"/part-?
   cp -r heads/smollm2-135m-eagle3 "$W/head"
   cp scripts/reference/hf_decode_bench.py scripts/gpu/head_lib.sh scripts/gpu/nccl_env.sh \
-    scripts/gpu/serve_pairs.py "$W/"
+    scripts/gpu/serve_pairs.py scripts/gpu/round_logs.py "$W/"
 }
 
 # ncu_decode_profile NAME [launches]: where SmolLM2's batch-1 decode step spends its time, kernel
@@ -296,8 +296,8 @@ serve_load() {
 # that drift (clocks, heat, the page cache) falls on every server alike. A 64-request run
 # lasts ~0.6 s at c=32, where one server after the other gave ratios from 0.96 to 1.05 on the
 # same code (sessions 29-33). serve_pairs.py prints each server's ratio to the first, round by
-# round, its median and spread. Loads: load_LABEL_cC_rN.json; rounds_LABEL_cC.csv holds every
-# round.
+# round, its median and spread; round_logs.py where each server's time went (admissions,
+# rounds). Loads: load_LABEL_cC_rN.json; rounds_LABEL_cC.csv holds every round.
 serve_pairs() {
   local concurrency=$1 port=8199 spec label env args pid
   shift
@@ -337,6 +337,7 @@ serve_pairs() {
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
   python3 "$(dirname "${BASH_SOURCE[0]}")/serve_pairs.py" "$R" "${labels[@]}" | tee -a "$R/summary.txt"
+  python3 "$(dirname "${BASH_SOURCE[0]}")/round_logs.py" "$R" "${labels[@]}" | tee -a "$R/summary.txt"
 }
 
 # rounds_line NAME SHAPE [PHASES]: draft, extend and verify ms per round (rounds = speculative
