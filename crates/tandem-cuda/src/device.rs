@@ -103,14 +103,7 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
         "#define PERSIST_THREADS 256\n",
     )?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
-    compile_ptx_with_opts(
-        full_source(mma_attention::MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
-        CompileOptions {
-            name: Some("attention_mma.cu".into()),
-            arch: Some("compute_80"),
-            ..Default::default()
-        },
-    )?;
+    mma_attention::compile()?;
     Ok(vec![
         "kernels/llama.cu",
         "kernels/train.cu",
@@ -1194,6 +1187,21 @@ impl Gpu {
         );
         assert!(mask.len() >= s.rows() * total);
         assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
+        if visible.is_none()
+            && let Some(kernels) = self.mma_attention_for(&s)
+        {
+            return self.attention_mma(
+                kernels,
+                q,
+                k_cache,
+                v_cache,
+                mask,
+                out,
+                s,
+                total,
+                step_scalars,
+            );
+        }
         let mut args = KernelArgs::default()
             .buffer(self, q)
             .buffer(self, k_cache)
@@ -1230,21 +1238,6 @@ impl Gpu {
                 None => (warps + 1) * head_dim * 4,
             },
         };
-        if visible.is_none()
-            && let Some(kernels) = self.mma_attention_for(&s)
-        {
-            return self.attention_mma(
-                kernels,
-                q,
-                k_cache,
-                v_cache,
-                mask,
-                out,
-                s,
-                total,
-                step_scalars,
-            );
-        }
         // SAFETY: the argument list matches the kernel's signature (q, caches, mask, [list,
         // counts,] out, seven scalars, step scalars); sizes asserted above; dynamic shared memory
         // as each kernel declares; the caches are whole allocations, so key rows are 16-byte

@@ -560,9 +560,11 @@ impl<T: SpecBackend> Engine<'_, T> {
         batch: &mut RunningBatch<T>,
         requests: Vec<Request>,
     ) -> Result<Vec<Progress>, InferError> {
-        let lengths: Vec<usize> = requests.iter().map(|r| r.prompt.len()).collect();
         let groups = match batch.prefill_group_slots {
-            Some(fixed) if requests.len() > 1 => crate::admission::prefill_groups(&lengths, fixed),
+            Some(fixed) if requests.len() > 1 => {
+                let lengths: Vec<usize> = requests.iter().map(|r| r.prompt.len()).collect();
+                crate::admission::prefill_groups(&lengths, fixed)
+            }
             _ => Vec::new(),
         };
         if groups.len() <= 1 {

@@ -3,9 +3,9 @@
 //! kernels' 8 rows, where the row kernel (`attention`, one block per query row and head) reads
 //! every visible key row once per query row and head; here once per 64 (slot, query head)
 //! rows of a KV head. Compiled on its own for compute_80 (its
-//! `mma.sync` needs sm_80), on GPUs that have it, and used for steps of at least
-//! [`Gpu::mma_attention_min_width`] slots a sequence: `TANDEM_CUDA_MMA_ATTENTION=N` (off by
-//! default until measured on a GPU). Its indexing is checked on the CPU by an emulator
+//! `mma.sync` needs sm_80), on GPUs that have it, and used for steps of at least N slots a
+//! sequence ([`Gpu::set_mma_attention`], `TANDEM_CUDA_MMA_ATTENTION=N`; off by default until
+//! measured on a GPU). Its indexing is checked on the CPU by an emulator
 //! (`tests/emulated_kernels.rs`); its PTX is assembled for sm_80 and sm_90 in CI
 //! ([`assemble_mma_attention`]).
 
@@ -31,19 +31,24 @@ pub(super) struct MmaAttention {
     head_dim_128: CudaFunction,
 }
 
+/// `kernels/attention_mma.cu` as PTX for compute_80 (what the GPU loads, and what CI compiles
+/// in `compile_all_kernels`).
+pub(super) fn compile() -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    Ok(cudarc::nvrtc::compile_ptx_with_opts(
+        full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
+        cudarc::nvrtc::CompileOptions {
+            name: Some("attention_mma.cu".into()),
+            arch: Some("compute_80"),
+            ..Default::default()
+        },
+    )?)
+}
+
 impl MmaAttention {
     pub(super) fn load(
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
     ) -> Result<Self, CudaError> {
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
-            full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
-            cudarc::nvrtc::CompileOptions {
-                name: Some("attention_mma.cu".into()),
-                arch: Some("compute_80"),
-                ..Default::default()
-            },
-        )?;
-        let module = ctx.load_module(ptx)?;
+        let module = ctx.load_module(compile()?)?;
         Ok(Self {
             head_dim_64: module.load_function("attention_mma_64")?,
             head_dim_128: module.load_function("attention_mma_128")?,
@@ -66,15 +71,6 @@ pub(super) fn takes(shape: &AttentionShape) -> bool {
 }
 
 impl Gpu {
-    /// The narrowest step (slots a sequence) that runs the tensor-core attention; 0: none (no
-    /// sm_80 GPU, or off).
-    pub fn mma_attention_min_width(&self) -> usize {
-        if self.mma_attention.get().is_none() {
-            return 0;
-        }
-        self.mma_attention_width.load(Ordering::Relaxed)
-    }
-
     /// Steps of at least `min_width` slots a sequence (0: none) run the tensor-core attention
     /// from now on (compiled on first use; an error on a GPU before sm_80). CUDA graphs
     /// captured before keep the kernel they captured.
