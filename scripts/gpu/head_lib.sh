@@ -264,28 +264,45 @@ PY
   return $status
 }
 
+# start_server LABEL PORT CONCURRENCY [serve options...]: a server of the imported target on
+# PORT (SERVER_ENV's "VAR=value .." words in its environment), its output and round log under
+# $R, waited for (SERVE_WAIT seconds, default 180) and warmed up; its pid in SERVER_PID.
+start_server() {
+  local label=$1 port=$2 concurrency=$3
+  shift 3
+  # shellcheck disable=SC2086 # SERVER_ENV is a word list
+  env ${SERVER_ENV:-} "$T" serve --model "$M" --device cuda --port "$port" \
+    --max-batch "$concurrency" --context 2048 --round-log "$R/rounds_$label.csv" "$@" \
+    > "$R/serve_$label.txt" 2>&1 &
+  SERVER_PID=$!
+  for _ in $(seq 1 "${SERVE_WAIT:-180}"); do
+    grep -q "listening on" "$R/serve_$label.txt" && break
+    kill -0 "$SERVER_PID" 2> /dev/null || break # it died at start: its log says why
+    sleep 1
+  done
+  "$T" load-test --url "http://127.0.0.1:$port" --data-root "$W/data" --requests "$concurrency" \
+    --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
+}
+
+# stop_server LABEL PORT PID: the server's policy counters into $R/metrics_LABEL.txt, then
+# SIGTERM (the caller waits for PID).
+stop_server() {
+  curl -s "http://127.0.0.1:$2/metrics" | grep -E "^tandem_policy_rounds_total" > "$R/metrics_$1.txt"
+  kill -TERM "$3"
+}
+
 # serve_load LABEL CONCURRENCY [serve options...]: one server, a warm-up, the measured run
-# (REQUESTS, default 64, of MAX_TOKENS, default 128; SERVE_WAIT seconds for the server to
-# listen, default 180).
+# (REQUESTS, default 64, of MAX_TOKENS, default 128).
 serve_load() {
   local label=$1 concurrency=$2
   shift 2
-  "$T" serve --model "$M" --device cuda --port 8199 --max-batch "$concurrency" --context 2048 \
-    --round-log "$R/rounds_$label.csv" "$@" > "$R/serve_$label.txt" 2>&1 &
-  local pid=$!
-  for _ in $(seq 1 "${SERVE_WAIT:-180}"); do
-    grep -q "listening on" "$R/serve_$label.txt" && break
-    kill -0 $pid 2> /dev/null || break # it died at start: its log says why
-    sleep 1
-  done
-  "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "$concurrency" \
-    --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
+  start_server "$label" 8199 "$concurrency" "$@"
+  local pid=$SERVER_PID
   timeout 300 "$T" load-test --url http://127.0.0.1:8199 --data-root "$W/data" --requests "${REQUESTS:-64}" \
     --concurrency "$concurrency" --max-tokens "${MAX_TOKENS:-128}" --label "$label" \
     --json "$R/load_$label.json" > "$R/load_$label.log" 2>&1
-  curl -s http://127.0.0.1:8199/metrics | grep -E "^tandem_policy_rounds_total" > "$R/metrics_$label.txt"
-  kill -TERM $pid
-  wait $pid
+  stop_server "$label" 8199 "$pid"
+  wait "$pid"
   tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
 }
 
@@ -299,25 +316,16 @@ serve_load() {
 # round, its median and spread; round_logs.py where each server's time went (admissions,
 # rounds). Loads: load_LABEL_cC_rN.json; rounds_LABEL_cC.csv holds every round.
 serve_pairs() {
-  local concurrency=$1 port=8199 spec label env args pid
+  local concurrency=$1 port=8199 spec label env args
   shift
   local labels=() ports=() pids=()
   for spec in "$@"; do
     IFS=: read -r label env args <<< "$spec"
     label="${label}_c$concurrency"
     [[ "$env" == "-" ]] && env=""
-    # shellcheck disable=SC2086 # ENV and ARGS are word lists
-    env $env "$T" serve --model "$M" --device cuda --port "$port" --max-batch "$concurrency" \
-      --context 2048 --round-log "$R/rounds_$label.csv" $args > "$R/serve_$label.txt" 2>&1 &
-    pid=$!
-    for _ in $(seq 1 "${SERVE_WAIT:-180}"); do
-      grep -q "listening on" "$R/serve_$label.txt" && break
-      kill -0 $pid 2> /dev/null || break # it died at start: its log says why
-      sleep 1
-    done
-    "$T" load-test --url "http://127.0.0.1:$port" --data-root "$W/data" --requests "$concurrency" \
-      --concurrency "$concurrency" --max-tokens 16 --label warmup > /dev/null 2>&1
-    labels+=("$label") ports+=("$port") pids+=("$pid")
+    # shellcheck disable=SC2086 # ARGS is a word list
+    SERVER_ENV="$env" start_server "$label" "$port" "$concurrency" $args
+    labels+=("$label") ports+=("$port") pids+=("$SERVER_PID")
     port=$((port + 1))
   done
   local rep i j n=${#labels[@]}
@@ -331,10 +339,9 @@ serve_pairs() {
     done
   done
   for i in $(seq 0 $((n - 1))); do
-    curl -s "http://127.0.0.1:${ports[$i]}/metrics" | grep -E "^tandem_policy_rounds_total" \
-      > "$R/metrics_${labels[$i]}.txt"
-    kill -TERM "${pids[$i]}"
+    stop_server "${labels[$i]}" "${ports[$i]}" "${pids[$i]}"
   done
+  local pid
   for pid in "${pids[@]}"; do wait "$pid"; done
   python3 "$(dirname "${BASH_SOURCE[0]}")/serve_pairs.py" "$R" "${labels[@]}" | tee -a "$R/summary.txt"
   python3 "$(dirname "${BASH_SOURCE[0]}")/round_logs.py" "$R" "${labels[@]}" | tee -a "$R/summary.txt"

@@ -11,6 +11,7 @@
 
 #include "common.cuh"
 #include "attention_mma.cu"
+#include "host_reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,12 +20,6 @@
 #include <random>
 #include <string>
 
-static unsigned short to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<unsigned short>(u >> 16);
-}
-static float from_bf16(unsigned short v) { return __uint_as_float(static_cast<unsigned int>(v) << 16); }
 
 struct Case {
     std::string name;
@@ -70,31 +65,12 @@ static bool run(const Case& c, std::mt19937& rng) {
             for (int h = 0; h < c.heads; ++h) {
                 const int kvh = h / (c.heads / c.kv_heads);
                 const size_t base = (static_cast<size_t>(b) * c.kv_heads + kvh) * c.capacity * c.head_dim;
-                const float* qr = &q[(r * c.heads + h) * c.head_dim];
-                std::vector<double> score(total, -INFINITY);
-                double top = -INFINITY;
-                for (int j = 0; j < total; ++j) {
-                    if (mask[r * total + j] != 0.0f) continue;
-                    double dot = 0.0;
-                    for (int d = 0; d < c.head_dim; ++d)
-                        dot += static_cast<double>(qr[d]) * scale * from_bf16(k[base + static_cast<size_t>(j) * c.head_dim + d]);
-                    score[j] = dot;
-                    top = std::max(top, dot);
-                }
-                double sum = 0.0;
-                std::vector<double> want(c.head_dim, 0.0);
-                if (top != -INFINITY) {
-                    for (int j = 0; j < total; ++j) {
-                        if (score[j] == -INFINITY) continue;
-                        const double p = std::exp(score[j] - top);
-                        sum += p;
-                        for (int d = 0; d < c.head_dim; ++d)
-                            want[d] += p * from_bf16(v[base + static_cast<size_t>(j) * c.head_dim + d]);
-                    }
-                    for (auto& w : want) w /= sum;
-                } else {
-                    ++hidden_rows;
-                }
+                const auto seen = [&](int j) { return mask[r * total + j] == 0.0f; };
+                bool any = false;
+                for (int j = 0; j < total && !any; ++j) any = seen(j);
+                if (!any) ++hidden_rows;
+                const auto want = plain_attention(&q[(r * c.heads + h) * c.head_dim], &k[base],
+                                                  &v[base], c.head_dim, total, scale, seen);
                 for (int d = 0; d < c.head_dim; ++d) {
                     const double got = from_bf16(out[(r * c.heads + h) * c.head_dim + d]);
                     const double err = std::fabs(got - want[d]);

@@ -19,6 +19,7 @@
 #include "common.cuh"
 #include "llama.cu"
 #include "attention_mma.cu"
+#include "host_reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -69,12 +70,6 @@ static bool check_gather_accepted_roots(std::mt19937& rng) {
                   "(accepted lengths 0..3, a match after a mismatch)");
 }
 
-static unsigned short to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<unsigned short>(u >> 16);
-}
-static float from_bf16(unsigned short v) { return __uint_as_float(static_cast<unsigned int>(v) << 16); }
 
 static bool check_attention_kernels(std::mt19937& rng) {
     // A ragged causal prefill (sequence 1 is 17 of 24 slots, its padding sees itself), 6/2
@@ -116,29 +111,14 @@ static bool check_attention_kernels(std::mt19937& rng) {
         const int b = r / width;
         for (int hh = 0; hh < heads; ++hh) {
             const size_t base = (static_cast<size_t>(b) * kv_heads + hh / (heads / kv_heads)) * capacity * hd;
-            std::vector<double> score(total, -INFINITY);
-            double top = -INFINITY;
-            for (int j = 0; j < total; ++j) {
-                if (mask[r * total + j] != 0.0f) continue;
-                double dot = 0;
-                for (int d = 0; d < hd; ++d)
-                    dot += static_cast<double>(q[(r * heads + hh) * hd + d]) * scale * from_bf16(k[base + j * hd + d]);
-                score[j] = dot;
-                top = std::max(top, dot);
-            }
-            std::vector<double> want(hd, 0.0);
-            double sum = 0;
-            for (int j = 0; j < total; ++j) {
-                if (score[j] == -INFINITY) continue;
-                const double p = std::exp(score[j] - top);
-                sum += p;
-                for (int d = 0; d < hd; ++d) want[d] += p * from_bf16(v[base + j * hd + d]);
-            }
+            const auto want =
+                plain_attention(&q[(r * heads + hh) * hd], &k[base], &v[base], hd, total, scale,
+                                [&](int j) { return mask[r * total + j] == 0.0f; });
             for (int d = 0; d < hd; ++d) {
                 const size_t at = (r * heads + hh) * hd + d;
                 const double a = from_bf16(by_rows[at]), m = from_bf16(by_mma[at]);
-                worst_rows = std::max(worst_rows, std::fabs(a - want[d] / sum));
-                worst_mma = std::max(worst_mma, std::fabs(m - want[d] / sum));
+                worst_rows = std::max(worst_rows, std::fabs(a - want[d]));
+                worst_mma = std::max(worst_mma, std::fabs(m - want[d]));
                 worst_between = std::max(worst_between, std::fabs(a - m));
             }
         }
@@ -269,24 +249,11 @@ static bool check_attention_invariance(std::mt19937& rng) {
     const auto among = run(4, 2, speculative, speculative.back() + 2);
     double worst_alone = 0.0, worst_among = 0.0;
     for (int h = 0; h < heads; ++h) {
-        std::vector<double> score(seen);
-        double top = -INFINITY;
-        for (int j = 0; j < seen; ++j) {
-            double dot = 0;
-            for (int d = 0; d < hd; ++d) dot += static_cast<double>(q_row[h * hd + d]) * scale * from_bf16(keys[j * hd + d]);
-            score[j] = dot;
-            top = std::max(top, dot);
-        }
-        double sum = 0;
-        std::vector<double> want(hd, 0.0);
-        for (int j = 0; j < seen; ++j) {
-            const double p = std::exp(score[j] - top);
-            sum += p;
-            for (int d = 0; d < hd; ++d) want[d] += p * from_bf16(values[j * hd + d]);
-        }
+        const auto want = plain_attention(&q_row[h * hd], keys.data(), values.data(), hd, seen,
+                                          scale, [](int) { return true; });
         for (int d = 0; d < hd; ++d) {
-            worst_alone = std::max(worst_alone, std::fabs(from_bf16(alone[h * hd + d]) - want[d] / sum));
-            worst_among = std::max(worst_among, std::fabs(from_bf16(among[h * hd + d]) - want[d] / sum));
+            worst_alone = std::max(worst_alone, std::fabs(from_bf16(alone[h * hd + d]) - want[d]));
+            worst_among = std::max(worst_among, std::fabs(from_bf16(among[h * hd + d]) - want[d]));
         }
     }
     char detail[160];
