@@ -238,20 +238,19 @@ PY
   # the head), e.g. "target-only:-:--no-draft;adaptive:-:--draft @HEAD;
   # target-only-mma:TANDEM_CUDA_MMA_ATTENTION=4:--no-draft;adaptive-mma:TANDEM_CUDA_MMA_ATTENTION=4:--draft @HEAD"
   # (the first is every ratio's baseline; adaptive-X is also set against target-only-X).
-  local c servers arm
+  local c arm arms servers=("target-only:-:--no-draft" "adaptive:-:--draft $W/head")
+  if [[ -n "${SERVE_ARMS:-}" ]]; then
+    servers=()
+    IFS=';' read -ra arms <<< "$SERVE_ARMS"
+    for arm in "${arms[@]}"; do
+      arm="${arm#"${arm%%[![:space:]]*}"}"
+      [[ -n "$arm" ]] && servers+=("${arm//@HEAD/$W/head}")
+    done
+  elif [[ -n "${AB_ENV:-}" ]]; then
+    servers+=("adaptive-ab:$AB_ENV:--draft $W/head")
+    [[ "${AB_TARGET:-0}" == 1 ]] && servers+=("target-only-ab:$AB_ENV:--no-draft")
+  fi
   for c in ${SERVE:-}; do
-    servers=("target-only:-:--no-draft" "adaptive:-:--draft $W/head")
-    if [[ -n "${SERVE_ARMS:-}" ]]; then
-      servers=()
-      IFS=';' read -ra arms <<< "$SERVE_ARMS"
-      for arm in "${arms[@]}"; do
-        arm="${arm#"${arm%%[![:space:]]*}"}"
-        [[ -n "$arm" ]] && servers+=("${arm//@HEAD/$W/head}")
-      done
-    elif [[ -n "${AB_ENV:-}" ]]; then
-      servers+=("adaptive-ab:$AB_ENV:--draft $W/head")
-      [[ "${AB_TARGET:-0}" == 1 ]] && servers+=("target-only-ab:$AB_ENV:--no-draft")
-    fi
     serve_pairs "$c" "${servers[@]}"
   done
   # Steady state: 256 requests at the concurrencies in SERVE_LONG.
