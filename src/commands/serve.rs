@@ -34,6 +34,10 @@ pub struct ServeArgs {
     /// Requests waiting to join the batch at most; more are answered 429.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Rounds a request may wait outside a busy batch so that several join in one prefill
+    /// (only while fewer than one request waits for every 8 running rows; 0: join at once).
+    #[arg(long, default_value_t = 0)]
+    pub join_hold_rounds: usize,
     /// Context (KV-cache columns) per sequence.
     #[arg(long, default_value_t = 2048)]
     pub context: usize,
@@ -83,6 +87,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         SchedulerConfig {
             max_batch: args.max_batch,
             max_queue: args.max_queue,
+            join_hold_rounds: args.join_hold_rounds,
         },
         factory,
     )

@@ -115,6 +115,7 @@ fn greedy_output_bad_inputs_and_metrics_over_http() {
         SchedulerConfig {
             max_batch: 4,
             max_queue: 8,
+            join_hold_rounds: 0,
         },
         256,
     );
@@ -235,6 +236,7 @@ fn overload_gets_429_and_a_disconnect_frees_the_slot() {
         SchedulerConfig {
             max_batch: 1,
             max_queue: 1,
+            join_hold_rounds: 0,
         },
         512,
     );
@@ -313,6 +315,7 @@ fn sampled_requests_are_reproducible_with_a_seed() {
         SchedulerConfig {
             max_batch: 2,
             max_queue: 4,
+            join_hold_rounds: 0,
         },
         256,
     );
