@@ -58,6 +58,17 @@ pub struct LoadReport {
     pub accept_length: f64,
     /// Rounds by the draft shape the server's speculation policy chose, over all responses.
     pub shapes: std::collections::BTreeMap<String, u64>,
+    /// Failed requests by reason (the HTTP status and the error's message, or the transport
+    /// error), so that a failed load says why.
+    pub failures: std::collections::BTreeMap<String, usize>,
+}
+
+/// A failed request's reason: its HTTP status and the OpenAI-style error's message.
+fn failure_reason(status: u16, body: &serde_json::Value) -> String {
+    match body["error"]["message"].as_str() {
+        Some(message) => format!("HTTP {status}: {message}"),
+        None => format!("HTTP {status}"),
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -128,10 +139,16 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
                     let t0 = Instant::now();
                     let reply = client.post(&url).json(&body).send().await;
                     let outcome = match reply {
-                        Ok(r) if r.status().is_success() => {
-                            r.json::<serde_json::Value>().await.ok()
+                        Ok(r) if r.status().is_success() => r
+                            .json::<serde_json::Value>()
+                            .await
+                            .map_err(|e| format!("unreadable reply: {e}")),
+                        Ok(r) => {
+                            let status = r.status();
+                            let body = r.json::<serde_json::Value>().await.unwrap_or_default();
+                            Err(failure_reason(status.as_u16(), &body))
                         }
-                        _ => None,
+                        Err(e) => Err(format!("no reply: {e}")),
                     };
                     results.push((t0.elapsed().as_secs_f64(), outcome));
                 }
@@ -141,10 +158,11 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
         let mut latencies = Vec::new();
         let (mut tokens, mut failed, mut accepted, mut rounds) = (0u64, 0usize, 0u64, 0u64);
         let mut shapes = std::collections::BTreeMap::<String, u64>::new();
+        let mut failures = std::collections::BTreeMap::<String, usize>::new();
         for w in workers {
             for (latency, outcome) in w.await? {
                 match outcome {
-                    Some(v) => {
+                    Ok(v) => {
                         latencies.push(latency);
                         tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
                         accepted += v["tandem"]["accepted_draft_tokens"].as_u64().unwrap_or(0);
@@ -156,7 +174,10 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
                             }
                         }
                     }
-                    None => failed += 1,
+                    Err(reason) => {
+                        failed += 1;
+                        *failures.entry(reason).or_default() += 1;
+                    }
                 }
             }
         }
@@ -182,6 +203,7 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
                 1.0
             },
             shapes,
+            failures,
         })
     })?;
     println!(
@@ -209,6 +231,9 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
             .collect();
         println!("rounds by draft shape: {}", rounds.join(", "));
     }
+    for (reason, n) in &report.failures {
+        println!("failed: {n} x {reason}");
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -219,7 +244,15 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::percentile;
+    use super::{failure_reason, percentile};
+
+    #[test]
+    fn a_failure_names_its_status_and_the_servers_message() {
+        let body =
+            serde_json::json!({"error": {"message": "CUDA out of memory", "type": "server_error"}});
+        assert_eq!(failure_reason(500, &body), "HTTP 500: CUDA out of memory");
+        assert_eq!(failure_reason(429, &serde_json::Value::Null), "HTTP 429");
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

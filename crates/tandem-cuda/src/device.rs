@@ -28,7 +28,7 @@ use crate::kv_pool::KvPool;
 
 mod mma_attention;
 use mma_attention::MmaAttention;
-pub use mma_attention::assemble_mma_attention;
+pub use mma_attention::{DEFAULT_MMA_MIN_WIDTH, assemble_mma_attention};
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
@@ -529,8 +529,10 @@ impl Gpu {
             mma_attention_width: AtomicUsize::new(0),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
+        let (compute_major, _) = gpu.ctx.compute_capability()?;
         gpu.set_mma_attention(mma_attention::min_width(
             std::env::var("TANDEM_CUDA_MMA_ATTENTION").ok().as_deref(),
+            compute_major,
         ))?;
         Ok(Arc::new(gpu))
     }

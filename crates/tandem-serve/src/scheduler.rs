@@ -531,6 +531,8 @@ fn fail(
     decoder: &mut dyn Decoder,
     metrics: &Metrics,
 ) {
+    // Nothing else would show why requests failed: the HTTP layer answers the clients only.
+    eprintln!("tandem serve: {} request(s) failed: {error}", ids.len());
     for id in ids {
         // The batch may already be unusable (the error came from it): failing the request is
         // what matters, a second error changes nothing.
