@@ -28,7 +28,7 @@ use crate::kv_pool::KvPool;
 
 mod mma_attention;
 use mma_attention::MmaAttention;
-pub use mma_attention::{DEFAULT_MMA_MIN_WIDTH, assemble_mma_attention};
+pub use mma_attention::{DEFAULT_MMA_MIN_WIDTH, MMA_MIN_QUERY_ROWS, assemble_mma_attention};
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
@@ -324,6 +324,8 @@ pub struct Gpu {
     mma_attention: OnceLock<MmaAttention>,
     /// The narrowest step (slots a sequence) it takes; 0: none.
     mma_attention_width: AtomicUsize,
+    /// The fewest (slot, query head) rows of a step it takes.
+    mma_attention_rows: AtomicUsize,
 }
 
 /// A page-locked host buffer and the event recorded after the last copy into it.
@@ -527,13 +529,17 @@ impl Gpu {
             read_backs: Mutex::new(Vec::new()),
             mma_attention: OnceLock::new(),
             mma_attention_width: AtomicUsize::new(0),
+            mma_attention_rows: AtomicUsize::new(mma_attention::MMA_MIN_QUERY_ROWS),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         let (compute_major, _) = gpu.ctx.compute_capability()?;
-        gpu.set_mma_attention(mma_attention::min_width(
-            std::env::var("TANDEM_CUDA_MMA_ATTENTION").ok().as_deref(),
-            compute_major,
-        ))?;
+        gpu.set_mma_attention(
+            mma_attention::min_width(
+                std::env::var("TANDEM_CUDA_MMA_ATTENTION").ok().as_deref(),
+                compute_major,
+            ),
+            mma_attention::MMA_MIN_QUERY_ROWS,
+        )?;
         Ok(Arc::new(gpu))
     }
 

@@ -1609,7 +1609,8 @@ fn tensor_core_attention_matches_the_row_kernel() {
             gpu.upload(&mask).unwrap(),
         );
         let run = |min_width: usize| -> Vec<f32> {
-            gpu.set_mma_attention(min_width).unwrap();
+            // No row floor: every case goes to the kernel asked for.
+            gpu.set_mma_attention(min_width, 0).unwrap();
             let mut out = gpu.zeros::<u16>(rows * shape.heads * hd).unwrap();
             gpu.attention(
                 &q_dev, &k_dev, &v_dev, &mask_dev, None, &mut out, shape, total, None,
@@ -1619,7 +1620,7 @@ fn tensor_core_attention_matches_the_row_kernel() {
         };
         let by_rows = run(0);
         let by_mma = run(1);
-        gpu.set_mma_attention(0).unwrap();
+        gpu.set_mma_attention(0, 0).unwrap();
         let at =
             |b: usize, h: usize, col: usize| ((b * shape.kv_heads + h) * shape.capacity + col) * hd;
         let (mut worst_rows, mut worst_mma) = (0.0f32, 0.0f32);

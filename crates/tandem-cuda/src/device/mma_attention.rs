@@ -56,15 +56,34 @@ impl MmaAttention {
     }
 }
 
-/// The narrowest step (slots a sequence) the tensor-core kernel takes by default. Measured on
-/// an H100 (session 35, `fast-bench` A/B): from width 16 it prefilled 512-token prompts 3-4.7x
-/// faster at batch 1-32 and verified 32-token trees 1.6-4x faster at batch 8-32, and cost
-/// nothing measurable on narrower steps, which keep the row kernel; from width 4 it slowed
-/// the verification of 4-8 tokens at batch 8 (0.56-0.71x).
-pub const DEFAULT_MMA_MIN_WIDTH: usize = 16;
+/// The narrowest step (slots a sequence) the tensor-core kernel takes by default; it also needs
+/// [`MMA_MIN_QUERY_ROWS`].
+pub const DEFAULT_MMA_MIN_WIDTH: usize = 4;
+
+/// The fewest (slot, query head) rows a step must have for the tensor-core kernel: a block takes
+/// 64 rows of one sequence and one KV head, so a small step leaves most SMs idle, while the row
+/// kernel spreads one block per row. Measured on an H100 (session 35, `fast-bench`, 512-token
+/// context, SmolLM2's 9 heads), tensor cores over the row kernel by rows: 288 (verify 4 at
+/// batch 8; verify 32 at batch 1) 0.52-0.56x, 576 (verify 8 at batch 8) 0.71x, 1,152 (verify 4
+/// at batch 32) 0.97x, 2,304 (verify 8 at batch 32, verify 32 at batch 8) 1.50-1.60x, 4,608 and
+/// up (prefills of 512 tokens at batch 1-32, verify 32 at batch 32) 3-4.7x.
+pub const MMA_MIN_QUERY_ROWS: usize = 2048;
+
+/// Whether a step of this shape goes to the tensor cores, with `min_width` the narrowest step
+/// allowed (0: never) and `min_rows` the fewest (slot, query head) rows.
+pub(super) fn prefers_tensor_cores(
+    shape: &AttentionShape,
+    min_width: usize,
+    min_rows: usize,
+) -> bool {
+    min_width > 0
+        && shape.width >= min_width
+        && shape.rows() * shape.heads >= min_rows
+        && takes(shape)
+}
 
 /// `TANDEM_CUDA_MMA_ATTENTION`'s value as the narrowest step (slots a sequence) the tensor-core
-/// kernel takes: unset, [`DEFAULT_MMA_MIN_WIDTH`] on GPUs that have the tensor-core `mma.sync`
+/// kernel takes (with [`MMA_MIN_QUERY_ROWS`]): unset, [`DEFAULT_MMA_MIN_WIDTH`] on GPUs that have the tensor-core `mma.sync`
 /// (sm_80 on, `compute_major` >= 8) and off before; a whole number: that width (0: off);
 /// anything else: off.
 pub(super) fn min_width(value: Option<&str>, compute_major: i32) -> usize {
@@ -84,10 +103,15 @@ pub(super) fn takes(shape: &AttentionShape) -> bool {
 }
 
 impl Gpu {
-    /// Steps of at least `min_width` slots a sequence (0: none) run the tensor-core attention
-    /// from now on (compiled on first use; an error on a GPU before sm_80). CUDA graphs
-    /// captured before keep the kernel they captured.
-    pub fn set_mma_attention(&self, min_width: usize) -> Result<(), CudaError> {
+    /// Steps of at least `min_width` slots a sequence (0: none) and `min_query_rows` (slot,
+    /// query head) rows ([`MMA_MIN_QUERY_ROWS`] by default) run the tensor-core attention from
+    /// now on (compiled on first use; an error on a GPU before sm_80). CUDA graphs captured
+    /// before keep the kernel they captured.
+    pub fn set_mma_attention(
+        &self,
+        min_width: usize,
+        min_query_rows: usize,
+    ) -> Result<(), CudaError> {
         if min_width > 0 && self.mma_attention.get().is_none() {
             let (major, _) = self.ctx.compute_capability()?;
             if major < 8 {
@@ -99,6 +123,8 @@ impl Gpu {
             let _ = self.mma_attention.set(kernels);
         }
         self.mma_attention_width.store(min_width, Ordering::Relaxed);
+        self.mma_attention_rows
+            .store(min_query_rows, Ordering::Relaxed);
         Ok(())
     }
 
@@ -106,8 +132,9 @@ impl Gpu {
     /// tensor-core kernel.
     pub(super) fn mma_attention_for(&self, shape: &AttentionShape) -> Option<&MmaAttention> {
         let min_width = self.mma_attention_width.load(Ordering::Relaxed);
+        let min_rows = self.mma_attention_rows.load(Ordering::Relaxed);
         let kernels = self.mma_attention.get()?;
-        (min_width > 0 && shape.width >= min_width && takes(shape)).then_some(kernels)
+        prefers_tensor_cores(shape, min_width, min_rows).then_some(kernels)
     }
 
     /// [`Gpu::attention`] on the tensor cores (kernels/attention_mma.cu), whatever the step's
@@ -211,6 +238,56 @@ pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wide_steps_with_many_rows_go_to_the_tensor_cores_as_measured() {
+        let smollm2 = |batch, width| AttentionShape {
+            batch,
+            width,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            capacity: 1024,
+        };
+        let w = DEFAULT_MMA_MIN_WIDTH;
+        // Session 35's H100 winners (see MMA_MIN_QUERY_ROWS): (batch, width, tensor cores won).
+        for (batch, width, won) in [
+            (1, 512, true),
+            (32, 512, true),
+            (32, 32, true),
+            (8, 32, true),
+            (32, 8, true),
+            (32, 4, false),
+            (8, 8, false),
+            (8, 4, false),
+            (1, 32, false),
+            (64, 1, false),
+        ] {
+            assert_eq!(
+                prefers_tensor_cores(&smollm2(batch, width), w, MMA_MIN_QUERY_ROWS),
+                won,
+                "{batch} x {width}"
+            );
+        }
+        // Off, narrower than asked, or a head size the kernel is not compiled for.
+        assert!(!prefers_tensor_cores(
+            &smollm2(1, 512),
+            0,
+            MMA_MIN_QUERY_ROWS
+        ));
+        assert!(!prefers_tensor_cores(
+            &smollm2(32, 8),
+            16,
+            MMA_MIN_QUERY_ROWS
+        ));
+        let odd = AttentionShape {
+            head_dim: 96,
+            ..smollm2(1, 512)
+        };
+        assert!(!prefers_tensor_cores(&odd, w, MMA_MIN_QUERY_ROWS));
+        // Without the row floor (the GPU test's setting) any step of the width goes.
+        assert!(prefers_tensor_cores(&smollm2(1, 8), 1, 0));
+    }
 
     #[test]
     fn the_width_switch_reads_whole_numbers_and_is_off_otherwise() {
