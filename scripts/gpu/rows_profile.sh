@@ -87,12 +87,12 @@ mma_attention_ab() {
   # slots a sequence (TANDEM_CUDA_MMA_ATTENTION=N), one arm per N, against the row kernel, same
   # run and binary: fast-bench prefills (TTFT) of MMA_PROMPTS-token prompts (default 512) at
   # batch 1, 8 and 32, and verifying 4, 8 and 32 tokens after them (N=4 also takes the
-  # unfused verifications of 4 and 8 tokens, i.e. batch 8 and up). Table in summary.txt.
+  # unfused verifications of 4 and 8 tokens, i.e. batch 8 and up), each with the default floor
+  # of 2,048 (slot, query head) rows (MMA_MIN_QUERY_ROWS). Table in summary.txt.
   local p arm
   for p in ${MMA_PROMPTS:-512}; do
     for arm in rows ${MMA_AB}; do
-      # shellcheck disable=SC2046 # no variable for the row kernel
-      env $([[ $arm != rows ]] && echo "TANDEM_CUDA_MMA_ATTENTION=$arm") timeout 300 "$T" \
+      TANDEM_CUDA_MMA_ATTENTION=$([[ $arm == rows ]] && echo 0 || echo "$arm") timeout 300 "$T" \
         fast-bench --model "$M" --prompt-tokens "$p" --batch 1,8,32 --verify-widths 4,8,32 \
         --new-tokens 16 --repeats 3 --with-taps --graphs-only --json "$R/prefill-$arm-$p.json" \
         > "$R/prefill-$arm-$p.md" 2> "$R/prefill-$arm-$p.log"
