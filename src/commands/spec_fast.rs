@@ -103,6 +103,7 @@ pub fn serve_decoder(
             max_batch,
         )?);
     };
+    let gpu = target.gpu().clone();
     // Rounds are plain until the costs are measured on the decoder's own caches.
     let forced =
         tandem_infer::SpeculationPolicy::forced(shapes.clone(), tandem_infer::Choice::Plain);
@@ -131,6 +132,13 @@ pub fn serve_decoder(
         "speculation policy: round costs measured in {:.1}s (ms per round):\n{}",
         start.elapsed().as_secs_f64(),
         costs.render(&shapes)
+    );
+    let (before, after) = gpu.release_unused_memory()?;
+    eprintln!(
+        "speculation policy: the measurement's scratch memory released ({:.2} GiB of the memory \
+         pool kept, {:.2} GiB before)",
+        after as f64 / (1u64 << 30) as f64,
+        before as f64 / (1u64 << 30) as f64
     );
     Ok(decoder)
 }

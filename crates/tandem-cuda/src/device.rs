@@ -569,6 +569,33 @@ impl Gpu {
         Ok(())
     }
 
+    /// Hands the stream-ordered pool's unused memory back to the driver once the stream's work
+    /// is done, and returns how many bytes the pool held before and after. The pool keeps its
+    /// peak otherwise (`set_pool_release_threshold(u64::MAX)`): a server's start-up
+    /// measurement of every draft shape at its largest batch would stay reserved for good, and
+    /// other processes on the GPU (another server, a training job) would run out of memory.
+    pub fn release_unused_memory(&self) -> Result<(u64, u64), CudaError> {
+        self.synchronize()?;
+        let pool = Self::pool_of(&self.ctx)?;
+        let reserved = || -> Result<u64, CudaError> {
+            let mut value = 0u64;
+            // SAFETY: the pool belongs to this context's device; the attribute is a u64.
+            unsafe {
+                cudarc::driver::result::mem_pool::get_attribute(
+                    pool,
+                    CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                    (&mut value) as *mut u64 as *mut std::ffi::c_void,
+                )
+            }?;
+            Ok(value)
+        };
+        let before = reserved()?;
+        // SAFETY: the pool belongs to this context's device; trimming frees only memory no
+        // allocation holds.
+        unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) }?;
+        Ok((before, reserved()?))
+    }
+
     /// Lets `peer` read and write every buffer this GPU's stream-ordered pool hands out. NCCL
     /// connects the GPUs of one process by direct pointers and, for large messages, its
     /// kernels on one GPU read and write the other's user buffer; peer access enabled by
