@@ -156,7 +156,7 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
             }));
         }
         let mut latencies = Vec::new();
-        let (mut tokens, mut failed, mut accepted, mut rounds) = (0u64, 0usize, 0u64, 0u64);
+        let (mut tokens, mut accepted, mut rounds) = (0u64, 0u64, 0u64);
         let mut shapes = std::collections::BTreeMap::<String, u64>::new();
         let mut failures = std::collections::BTreeMap::<String, usize>::new();
         for w in workers {
@@ -174,10 +174,7 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
                             }
                         }
                     }
-                    Err(reason) => {
-                        failed += 1;
-                        *failures.entry(reason).or_default() += 1;
-                    }
+                    Err(reason) => *failures.entry(reason).or_default() += 1,
                 }
             }
         }
@@ -189,7 +186,7 @@ pub fn run(args: LoadTestArgs) -> anyhow::Result<()> {
             requests: args.requests,
             concurrency: args.concurrency,
             max_tokens: args.max_tokens,
-            failed,
+            failed: failures.values().sum(),
             wall_seconds: wall,
             completion_tokens: tokens,
             tokens_per_second: tokens as f64 / wall,

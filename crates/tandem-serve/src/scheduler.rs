@@ -607,17 +607,12 @@ mod tests {
         }
         fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
             self.admissions.lock().unwrap().push(requests.len());
-            let ids: Vec<u64> = requests.iter().map(|r| r.id).collect();
-            self.rows.extend(
-                requests
-                    .into_iter()
-                    .map(|r| (r.id, r.max_new_tokens, Vec::new())),
-            );
-            // The admission's prefill gives each joining request its first token.
-            let all = std::mem::take(&mut self.rows);
-            let (joining, running): (Vec<_>, Vec<_>) =
-                all.into_iter().partition(|(id, ..)| ids.contains(id));
-            self.rows = joining;
+            // The admission's prefill gives each joining request (alone) its first token.
+            let joining = requests
+                .into_iter()
+                .map(|r| (r.id, r.max_new_tokens, Vec::new()))
+                .collect();
+            let running = std::mem::replace(&mut self.rows, joining);
             let progress = self.emit();
             self.rows.extend(running);
             Ok(progress)

@@ -83,9 +83,9 @@ pub(super) fn prefers_tensor_cores(
 }
 
 /// `TANDEM_CUDA_MMA_ATTENTION`'s value as the narrowest step (slots a sequence) the tensor-core
-/// kernel takes (with [`MMA_MIN_QUERY_ROWS`]): unset, [`DEFAULT_MMA_MIN_WIDTH`] on GPUs that have the tensor-core `mma.sync`
-/// (sm_80 on, `compute_major` >= 8) and off before; a whole number: that width (0: off);
-/// anything else: off.
+/// kernel takes (with [`MMA_MIN_QUERY_ROWS`]): unset, [`DEFAULT_MMA_MIN_WIDTH`] on GPUs that
+/// have the tensor-core `mma.sync` (sm_80 on, `compute_major` >= 8) and off before; a whole
+/// number: that width (0: off); anything else: off.
 pub(super) fn min_width(value: Option<&str>, compute_major: i32) -> usize {
     match value {
         None if compute_major >= 8 => DEFAULT_MMA_MIN_WIDTH,
