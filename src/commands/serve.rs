@@ -36,7 +36,9 @@ pub struct ServeArgs {
     pub max_queue: usize,
     /// Rounds a request may wait outside a busy batch so that several join in one prefill
     /// (only while fewer than one request waits for every 8 running rows; 0: join at once).
-    #[arg(long, default_value_t = 0)]
+    /// 4 by default: with prefill groups it took speculative serving at c=32 from 0.875x to
+    /// 0.998x target-only on an H100 (BENCHMARKS.md, issue #16 session 36).
+    #[arg(long, default_value_t = 4)]
     pub join_hold_rounds: usize,
     /// Context (KV-cache columns) per sequence.
     #[arg(long, default_value_t = 2048)]

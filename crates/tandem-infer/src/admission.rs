@@ -99,13 +99,19 @@ pub fn prefill_groups(lengths: &[usize], fixed_slots: usize) -> Vec<Vec<usize>> 
     groups
 }
 
+/// [`prefill_groups`]' fixed part, in slots, when `TANDEM_PREFILL_GROUPS` is unset: a prefill
+/// step costs about as much as 256 padded slots (session 34's c=64 joins).
+pub const DEFAULT_PREFILL_GROUP_SLOTS: usize = 256;
+
 /// `TANDEM_PREFILL_GROUPS`' value as [`prefill_groups`]' fixed part, in slots: a whole number
-/// above 0; unset, 0 or anything else keeps one prefill a join (the default until measured on
-/// a GPU).
+/// above 0 sets it, 0 keeps one prefill a join (`None`), unset or anything else gives
+/// [`DEFAULT_PREFILL_GROUP_SLOTS`].
 pub fn prefill_group_slots(value: Option<&str>) -> Option<usize> {
-    value
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|&slots: &usize| slots > 0)
+    match value.and_then(|v| v.trim().parse::<usize>().ok()) {
+        Some(0) => None,
+        Some(slots) => Some(slots),
+        None => Some(DEFAULT_PREFILL_GROUP_SLOTS),
+    }
 }
 
 #[cfg(test)]
@@ -186,11 +192,14 @@ mod tests {
 
     #[test]
     fn the_group_switch_reads_whole_numbers_above_zero() {
-        assert_eq!(prefill_group_slots(None), None);
-        assert_eq!(prefill_group_slots(Some("256")), Some(256));
+        assert_eq!(prefill_group_slots(None), Some(DEFAULT_PREFILL_GROUP_SLOTS));
+        assert_eq!(prefill_group_slots(Some("512")), Some(512));
         assert_eq!(prefill_group_slots(Some(" 64 ")), Some(64));
         assert_eq!(prefill_group_slots(Some("0")), None);
-        assert_eq!(prefill_group_slots(Some("on")), None);
+        assert_eq!(
+            prefill_group_slots(Some("on")),
+            Some(DEFAULT_PREFILL_GROUP_SLOTS)
+        );
     }
 
     fn request(id: u64, prompt_len: usize) -> Request {

@@ -152,8 +152,10 @@ pub struct RunningBatch<T: SpecBackend> {
     pub early_extend: bool,
     /// A join of several prompts is prefilled in groups of similar length
     /// ([`crate::admission::prefill_groups`], with this fixed cost of a prefill in padded slots)
-    /// instead of one step padded to its longest prompt. `None` (the default until measured on
-    /// a GPU): one prefill a join; `TANDEM_PREFILL_GROUPS=N` sets it.
+    /// instead of one step padded to its longest prompt. On by default
+    /// ([`crate::admission::DEFAULT_PREFILL_GROUP_SLOTS`]; `TANDEM_PREFILL_GROUPS=N` sets the
+    /// slots, `=0` gives one prefill a join): with held joins it took speculative serving at
+    /// c=32 from 0.875x to 0.998x target-only on an H100 (BENCHMARKS.md, session 36).
     pub prefill_group_slots: Option<usize>,
 }
 
