@@ -128,10 +128,8 @@ pub fn serve_decoder(
     // `TANDEM_POLICY_MARGIN=F`: the fraction a shape must beat plain rounds by (an A/B knob for
     // the serve load test; the default is PolicyConfig's).
     let mut config = tandem_infer::PolicyConfig::default();
-    if let Some(margin) = std::env::var("TANDEM_POLICY_MARGIN")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|m| m.is_finite() && *m >= 0.0)
+    if let Some(margin) =
+        tandem_infer::policy::margin_override(std::env::var("TANDEM_POLICY_MARGIN").ok().as_deref())
     {
         config.margin = margin;
     }

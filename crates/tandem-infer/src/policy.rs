@@ -440,6 +440,14 @@ impl Default for PolicyConfig {
     }
 }
 
+/// `TANDEM_POLICY_MARGIN`'s value as [`PolicyConfig::margin`]: a finite fraction of at least
+/// 0; unset or anything else keeps the default (`None`).
+pub fn margin_override(value: Option<&str>) -> Option<f64> {
+    value
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|m| m.is_finite() && *m >= 0.0)
+}
+
 /// A decayed running mean of tokens committed per sequence-round.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Mean {
@@ -962,6 +970,17 @@ mod tests {
             p.observe(Choice::Draft(1), 64, 0, 77, Some(3.9e-3));
         }
         assert_eq!(p.choose(64, 0, 0), Choice::Plain);
+    }
+
+    #[test]
+    fn the_margin_switch_reads_finite_fractions_of_at_least_zero() {
+        assert_eq!(margin_override(None), None);
+        assert_eq!(margin_override(Some("0.03")), Some(0.03));
+        assert_eq!(margin_override(Some(" 0 ")), Some(0.0));
+        assert_eq!(margin_override(Some("-0.1")), None);
+        assert_eq!(margin_override(Some("inf")), None);
+        assert_eq!(margin_override(Some("NaN")), None);
+        assert_eq!(margin_override(Some("wide")), None);
     }
 
     #[test]
