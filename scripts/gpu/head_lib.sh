@@ -308,7 +308,8 @@ serve_load() {
 
 # serve_pairs CONCURRENCY LABEL:ENV:ARGS ...: every server of the list up at once, one port
 # each (8199, 8200, ..; ENV: "VAR=value ..", or "-" for none; ARGS: serve options, spaces
-# allowed), each warmed up; then SERVE_REPEATS rounds (default 5) in which every server takes
+# allowed), each warmed up (and given SERVE_WARM_LOADS unmeasured loads); then SERVE_REPEATS
+# rounds (default 5) in which every server takes
 # the measured load (REQUESTS of MAX_TOKENS) in turn, the order rotating round by round, so
 # that drift (clocks, heat, the page cache) falls on every server alike. A 64-request run
 # lasts ~0.6 s at c=32, where one server after the other gave ratios from 0.96 to 1.05 on the
@@ -329,6 +330,19 @@ serve_pairs() {
     port=$((port + 1))
   done
   local rep i j n=${#labels[@]}
+  # One unmeasured full load per server first (SERVE_WARM_LOADS, default 1;
+  # load_LABEL_warmN.json). The start-up warm-up is one wave of 16-token requests; a full load
+  # also meets the ragged joins of a second wave, whose prefill shapes a server without a head
+  # (no cost table measured at start-up) may meet first in a measured load (session 36, c=32:
+  # target-only's admissions took 166 ms in repeat 1 against 62-134 ms in repeats 2-6).
+  for rep in $(seq 1 "${SERVE_WARM_LOADS:-1}"); do
+    for i in $(seq 0 $((n - 1))); do
+      timeout 300 "$T" load-test --url "http://127.0.0.1:${ports[$i]}" --data-root "$W/data" \
+        --requests "${REQUESTS:-64}" --concurrency "$concurrency" --max-tokens "${MAX_TOKENS:-128}" \
+        --label "${labels[$i]}_warm$rep" --json "$R/load_${labels[$i]}_warm$rep.json" \
+        >> "$R/load_${labels[$i]}.log" 2>&1
+    done
+  done
   for rep in $(seq 1 "${SERVE_REPEATS:-5}"); do
     for j in $(seq 0 $((n - 1))); do
       i=$(((j + rep - 1) % n))
