@@ -306,16 +306,24 @@ serve_load() {
   tail -n 3 "$R/load_$label.log" | tee -a "$LOG"
 }
 
+# pair_load PORT CONCURRENCY LABEL TAG: one load of REQUESTS of MAX_TOKENS on the server at
+# PORT, its JSON as load_LABEL_TAG.json, its output appended to load_LABEL.log.
+pair_load() {
+  timeout 300 "$T" load-test --url "http://127.0.0.1:$1" --data-root "$W/data" \
+    --requests "${REQUESTS:-64}" --concurrency "$2" --max-tokens "${MAX_TOKENS:-128}" \
+    --label "${3}_${4}" --json "$R/load_${3}_${4}.json" >> "$R/load_$3.log" 2>&1
+}
+
 # serve_pairs CONCURRENCY LABEL:ENV:ARGS ...: every server of the list up at once, one port
 # each (8199, 8200, ..; ENV: "VAR=value ..", or "-" for none; ARGS: serve options, spaces
 # allowed), each warmed up (and given SERVE_WARM_LOADS unmeasured loads); then SERVE_REPEATS
-# rounds (default 5) in which every server takes
-# the measured load (REQUESTS of MAX_TOKENS) in turn, the order rotating round by round, so
-# that drift (clocks, heat, the page cache) falls on every server alike. A 64-request run
-# lasts ~0.6 s at c=32, where one server after the other gave ratios from 0.96 to 1.05 on the
-# same code (sessions 29-33). serve_pairs.py prints each server's ratio to the first, round by
-# round, its median and spread; round_logs.py where each server's time went (admissions,
-# rounds). Loads: load_LABEL_cC_rN.json; rounds_LABEL_cC.csv holds every round.
+# rounds (default 5) in which every server takes the measured load (REQUESTS of MAX_TOKENS) in
+# turn, the order rotating round by round, so that drift (clocks, heat, the page cache) falls on
+# every server alike. A 64-request run lasts ~0.6 s at c=32, where one server after the other
+# gave ratios from 0.96 to 1.05 on the same code (sessions 29-33). serve_pairs.py prints each
+# server's ratio to the first, round by round, its median and spread; round_logs.py where each
+# server's time went (admissions, rounds). Loads: load_LABEL_cC_rN.json; rounds_LABEL_cC.csv
+# holds every round.
 serve_pairs() {
   local concurrency=$1 port=8199 spec label env args
   shift
@@ -337,19 +345,13 @@ serve_pairs() {
   # target-only's admissions took 166 ms in repeat 1 against 62-134 ms in repeats 2-6).
   for rep in $(seq 1 "${SERVE_WARM_LOADS:-1}"); do
     for i in $(seq 0 $((n - 1))); do
-      timeout 300 "$T" load-test --url "http://127.0.0.1:${ports[$i]}" --data-root "$W/data" \
-        --requests "${REQUESTS:-64}" --concurrency "$concurrency" --max-tokens "${MAX_TOKENS:-128}" \
-        --label "${labels[$i]}_warm$rep" --json "$R/load_${labels[$i]}_warm$rep.json" \
-        >> "$R/load_${labels[$i]}.log" 2>&1
+      pair_load "${ports[$i]}" "$concurrency" "${labels[$i]}" "warm$rep"
     done
   done
   for rep in $(seq 1 "${SERVE_REPEATS:-5}"); do
     for j in $(seq 0 $((n - 1))); do
       i=$(((j + rep - 1) % n))
-      timeout 300 "$T" load-test --url "http://127.0.0.1:${ports[$i]}" --data-root "$W/data" \
-        --requests "${REQUESTS:-64}" --concurrency "$concurrency" --max-tokens "${MAX_TOKENS:-128}" \
-        --label "${labels[$i]}_r$rep" --json "$R/load_${labels[$i]}_r$rep.json" \
-        >> "$R/load_${labels[$i]}.log" 2>&1
+      pair_load "${ports[$i]}" "$concurrency" "${labels[$i]}" "r$rep"
     done
   done
   for i in $(seq 0 $((n - 1))); do

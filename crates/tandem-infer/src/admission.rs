@@ -191,7 +191,7 @@ mod tests {
     }
 
     #[test]
-    fn the_group_switch_reads_whole_numbers_above_zero() {
+    fn the_group_switch_reads_whole_numbers_zero_turns_it_off_and_the_rest_keeps_the_default() {
         assert_eq!(prefill_group_slots(None), Some(DEFAULT_PREFILL_GROUP_SLOTS));
         assert_eq!(prefill_group_slots(Some("512")), Some(512));
         assert_eq!(prefill_group_slots(Some(" 64 ")), Some(64));
