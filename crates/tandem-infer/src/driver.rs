@@ -101,6 +101,11 @@ impl Row {
 struct Caches<T: SpecBackend> {
     target: T::Cache,
     head: Option<(T::Cache, Roots<T>)>,
+    /// Rows the head's cache and roots still have to be cut down to (row `j` of the batch is
+    /// their row `head_keep[j]`): with [`RunningBatch::lazy_head`], a retirement moves the
+    /// target's rows at once and the head's only when it is next read
+    /// ([`Engine::settle_head`]), so plain rounds never pay for a cache they do not use.
+    head_keep: Option<Vec<usize>>,
 }
 
 /// The sequences decoding together (one row each in every cache).
@@ -157,6 +162,19 @@ pub struct RunningBatch<T: SpecBackend> {
     /// slots, `=0` gives one prefill a join): with held joins it took speculative serving at
     /// c=32 from 0.875x to 0.998x target-only on an H100 (BENCHMARKS.md, session 36).
     pub prefill_group_slots: Option<usize>,
+    /// Plain rounds cost what target-only rounds cost: their greedy ids are read back before
+    /// the deferred taps' copy into the backlog is queued (the host waits for the ids only,
+    /// and queues the copy while the device runs the step), and retirements move the head's
+    /// rows only when the head is next read (`Caches::head_keep`). Session 36 measured plain
+    /// rounds of a server with a head 2.9% (c=32) and 3.5% (c=64) dearer than target-only's,
+    /// from exactly these two (BENCHMARKS.md). On by default; `TANDEM_LAZY_HEAD=0` turns it
+    /// off (the A/B).
+    pub lazy_head: bool,
+}
+
+/// [`RunningBatch::lazy_head`]'s default: on unless `TANDEM_LAZY_HEAD=0`.
+pub fn lazy_head_default() -> bool {
+    std::env::var("TANDEM_LAZY_HEAD").map_or(true, |v| v.trim() != "0")
 }
 
 /// [`RunningBatch::early_extend`]'s default: on unless `TANDEM_EARLY_EXTEND=0`.
@@ -183,6 +201,12 @@ impl<T: SpecBackend> RunningBatch<T> {
     /// the prompts that joined during them).
     pub fn deferred_rounds(&self) -> usize {
         self.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0)
+    }
+
+    /// Whether rows have left since the head was last read, its cache and roots not yet cut
+    /// down to the batch's rows ([`RunningBatch::lazy_head`]).
+    pub fn head_retire_pending(&self) -> bool {
+        self.caches.as_ref().is_some_and(|c| c.head_keep.is_some())
     }
 
     /// Starts (again) recording every round and admission ([`RoundRecord`]).
@@ -311,9 +335,19 @@ impl<T: SpecBackend> Engine<'_, T> {
     /// The head's hidden state at each row's last extended slot, `[rows, hidden]` row-major
     /// (`None` without a head): what the next round drafts from.
     pub fn head_roots(&self, batch: &RunningBatch<T>) -> Result<Option<Vec<f32>>, InferError> {
-        match batch.caches.as_ref().and_then(|c| c.head.as_ref()) {
-            Some((_, roots)) => Ok(Some(self.target.rows_to_host(&roots.hidden)?)),
-            None => Ok(None),
+        let Some(caches) = batch.caches.as_ref() else {
+            return Ok(None);
+        };
+        let Some((_, roots)) = caches.head.as_ref() else {
+            return Ok(None);
+        };
+        match &caches.head_keep {
+            None => Ok(Some(self.target.rows_to_host(&roots.hidden)?)),
+            Some(keep) => {
+                let picks: Vec<(usize, usize)> = keep.iter().map(|&r| (0, r)).collect();
+                let kept = self.target.gather_rows(&[&roots.hidden], &picks)?;
+                Ok(Some(self.target.rows_to_host(&kept)?))
+            }
         }
     }
 
@@ -355,6 +389,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             trace: None,
             phase_timing: false,
             early_extend: early_extend_default(),
+            lazy_head: lazy_head_default(),
             prefill_group_slots: crate::admission::prefill_group_slots(
                 std::env::var("TANDEM_PREFILL_GROUPS").ok().as_deref(),
             ),
@@ -746,6 +781,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         let joined = Caches::<T> {
             target: cache,
             head,
+            head_keep: None,
         };
         match &mut batch.caches {
             None => {
@@ -757,7 +793,7 @@ impl<T: SpecBackend> Engine<'_, T> {
                 }
                 batch.caches = Some(joined)
             }
-            Some(caches) => self.append(caches, joined)?,
+            Some(caches) => self.append(caches, joined, &mut batch.timings)?,
         }
         if let Some(taps) = deferred_taps {
             let at = batch.backlog.push(self.target, &taps)?;
@@ -797,7 +833,13 @@ impl<T: SpecBackend> Engine<'_, T> {
     }
 
     /// Moves `joined`'s rows after `caches`' rows.
-    fn append(&self, caches: &mut Caches<T>, joined: Caches<T>) -> Result<(), InferError> {
+    fn append(
+        &self,
+        caches: &mut Caches<T>,
+        joined: Caches<T>,
+        timings: &mut Timings,
+    ) -> Result<(), InferError> {
+        self.settle_head(caches, timings)?;
         self.target.append(&mut caches.target, joined.target)?;
         if let (Some((dcache, roots)), Some((jcache, jroots))) = (&mut caches.head, joined.head) {
             let (mine, theirs) = (T::layout(dcache).batch(), T::layout(&jcache).batch());
@@ -840,14 +882,14 @@ impl<T: SpecBackend> Engine<'_, T> {
             batch.caches = None;
         } else if let Some(caches) = &mut batch.caches {
             self.target.retain(&mut caches.target, &keep)?;
-            if let Some((dcache, roots)) = &mut caches.head {
-                let t0 = Instant::now();
-                self.target.retain(dcache, &keep)?;
-                let t1 = Instant::now();
-                let picks: Vec<(usize, usize)> = keep.iter().map(|&r| (0, r)).collect();
-                *roots = self.gather_roots(&[&*roots], &picks)?;
-                batch.timings.head_retain_s += (t1 - t0).as_secs_f64();
-                batch.timings.head_roots_s += t1.elapsed().as_secs_f64();
+            if caches.head.is_some() {
+                caches.head_keep = Some(match caches.head_keep.take() {
+                    Some(pending) => keep.iter().map(|&r| pending[r]).collect(),
+                    None => keep.clone(),
+                });
+                if !batch.lazy_head {
+                    self.settle_head(caches, &mut batch.timings)?;
+                }
             }
         }
         let mut rows: Vec<Option<Row>> = std::mem::take(&mut batch.rows)
@@ -863,6 +905,23 @@ impl<T: SpecBackend> Engine<'_, T> {
             batch.backlog.clear();
         }
         Ok(gone)
+    }
+
+    /// Cuts the head's cache and roots down to the batch's rows (`Caches::head_keep`), before
+    /// anything reads, extends or compacts them.
+    fn settle_head(&self, caches: &mut Caches<T>, timings: &mut Timings) -> Result<(), InferError> {
+        let (Some(keep), Some((dcache, roots))) = (caches.head_keep.take(), &mut caches.head)
+        else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        self.target.retain(dcache, &keep)?;
+        let t1 = Instant::now();
+        let picks: Vec<(usize, usize)> = keep.iter().map(|&r| (0, r)).collect();
+        *roots = self.gather_roots(&[&*roots], &picks)?;
+        timings.head_retain_s += (t1 - t0).as_secs_f64();
+        timings.head_roots_s += t1.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Moves finished sequences out of the batch, filling in their `finished` output.
@@ -910,6 +969,9 @@ impl<T: SpecBackend> Engine<'_, T> {
         let t0 = Instant::now();
         if needs_room || plain_waste {
             self.target.compact(&mut caches.target)?;
+            if needs_room {
+                self.settle_head(caches, &mut batch.timings)?;
+            }
             if let (true, Some((dcache, _))) = (needs_room, &mut caches.head) {
                 self.target.compact(dcache)?;
             }
@@ -1030,6 +1092,9 @@ impl<T: SpecBackend> Engine<'_, T> {
         let captures_before = self.graphs_captured();
         let timing = batch.phase_timing;
         let caches = batch.caches.as_mut().expect("checked above");
+        if shape.is_some() {
+            self.settle_head(caches, &mut batch.timings)?;
+        }
         let rows = &mut batch.rows;
         let roots: Vec<u32> = rows.iter().map(|r| r.last).collect();
 
@@ -1099,9 +1164,13 @@ impl<T: SpecBackend> Engine<'_, T> {
         if timing {
             batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
         }
-        let early =
-            batch.early_extend && !timing && rows.iter().all(|r| r.request.sampling.is_greedy());
+        let all_greedy = rows.iter().all(|r| r.request.sampling.is_greedy());
+        let early = batch.early_extend && !timing && all_greedy;
         let mut early_extend = None;
+        // The backlog row of this step's row 0, should the round be plain.
+        let backlog_row = batch.backlog.rows;
+        let defers_taps = self.draft.is_some() && caches.head.is_some() && shape.is_none();
+        let mut taps_deferred = false;
         let (reads, drafted_chains) = match (device_chains, self.draft, &mut caches.head) {
             (Some(chains), Some(draft), Some((dcache, _))) if early => {
                 let read = self.target.greedy_read_back(&logits, &chains)?;
@@ -1126,6 +1195,21 @@ impl<T: SpecBackend> Engine<'_, T> {
                 };
                 (reads, Some(chains))
             }
+            // A plain round waits for its ids only: the deferred taps' copy is queued behind
+            // their read-back, while the device still runs the step.
+            (None, _, _) if shape.is_none() && batch.lazy_head && all_greedy => {
+                let read = self.target.plain_read_back(&logits)?;
+                if defers_taps {
+                    batch.backlog.push(self.target, &step_taps)?;
+                    taps_deferred = true;
+                }
+                let (argmax, _) = self.target.finish_read_back(read)?;
+                let reads = VerifyReads {
+                    argmax: Some(argmax),
+                    host: None,
+                };
+                (reads, None)
+            }
             (chains, _, _) => {
                 let reads = VerifyReads::of(self.target, &logits, rows)?;
                 let chains = chains.map(|c| self.target.chains_to_host(&c)).transpose()?;
@@ -1149,7 +1233,6 @@ impl<T: SpecBackend> Engine<'_, T> {
         // plain round: later, with the next drafted round's).
         let t0 = Instant::now();
         let label = shape.map_or_else(|| "none".to_owned(), |s| s.to_string());
-        let backlog_row = batch.backlog.rows;
         let mut chunks = Vec::with_capacity(rows.len());
         let mut slots = Vec::with_capacity(rows.len());
         let mut committed_total = 0;
@@ -1202,7 +1285,7 @@ impl<T: SpecBackend> Engine<'_, T> {
                 *head_roots =
                     self.draft_extend(draft, dcache, &chunks, &step_taps, verify_width, &slots)?;
             }
-            (Some(_), Some(_), None) => {
+            (Some(_), Some(_), None) if !taps_deferred => {
                 batch.backlog.push(self.target, &step_taps)?;
             }
             _ => {}
@@ -1303,6 +1386,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         let (Some(draft), Some(caches)) = (self.draft, &mut batch.caches) else {
             return Ok(());
         };
+        self.settle_head(caches, &mut batch.timings)?;
         let Some((dcache, roots)) = &mut caches.head else {
             return Ok(());
         };

@@ -701,6 +701,111 @@ fn early_extend_over_the_whole_chain_leaves_what_the_accepted_extend_leaves() {
     );
 }
 
+/// Rows leaving during plain rounds move out of the head's cache and roots only when the head
+/// is next read (`RunningBatch::lazy_head`): two batches of the same requests in lockstep, one
+/// retiring the head's rows lazily and one at once, under a policy of plain rounds with a
+/// drafted probe every fourth, with budgets that end rows in different rounds and a second join
+/// part-way. Every round must stream the same tokens with the same acceptance, the head's
+/// roots must agree after each round (gathered through the pending rows where they are not yet
+/// cut), the lazy batch must have held pending rows across some round, and every output must be
+/// the target's greedy output.
+#[test]
+fn retiring_the_heads_rows_lazily_leaves_what_retiring_them_at_once_leaves() {
+    use tandem_infer::{CostTable, PolicyConfig, Shape, SpeculationPolicy};
+
+    let (target, draft, taps) = setup("lazy-head");
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    let policy = || {
+        let costly = CostTable::flat(vec![1, 4], vec![vec![1e-3, 1e-3], vec![1.0, 1.0]]);
+        let config = PolicyConfig {
+            probe_every: 4,
+            ..PolicyConfig::default()
+        };
+        SpeculationPolicy::adaptive(vec![Shape::parse("3/1/4").unwrap()], costly, config).unwrap()
+    };
+    let mut lazy = engine.new_batch_with_policy(256, policy());
+    lazy.lazy_head = true;
+    let mut eager = engine.new_batch_with_policy(256, policy());
+    eager.lazy_head = false;
+    let prompts = [
+        vec![3u32, 14, 15, 92, 65],
+        vec![2u32, 71, 82],
+        vec![27u32, 18, 28, 18, 28, 45],
+        vec![11u32, 5],
+        vec![40u32, 41, 42, 43],
+        vec![8u32, 1, 9],
+    ];
+    let budgets = [5usize, 6, 7, 8, 7, 12];
+    let requests = |ids: std::ops::Range<usize>| -> Vec<tandem_infer::Request> {
+        let mut all = greedy_requests(&prompts, 0);
+        for (r, &n) in all.iter_mut().zip(&budgets) {
+            r.max_new_tokens = n;
+        }
+        all[ids].to_vec()
+    };
+    let summary = |progress: Vec<tandem_infer::Progress>| -> Vec<(u64, Vec<u32>, Option<usize>)> {
+        progress
+            .into_iter()
+            .map(|p| (p.id, p.tokens, p.accepted))
+            .collect()
+    };
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let admit = |ids: std::ops::Range<usize>,
+                 lazy: &mut tandem_infer::RunningBatch<_>,
+                 eager: &mut tandem_infer::RunningBatch<_>| {
+        let got = summary(engine.admit(lazy, requests(ids.clone())).unwrap());
+        let want = summary(engine.admit(eager, requests(ids)).unwrap());
+        assert_eq!(got, want, "admission");
+        want
+    };
+    for (id, t, _) in admit(0..4, &mut lazy, &mut eager) {
+        tokens[id as usize].extend(t);
+    }
+    let (mut rounds, mut pending_rounds) = (0, 0);
+    while !eager.is_empty() {
+        if rounds == 6 {
+            for (id, t, _) in admit(4..6, &mut lazy, &mut eager) {
+                tokens[id as usize].extend(t);
+            }
+        }
+        let got = summary(engine.step(&mut lazy).unwrap());
+        let want = summary(engine.step(&mut eager).unwrap());
+        assert_eq!(got, want, "round {rounds}");
+        for (id, t, _) in want {
+            tokens[id as usize].extend(t);
+        }
+        assert!(!eager.head_retire_pending(), "round {rounds}");
+        pending_rounds += usize::from(lazy.head_retire_pending());
+        let got = engine.head_roots(&lazy).unwrap().unwrap_or_default();
+        let want = engine.head_roots(&eager).unwrap().unwrap_or_default();
+        assert_eq!(got.len(), want.len(), "round {rounds}");
+        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            worst <= 1e-5 * scale,
+            "round {rounds}: head roots differ by {worst} (largest {scale})"
+        );
+        rounds += 1;
+    }
+    assert!(lazy.is_empty(), "both batches finish in the same round");
+    assert!(
+        pending_rounds >= 2,
+        "{pending_rounds} rounds left rows pending"
+    );
+    for (i, prompt) in prompts.iter().enumerate() {
+        let expected = target_greedy(&target, prompt, budgets[i], &[]).unwrap();
+        assert_eq!(tokens[i], expected, "prompt {i}");
+    }
+}
+
 /// A join of ragged prompts prefilled in groups of similar length
 /// (`RunningBatch::prefill_group_slots`): with a fixed cost of 4 slots a prefill, prompts of 30,
 /// 3, 4 and 28 tokens are cut into {30, 28} and {4, 3} (76 padded-and-fixed slots against 124

@@ -189,6 +189,9 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
     ) -> Result<Self::ReadBack, InferError> {
         Ok((self.argmax(logits)?, chains.clone()))
     }
+    fn plain_read_back(&self, logits: &Tensor<B, 3>) -> Result<Self::ReadBack, InferError> {
+        Ok((self.argmax(logits)?, Vec::new()))
+    }
     fn head_extend_greedy(
         &self,
         head: &Eagle3Draft<B>,

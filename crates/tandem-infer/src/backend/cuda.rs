@@ -250,6 +250,9 @@ impl SpecBackend for CudaTarget {
             drafts,
         })
     }
+    fn plain_read_back(&self, logits: &DeviceLogits) -> Result<CudaReadBack, InferError> {
+        self.greedy_read_back(logits, &CudaChains::Host(Vec::new()))
+    }
     fn head_extend_greedy(
         &self,
         head: &CudaDraft,

@@ -149,6 +149,10 @@ pub trait SpecBackend {
         logits: &Self::Logits,
         chains: &Self::Chains,
     ) -> Result<Self::ReadBack, InferError>;
+    /// Queues the read-back of the greedy id of every row of `logits` (a plain round's
+    /// verification), for [`SpecBackend::finish_read_back`] (whose chains are then empty):
+    /// work queued after it is not waited for.
+    fn plain_read_back(&self, logits: &Self::Logits) -> Result<Self::ReadBack, InferError>;
     /// [`SpecBackend::head_extend`] of every slot of `step` (a head step as wide as the
     /// verification `read` came from, one chunk per sequence), slot `s` reading tap row `s` and
     /// the target's greedy id of verified slot `s` as its token, before the host has read
