@@ -43,11 +43,38 @@ def summarise(path):
     )
 
 
+def plain_floor(path):
+    """Mean ms per plain round (choice `none`) with the batch at least 3/4 of the fullest any
+    round of the log ran: wall, the target step (verify column), what is queued after it
+    (extend column: a head's deferred taps copy, when not queued before the wait) and
+    housekeeping (retiring rows). Session 36 read run 3's logs by hand this way and found
+    plain rounds of a server with a head ~3% dearer than target-only's."""
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["kind"] != "admit" and r["choice"] == "none":
+                rows.append(r)
+    if not rows:
+        return "no plain rounds"
+    full = max(int(r["rows"]) for r in rows)
+    rows = [r for r in rows if 4 * int(r["rows"]) >= 3 * full]
+
+    def mean(column):
+        return 1e3 * sum(float(r[column]) for r in rows) / len(rows)
+
+    return (
+        f"{len(rows)} plain rounds at >= 3/4 of {full} rows: wall {mean('wall_s'):.3f} ms, "
+        f"target step {mean('verify_s'):.3f}, after it {mean('extend_s'):.3f}, "
+        f"housekeeping {mean('housekeeping_s'):.3f}"
+    )
+
+
 def main(root, labels):
     for label in labels:
         path = os.path.join(root, f"rounds_{label}.csv")
         try:
             print(f"{label}: {summarise(path)}")
+            print(f"{label}: {plain_floor(path)}")
         except (OSError, KeyError, ValueError) as e:
             print(f"{label}: no round log ({e})")
 
