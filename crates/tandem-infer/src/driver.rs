@@ -1195,14 +1195,14 @@ impl<T: SpecBackend> Engine<'_, T> {
                 };
                 (reads, Some(chains))
             }
-            // A plain round waits for its ids only: the deferred taps' copy is queued behind
-            // their read-back, while the device still runs the step.
-            (None, _, _) if shape.is_none() && batch.lazy_head && all_greedy => {
+            // A plain round of a batch with a head waits for its ids only: the deferred taps'
+            // copy is queued behind their read-back, while the device still runs the step.
+            // (Without a head the round reads its ids as it always has: target-only serving,
+            // the baseline, keeps its code path.)
+            (None, _, _) if defers_taps && batch.lazy_head && all_greedy => {
                 let read = self.target.plain_read_back(&logits)?;
-                if defers_taps {
-                    batch.backlog.push(self.target, &step_taps)?;
-                    taps_deferred = true;
-                }
+                batch.backlog.push(self.target, &step_taps)?;
+                taps_deferred = true;
                 let (argmax, _) = self.target.finish_read_back(read)?;
                 let reads = VerifyReads {
                     argmax: Some(argmax),
