@@ -167,8 +167,10 @@ pub struct RunningBatch<T: SpecBackend> {
     /// and queues the copy while the device runs the step), and retirements move the head's
     /// rows only when the head is next read (`Caches::head_keep`). Session 36 measured plain
     /// rounds of a server with a head 2.9% (c=32) and 3.5% (c=64) dearer than target-only's,
-    /// from exactly these two (BENCHMARKS.md). On by default; `TANDEM_LAZY_HEAD=0` turns it
-    /// off (the A/B).
+    /// from exactly these two; session 37 (H100, BENCHMARKS.md) took what a head adds after a
+    /// plain round's step from +0.027-0.063 ms to +0.007-0.020 ms, and speculative serving at
+    /// c=32/64 from 0.939x/0.988x to 0.986x/1.003x target-only (20 repeats, totals). On by
+    /// default; `TANDEM_LAZY_HEAD=0` turns it off (the A/B).
     pub lazy_head: bool,
 }
 
