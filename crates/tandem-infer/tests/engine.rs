@@ -614,6 +614,37 @@ fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
     }
 }
 
+/// What a round or an admission streamed: each request's id, new tokens and acceptance.
+fn summary(progress: Vec<tandem_infer::Progress>) -> Vec<(u64, Vec<u32>, Option<usize>)> {
+    progress
+        .into_iter()
+        .map(|p| (p.id, p.tokens, p.accepted))
+        .collect()
+}
+
+/// The head's roots of two batches that ran the same requests agree to 1e-5 of their largest
+/// value (the head's hidden state at each row's last accepted slot depends on every key kept in
+/// its cache).
+fn assert_head_roots_agree(
+    engine: &SpecEngine<'_, B>,
+    got: &tandem_infer::RunningBatch<TargetModel<B>>,
+    want: &tandem_infer::RunningBatch<TargetModel<B>>,
+    round: usize,
+) {
+    let got = engine.head_roots(got).unwrap().unwrap_or_default();
+    let want = engine.head_roots(want).unwrap().unwrap_or_default();
+    assert_eq!(got.len(), want.len(), "round {round}");
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst <= 1e-5 * scale,
+        "round {round}: head roots differ by {worst} (largest {scale})"
+    );
+}
+
 /// The head's extend queued over the whole verified chain before the host reads the
 /// verification (`RunningBatch::early_extend`, the tokens being the target's greedy ids) leaves
 /// what the extend over the accepted tokens leaves. Two batches of the same prompts run in
@@ -642,12 +673,6 @@ fn early_extend_over_the_whole_chain_leaves_what_the_accepted_extend_leaves() {
     exact.early_extend = false;
     early.record_rounds();
     exact.record_rounds();
-    let summary = |progress: Vec<tandem_infer::Progress>| -> Vec<(u64, Vec<u32>, Option<usize>)> {
-        progress
-            .into_iter()
-            .map(|p| (p.id, p.tokens, p.accepted))
-            .collect()
-    };
     assert_eq!(
         summary(
             engine
@@ -670,18 +695,7 @@ fn early_extend_over_the_whole_chain_leaves_what_the_accepted_extend_leaves() {
             accepted += a;
             partial += usize::from(a > 0 && a < 4);
         }
-        let got = engine.head_roots(&early).unwrap().unwrap_or_default();
-        let want = engine.head_roots(&exact).unwrap().unwrap_or_default();
-        assert_eq!(got.len(), want.len(), "round {rounds}");
-        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-        let worst = got
-            .iter()
-            .zip(&want)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            worst <= 1e-5 * scale,
-            "round {rounds}: head roots differ by {worst} (largest {scale})"
-        );
+        assert_head_roots_agree(&engine, &early, &exact, rounds);
         rounds += 1;
     }
     assert!(early.is_empty(), "both batches finish in the same round");
@@ -748,12 +762,6 @@ fn retiring_the_heads_rows_lazily_leaves_what_retiring_them_at_once_leaves() {
         }
         all[ids].to_vec()
     };
-    let summary = |progress: Vec<tandem_infer::Progress>| -> Vec<(u64, Vec<u32>, Option<usize>)> {
-        progress
-            .into_iter()
-            .map(|p| (p.id, p.tokens, p.accepted))
-            .collect()
-    };
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let admit = |ids: std::ops::Range<usize>,
                  lazy: &mut tandem_infer::RunningBatch<_>,
@@ -781,18 +789,7 @@ fn retiring_the_heads_rows_lazily_leaves_what_retiring_them_at_once_leaves() {
         }
         assert!(!eager.head_retire_pending(), "round {rounds}");
         pending_rounds += usize::from(lazy.head_retire_pending());
-        let got = engine.head_roots(&lazy).unwrap().unwrap_or_default();
-        let want = engine.head_roots(&eager).unwrap().unwrap_or_default();
-        assert_eq!(got.len(), want.len(), "round {rounds}");
-        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-        let worst = got
-            .iter()
-            .zip(&want)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            worst <= 1e-5 * scale,
-            "round {rounds}: head roots differ by {worst} (largest {scale})"
-        );
+        assert_head_roots_agree(&engine, &lazy, &eager, rounds);
         rounds += 1;
     }
     assert!(lazy.is_empty(), "both batches finish in the same round");
