@@ -20,7 +20,7 @@
 # MMA_AB="N ..": prefill and verify step times with the tensor-core attention for steps of at
 # least N slots a sequence (one arm per N) against the row kernel (fast-bench, same run).
 # AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), BENCH=0, FAST_AB, MMA_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
+# Knobs: TESTS=0, NCU=0 (2: also batch 8), NCU_HEAD=1, BENCH=0, FAST_AB, MMA_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
 # INTERLEAVE=1 (benches alternate target-only and speculative prompt by prompt; every bench prints
 # its speedup's standard error).
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
@@ -216,6 +216,38 @@ PY
       echo "nsys missing" | tee -a "$R/summary.txt"
     fi
     mark "nsys done"
+  fi
+  # NCU_HEAD=1: ncu over speculative rounds (3/1/4, 2 MT-Bench prompts, graphs off so every
+  # launch is its own): each kernel's count and device time, to split a round's draft and
+  # extend (0.115 + 0.128 ms of device time on an H100, session 37) into kernel time and the
+  # gaps between launches. nsys is not installed on the machines.
+  if [[ "${NCU_HEAD:-0}" == 1 ]]; then
+    local ncu
+    ncu=$(find_tool ncu)
+    if [[ -n "$ncu" ]]; then
+      TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+        --csv --launch-count 6000 "$T" bench --model "$M" --draft "$W/head" --device cuda \
+        --prompts mtbench --data-root "$W/data" --max-prompts 2 --max-new-tokens 48 --steps 3 \
+        --topk 1 --num-draft-tokens 4 --batch 1 --no-baseline > "$R/ncu-head.csv" 2> "$R/ncu-head.err"
+      echo "ncu head: exit $?" | tee -a "$R/summary.txt"
+      python3 - "$R/ncu-head.csv" <<'PY' | tee -a "$R/summary.txt"
+import csv, collections, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, body = rows[0], rows[1:]
+col = {c: head.index(c) for c in ("ID", "Kernel Name", "Metric Value", "Metric Unit")}
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+by = collections.defaultdict(list)
+for r in body:
+    by[r[col["Kernel Name"]][:48]].append(float(r[col["Metric Value"]].replace(",", "")) * scale.get(r[col["Metric Unit"]], float("nan")))
+total = sum(sum(v) for v in by.values())
+print(f"ncu head: {sum(len(v) for v in by.values())} kernels, {total / 1e3:.2f} ms of kernel time; per kernel: count, total ms, mean us")
+for name, v in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+    print(f"  {name:48s} {len(v):6d} {sum(v) / 1e3:8.3f} {sum(v) / len(v):8.2f}")
+PY
+    else
+      echo "ncu missing" | tee -a "$R/summary.txt"
+    fi
+    mark "ncu head done"
   fi
   # A Qwen2.5-1.5B-shaped random model (hidden 1,536; fused kernels off by default there since
   # session 25): fused (cut-off 8) against cuBLAS at 1 and 8 rows.
