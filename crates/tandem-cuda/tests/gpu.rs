@@ -362,21 +362,33 @@ fn norm_silu_and_argmax_kernels_match_their_references() {
         }
     }
 
+    // Up to 8 rows split each row over blocks (`argmax_rows_split`, stretches of 2,048); more
+    // take one block a row. Both must give torch.argmax's first index, also for ties across
+    // stretches, a maximum in the last entry and a constant row.
     let vocab = 49_152;
-    let mut logits: Vec<f32> = (0..3 * vocab)
+    let mut logits: Vec<f32> = (0..10 * vocab)
         .map(|_| rng.random_range(-10.0..10.0))
         .collect();
     logits[vocab + 777] = 99.0;
     logits[vocab + 40_000] = 99.0; // a tie: the first index wins, as in torch.argmax
-    let got = gpu
-        .argmax_rows(&gpu.upload(&logits).unwrap(), 3, vocab)
-        .unwrap();
-    let expected: Vec<u32> = logits
-        .chunks(vocab)
-        .map(|r| reference::argmax(r) as u32)
-        .collect();
-    assert_eq!(got, expected);
-    assert_eq!(got[1], 777);
+    logits[3 * vocab..4 * vocab].fill(1.0);
+    logits[5 * vocab - 1] = 50.0;
+    let device = gpu.upload(&logits).unwrap();
+    // The split path twice: its counters must be back at 0 after a launch.
+    for rows in [5, 10, 5] {
+        let got = gpu.argmax_rows(&device, rows, vocab).unwrap();
+        let expected: Vec<u32> = logits
+            .chunks(vocab)
+            .take(rows)
+            .map(|r| reference::argmax(r) as u32)
+            .collect();
+        assert_eq!(got, expected, "{rows} rows");
+        assert_eq!(
+            &got[1..5],
+            &[777, expected[2], 0, vocab as u32 - 1],
+            "{rows} rows"
+        );
+    }
 }
 
 #[test]
