@@ -369,59 +369,6 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, const uns
     }
 }
 
-// argmax_rows for a few long rows, each split over gridDim.y blocks (grid (rows, chunks)): one
-// block scanning a 49k-entry row took 5.7 us on an H100 (ncu, session 37), four times a round
-// at batch 1. Block c of row r takes the c-th of `chunks` equal stretches and leaves its argmax
-// (first index on ties, 0x7fffffff for none) in `partial_value/index[r * chunks + c]`; the
-// row's last block to finish (a per-row counter) combines them in stretch order, as
-// block_argmax combines warps, writes the id as argmax_rows does, and sets the counter back to 0
-// for the next launch (a replayed graph reuses it).
-extern "C" __global__ void argmax_rows_split(const float* logits, int vocab,
-                                             const unsigned int* map, unsigned int* out,
-                                             float* partial_value, int* partial_index,
-                                             unsigned int* counters) {
-    __shared__ float best_value[32];
-    __shared__ int best_index[32];
-    __shared__ bool last;
-    const int r = blockIdx.x;
-    const int c = blockIdx.y;
-    const int chunks = gridDim.y;
-    const int per = (vocab + chunks - 1) / chunks;
-    const int begin = c * per;
-    const int n = min(per, vocab - begin);
-    float max_value = NEG_INF;
-    int index = 0x7fffffff;
-    if (n > 0) {
-        index = row_argmax(logits + (size_t)r * vocab + begin, n, best_value, best_index,
-                           &max_value);
-    }
-    if (threadIdx.x == 0) {
-        partial_value[r * chunks + c] = max_value;
-        partial_index[r * chunks + c] = index == 0x7fffffff ? index : index + begin;
-        __threadfence();
-        last = atomicAdd(&counters[r], 1u) == (unsigned int)(chunks - 1);
-    }
-    __syncthreads();
-    if (last && threadIdx.x == 0) {
-        __threadfence();
-        const volatile float* values = partial_value + r * chunks;
-        const volatile int* indices = partial_index + r * chunks;
-        float best = NEG_INF;
-        int best_at = 0x7fffffff;
-        for (int k = 0; k < chunks; ++k) {
-            const float v = values[k];
-            const int i = indices[k];
-            if (v > best || (v == best && i < best_at)) {
-                best = v;
-                best_at = i;
-            }
-        }
-        const unsigned int id = (unsigned int)(best_at == 0x7fffffff ? 0 : best_at);
-        out[r] = map != nullptr ? map[id] : id;
-        counters[r] = 0;
-    }
-}
-
 // The drafted tokens of greedy chains into a verification step's tokens: ids [steps, batch]
 // (step s of sequence b at s * batch + b, as the device chain drafts them) to tokens[b * width
 // + 1 + s], after each sequence's root. The verification then starts without the host having
@@ -443,10 +390,7 @@ extern "C" __global__ void scatter_chain_tokens(const unsigned int* __restrict__
 // b (block b), its accepted length k, the leading drafts equal to the target's greedy id at the
 // slot before them (chain[s * batch + b] == ids[b * width + s], as verify_greedy walks a chain),
 // then row b * width + k of the extend's hidden [rows, h] and logits [rows, vocab] (f32) into
-// row b of `out_hidden` and `out_logits`. Grid: (batch, chunks): the gridDim.y blocks of a
-// sequence each find k (at most `steps` reads) and copy every gridDim.y-th stretch of
-// blockDim.x values. One block a sequence was latency-bound: 16.5 us for a 49k-entry logits row
-// on an H100 (ncu, session 37), with 256 loads in flight.
+// row b of `out_hidden` and `out_logits`. Grid: batch; block: 256.
 extern "C" __global__ void gather_accepted_roots(const unsigned int* __restrict__ ids,
                                                  const unsigned int* __restrict__ chain,
                                                  int batch, int steps, int width,
@@ -460,12 +404,10 @@ extern "C" __global__ void gather_accepted_roots(const unsigned int* __restrict_
         ++k;
     }
     const size_t row = (size_t)b * width + k;
-    const int first = blockIdx.y * blockDim.x + threadIdx.x;
-    const int stride = gridDim.y * blockDim.x;
-    for (int i = first; i < h; i += stride) {
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
         out_hidden[(size_t)b * h + i] = hidden[row * h + i];
     }
-    for (int i = first; i < vocab; i += stride) {
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         out_logits[(size_t)b * vocab + i] = logits[row * vocab + i];
     }
 }

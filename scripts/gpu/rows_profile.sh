@@ -220,12 +220,15 @@ PY
   # NCU_HEAD=1: ncu over speculative rounds (3/1/4, 2 MT-Bench prompts, graphs off so every
   # launch is its own): each kernel's count and device time, to split a round's draft and
   # extend (0.115 + 0.128 ms of device time on an H100, session 37) into kernel time and the
-  # gaps between launches. nsys is not installed on the machines.
+  # gaps between launches. nsys is not installed on the machines. Caches are not flushed between
+  # kernels (`--cache-control none`): with ncu's default flush, kernels that read rows the
+  # previous one just wrote looked several times slower than in the pipeline (session 37).
   if [[ "${NCU_HEAD:-0}" == 1 ]]; then
     local ncu
     ncu=$(find_tool ncu)
     if [[ -n "$ncu" ]]; then
-      TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+      TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum \
         --csv --launch-count 6000 "$T" bench --model "$M" --draft "$W/head" --device cuda \
         --prompts mtbench --data-root "$W/data" --max-prompts 2 --max-new-tokens 48 --steps 3 \
         --topk 1 --num-draft-tokens 4 --batch 1 --no-baseline > "$R/ncu-head.csv" 2> "$R/ncu-head.err"

@@ -248,31 +248,9 @@ pub enum QkvInput<'a, 'b> {
     },
 }
 
-/// Whether short argmaxes split their rows over several blocks (`argmax_rows_split`):
-/// `TANDEM_CUDA_SPLIT_ARGMAX=0` keeps one block a row (the A/B).
-fn split_argmax() -> bool {
-    static SPLIT: OnceLock<bool> = OnceLock::new();
-    *SPLIT.get_or_init(|| std::env::var("TANDEM_CUDA_SPLIT_ARGMAX").map_or(true, |v| v != "0"))
-}
-
 /// Shared memory a fused kernel may stage its normed input rows in (bf16) without opting in to
 /// more than the default 48 KiB.
 pub const GEMV_MAX_SHARED_BYTES: usize = 48 << 10;
-
-/// Rows an argmax splits over several blocks a row when there are at most this many
-/// ([`Gpu::argmax_rows_into`]); more rows already fill the GPU one block a row.
-const ARGMAX_SPLIT_ROWS: usize = 8;
-/// The most blocks an argmax row is split over, and the fewest values each takes.
-const ARGMAX_SPLIT_CHUNKS: usize = 32;
-const ARGMAX_SPLIT_VALUES: usize = 2048;
-
-/// Scratch of `argmax_rows_split` (kernels/llama.cu): `[ARGMAX_SPLIT_ROWS *
-/// ARGMAX_SPLIT_CHUNKS]` partial maxima and their indices, and one counter a row.
-struct ArgmaxSplit {
-    values: CudaSlice<f32>,
-    indices: CudaSlice<i32>,
-    counters: CudaSlice<u32>,
-}
 
 /// Bytes of the cuBLAS workspace the GPU sets once. cuBLAS would otherwise size and allocate
 /// workspace on its own, which a stream capture (a CUDA graph) must not see happen.
@@ -288,7 +266,6 @@ struct Kernels {
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
-    argmax_rows_split: CudaFunction,
     scatter_chain_tokens: CudaFunction,
     gather_accepted_roots: CudaFunction,
     sample_rows: CudaFunction,
@@ -317,10 +294,6 @@ pub struct Gpu {
     blas: CudaBlas,
     /// cuBLAS's workspace: owned here so it outlives every graph that captured a matmul.
     _blas_workspace: CudaSlice<u8>,
-    /// `argmax_rows_split`'s partial results and per-row counters (zeroed once; the kernel
-    /// leaves its counters at 0): allocated with the GPU so graphs that captured the kernel
-    /// keep their addresses.
-    argmax_split: ArgmaxSplit,
     kernels: Kernels,
     /// Whether models on this GPU start with CUDA graphs on (`TANDEM_CUDA_GRAPHS=0`: off).
     graphs_default: bool,
@@ -516,7 +489,6 @@ impl Gpu {
             silu_mul: module.load_function("silu_mul")?,
             gather_rows: module.load_function("gather_rows")?,
             argmax_rows: module.load_function("argmax_rows")?,
-            argmax_rows_split: module.load_function("argmax_rows_split")?,
             scatter_chain_tokens: module.load_function("scatter_chain_tokens")?,
             gather_accepted_roots: module.load_function("gather_accepted_roots")?,
             sample_rows: module.load_function("sample_rows")?,
@@ -537,17 +509,11 @@ impl Gpu {
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
         )
         .unwrap_or(1);
-        let argmax_split = ArgmaxSplit {
-            values: stream.alloc_zeros::<f32>(ARGMAX_SPLIT_ROWS * ARGMAX_SPLIT_CHUNKS)?,
-            indices: stream.alloc_zeros::<i32>(ARGMAX_SPLIT_ROWS * ARGMAX_SPLIT_CHUNKS)?,
-            counters: stream.alloc_zeros::<u32>(ARGMAX_SPLIT_ROWS)?,
-        };
         let gpu = Self {
             ctx,
             stream,
             blas,
             _blas_workspace: blas_workspace,
-            argmax_split,
             kernels,
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             programmatic,
@@ -2129,33 +2095,6 @@ impl Gpu {
         assert!(logits.len() >= rows * vocab && out.len() >= rows);
         assert!(map.is_none_or(|m| m.len() >= vocab));
         let vocab_i = vocab as i32;
-        let chunks = vocab.div_ceil(ARGMAX_SPLIT_VALUES).min(ARGMAX_SPLIT_CHUNKS);
-        if rows <= ARGMAX_SPLIT_ROWS && chunks >= 4 && split_argmax() {
-            let split = &self.argmax_split;
-            let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows_split);
-            launch.arg(logits).arg(&vocab_i);
-            match map {
-                Some(m) => launch.arg(m),
-                None => launch.arg(&NULL),
-            };
-            launch
-                .arg(out)
-                .arg(&split.values)
-                .arg(&split.indices)
-                .arg(&split.counters);
-            let cfg = LaunchConfig {
-                grid_dim: (rows as u32, chunks as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: signature (const f32*, int, const u32* or null, u32*, f32*, i32*, u32*);
-            // block (r, c) reads stretch c of row r (and one `map` entry), writes its partial at
-            // r * chunks + c (rows <= ARGMAX_SPLIT_ROWS, chunks <= ARGMAX_SPLIT_CHUNKS) and
-            // counter r; the row's last block writes `out[r]`. One stream: launches of it never
-            // overlap, and each leaves the counters at 0.
-            unsafe { launch.launch(cfg) }?;
-            return Ok(());
-        }
         let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows);
         launch.arg(logits).arg(&vocab_i);
         match map {
@@ -2214,19 +2153,10 @@ impl Gpu {
             .arg(&vocab_i)
             .arg(out_hidden)
             .arg(out_logits);
-        // Enough blocks a sequence that each copies a few stretches of 256 values: one block
-        // a sequence waited on its loads (16.5 us for a SmolLM2 logits row on an H100).
-        let chunks = (h.max(vocab).div_ceil(256 * 4)).clamp(1, 64) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (batch as u32, chunks, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: signature (const u32*, const u32*, int, int, int, const f32*, int, const
-        // f32*, int, f32*, f32*); the blocks of sequence b read `steps` chain and id entries of
-        // it and one row of each input, and write disjoint stretches of its own output rows;
-        // sizes asserted.
-        unsafe { launch.launch(cfg) }?;
+        // f32*, int, f32*, f32*); block b reads `steps` chain and id entries of its sequence
+        // and one row of each input, and writes its own output rows; sizes asserted.
+        unsafe { launch.launch(Self::rows_config(batch, 256)) }?;
         Ok(())
     }
 
