@@ -44,8 +44,8 @@ def summarise(path):
 
 
 def plain_floor(path):
-    """Mean ms per plain round (choice `none`) with the batch at least 3/4 of the fullest any
-    round of the log ran: wall, the target step (verify column), what is queued after it
+    """Mean ms per plain round (choice `none`) with the batch at least 3/4 of the fullest
+    plain round of the log: wall, the target step (verify column), what is queued after it
     (extend column: a head's deferred taps copy, when not queued before the wait) and
     housekeeping (retiring rows). Session 36 read run 3's logs by hand this way and found
     plain rounds of a server with a head ~3% dearer than target-only's."""

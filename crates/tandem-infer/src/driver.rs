@@ -973,9 +973,9 @@ impl<T: SpecBackend> Engine<'_, T> {
             self.target.compact(&mut caches.target)?;
             if needs_room {
                 self.settle_head(caches, &mut batch.timings)?;
-            }
-            if let (true, Some((dcache, _))) = (needs_room, &mut caches.head) {
-                self.target.compact(dcache)?;
+                if let Some((dcache, _)) = &mut caches.head {
+                    self.target.compact(dcache)?;
+                }
             }
             batch.compactions += 1;
             batch.timings.compact_s += t0.elapsed().as_secs_f64();
