@@ -41,6 +41,9 @@
 #define MMA_TILE_KEYS 64
 #define MMA_WARPS 4
 
+// The same helpers as rows_mma.cu's (the CPU emulator builds both sources into one program).
+#ifndef TANDEM_MMA_HELPERS
+#define TANDEM_MMA_HELPERS
 // Two floats as a bf16x2 register, `lo` in the low half (the element with the smaller index).
 __device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
     return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
@@ -56,6 +59,7 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned int* a,
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+#endif
 #endif
 
 // The kernel for head_dim HD (64 or 128). A block's 64 query rows are (slot, head) pairs of

@@ -897,65 +897,8 @@ __device__ __forceinline__ void warp_dots(const WarpWeights<NW, P>& w, const uns
     }
 }
 
-// Four consecutive values (vector i) of row r of a step's f32 rows [rows, n].
-struct F32Rows {
-    const float* __restrict__ x;
-    __device__ __forceinline__ float4 at(int r, int n, int i) const {
-        return reinterpret_cast<const float4*>(x + (size_t)r * n)[i];
-    }
-};
-
-// The same, of the embedding rows of the step's tokens (bf16, exact in f32): what embed_rows
-// writes, read where it is needed instead of through an f32 copy.
-struct EmbedRows {
-    const unsigned short* __restrict__ table;
-    const unsigned int* __restrict__ tokens;
-    __device__ __forceinline__ float4 at(int r, int n, int i) const {
-        const uint2 v = reinterpret_cast<const uint2*>(table + (size_t)tokens[r] * n)[i];
-        return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                           __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
-    }
-};
-
-// xs[r * n + i] = bf16(rms_norm(x[r]) * w[i]) for r < rows, as add_rms_norm computes it (one
-// warp per row), into shared memory for the block's matrix-vector products. (Spreading every
-// row over the whole block, all rows' loads in flight at once, measured slower at 1 to 8 rows:
-// BENCHMARKS.md, session 18.) `Rows` gives x's values: F32Rows or EmbedRows, the same
-// arithmetic on the same values.
-template <typename Rows>
-__device__ void stage_rms_normed_rows(const Rows& x, const unsigned short* __restrict__ w,
-                                      unsigned short* xs, int rows, int n, float eps) {
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
-    const uint2* w4 = reinterpret_cast<const uint2*>(w);
-    for (int r = warp; r < rows; r += warps) {
-        float squares = 0.0f;
-#pragma unroll 4
-        for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = x.at(r, n, i);
-            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
-        uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
-#pragma unroll 4
-        for (int i = lane; i < (n >> 2); i += 32) {
-            const float4 v = x.at(r, n, i);
-            const uint2 wv = w4[i];
-            const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
-                                    ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
-            const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
-                                    ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
-            out[i] = make_uint2(lo, hi);
-        }
-    }
-    __syncthreads();
-}
-
-__device__ void stage_rms_normed(const float* __restrict__ x, const unsigned short* __restrict__ w,
-                                 unsigned short* xs, int rows, int n, float eps) {
-    stage_rms_normed_rows(F32Rows{x}, w, xs, rows, n, eps);
-}
+// F32Rows, EmbedRows and stage_rms_normed (the normed input rows of a fused step, staged in
+// shared memory) are in common.cuh: kernels/rows_mma.cu stages its inputs the same way.
 
 // y[r, o] (f32) = x[r, :] (bf16) . w[o, :] (bf16), or y[r, o] += that when `accumulate` (the
 // residual add of o_proj and down_proj; the logits). Session 26's ncu profile (BENCHMARKS.md)

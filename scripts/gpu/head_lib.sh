@@ -203,6 +203,13 @@ run_gpu_tests() {
   echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
   timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
   echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
+  # TESTS_AB_ENV="VAR=value ..": the tandem-infer GPU tests (greedy equality, policy rounds,
+  # the head's graphs) again with these exported, e.g. a kernel family that is not the default.
+  if [[ -n "${TESTS_AB_ENV:-}" ]]; then
+    (export $TESTS_AB_ENV; timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 \
+      > "$R/tests-infer-ab.log" 2>&1)
+    echo "tandem-infer GPU tests with $TESTS_AB_ENV: exit $?" | tee -a "$R/summary.txt"
+  fi
   if [[ -x "$W/gpu-compare-tests" ]]; then
     timeout "$1" "$W/gpu-compare-tests" --ignored --test-threads 1 > "$R/tests-replay.log" 2>&1
     echo "tandem-replay GPU tests: exit $?" | tee -a "$R/summary.txt"

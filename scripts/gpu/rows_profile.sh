@@ -20,6 +20,7 @@
 # MMA_AB="N ..": prefill and verify step times with the tensor-core attention for steps of at
 # least N slots a sequence (one arm per N) against the row kernel (fast-bench, same run).
 # AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
+# TESTS_AB_ENV="VAR=value ..": the tandem-infer GPU tests again with these exported.
 # Knobs: TESTS=0, NCU=0 (2: also batch 8), NCU_HEAD=1, BENCH=0, FAST_AB, MMA_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
 # INTERLEAVE=1 (benches alternate target-only and speculative prompt by prompt; every bench prints
 # its speedup's standard error).

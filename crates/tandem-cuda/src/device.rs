@@ -4,7 +4,7 @@
 //! wrapper states the sizes it relies on and the callers pass buffers of those sizes.
 #![allow(unsafe_code)]
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -27,8 +27,11 @@ use crate::error::CudaError;
 use crate::kv_pool::KvPool;
 
 mod mma_attention;
+mod mma_rows;
 use mma_attention::MmaAttention;
 pub use mma_attention::{DEFAULT_MMA_MIN_WIDTH, MMA_MIN_QUERY_ROWS, assemble_mma_attention};
+use mma_rows::MmaRows;
+pub use mma_rows::assemble_mma_rows;
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
@@ -104,10 +107,13 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     )?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
     mma_attention::compile()?;
+    mma_rows::compile(false)?;
+    mma_rows::compile(true)?;
     Ok(vec![
         "kernels/llama.cu",
         "kernels/train.cu",
         "kernels/attention_mma.cu",
+        "kernels/rows_mma.cu",
     ])
 }
 
@@ -326,6 +332,11 @@ pub struct Gpu {
     mma_attention_width: AtomicUsize,
     /// The fewest (slot, query head) rows of a step it takes.
     mma_attention_rows: AtomicUsize,
+    /// The fused small steps' products on the tensor cores (`kernels/rows_mma.cu`), compiled
+    /// when first switched on ([`Gpu::set_mma_rows`]) on an sm_80+ GPU.
+    mma_rows: OnceLock<MmaRows>,
+    /// Whether fused steps take them (`TANDEM_CUDA_MMA_ROWS=1`; see [`mma_rows::enabled`]).
+    mma_rows_on: AtomicBool,
 }
 
 /// A page-locked host buffer and the event recorded after the last copy into it.
@@ -530,6 +541,8 @@ impl Gpu {
             mma_attention: OnceLock::new(),
             mma_attention_width: AtomicUsize::new(0),
             mma_attention_rows: AtomicUsize::new(mma_attention::MMA_MIN_QUERY_ROWS),
+            mma_rows: OnceLock::new(),
+            mma_rows_on: AtomicBool::new(false),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         let (compute_major, _) = gpu.ctx.compute_capability()?;
@@ -540,6 +553,10 @@ impl Gpu {
             ),
             mma_attention::MMA_MIN_QUERY_ROWS,
         )?;
+        gpu.set_mma_rows(mma_rows::enabled(
+            std::env::var("TANDEM_CUDA_MMA_ROWS").ok().as_deref(),
+            compute_major,
+        ))?;
         Ok(Arc::new(gpu))
     }
 
@@ -1464,6 +1481,24 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        if let Some(mma) = self.mma_rows_for(inp, 0) {
+            assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
+            assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
+            let args = KernelArgs::default()
+                .buffer(self, x)
+                .buffer(self, w)
+                .buffer(self, y)
+                .int(rows)
+                .int(inp)
+                .int(out)
+                .int(usize::from(accumulate));
+            let cfg = mma_rows::config(out.div_ceil(16), inp, 0);
+            // SAFETY: signature (u16*, u16*, f32*, int, int, int, int) of `gemv_rows_mma`;
+            // sizes asserted; inp a multiple of 32 (`mma_rows::takes`), so every 16-byte load
+            // is aligned; outputs past `out` load a valid row and write nothing; PDL_WAIT
+            // before reading x or y.
+            return unsafe { self.launch_programmatic(&mma.gemv_rows, cfg, args, rows) };
+        }
         let bucket = gemv_bucket(rows);
         let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
         self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, bucket, outputs)
@@ -1552,6 +1587,22 @@ impl Gpu {
         );
         assert!(x.len() >= rows * inp && norm_w.len() >= inp);
         assert!(w.len() >= out * inp && y.len() >= rows * out);
+        if let Some(mma) = self.mma_rows_for(inp, 1) {
+            let args = KernelArgs::default()
+                .buffer(self, x)
+                .buffer(self, norm_w)
+                .buffer(self, w)
+                .buffer(self, y)
+                .int(rows)
+                .int(inp)
+                .int(out)
+                .float(eps);
+            let cfg = mma_rows::config(out.div_ceil(16), inp, rows * inp * 2);
+            // SAFETY: signature (f32*, u16*, u16*, f32*, int, int, int, float) of
+            // `gemv_norm_rows_mma`; sizes asserted; the staged rows and the partial tiles fit
+            // the block's shared memory (`mma_rows::takes`); PDL_WAIT before reading x.
+            return unsafe { self.launch_programmatic(&mma.gemv_norm_rows, cfg, args, rows) };
+        }
         let bucket = gemv_bucket(rows);
         let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
         let split = gemv_split(out);
@@ -1601,10 +1652,21 @@ impl Gpu {
             .int(hidden)
             .int(inter)
             .float(eps);
-        let cfg = Self::gemv_config(inter, rows * hidden * 2);
-        // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float); sizes asserted;
-        // dynamic shared memory holds rows * hidden bf16; PDL_WAIT before reading x.
-        unsafe { self.launch_programmatic(&self.kernels.norm_gate_up_silu, cfg, args, rows) }
+        let (func, cfg) = match self.mma_rows_for(hidden, 1) {
+            Some(mma) => (
+                &mma.norm_gate_up_silu,
+                mma_rows::config(inter.div_ceil(8), hidden, rows * hidden * 2),
+            ),
+            None => (
+                &self.kernels.norm_gate_up_silu,
+                Self::gemv_config(inter, rows * hidden * 2),
+            ),
+        };
+        // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float) of
+        // `norm_gate_up_silu` and `norm_gate_up_silu_mma`; sizes asserted; dynamic shared
+        // memory holds rows * hidden bf16 (beside the partial tiles: `mma_rows::takes`);
+        // PDL_WAIT before reading x.
+        unsafe { self.launch_programmatic(func, cfg, args, rows) }
     }
 
     /// q|k|v of `rms_norm(x[r]) * norm_w`, the bias, RoPE and the cache write in one launch: what
@@ -1687,12 +1749,23 @@ impl Gpu {
             .float(eps)
             .optional(self, embed.map(|(table, _)| table))
             .optional_view(self, embed.map(|(_, tokens)| tokens));
-        let cfg = Self::gemv_config(pairs, inputs * rows * hidden * 2);
-        // SAFETY: the signature of `norm_qkv_rope`; sizes asserted; dynamic shared memory
-        // holds `inputs` * rows * hidden bf16; cache columns as in `rope_qkv` (with
+        let shared = inputs * rows * hidden * 2;
+        let (func, cfg) = match self.mma_rows_for(hidden, inputs) {
+            Some(mma) => (
+                &mma.norm_qkv_rope,
+                mma_rows::config(pairs.div_ceil(8), inputs * hidden, shared),
+            ),
+            None => (
+                &self.kernels.norm_qkv_rope,
+                Self::gemv_config(pairs, shared),
+            ),
+        };
+        // SAFETY: the signature of `norm_qkv_rope` (which `norm_qkv_rope_mma` shares); sizes
+        // asserted; dynamic shared memory holds `inputs` * rows * hidden bf16 (beside the
+        // partial tiles: `mma_rows::takes`); cache columns as in `rope_qkv` (with
         // `step_scalars`, the caller checks each step's column); PDL_WAIT before reading any
         // input but the weights.
-        unsafe { self.launch_programmatic(&self.kernels.norm_qkv_rope, cfg, args, rows) }
+        unsafe { self.launch_programmatic(func, cfg, args, rows) }
     }
 
     /// Dynamic shared memory of `persistent_step` at `rows` rows: the staged bf16 normed rows,

@@ -917,6 +917,18 @@ fn fused_small_steps_match_the_unfused_kernels() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn tensor_core_small_steps_match_the_unfused_kernels() {
+    // The same with the fused steps' products on the tensor cores (kernels/rows_mma.cu,
+    // `TANDEM_CUDA_MMA_ROWS=1`): q|k|v with RoPE and the cache write, o_proj, gate|up with
+    // SwiGLU, down_proj and the logits, at every row count the fused path takes.
+    small_steps_match_the_unfused_kernels("fused, tensor cores", 32, false, |t| {
+        t.gpu().set_mma_rows(true).expect("an sm_80+ GPU");
+        t.set_fused_rows(tandem_cuda::GEMV_MAX_ROWS)
+    });
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn persistent_steps_match_the_unfused_kernels() {
     // The persistent step (the whole step in one launch, grid barriers between the phases)
     // against the unfused path, as the fused kernels are checked: eagerly at head_dim 32 and 64
@@ -1031,12 +1043,16 @@ fn small_step_rows_are_batch_invariant() {
             (true, "persistent"),
             (false, "fused"),
             (true, "fused"),
+            (false, "fused on tensor cores"),
+            (true, "fused on tensor cores"),
         ] {
             let dir = tiny_model_with(architecture, tied, 31, head_dim);
+            gpu.set_mma_rows(mode.ends_with("tensor cores"))
+                .expect("an sm_80+ GPU");
             let target = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
             target.set_graphs(graphs);
             let all = tandem_cuda::GEMV_MAX_ROWS;
-            target.set_fused_rows(if mode == "fused" { all } else { 0 });
+            target.set_fused_rows(if mode.starts_with("fused") { all } else { 0 });
             target.set_persistent_rows(if mode == "persistent" { all } else { 0 });
             let label = format!("{architecture} {mode} head_dim {head_dim} graphs {graphs}");
             let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final]);
@@ -1321,6 +1337,123 @@ fn gemv_rows_matches_a_host_reference_with_the_same_bits_at_every_row_count() {
                 }
             }
         }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tensor_core_small_steps_keep_a_rows_bits_at_every_width() {
+    // kernels/rows_mma.cu at SmolLM2's shapes (o_proj 576 -> 576 and down_proj 1,536 -> 576
+    // into the residual, the 49,152 logits, an odd 577 that leaves a tile part-empty; gate|up
+    // 576 -> 2 x 1,536 with SwiGLU): against an f64 host reference (1e-4 of 1 + |value|) or the
+    // CUDA-core kernel (SwiGLU's bf16 output: 1e-2 relative + 1e-3), with a row's bits the same
+    // at every row count from 1 to 8 and rows past the step left alone. That the tensor cores
+    // compute each output column on its own is what this rests on; the emulator test checks
+    // the kernels' indexing, this the hardware.
+    let gpu = gpu();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(38);
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
+    let to_f64 = |b: u16| f64::from(half::bf16::from_bits(b).to_f32());
+    for (inp, out, accumulate) in [
+        (576, 576, true),
+        (1536, 576, true),
+        (576, 49152, false),
+        (576, 577, false),
+    ] {
+        let x: Vec<u16> = (0..8 * inp)
+            .map(|_| bf16(rng.random_range(-1.0..1.0)))
+            .collect();
+        let w: Vec<u16> = (0..out * inp)
+            .map(|_| bf16(rng.random_range(-0.1..0.1)))
+            .collect();
+        let residual: Vec<f32> = (0..8 * out).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (xd, wd) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
+        let run = |rows: usize| {
+            gpu.set_mma_rows(true).expect("an sm_80+ GPU");
+            let mut y = gpu.upload(&residual).unwrap();
+            gpu.gemv_rows(&xd, &wd, &mut y, rows, inp, out, accumulate)
+                .unwrap();
+            gpu.set_mma_rows(false).unwrap();
+            gpu.download(&y).unwrap()
+        };
+        let all_rows = run(8);
+        for i in 0..8 * out {
+            let (r, o) = (i / out, i % out);
+            let dot: f64 = (0..inp)
+                .map(|k| to_f64(x[r * inp + k]) * to_f64(w[o * inp + k]))
+                .sum();
+            let expected = dot
+                + if accumulate {
+                    f64::from(residual[i])
+                } else {
+                    0.0
+                };
+            let err = (f64::from(all_rows[i]) - expected).abs();
+            assert!(
+                err <= 1e-4 * (1.0 + expected.abs()),
+                "{inp}x{out} [{i}]: {} vs {expected}",
+                all_rows[i]
+            );
+        }
+        for rows in 1..8 {
+            let got = run(rows);
+            for i in 0..rows * out {
+                assert_eq!(
+                    got[i].to_bits(),
+                    all_rows[i].to_bits(),
+                    "{inp}x{out} rows {rows} [{i}]: not the bits of a step of eight"
+                );
+            }
+            assert_eq!(
+                got[rows * out..],
+                residual[rows * out..],
+                "rows past {rows}"
+            );
+        }
+    }
+    let (hidden, inter, eps) = (576, 1536, 1e-5f32);
+    let x: Vec<f32> = (0..8 * hidden)
+        .map(|_| rng.random_range(-3.0..3.0))
+        .collect();
+    let norm: Vec<u16> = (0..hidden)
+        .map(|_| bf16(rng.random_range(0.5..1.5)))
+        .collect();
+    let w: Vec<u16> = (0..2 * inter * hidden)
+        .map(|_| bf16(rng.random_range(-0.1..0.1)))
+        .collect();
+    let (xd, normd, wd) = (
+        gpu.upload(&x).unwrap(),
+        gpu.upload(&norm).unwrap(),
+        gpu.upload(&w).unwrap(),
+    );
+    let run = |rows: usize, mma: bool| {
+        gpu.set_mma_rows(mma).expect("an sm_80+ GPU");
+        let mut act = gpu.zeros::<u16>(8 * inter).unwrap();
+        gpu.norm_gate_up_silu(&xd, &normd, &wd, &mut act, rows, hidden, inter, eps)
+            .unwrap();
+        gpu.set_mma_rows(false).unwrap();
+        gpu.download(&act).unwrap()
+    };
+    let cuda_cores = run(8, false);
+    let all_rows = run(8, true);
+    for i in 0..8 * inter {
+        let (a, b) = (to_f64(all_rows[i]), to_f64(cuda_cores[i]));
+        assert!(
+            (a - b).abs() <= 1e-2 * b.abs() + 1e-3,
+            "gate|up [{i}]: {a} vs the CUDA cores' {b}"
+        );
+    }
+    for rows in 1..8 {
+        let got = run(rows, true);
+        assert_eq!(
+            got[..rows * inter],
+            all_rows[..rows * inter],
+            "gate|up rows {rows}"
+        );
+        assert!(
+            got[rows * inter..].iter().all(|&v| v == 0),
+            "gate|up rows past {rows}"
+        );
     }
 }
 

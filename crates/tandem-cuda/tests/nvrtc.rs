@@ -29,7 +29,8 @@ fn every_kernel_source_compiles_with_nvrtc() {
             [
                 "kernels/llama.cu",
                 "kernels/train.cu",
-                "kernels/attention_mma.cu"
+                "kernels/attention_mma.cu",
+                "kernels/rows_mma.cu"
             ]
         ),
         Err(e) => panic!("{e}"),
@@ -48,6 +49,21 @@ fn the_tensor_core_attention_assembles_for_sm_80_and_sm_90() {
     for arch in ["sm_80", "sm_90"] {
         match tandem_cuda::assemble_mma_attention(arch) {
             // Two kernels (head_dim 64 and 128) of a few thousand instructions each.
+            Ok(bytes) => assert!(bytes > 10_000, "{arch}: a cubin of only {bytes} bytes"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// The same for the fused small steps' tensor-core products (`kernels/rows_mma.cu`).
+#[test]
+fn the_tensor_core_small_steps_assemble_for_sm_80_and_sm_90() {
+    if !nvrtc_or_skip("kernel assembly") {
+        return;
+    }
+    for arch in ["sm_80", "sm_90"] {
+        match tandem_cuda::assemble_mma_rows(arch) {
+            // Four kernels of a few hundred to a few thousand instructions each.
             Ok(bytes) => assert!(bytes > 10_000, "{arch}: a cubin of only {bytes} bytes"),
             Err(e) => panic!("{e}"),
         }

@@ -197,6 +197,16 @@ impl Gpu {
 /// which runs ptxas: the PTX text of its `mma.sync` is checked only there (NVRTC's PTX output
 /// carries inline PTX unchecked), so CI assembles it without a GPU. Returns the cubin's bytes.
 pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
+    assemble(
+        &full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
+        "attention_mma.cu",
+        arch,
+    )
+}
+
+/// Assembles `full` (a kernel source as NVRTC gets it, named `file`) to machine code for
+/// `arch` with NVRTC; returns the cubin's bytes.
+pub(super) fn assemble(full: &str, file: &str, arch: &str) -> Result<usize, CudaError> {
     use cudarc::nvrtc::{result, sys};
     if !super::nvrtc_present() {
         return Err(CudaError::MissingLibrary(
@@ -204,9 +214,8 @@ pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
         ));
     }
     let failed = |what: String| CudaError::Kernel(format!("{what} (for {arch})"));
-    let source = CString::new(full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""))
-        .expect("kernel sources hold no NUL");
-    let name = CString::new("attention_mma.cu").expect("no NUL");
+    let source = CString::new(full).expect("kernel sources hold no NUL");
+    let name = CString::new(file).expect("no NUL");
     let program = result::create_program(&source, Some(&name))
         .map_err(|e| failed(format!("nvrtcCreateProgram: {e:?}")))?;
     // SAFETY: `program` was just created and is destroyed once below; the buffers handed to
@@ -225,9 +234,7 @@ pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
                 let log = result::get_program_log(program)
                     .map(|raw| CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned())
                     .unwrap_or_default();
-                Err(failed(format!(
-                    "assembling kernels/attention_mma.cu ({e:?}): {log}"
-                )))
+                Err(failed(format!("assembling kernels/{file} ({e:?}): {log}")))
             }
         };
         let _ = result::destroy_program(program);

@@ -1,0 +1,202 @@
+//! The fused small steps' matrix products on the tensor cores (`kernels/rows_mma.cu`):
+//! [`Gpu::gemv_rows`], [`Gpu::gemv_norm_rows`], [`Gpu::norm_gate_up_silu`] and
+//! [`Gpu::norm_qkv_rope`] for steps of at most [`super::GEMV_MAX_ROWS`] rows, one
+//! `mma.m16n8k16` per 16 weight rows and 16 input values whatever the row count, so eight rows
+//! (an 8-token tree's verification, a batch-8 decode) cost what one does on the CUDA-core
+//! kernels' weight traffic. The bits differ from the CUDA-core kernels', and a row's bits must
+//! not depend on which kernels a step takes, so the family is chosen once per process
+//! (`TANDEM_CUDA_MMA_ROWS`, [`enabled`]) and by the weight's shape only ([`takes`]), never by
+//! the row count. Compiled on its own for compute_80 (compute_90 with programmatic dependent
+//! launch), on GPUs that have `mma.sync` with bf16; checked on the CPU emulator
+//! (`tests/emulated_kernels.rs`) and assembled for sm_80 and sm_90 in CI ([`assemble_mma_rows`]).
+
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{CudaFunction, LaunchConfig};
+
+use super::{GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, full_source, mma_attention};
+use crate::error::CudaError;
+
+pub(super) const MMA_ROWS_SOURCE: &str = include_str!("../../../../kernels/rows_mma.cu");
+
+/// Chunks of 32 input values a warp loads at once (`MMA_ROWS_CHUNKS`) and the most warps a
+/// tile's block splits its k range over (`MMA_ROWS_MAX_SPLIT`).
+const CHUNKS_A_WARP: usize = 4;
+const MAX_SPLIT: usize = 16;
+
+/// Static shared memory of a block: one f32 partial tile (4 values a lane) per warp.
+const PARTIAL_BYTES: usize = MAX_SPLIT * 4 * 32 * 4;
+
+/// The four kernels.
+pub(super) struct MmaRows {
+    pub(super) gemv_rows: CudaFunction,
+    pub(super) gemv_norm_rows: CudaFunction,
+    pub(super) norm_gate_up_silu: CudaFunction,
+    pub(super) norm_qkv_rope: CudaFunction,
+}
+
+/// `kernels/rows_mma.cu` as PTX: compute_80, or compute_90 with `TANDEM_PDL` when the other
+/// kernels launch with programmatic dependent launch.
+pub(super) fn compile(programmatic: bool) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    let pdl = if programmatic {
+        "#define TANDEM_PDL 1\n"
+    } else {
+        ""
+    };
+    Ok(cudarc::nvrtc::compile_ptx_with_opts(
+        full_source(MMA_ROWS_SOURCE, "rows_mma.cu", pdl),
+        cudarc::nvrtc::CompileOptions {
+            name: Some("rows_mma.cu".into()),
+            arch: Some(if programmatic {
+                "compute_90"
+            } else {
+                "compute_80"
+            }),
+            ..Default::default()
+        },
+    )?)
+}
+
+impl MmaRows {
+    pub(super) fn load(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        programmatic: bool,
+    ) -> Result<Self, CudaError> {
+        let module = ctx.load_module(compile(programmatic)?)?;
+        Ok(Self {
+            gemv_rows: module.load_function("gemv_rows_mma")?,
+            gemv_norm_rows: module.load_function("gemv_norm_rows_mma")?,
+            norm_gate_up_silu: module.load_function("norm_gate_up_silu_mma")?,
+            norm_qkv_rope: module.load_function("norm_qkv_rope_mma")?,
+        })
+    }
+}
+
+/// Whether the process takes its fused steps' products on the tensor cores: on an sm_80+ GPU
+/// when `TANDEM_CUDA_MMA_ROWS` is `1`; unset or anything else, the CUDA-core kernels.
+pub(super) fn enabled(value: Option<&str>, compute_major: i32) -> bool {
+    compute_major >= 8 && value.map(str::trim) == Some("1")
+}
+
+/// Whether the kernels take a product whose k range is `inputs` inputs of `width` values each:
+/// widths that are whole 32-value chunks, and the staged rows of a full step
+/// ([`GEMV_MAX_ROWS`], whatever this step's rows: the choice must not depend on them) fitting
+/// beside the partial tiles in the 48 KiB a block gets without opting in.
+pub(super) fn takes(width: usize, inputs: usize) -> bool {
+    width > 0
+        && width.is_multiple_of(32)
+        && inputs * GEMV_MAX_ROWS * width * 2 + PARTIAL_BYTES <= GEMV_MAX_SHARED_BYTES
+}
+
+/// Warps of a tile's block for a k range of `width` values: enough that each loads at most
+/// [`CHUNKS_A_WARP`] chunks at once, at most [`MAX_SPLIT`] (wider ranges loop).
+pub(super) fn split(width: usize) -> usize {
+    (width / 32).div_ceil(CHUNKS_A_WARP).clamp(1, MAX_SPLIT)
+}
+
+/// The launch of a product over a k range of `width` values with `tiles` tiles (16 weight
+/// rows, or 8 output pairs, each) and `shared_bytes` of staged inputs.
+pub(super) fn config(tiles: usize, width: usize, shared_bytes: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (u32::try_from(tiles).expect("tiles fit a grid"), 1, 1),
+        block_dim: (32 * split(width) as u32, 1, 1),
+        shared_mem_bytes: shared_bytes as u32,
+    }
+}
+
+impl Gpu {
+    /// Whether fused small steps take their products on the tensor cores from now on (compiled
+    /// on first use; an error on a GPU before sm_80). A process should decide once, before its
+    /// first step: a row's bits differ between the two families (tests switch it to compare
+    /// them). CUDA graphs captured before keep the kernels they captured.
+    pub fn set_mma_rows(&self, on: bool) -> Result<(), CudaError> {
+        if on && self.mma_rows.get().is_none() {
+            let (major, _) = self.ctx.compute_capability()?;
+            if major < 8 {
+                return Err(CudaError::Kernel(format!(
+                    "the tensor-core small steps need an sm_80 or later GPU; this one is sm_{major}x"
+                )));
+            }
+            let kernels = MmaRows::load(&self.ctx, self.programmatic)?;
+            let _ = self.mma_rows.set(kernels);
+        }
+        self.mma_rows_on.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether fused small steps take their products on the tensor cores now.
+    pub fn mma_rows(&self) -> bool {
+        self.mma_rows_on.load(Ordering::Relaxed)
+    }
+
+    /// The tensor-core kernels, when they are on and take a product whose k range is `inputs`
+    /// staged inputs of `width` values (0: the input is read from global memory).
+    pub(super) fn mma_rows_for(&self, width: usize, inputs: usize) -> Option<&MmaRows> {
+        if !self.mma_rows() {
+            return None;
+        }
+        self.mma_rows.get().filter(|_| takes(width, inputs))
+    }
+}
+
+/// Assembles `kernels/rows_mma.cu` to machine code for `arch` (e.g. `sm_90`): its `mma.sync`
+/// is inline PTX, which only ptxas checks (see [`mma_attention::assemble_mma_attention`]).
+/// Returns the cubin's bytes.
+pub fn assemble_mma_rows(arch: &str) -> Result<usize, CudaError> {
+    mma_attention::assemble(
+        &full_source(MMA_ROWS_SOURCE, "rows_mma.cu", ""),
+        "rows_mma.cu",
+        arch,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_switch_is_on_only_when_asked_on_a_gpu_with_bf16_mma() {
+        assert!(enabled(Some("1"), 9));
+        assert!(enabled(Some(" 1\n"), 8));
+        assert!(!enabled(Some("1"), 7));
+        assert!(!enabled(None, 9));
+        assert!(!enabled(Some("0"), 9));
+        assert!(!enabled(Some("on"), 9));
+    }
+
+    #[test]
+    fn shapes_are_taken_by_width_never_by_rows() {
+        // SmolLM2: hidden 576, inter 1536; its head stages two inputs of 576.
+        assert!(takes(576, 1) && takes(1536, 1) && takes(576, 2));
+        // Qwen2.5-1.5B's hidden (1,536) fits one input; its head's two do not (48 KiB + partials).
+        assert!(takes(1536, 1));
+        assert!(!takes(1536, 2));
+        // Not whole chunks of 32.
+        assert!(!takes(584, 1) && !takes(0, 1));
+    }
+
+    #[test]
+    fn each_warp_loads_at_most_four_chunks_and_a_block_at_most_sixteen_warps() {
+        // (width, warps): SmolLM2's q|k|v / o / gate|up (576: 18 chunks), its down (1,536: 48),
+        // its head's q|k|v (two inputs: 1,152), the head's fc (1,728), a narrow and a wide one.
+        for (width, warps) in [
+            (576, 5),
+            (1536, 12),
+            (1152, 9),
+            (1728, 14),
+            (32, 1),
+            (128, 1),
+            (160, 2),
+            (8960, 16),
+        ] {
+            assert_eq!(split(width), warps, "width {width}");
+            let chunks = width / 32;
+            assert!(chunks.div_ceil(warps) <= CHUNKS_A_WARP || warps == MAX_SPLIT);
+        }
+        let c = config(36, 576, 1152);
+        assert_eq!(
+            (c.grid_dim.0, c.block_dim.0, c.shared_mem_bytes),
+            (36, 160, 1152)
+        );
+    }
+}

@@ -1,0 +1,231 @@
+// kernels/rows_mma.cu (the fused small steps' products on the tensor cores) on the CPU emulator
+// (cuda_emu.h), with the launch shapes of crates/tandem-cuda/src/device/mma_rows.rs: a block of
+// `split` = min(16, ceil(chunks / 4)) warps a tile. Each kernel against double precision or
+// against its CUDA-core twin in llama.cu on the same inputs, and a row's bits at every step
+// width (1-8 rows). The shapes make the k range split over several warps, end in a ragged
+// slice, cross from the head's first input to its second inside a slice, and leave the last
+// tile of outputs part-empty. Prints one line per check; exits non-zero when one fails.
+#define TANDEM_EMULATE 1
+#include "cuda_emu.h"
+
+#define GEMV_MAX_ROWS 8
+#define GEMV_BLOCK_WARPS 4
+#define PERSIST_THREADS 512
+#include "common.cuh"
+#include "llama.cu"
+#include "rows_mma.cu"
+#include "host_reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+static bool report(const char* what, bool ok, const char* detail) {
+    std::printf("%-64s %s %s\n", what, detail, ok ? "ok" : "FAILED");
+    return ok;
+}
+
+// Warps a tile's block has for a k range of `width` values (`mma_rows::split` in Rust).
+static unsigned int split_for(int width) {
+    const int chunks = width / 32;
+    return static_cast<unsigned int>(std::min(16, (chunks + 3) / 4));
+}
+
+static std::vector<unsigned short> random_bf16(std::mt19937& rng, size_t n, float scale = 1.0f) {
+    std::uniform_real_distribution<float> uni(-scale, scale);
+    std::vector<unsigned short> v(n);
+    for (auto& x : v) x = to_bf16(uni(rng));
+    return v;
+}
+
+static std::vector<float> random_f32(std::mt19937& rng, size_t n) {
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    std::vector<float> v(n);
+    for (auto& x : v) x = uni(rng);
+    return v;
+}
+
+// gemv_rows_mma: y = x . w^T and y += x . w^T against double precision, and row r's bits the
+// same in steps of r + 1 .. 8 rows.
+static bool check_gemv(std::mt19937& rng) {
+    const int inp = 320, out = 40;  // 10 chunks: 3 warps (4, 4, 2); 3 tiles, the last half-empty
+    const auto w = random_bf16(rng, out * inp);
+    const auto x = random_bf16(rng, 8 * inp);
+    std::vector<std::vector<float>> by_rows(9);
+    double worst = 0.0;
+    for (int rows = 1; rows <= 8; ++rows) {
+        std::vector<float> y(8 * out, NAN);
+        emu_launch(EmuDim3{static_cast<unsigned int>((out + 15) / 16), 1, 1}, EmuDim3{32 * split_for(inp), 1, 1}, 0,
+                   [&] { gemv_rows_mma(x.data(), w.data(), y.data(), rows, inp, out, 0); });
+        for (int r = 0; r < rows; ++r)
+            for (int o = 0; o < out; ++o) {
+                double dot = 0;
+                for (int i = 0; i < inp; ++i)
+                    dot += static_cast<double>(from_bf16(x[r * inp + i])) * from_bf16(w[o * inp + i]);
+                worst = std::max(worst, std::fabs(y[r * out + o] - dot));
+            }
+        // Rows past the step's are not written.
+        for (int i = rows * out; i < 8 * out; ++i) worst = std::isnan(y[i]) ? worst : 1e9;
+        by_rows[rows] = y;
+    }
+    bool same_bits = true;
+    for (int rows = 1; rows < 8; ++rows)
+        same_bits &= std::memcmp(by_rows[rows].data(), by_rows[8].data(), rows * out * sizeof(float)) == 0;
+    // Accumulate: y += x . w^T over what y held.
+    const int rows = 5;
+    auto y = random_f32(rng, rows * out);
+    const auto before = y;
+    emu_launch(EmuDim3{static_cast<unsigned int>((out + 15) / 16), 1, 1}, EmuDim3{32 * split_for(inp), 1, 1}, 0,
+               [&] { gemv_rows_mma(x.data(), w.data(), y.data(), rows, inp, out, 1); });
+    double worst_add = 0.0;
+    for (int r = 0; r < rows; ++r)
+        for (int o = 0; o < out; ++o)
+            worst_add = std::max(worst_add, static_cast<double>(std::fabs(
+                                                (y[r * out + o] - before[r * out + o]) -
+                                                by_rows[8][r * out + o])));
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(1-8 rows; max |error| %.1e, tolerance 2e-4)", worst);
+    bool ok = report("gemv_rows_mma: the dot products", worst <= 2e-4, detail);
+    ok &= report("gemv_rows_mma: a row's bits the same at every step width", same_bits, "");
+    std::snprintf(detail, sizeof detail, "(max |error| %.1e, tolerance 1e-5)", worst_add);
+    ok &= report("gemv_rows_mma: accumulate adds the products", worst_add <= 1e-5, detail);
+    return ok;
+}
+
+// gemv_norm_rows_mma against gemv_norm_rows (the CUDA-core kernel, same staging).
+static bool check_gemv_norm(std::mt19937& rng) {
+    const int inp = 160, out = 24, rows = 5;  // 5 chunks: 2 warps (4, 1)
+    const auto w = random_bf16(rng, out * inp);
+    const auto norm_w = random_bf16(rng, inp);
+    const auto xf = random_f32(rng, rows * inp);
+    std::vector<float> want(rows * out, NAN), got(rows * out, NAN);
+    emu_launch(EmuDim3{static_cast<unsigned int>(out), 1, 1}, EmuDim3{128, 1, 1}, rows * inp * 2, [&] {
+        gemv_norm_rows_r8_o1(xf.data(), norm_w.data(), w.data(), want.data(), rows, inp, out, 4,
+                             1e-5f);
+    });
+    emu_launch(EmuDim3{static_cast<unsigned int>((out + 15) / 16), 1, 1}, EmuDim3{32 * split_for(inp), 1, 1}, rows * inp * 2,
+               [&] {
+                   gemv_norm_rows_mma(xf.data(), norm_w.data(), w.data(), got.data(), rows, inp,
+                                      out, 1e-5f);
+               });
+    double worst = 0.0;
+    for (int i = 0; i < rows * out; ++i) worst = std::max(worst, static_cast<double>(std::fabs(got[i] - want[i])));
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(max |difference| %.1e, tolerance 1e-4)", worst);
+    return report("gemv_norm_rows_mma against gemv_norm_rows", worst <= 1e-4, detail);
+}
+
+// norm_gate_up_silu_mma against norm_gate_up_silu, and its rows' bits at 3 and 8 rows.
+static bool check_gate_up(std::mt19937& rng) {
+    const int hidden = 192, inter = 20;  // 6 chunks: 2 warps (3, 3); tiles of 8, the last half-empty
+    const auto w = random_bf16(rng, 2 * inter * hidden);
+    const auto norm_w = random_bf16(rng, hidden);
+    const auto x = random_f32(rng, 8 * hidden);
+    auto run_mma = [&](int rows) {
+        std::vector<unsigned short> act(8 * inter, 0xffff);
+        emu_launch(EmuDim3{static_cast<unsigned int>((inter + 7) / 8), 1, 1}, EmuDim3{32 * split_for(hidden), 1, 1},
+                   rows * hidden * 2, [&] {
+                       norm_gate_up_silu_mma(x.data(), norm_w.data(), w.data(), act.data(), rows,
+                                             hidden, inter, 1e-5f);
+                   });
+        return act;
+    };
+    const int rows = 3;
+    std::vector<unsigned short> want(8 * inter, 0xffff);
+    emu_launch(EmuDim3{static_cast<unsigned int>((inter + 3) / 4), 1, 1}, EmuDim3{128, 1, 1}, rows * hidden * 2, [&] {
+        norm_gate_up_silu(x.data(), norm_w.data(), w.data(), want.data(), rows, hidden, inter,
+                          1e-5f);
+    });
+    const auto got = run_mma(rows);
+    const auto got8 = run_mma(8);
+    double worst = 0.0;
+    for (int i = 0; i < rows * inter; ++i) {
+        const double a = from_bf16(got[i]), b = from_bf16(want[i]);
+        worst = std::max(worst, std::fabs(a - b) / std::max(1.0, std::fabs(b)));
+    }
+    bool untouched = true;
+    for (int i = rows * inter; i < 8 * inter; ++i) untouched &= got[i] == 0xffff;
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(max relative difference %.1e, tolerance 1e-2)", worst);
+    bool ok = report("norm_gate_up_silu_mma against norm_gate_up_silu", worst <= 1e-2 && untouched, detail);
+    ok &= report("norm_gate_up_silu_mma: the same bits at 3 and 8 rows",
+                 std::memcmp(got.data(), got8.data(), rows * inter * 2) == 0, "");
+    return ok;
+}
+
+// norm_qkv_rope_mma against norm_qkv_rope: the target's form (f32 rows, a bias) and the draft
+// head's (embedding rows read from the table, a second input through its own weight).
+static bool check_qkv_rope(std::mt19937& rng, bool head) {
+    const int hidden = 160, heads = 2, kv_heads = 1, head_dim = 32, batch = 2, width = 2;
+    const int rows = batch * width, capacity = 8, col0 = 3, vocab = 11;
+    const int half = head_dim / 2, pairs = (heads + 2 * kv_heads) * half;
+    const int qkv_dim = (heads + 2 * kv_heads) * head_dim, q_dim = heads * head_dim;
+    const auto w = random_bf16(rng, qkv_dim * hidden, 0.2f);
+    const auto w2 = random_bf16(rng, qkv_dim * hidden, 0.2f);
+    const auto norm_w = random_bf16(rng, hidden);
+    const auto norm_w2 = random_bf16(rng, hidden);
+    const auto x = random_f32(rng, rows * hidden);
+    const auto x2 = random_f32(rng, rows * hidden);
+    const auto table = random_bf16(rng, vocab * hidden);
+    const auto bias = random_f32(rng, qkv_dim);
+    const std::vector<unsigned int> tokens = {4, 9, 0, 7};
+    const std::vector<int> positions = {5, 6, 9, 10};
+    std::vector<float> inv_freq(half);
+    for (int j = 0; j < half; ++j) inv_freq[j] = std::pow(10000.0f, -2.0f * j / head_dim);
+    const size_t cache = static_cast<size_t>(batch) * kv_heads * capacity * head_dim;
+    const int inputs = head ? 2 : 1;
+    const size_t shared = static_cast<size_t>(inputs) * rows * hidden * 2;
+    struct Out {
+        std::vector<float> q;
+        std::vector<unsigned short> k, v;
+    };
+    auto run = [&](bool mma) {
+        Out o{std::vector<float>(rows * q_dim, NAN), std::vector<unsigned short>(cache, 0),
+              std::vector<unsigned short>(cache, 0)};
+        auto kernel = [&] {
+            auto f = mma ? norm_qkv_rope_mma : norm_qkv_rope;
+            f(head ? nullptr : x.data(), norm_w.data(), w.data(), head ? x2.data() : nullptr,
+              head ? norm_w2.data() : nullptr, head ? w2.data() : nullptr,
+              head ? nullptr : bias.data(), positions.data(), inv_freq.data(), o.q.data(),
+              o.k.data(), o.v.data(), rows, hidden, width, heads, kv_heads, head_dim, capacity,
+              col0, nullptr, 1e-5f, head ? table.data() : nullptr, head ? tokens.data() : nullptr);
+        };
+        if (mma) {
+            emu_launch(EmuDim3{static_cast<unsigned int>((pairs + 7) / 8), 1, 1}, EmuDim3{32 * split_for(inputs * hidden), 1, 1},
+                       shared, kernel);
+        } else {
+            emu_launch(EmuDim3{static_cast<unsigned int>((pairs + 3) / 4), 1, 1}, EmuDim3{128, 1, 1}, shared, kernel);
+        }
+        return o;
+    };
+    const Out want = run(false), got = run(true);
+    double worst_q = 0.0, worst_kv = 0.0;
+    for (int i = 0; i < rows * q_dim; ++i)
+        worst_q = std::max(worst_q, static_cast<double>(std::fabs(got.q[i] - want.q[i])));
+    bool written = true;
+    for (size_t i = 0; i < cache; ++i) {
+        for (const auto* pair : {&got.k, &got.v}) {
+            const auto& want_side = pair == &got.k ? want.k : want.v;
+            const double a = from_bf16((*pair)[i]), b = from_bf16(want_side[i]);
+            worst_kv = std::max(worst_kv, std::fabs(a - b) / std::max(1.0, std::fabs(b)));
+            written &= ((*pair)[i] == 0) == (want_side[i] == 0);
+        }
+    }
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(max |q difference| %.1e, tolerance 2e-4; k, v relative %.1e, 1e-2)",
+                  worst_q, worst_kv);
+    return report(head ? "norm_qkv_rope_mma against norm_qkv_rope: the head's two inputs"
+                       : "norm_qkv_rope_mma against norm_qkv_rope: a target layer",
+                  worst_q <= 2e-4 && worst_kv <= 1e-2 && written, detail);
+}
+
+int main() {
+    std::mt19937 rng(38);
+    bool ok = check_gemv(rng);
+    ok = check_gemv_norm(rng) && ok;
+    ok = check_gate_up(rng) && ok;
+    ok = check_qkv_rope(rng, false) && ok;
+    ok = check_qkv_rope(rng, true) && ok;
+    return ok ? 0 : 1;
+}

@@ -1,0 +1,385 @@
+// The fused small steps' matrix products (steps of at most GEMV_MAX_ROWS = 8 rows) on the
+// tensor cores: `gemv_rows`, `gemv_norm_rows`, `norm_gate_up_silu` and `norm_qkv_rope` of
+// llama.cu with the same inputs, outputs and epilogues.
+//
+// Why: the CUDA-core kernels of llama.cu read each weight once but multiply it into every row
+// on the CUDA cores, one FMA per value and row, with a row's inputs loaded once per output
+// group; from one row to eight a layer's kernels cost ~13 us more and the 49,152-wide logits
+// go from 18 to ~45 us (BENCHMARKS.md, session 26), so verifying an 8-token tree costs 1.3-1.6
+// decode steps. On the tensor cores a step of 1 to 8 rows is one mma.m16n8k16 per 16 weight
+// rows and 16 input values, whatever the row count: eight rows cost what one does.
+//
+// The product is "swapped": a warp's tile is 16 weight rows (A, 16 x 16 per mma) times the
+// step's rows as the 8 columns of B (k x n), so a small step fills B's n = 8 and no rows are
+// padded to 16. A lane loads 16 bytes of each of its two weight rows (g and g + 8, g = lane / 4)
+// and 16 bytes of input row g at the same 8 positions k0 + 8 (lane % 4) .. + 8 of a 32-value
+// chunk; that is two mmas' fragments at once, under a fixed permutation of k that A and B share
+// (the products summed are the same; mma_pair below spells it out). Rows past the step's
+// (g >= rows) load zeros.
+//
+// Batch invariance (what greedy speculative output equal to target-only output rests on): each
+// entry of an mma's result is the dot product of its A row and its B column, so a step row's
+// outputs do not depend on the other rows, and the k order (the chunk order within a warp's
+// slice, the slices added in slice order) depends on the weight's shape only. Every step of 1
+// to 8 rows gives a row the same bits (the GPU test
+// `tensor_core_small_steps_keep_a_rows_bits_at_every_width` checks it). The bits differ from
+// the CUDA-core kernels', so a process uses one family for all its fused steps
+// (`TANDEM_CUDA_MMA_ROWS`, read once when the GPU is opened).
+//
+// Block: `split` warps (blockDim.x = 32 * split) share one tile's k range, each over its own
+// contiguous slice of at most MMA_ROWS_CHUNKS chunks of 32 values (loaded at once: one trip to
+// memory), summed in slice order through shared memory; warp 0 writes. Grid: one block a tile.
+// Needs sm_80 (mma.sync with bf16): compiled on its own for compute_80 (compute_90 with
+// programmatic dependent launch), like attention_mma.cu. Weight and input widths: multiples of
+// 32. Fragment layouts: see attention_mma.cu's header.
+
+#define MMA_ROWS_CHUNKS 4
+#define MMA_ROWS_MAX_SPLIT 16
+
+#ifndef TANDEM_MMA_HELPERS
+#define TANDEM_MMA_HELPERS
+// Two floats as a bf16x2 register, `lo` in the low half (the element with the smaller index).
+__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
+}
+
+#ifndef TANDEM_EMULATE
+// d += a * b for one 16x8x16 tile (a: 4 registers of A, b: 2 of B, d: 4 f32 of C/D).
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned int* a,
+                                               const unsigned int* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+#endif
+
+// One operand pair of a product: a weight matrix ([*, 32 * chunks] bf16, row-major) and the
+// step's input rows of the same width (bf16 [rows, 32 * chunks], shared or global memory).
+struct MmaOperand {
+    const unsigned short* w;
+    const unsigned short* x;
+    int chunks;
+};
+
+// c += the 16 x 8 tile of one 32-value chunk: lo and hi are 16 bytes of weight rows g and
+// g + 8, x 16 bytes of input row g, all at the chunk's values 8t .. 8t + 7 (t = lane % 4). The
+// first mma takes the values 8t + {0, 1} as its k = {2t, 2t + 1} and 8t + {2, 3} as k =
+// {2t + 8, 2t + 9} (the .x and .y words), the second the .z and .w words: over the four lanes
+// of a row that is every value of the chunk once, the same pairing in A and B.
+__device__ __forceinline__ void mma_pair(float (&c)[4], const uint4& lo, const uint4& hi,
+                                         const uint4& x) {
+    const unsigned int a0[4] = {lo.x, hi.x, lo.y, hi.y};
+    const unsigned int b0[2] = {x.x, x.y};
+    mma_bf16_16816(c, a0, b0);
+    const unsigned int a1[4] = {lo.z, hi.z, lo.w, hi.w};
+    const unsigned int b1[2] = {x.z, x.w};
+    mma_bf16_16816(c, a1, b1);
+}
+
+// The block's tile: weight rows row_lo (as A row g) and row_hi (A row g + 8) of each operand
+// (the same rows of both), times the step's `rows` input rows, over the k range of `first`
+// then `second` (second.chunks may be 0). Each warp loads its slice's weights, calls `stage`
+// (every thread of the block, once: PDL_WAIT and whatever the inputs need, ending in a
+// barrier when it writes shared memory), then its inputs, and multiplies. Returns true in warp
+// 0, whose c then holds the tile: c[0], c[1] = A row g at step rows 2t, 2t + 1; c[2], c[3] = A
+// row g + 8 at the same rows.
+template <typename Stage>
+__device__ __forceinline__ bool mma_rows_tile(const MmaOperand& first, const MmaOperand& second,
+                                              size_t row_lo, size_t row_hi, int rows,
+                                              Stage stage, float (&c)[4]) {
+    __shared__ float partial[MMA_ROWS_MAX_SPLIT][4][32];
+    const int lane = threadIdx.x & 31;
+    const int slice = threadIdx.x >> 5;
+    const int split = blockDim.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int chunks = first.chunks + second.chunks;
+    const int per_slice = (chunks + split - 1) / split;
+    const int begin = min(chunks, slice * per_slice);
+    const int end = min(chunks, begin + per_slice);
+    // Chunk cc of the k range: its operand's weight and input, their width, and the offset of
+    // this lane's 8 values in a row (selected by value: no operand's address is taken).
+    auto locate = [&](int cc, const unsigned short*& w, const unsigned short*& x, int& width,
+                      int& k) {
+        const bool in_second = cc >= first.chunks;
+        w = in_second ? second.w : first.w;
+        x = in_second ? second.x : first.x;
+        width = (in_second ? second.chunks : first.chunks) * 32;
+        k = (in_second ? cc - first.chunks : cc) * 32 + 8 * t;
+    };
+    uint4 lo[MMA_ROWS_CHUNKS], hi[MMA_ROWS_CHUNKS];
+    auto load_weights = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < MMA_ROWS_CHUNKS; ++u) {
+            if (base + u < end) {
+                const unsigned short* w;
+                const unsigned short* x;
+                int width, k;
+                locate(base + u, w, x, width, k);
+                lo[u] = __ldg(reinterpret_cast<const uint4*>(w + row_lo * width + k));
+                hi[u] = __ldg(reinterpret_cast<const uint4*>(w + row_hi * width + k));
+            }
+        }
+    };
+    PDL_LAUNCH_DEPENDENTS();
+    load_weights(begin);
+    stage();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        c[i] = 0.0f;
+    }
+    for (int base = begin; base < end; base += MMA_ROWS_CHUNKS) {
+        uint4 xv[MMA_ROWS_CHUNKS];
+#pragma unroll
+        for (int u = 0; u < MMA_ROWS_CHUNKS; ++u) {
+            xv[u] = make_uint4(0, 0, 0, 0);
+            if (base + u < end && g < rows) {
+                const unsigned short* w;
+                const unsigned short* x;
+                int width, k;
+                locate(base + u, w, x, width, k);
+                xv[u] = *reinterpret_cast<const uint4*>(x + (size_t)g * width + k);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_ROWS_CHUNKS; ++u) {
+            if (base + u < end) {  // warp-uniform: every lane takes part in the mma
+                mma_pair(c, lo[u], hi[u], xv[u]);
+            }
+        }
+        if (base + MMA_ROWS_CHUNKS < end) {
+            load_weights(base + MMA_ROWS_CHUNKS);
+        }
+    }
+    if (split > 1) {
+        if (slice > 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                partial[slice][i][lane] = c[i];
+            }
+        }
+        __syncthreads();
+        if (slice != 0) {
+            return false;
+        }
+        for (int s = 1; s < split; ++s) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                c[i] += partial[s][i][lane];
+            }
+        }
+    }
+    return slice == 0;
+}
+
+// No input to stage (it is in global memory, written by an earlier launch): wait for it.
+struct WaitOnly {
+    __device__ __forceinline__ void operator()() const { PDL_WAIT(); }
+};
+
+// y[r, o] = x[r, :] . w[o, :] (or y +=, `accumulate`), as gemv_rows. Grid: ceil(out / 16).
+extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
+                                         const unsigned short* __restrict__ w,
+                                         float* __restrict__ y, int rows, int inp, int out,
+                                         int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int o0 = blockIdx.x * 16;
+    const size_t lo = min(o0 + g, out - 1);  // rows past the end load a valid row, write nothing
+    const size_t hi = min(o0 + g + 8, out - 1);
+    const MmaOperand a{w, x, inp >> 5};
+    const MmaOperand none{w, x, 0};
+    float c[4];
+    if (!mma_rows_tile(a, none, lo, hi, rows, WaitOnly{}, c)) {
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int o = o0 + g + (i >= 2 ? 8 : 0);
+        const int r = 2 * t + (i & 1);
+        if (o < out && r < rows) {
+            float* dst = y + (size_t)r * out + o;
+            *dst = accumulate ? *dst + c[i] : c[i];
+        }
+    }
+}
+
+// y[r, o] = bf16(rms_norm(xf[r]) * norm_w) . w[o, :], as gemv_norm_rows. Grid: ceil(out / 16);
+// dynamic shared: rows * inp bf16.
+extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
+                                              const unsigned short* __restrict__ norm_w,
+                                              const unsigned short* __restrict__ w,
+                                              float* __restrict__ y, int rows, int inp, int out,
+                                              float eps) {
+    DYNAMIC_SHARED(uint4, mma_shared);
+    unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int o0 = blockIdx.x * 16;
+    const size_t lo = min(o0 + g, out - 1);
+    const size_t hi = min(o0 + g + 8, out - 1);
+    const MmaOperand a{w, xs, inp >> 5};
+    const MmaOperand none{w, xs, 0};
+    float c[4];
+    auto stage = [&]() {
+        PDL_WAIT();
+        stage_rms_normed(xf, norm_w, xs, rows, inp, eps);
+    };
+    if (!mma_rows_tile(a, none, lo, hi, rows, stage, c)) {
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int o = o0 + g + (i >= 2 ? 8 : 0);
+        const int r = 2 * t + (i & 1);
+        if (o < out && r < rows) {
+            y[(size_t)r * out + o] = c[i];
+        }
+    }
+}
+
+// act[r, j] = bf16(silu(gate) * up), as norm_gate_up_silu: a tile is gate rows j0 .. j0 + 7
+// (A rows 0-7) and their up rows inter + j0 .. (A rows 8-15), so a lane holds both of an
+// output. Grid: ceil(inter / 8); dynamic shared: rows * hidden bf16.
+extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
+                                                 const unsigned short* __restrict__ norm_w,
+                                                 const unsigned short* __restrict__ w,
+                                                 unsigned short* __restrict__ act, int rows,
+                                                 int hidden, int inter, float eps) {
+    DYNAMIC_SHARED(uint4, mma_shared);
+    unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int j = blockIdx.x * 8 + g;
+    const int jw = min(j, inter - 1);
+    const MmaOperand a{w, xs, hidden >> 5};
+    const MmaOperand none{w, xs, 0};
+    float c[4];
+    auto stage = [&]() {
+        PDL_WAIT();
+        stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
+    };
+    if (!mma_rows_tile(a, none, (size_t)jw, (size_t)(inter + jw), rows, stage, c)) {
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = 2 * t + i;
+        if (j < inter && r < rows) {
+            const float gate = c[i];
+            act[(size_t)r * inter + j] = f32_to_bf16(gate / (1.0f + expf(-gate)) * c[2 + i]);
+        }
+    }
+}
+
+// q|k|v of the normed input, the bias, RoPE and the cache write, as norm_qkv_rope (same
+// arguments): a tile is 8 rotation pairs p0 .. p0 + 7, the first rows of the pairs as A rows
+// 0-7 and the second (+ head_dim / 2) as A rows 8-15, so a lane holds both values of a pair.
+// With x2 (the EAGLE-3 head) the second input's weight continues the k range. The inputs are
+// staged a row per warp, both inputs' rows at once. Grid: ceil(pairs / 8); dynamic shared:
+// rows * hidden bf16, twice with x2.
+extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
+                                             const unsigned short* __restrict__ norm_w,
+                                             const unsigned short* __restrict__ w,
+                                             const float* __restrict__ x2,
+                                             const unsigned short* __restrict__ norm_w2,
+                                             const unsigned short* __restrict__ w2,
+                                             const float* __restrict__ bias,
+                                             const int* __restrict__ positions,
+                                             const float* __restrict__ inv_freq,
+                                             float* __restrict__ q_out, unsigned short* k_cache,
+                                             unsigned short* v_cache, int rows, int hidden,
+                                             int width, int heads, int kv_heads, int head_dim,
+                                             int capacity, int col0, const int* step_scalars,
+                                             float eps,
+                                             const unsigned short* __restrict__ embed_table,
+                                             const unsigned int* __restrict__ tokens) {
+    DYNAMIC_SHARED(uint4, mma_shared);
+    unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
+    unsigned short* xs2 = xs + (size_t)rows * hidden;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int half = head_dim / 2;
+    const int pairs = (heads + 2 * kv_heads) * half;
+    const int p = blockIdx.x * 8 + g;
+    const int pw = min(p, pairs - 1);
+    const int h = pw / half;
+    const int jj = pw % half;
+    const size_t row1 = (size_t)h * head_dim + jj;
+    const MmaOperand a{w, xs, hidden >> 5};
+    const MmaOperand b{w2, xs2, x2 != nullptr ? hidden >> 5 : 0};
+    float c[4];
+    auto stage = [&]() {
+        PDL_WAIT();
+        const int warp = threadIdx.x >> 5;
+        const int warps = blockDim.x >> 5;
+        const int inputs = x2 != nullptr ? 2 : 1;
+        for (int task = warp; task < inputs * rows; task += warps) {
+            if (task >= rows) {
+                stage_rms_normed_row(F32Rows{x2}, norm_w2, xs2, task - rows, hidden, eps);
+            } else if (embed_table != nullptr) {
+                stage_rms_normed_row(EmbedRows{embed_table, tokens}, norm_w, xs, task, hidden,
+                                     eps);
+            } else {
+                stage_rms_normed_row(F32Rows{x}, norm_w, xs, task, hidden, eps);
+            }
+        }
+        __syncthreads();
+    };
+    if (!mma_rows_tile(a, b, row1, row1 + half, rows, stage, c)) {
+        return;
+    }
+    if (p >= pairs) {
+        return;
+    }
+    if (step_scalars != nullptr) {
+        col0 = step_scalars[0];
+    }
+    const int q_dim = heads * head_dim;
+    const size_t row2 = row1 + half;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = 2 * t + i;
+        if (r >= rows) {
+            continue;
+        }
+        float x1 = c[i];
+        float x2v = c[2 + i];
+        if (bias != nullptr) {
+            x1 += bias[row1];
+            x2v += bias[row2];
+        }
+        const int bq = r / width;
+        const int col = col0 + r % width;
+        if (h < heads + kv_heads) {
+            const float angle = inv_freq[jj] * (float)positions[r];
+            const float cs = cosf(angle);
+            const float sn = sinf(angle);
+            const float y1 = x1 * cs - x2v * sn;
+            const float y2 = x2v * cs + x1 * sn;
+            if (h < heads) {
+                float* q = q_out + (size_t)r * q_dim + h * head_dim;
+                q[jj] = y1;
+                q[jj + half] = y2;
+            } else {
+                unsigned short* k =
+                    k_cache + (((size_t)bq * kv_heads + (h - heads)) * capacity + col) * head_dim;
+                k[jj] = f32_to_bf16(y1);
+                k[jj + half] = f32_to_bf16(y2);
+            }
+        } else {
+            unsigned short* v =
+                v_cache +
+                (((size_t)bq * kv_heads + (h - heads - kv_heads)) * capacity + col) * head_dim;
+            v[jj] = f32_to_bf16(x1);
+            v[jj + half] = f32_to_bf16(x2v);
+        }
+    }
+}
