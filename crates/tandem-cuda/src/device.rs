@@ -29,7 +29,9 @@ use crate::kv_pool::KvPool;
 mod mma_attention;
 mod mma_rows;
 use mma_attention::MmaAttention;
-pub use mma_attention::{DEFAULT_MMA_MIN_WIDTH, MMA_MIN_QUERY_ROWS, assemble_mma_attention};
+pub use mma_attention::{
+    Assembly, DEFAULT_MMA_MIN_WIDTH, MMA_MIN_QUERY_ROWS, assemble_mma_attention,
+};
 use mma_rows::MmaRows;
 pub use mma_rows::assemble_mma_rows;
 

@@ -195,8 +195,8 @@ impl Gpu {
 
 /// Assembles `kernels/attention_mma.cu` to machine code for `arch` (e.g. `sm_90`) with NVRTC,
 /// which runs ptxas: the PTX text of its `mma.sync` is checked only there (NVRTC's PTX output
-/// carries inline PTX unchecked), so CI assembles it without a GPU. Returns the cubin's bytes.
-pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
+/// carries inline PTX unchecked), so CI assembles it without a GPU.
+pub fn assemble_mma_attention(arch: &str) -> Result<Assembly, CudaError> {
     assemble(
         &full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
         "attention_mma.cu",
@@ -204,9 +204,37 @@ pub fn assemble_mma_attention(arch: &str) -> Result<usize, CudaError> {
     )
 }
 
+/// Machine code NVRTC assembled: its size and what ptxas said of each kernel (`-v`: registers,
+/// stack frame, spill stores and loads).
+#[derive(Debug, Clone)]
+pub struct Assembly {
+    pub cubin_bytes: usize,
+    pub ptxas_log: String,
+}
+
+impl Assembly {
+    /// The kernels whose registers spill to local memory, with ptxas's line for each (`N bytes
+    /// spill stores, N bytes spill loads`). A spill in a latency-bound small-step kernel is a
+    /// trip to memory in its inner loop.
+    pub fn spills(&self) -> Vec<String> {
+        let mut kernel = "";
+        let mut out = Vec::new();
+        for line in self.ptxas_log.lines() {
+            if let Some(at) = line.find("Function properties for ") {
+                kernel = line[at + "Function properties for ".len()..].trim();
+            } else if line.contains("spill stores")
+                && !line.contains(" 0 bytes spill stores, 0 bytes spill loads")
+            {
+                out.push(format!("{kernel}: {}", line.trim()));
+            }
+        }
+        out
+    }
+}
+
 /// Assembles `full` (a kernel source as NVRTC gets it, named `file`) to machine code for
-/// `arch` with NVRTC; returns the cubin's bytes.
-pub(super) fn assemble(full: &str, file: &str, arch: &str) -> Result<usize, CudaError> {
+/// `arch` with NVRTC, ptxas reporting on each kernel.
+pub(super) fn assemble(full: &str, file: &str, arch: &str) -> Result<Assembly, CudaError> {
     use cudarc::nvrtc::{result, sys};
     if !super::nvrtc_present() {
         return Err(CudaError::MissingLibrary(
@@ -221,21 +249,28 @@ pub(super) fn assemble(full: &str, file: &str, arch: &str) -> Result<usize, Cuda
     // SAFETY: `program` was just created and is destroyed once below; the buffers handed to
     // NVRTC are sized by its own size queries.
     unsafe {
-        let compiled = result::compile_program(program, &[format!("--gpu-architecture={arch}")]);
+        let compiled = result::compile_program(
+            program,
+            &[
+                format!("--gpu-architecture={arch}"),
+                "--ptxas-options=-v".to_string(),
+            ],
+        );
+        let log = result::get_program_log(program)
+            .map(|raw| CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned())
+            .unwrap_or_default();
         let outcome = match compiled {
             Ok(()) => {
                 let mut size = 0usize;
                 sys::nvrtcGetCUBINSize(program, &mut size)
                     .result()
-                    .map(|()| size)
+                    .map(|()| Assembly {
+                        cubin_bytes: size,
+                        ptxas_log: log,
+                    })
                     .map_err(|e| failed(format!("nvrtcGetCUBINSize: {e:?}")))
             }
-            Err(e) => {
-                let log = result::get_program_log(program)
-                    .map(|raw| CStr::from_ptr(raw.as_ptr()).to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                Err(failed(format!("assembling kernels/{file} ({e:?}): {log}")))
-            }
+            Err(e) => Err(failed(format!("assembling kernels/{file} ({e:?}): {log}"))),
         };
         let _ = result::destroy_program(program);
         outcome

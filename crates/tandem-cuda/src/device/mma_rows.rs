@@ -141,8 +141,7 @@ impl Gpu {
 
 /// Assembles `kernels/rows_mma.cu` to machine code for `arch` (e.g. `sm_90`): its `mma.sync`
 /// is inline PTX, which only ptxas checks (see [`mma_attention::assemble_mma_attention`]).
-/// Returns the cubin's bytes.
-pub fn assemble_mma_rows(arch: &str) -> Result<usize, CudaError> {
+pub fn assemble_mma_rows(arch: &str) -> Result<mma_attention::Assembly, CudaError> {
     mma_attention::assemble(
         &full_source(MMA_ROWS_SOURCE, "rows_mma.cu", ""),
         "rows_mma.cu",
