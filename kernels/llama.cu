@@ -436,6 +436,112 @@ __device__ float mass_at_least(const float* row, int vocab, float inv_temperatur
     return block_sum(m, scratch) / z;
 }
 
+// The order f32::total_cmp gives (what the host's beam search sorts scores by): larger keys
+// sort later.
+__device__ __forceinline__ int total_order_key(float f) {
+    const int v = __float_as_int(f);
+    return v ^ (int)(((unsigned int)(v >> 31)) >> 1);
+}
+
+// One draft step's beam choice for tree drafting on the device (`CudaDraft::draft_beams`): what
+// the host's BeamSearch::push (TreeBuilder::push) does, one warp per sequence (block b; topk
+// k <= 8, so at most 64 candidates, two a lane).
+// - topk: the step's top-k as topk_softmax writes it, [rows * k] probabilities (f32 bits) then
+//   [rows * k] draft ids; rows = batch at step 0 (the roots), batch * k after (row b * k + j:
+//   beam j of sequence b). d2t maps a draft id to its target id.
+// - Step 0: the k candidates are the root's top-k and become the beams in that order, scored by
+//   their probabilities. Step s >= 1: candidate i = j * k + c scores score_in[b * k + j] times
+//   its probability, and the k best (by total_cmp, then the lower index) become the beams,
+//   best first.
+// - Beam state (read from *_in, written to *_out): score [batch * k]; path and hrow
+//   [batch * k * steps]: each beam's target ids by depth, and the row of the hidden bank each
+//   path node takes as its hidden input (the root's row b at depth 0; a node made at step s
+//   reads its parent's output, the kept output row out_row0 + b * k + j of beam j).
+// - record: the step's part of the one read-back: scores [batch * n] (f32 bits), target ids
+//   [batch * n], and for s >= 1 the chosen candidates [batch * k] as flat indices over every
+//   step's candidates (SGLang's parents: k + (s - 1) * k * k + i); n = k at step 0, k * k after.
+// - next_tokens, next_hrows (s + 1 < steps): the next step's slots, each beam's path, slot
+//   (b, j, d) at (b * k + j) * (s + 1) + d: its token and the bank row of its hidden input.
+extern "C" __global__ void beam_select(const unsigned int* __restrict__ topk, int rows,
+                                       const unsigned int* __restrict__ d2t, int k, int s,
+                                       int steps, const float* __restrict__ score_in,
+                                       const unsigned int* __restrict__ path_in,
+                                       const int* __restrict__ hrow_in,
+                                       float* __restrict__ score_out,
+                                       unsigned int* __restrict__ path_out,
+                                       int* __restrict__ hrow_out, unsigned int* __restrict__ record,
+                                       unsigned int* __restrict__ next_tokens,
+                                       int* __restrict__ next_hrows, int out_row0) {
+    __shared__ int keys[64];
+    const int b = blockIdx.x;
+    const int batch = gridDim.x;
+    const int lane = threadIdx.x & 31;
+    const int n = s == 0 ? k : k * k;
+    const unsigned int* ids = topk + (size_t)rows * k;
+    unsigned int* rec_scores = record;
+    unsigned int* rec_tokens = record + (size_t)batch * n;
+    unsigned int* rec_parents = record + 2 * (size_t)batch * n;
+    float score[2];
+    unsigned int token[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        score[t] = 0.0f;
+        token[t] = 0;
+        if (i < n) {
+            const int row = s == 0 ? b : b * k + i / k;
+            const int c = s == 0 ? i : i % k;
+            const float p = __uint_as_float(topk[(size_t)row * k + c]);
+            score[t] = s == 0 ? p : score_in[b * k + i / k] * p;
+            token[t] = d2t[ids[(size_t)row * k + c]];
+            keys[i] = total_order_key(score[t]);
+            rec_scores[(size_t)b * n + i] = __float_as_uint(score[t]);
+            rec_tokens[(size_t)b * n + i] = token[t];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int i = lane + 32 * t;
+        if (i >= n) {
+            continue;
+        }
+        int rank = i;
+        if (s > 0) {
+            rank = 0;
+            for (int m = 0; m < n; ++m) {
+                rank += keys[m] > keys[i] || (keys[m] == keys[i] && m < i);
+            }
+        }
+        if (rank >= k) {
+            continue;
+        }
+        const int from = s == 0 ? 0 : i / k;  // the beam it extends (step 0: the root)
+        const size_t src = ((size_t)b * k + from) * steps;
+        const size_t dst = ((size_t)b * k + rank) * steps;
+        for (int d = 0; d < s; ++d) {
+            path_out[dst + d] = path_in[src + d];
+            hrow_out[dst + d] = hrow_in[src + d];
+        }
+        const int input_row = s == 0 ? b : out_row0 + b * k + from;
+        path_out[dst + s] = token[t];
+        hrow_out[dst + s] = input_row;
+        score_out[b * k + rank] = score[t];
+        if (s > 0) {
+            rec_parents[(size_t)b * k + rank] = (unsigned int)(k + (s - 1) * k * k + i);
+        }
+        if (s + 1 < steps) {
+            const size_t slot = ((size_t)b * k + rank) * (s + 1);
+            for (int d = 0; d < s; ++d) {
+                next_tokens[slot + d] = path_in[src + d];
+                next_hrows[slot + d] = hrow_in[src + d];
+            }
+            next_tokens[slot + s] = token[t];
+            next_hrows[slot + s] = input_row;
+        }
+    }
+}
+
 // Draws one token per logits row from softmax(logits / temperature), restricted to the nucleus
 // (the most likely tokens whose mass reaches top_p; top_p >= 1 keeps all), on the GPU: the
 // nucleus cut is found by bisection on the scaled logit (mass is monotone in the cut), then the

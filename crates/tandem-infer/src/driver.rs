@@ -3,7 +3,7 @@
 //! all trees in one target step, accept, commit, extend the head over what was accepted),
 //! the speculation policy's plain rounds and the deferred head extension they leave behind,
 //! making room (compaction, the context limit), retirement and cancellation. Everything that
-//! decides correctness is shared host code: the SGLang tree ([`BeamSearch`],
+//! decides correctness is shared host code: the SGLang tree ([`crate::tree::BeamSearch`],
 //! [`DraftTree`]), greedy and rejection-sampling verification ([`verify_greedy`],
 //! [`verify_sampling`]), acceptance statistics and the commit rule. Without a head the same
 //! loop is target-only decoding (every round verifies its root alone: a decode step), the
@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use rand::SeedableRng;
 use tandem_model::sampling::{SamplingParams, distribution, sample_from};
-use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
+use tandem_model::{ColumnLayout, LogitsFor, TapRequest, Taps};
 
 use crate::admission::Admission;
 use crate::backend::SpecBackend;
@@ -35,7 +35,7 @@ use crate::engine::{
 use crate::policy::{CATCH_UP_PIECE, Choice, CostTable, Shape, SpeculationPolicy, catch_up_pieces};
 use crate::stats::AcceptanceStats;
 use crate::trace::RoundRecord;
-use crate::tree::{BeamSearch, BeamStep, DraftTree, push_roots};
+use crate::tree::{DraftTree, build_tree};
 use crate::verify::{Acceptance, verify_greedy, verify_sampling};
 
 /// The head's state of each row between rounds: its output at the row's last committed slot
@@ -1622,11 +1622,9 @@ impl<T: SpecBackend> Engine<'_, T> {
             .collect())
     }
 
-    /// Tree drafting with topk > 1 ([`BeamSearch`]): each draft step re-runs the beams with
-    /// their ancestors in one tree step of the head (rolled back). A node's hidden input is its
-    /// parent's output, gathered from the roots and the earlier steps' outputs on the device;
-    /// the top-k of each row is computed there too and only `k` probabilities and ids per row
-    /// come back to the host.
+    /// Tree drafting with topk > 1 ([`SpecBackend::head_beams`]: SGLang's beams, each draft
+    /// step running every beam's path in one head step), then each sequence's tree from its
+    /// recorded steps ([`build_tree`]).
     fn draft_beams(
         &self,
         draft: &T::Head,
@@ -1635,76 +1633,19 @@ impl<T: SpecBackend> Engine<'_, T> {
         roots: &Roots<T>,
         dcache: &mut T::Cache,
     ) -> Result<Vec<DraftTree>, InferError> {
-        let k = shape.topk;
-        let batch = tokens.len();
-        let base_columns = T::layout(dcache).used();
-        let to_target =
-            |ids: &[u32]| -> Vec<u32> { ids.iter().map(|&d| T::to_target(draft, d)).collect() };
-        // Outputs of the draft steps so far; source 0 of a gather is the roots' hidden states.
-        let mut outputs: Vec<T::Rows> = Vec::with_capacity(shape.steps);
-        // Where each evaluated node's output is, `(source, row)`, by node index.
-        let mut node_at: Vec<Vec<Option<(usize, usize)>>> = vec![Vec::new(); batch];
-
-        let mut searches: Vec<BeamSearch> = (0..batch).map(|_| BeamSearch::new(k)).collect();
-        let (probs, ids) = self.target.softmax_topk(&roots.logits, k)?;
-        push_roots(&mut searches, k, &probs, &to_target(&ids));
-        for _ in 1..shape.steps {
-            let next = BeamStep::new(&searches);
-            let width = next.width;
-            // A node's hidden input is its parent's output (the root's for depth 0); padding
-            // slots read the root (masked).
-            let mut picks = Vec::with_capacity(batch * width);
-            for (b, frontier) in next.frontiers.iter().enumerate() {
-                for i in 0..width {
-                    picks.push(match frontier.get(i).and_then(|&n| searches[b].parent(n)) {
-                        Some(p) => node_at[b][p].expect("parents are evaluated first"),
-                        None => (0, b),
-                    });
-                }
-            }
-            let step: StepInput = T::layout(dcache).tree_step(&next.trees())?;
-            let sources: Vec<&T::Rows> = std::iter::once(&roots.hidden)
-                .chain(outputs.iter())
-                .collect();
-            let hidden = self.target.gather_rows(&sources, &picks)?;
-            let (out_hidden, out_logits) = self.target.head_step(draft, dcache, &step, hidden)?;
-            T::layout_mut(dcache).rollback(base_columns);
-
-            // The beams' rows: where their outputs are, and their top-k to the tree.
-            let source = outputs.len() + 1;
-            let mut beam_rows = Vec::new();
-            for (b, search) in searches.iter().enumerate() {
-                for &beam in search.beams() {
-                    let row = b * step.width + next.slot(b, beam);
-                    if node_at[b].len() <= beam {
-                        node_at[b].resize(beam + 1, None);
-                    }
-                    node_at[b][beam] = Some((source, row));
-                    beam_rows.push(row);
-                }
-            }
-            outputs.push(out_hidden);
-            let (probs, ids) = self.target.softmax_topk(&out_logits, k)?;
-            let mut at = 0;
-            for search in searches.iter_mut() {
-                let n = search.beams().len();
-                let rows = &beam_rows[at..at + n];
-                let beam_probs: Vec<Vec<f32>> = rows
-                    .iter()
-                    .map(|&r| probs[r * k..(r + 1) * k].to_vec())
-                    .collect();
-                let beam_tokens: Vec<Vec<u32>> = rows
-                    .iter()
-                    .map(|&r| to_target(&ids[r * k..(r + 1) * k]))
-                    .collect();
-                search.push(&beam_probs, &beam_tokens);
-                at += n;
-            }
-        }
+        let steps = self.target.head_beams(
+            draft,
+            dcache,
+            &roots.hidden,
+            &roots.logits,
+            tokens.len(),
+            shape.steps,
+            shape.topk,
+        )?;
         tokens
             .iter()
-            .zip(&searches)
-            .map(|(&r, search)| Ok(search.build(r, shape.tokens)?))
+            .zip(&steps)
+            .map(|(&root, steps)| Ok(build_tree(root, steps, shape.topk, shape.tokens)?))
             .collect()
     }
 }

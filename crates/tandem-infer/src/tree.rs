@@ -237,10 +237,12 @@ impl TreeBuilder {
 
 /// One sequence's tree drafting on the host, shared by the burn and the fast engines: the
 /// [`TreeBuilder`] plus the node table that says which drafted node extends which. Each draft
-/// step re-runs the current beams with their ancestors in one tree step of the head
-/// ([`BeamSearch::frontier`], [`BeamSearch::tree_input`]), so every beam attends to exactly its
-/// own ancestors (the head cache's column validity is per sequence, not per query); the engine
-/// keeps each evaluated node's hidden output by node index.
+/// step re-runs every beam's whole path from the root ([`BeamSearch::paths`], laid out by
+/// [`BeamStep`]) in one tree step of the head, so every beam attends to exactly its own
+/// ancestors (the head cache's column validity is per sequence, not per query), and the step's
+/// shape depends on `topk` and the depth only: `topk` paths of `depth` slots, the layout a
+/// device can build without the host (`CudaDraft::draft_beams`). The engine keeps each
+/// evaluated beam's hidden output by node index.
 #[derive(Debug, Clone)]
 pub struct BeamSearch {
     builder: TreeBuilder,
@@ -281,33 +283,31 @@ impl BeamSearch {
         self.nodes[node].1
     }
 
-    /// The nodes the next draft step runs: the beams and all their ancestors, parents first.
-    pub fn frontier(&self) -> Vec<usize> {
-        let mut set = std::collections::BTreeSet::new();
-        for &beam in &self.beams {
-            let mut cur = Some(beam);
-            while let Some(c) = cur {
-                set.insert(c);
-                cur = self.nodes[c].1;
-            }
-        }
-        set.into_iter().collect()
+    /// The token of `node` (a target id).
+    pub fn token(&self, node: usize) -> u32 {
+        self.nodes[node].0
     }
 
-    /// The tree-step input of `frontier`: its tokens, and each node's parent as a slot of
-    /// `frontier` (`None`: a child of the committed prefix).
-    pub fn tree_input(&self, frontier: &[usize]) -> (Vec<u32>, Vec<Option<usize>>) {
-        let slot = |n: usize| frontier.iter().position(|&x| x == n);
-        frontier
+    /// Each beam's path, in beam order: its nodes from the root's child down to the beam.
+    pub fn paths(&self) -> Vec<Vec<usize>> {
+        self.beams
             .iter()
-            .map(|&n| {
-                let (token, parent) = self.nodes[n];
-                (
-                    token,
-                    parent.map(|p| slot(p).expect("ancestors are in the frontier")),
-                )
+            .map(|&beam| {
+                let mut path = Vec::new();
+                let mut cur = Some(beam);
+                while let Some(c) = cur {
+                    path.push(c);
+                    cur = self.nodes[c].1;
+                }
+                path.reverse();
+                path
             })
-            .unzip()
+            .collect()
+    }
+
+    /// The steps recorded so far (SGLang's layout, [`DraftStep`]).
+    pub fn steps(&self) -> &[DraftStep] {
+        self.builder.steps()
     }
 
     /// The tree to verify: `root` plus the `num_draft_tokens - 1` best candidates.
@@ -327,30 +327,52 @@ pub fn push_roots(searches: &mut [BeamSearch], k: usize, probs: &[f32], tokens: 
     }
 }
 
-/// The next draft step of a batch of [`BeamSearch`]es: each sequence's frontier and its
-/// tree-step input, padded to the widest frontier.
+/// The next draft step of a batch of [`BeamSearch`]es (each with `topk` beams of the same
+/// depth): every beam's path, beam after beam, so beam `j`'s node at depth `d` is slot
+/// `j * depth + d` (its parent the slot before it; depth 0 a child of the committed prefix) and
+/// the beam itself is slot `j * depth + depth - 1`. Nodes two beams share run once in each
+/// path: the shape is fixed, and a node's inputs (its token, its parent's output, its ancestors'
+/// keys) are the same in every path.
 #[derive(Debug, Clone)]
 pub struct BeamStep {
-    /// Per sequence, the nodes this step runs, in slot order.
+    /// Per sequence, the node in each slot.
     pub frontiers: Vec<Vec<usize>>,
-    /// The widest frontier (the step's width).
+    /// `topk * depth`: the step's width.
     pub width: usize,
-    /// Per sequence, the tokens and local parents of its frontier.
+    /// Slots of a path (the beams' depth).
+    pub depth: usize,
+    /// Per sequence, the tokens and local parents of its slots.
     pub inputs: Vec<(Vec<u32>, Vec<Option<usize>>)>,
 }
 
 impl BeamStep {
     pub fn new(searches: &[BeamSearch]) -> Self {
-        let frontiers: Vec<Vec<usize>> = searches.iter().map(BeamSearch::frontier).collect();
+        let paths: Vec<Vec<Vec<usize>>> = searches.iter().map(BeamSearch::paths).collect();
+        let depth = paths.first().and_then(|p| p.first()).map_or(0, Vec::len);
+        assert!(
+            paths.iter().flatten().all(|p| p.len() == depth),
+            "every beam of a draft step is at the same depth"
+        );
+        let frontiers: Vec<Vec<usize>> = paths.iter().map(|p| p.concat()).collect();
         let width = frontiers.iter().map(Vec::len).max().unwrap_or(0);
         let inputs = searches
             .iter()
             .zip(&frontiers)
-            .map(|(s, f)| s.tree_input(f))
+            .map(|(search, frontier)| {
+                frontier
+                    .iter()
+                    .enumerate()
+                    .map(|(slot, &node)| {
+                        let parent = (slot % depth > 0).then(|| slot - 1);
+                        (search.token(node), parent)
+                    })
+                    .unzip()
+            })
             .collect();
         Self {
             frontiers,
             width,
+            depth,
             inputs,
         }
     }
@@ -363,12 +385,9 @@ impl BeamStep {
             .collect()
     }
 
-    /// The slot of `node` in sequence `b`'s frontier.
-    pub fn slot(&self, b: usize, node: usize) -> usize {
-        self.frontiers[b]
-            .iter()
-            .position(|&x| x == node)
-            .expect("the node is in the frontier")
+    /// The slot of beam `j` (its path's last node).
+    pub fn beam_slot(&self, j: usize) -> usize {
+        j * self.depth + self.depth - 1
     }
 }
 
@@ -452,14 +471,16 @@ mod tests {
     /// Hand-worked beam step, topk 2: the root's top-2 are 10 (0.6) and 11 (0.4); then beam 10
     /// proposes 20/21 (0.5 each) and beam 11 proposes 30 (0.9) / 31 (0.1). Cumulative scores
     /// 0.30 0.30 0.36 0.04 keep 30 (from 11) and 20 (from 10; the tie with 21 goes to the
-    /// lower index). The next step re-runs all four nodes, parents first.
+    /// lower index). The next step runs both beams' paths, [11, 30] then [10, 20].
     #[test]
-    fn beam_search_frontier_and_tree_input_by_hand() {
+    fn beam_search_paths_and_step_layout_by_hand() {
         let mut search = BeamSearch::new(2);
         search.push(&[vec![0.6, 0.4]], &[vec![10, 11]]);
         assert_eq!(search.beams(), [0, 1]);
-        assert_eq!(search.frontier(), [0, 1]);
-        assert_eq!(search.tree_input(&[0, 1]), (vec![10, 11], vec![None, None]));
+        assert_eq!(search.paths(), [vec![0], vec![1]]);
+        let step = BeamStep::new(std::slice::from_ref(&search));
+        assert_eq!((step.width, step.depth), (2, 1));
+        assert_eq!(step.inputs[0], (vec![10, 11], vec![None, None]));
         search.push(
             &[vec![0.5, 0.5], vec![0.9, 0.1]],
             &[vec![20, 21], vec![30, 31]],
@@ -467,12 +488,30 @@ mod tests {
         assert_eq!(search.beams(), [2, 3]);
         assert_eq!(search.parent(2), Some(1));
         assert_eq!(search.parent(3), Some(0));
-        let frontier = search.frontier();
-        assert_eq!(frontier, [0, 1, 2, 3]);
+        assert_eq!(search.paths(), [vec![1, 2], vec![0, 3]]);
+        let step = BeamStep::new(&[search.clone(), search.clone()]);
+        assert_eq!((step.width, step.depth), (4, 2));
+        assert_eq!(step.frontiers[1], [1, 2, 0, 3]);
         assert_eq!(
-            search.tree_input(&frontier),
-            (vec![10, 11, 30, 20], vec![None, None, Some(1), Some(0)])
+            step.inputs[1],
+            (vec![11, 30, 10, 20], vec![None, Some(0), None, Some(2)])
         );
+        assert_eq!((step.beam_slot(0), step.beam_slot(1)), (1, 3));
+        // A third step: both beams extend beam 0 ([11, 30]): the shared nodes run twice.
+        search.push(
+            &[vec![0.5, 0.4], vec![0.1, 0.1]],
+            &[vec![40, 41], vec![50, 51]],
+        );
+        assert_eq!(search.paths(), [vec![1, 2, 4], vec![1, 2, 5]]);
+        let step = BeamStep::new(std::slice::from_ref(&search));
+        assert_eq!(
+            step.inputs[0],
+            (
+                vec![11, 30, 40, 11, 30, 41],
+                vec![None, Some(0), Some(1), None, Some(3), Some(4)]
+            )
+        );
+        assert_eq!(search.steps().len(), 3);
         // The tree keeps the 3 best candidates: 10 (0.6), 11 (0.4), 30 (0.36).
         let tree = search.build(7, 4).unwrap();
         assert_eq!(tree.tokens, [7, 10, 11, 30]);

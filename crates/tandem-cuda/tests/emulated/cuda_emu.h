@@ -55,6 +55,11 @@ inline float __uint_as_float(unsigned int v) {
     std::memcpy(&f, &v, 4);
     return f;
 }
+inline int __float_as_int(float f) {
+    int v;
+    std::memcpy(&v, &f, 4);
+    return v;
+}
 inline unsigned int __float_as_uint(float f) {
     unsigned int v;
     std::memcpy(&v, &f, 4);

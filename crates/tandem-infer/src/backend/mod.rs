@@ -16,6 +16,7 @@ pub mod cuda;
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
 use crate::engine::InferError;
+use crate::tree::{BeamSearch, BeamStep, DraftStep, push_roots};
 
 /// A target model on some device and the EAGLE-3 head type that drafts for it there.
 pub trait SpecBackend {
@@ -120,6 +121,31 @@ pub trait SpecBackend {
         batch: usize,
         steps: usize,
     ) -> Result<Self::Chains, InferError>;
+    /// Tree drafting with `topk` > 1 (SGLang's beams, [`BeamSearch`]): `steps` draft steps
+    /// from the roots (`hidden` and `logits`, row `b` sequence `b`), each sequence's steps in
+    /// SGLang's layout ([`DraftStep`]: scores, target ids, parents), from which the driver
+    /// builds its tree. Step 0 is the roots' top-k; each later step runs every beam's path in
+    /// one head step ([`BeamStep`]), rolled back, and takes the top-k of each beam's output.
+    ///
+    /// [`host_beams`] reads each step's top-k back and picks the next beams on the host; a
+    /// backend may pick them on its device and read the records back once, at the end. Both
+    /// run the same steps of the same shapes, so they record the same bits.
+    fn head_beams(
+        &self,
+        head: &Self::Head,
+        cache: &mut Self::Cache,
+        hidden: &Self::Rows,
+        logits: &Self::Logits,
+        batch: usize,
+        steps: usize,
+        topk: usize,
+    ) -> Result<Vec<Vec<DraftStep>>, InferError>
+    where
+        Self: Sized,
+    {
+        host_beams(self, head, cache, hidden, logits, batch, steps, topk)
+    }
+
     /// The chains' tokens on the host, `[batch][steps]` (for a device buffer, one read-back,
     /// which waits for the work queued before it).
     fn chains_to_host(&self, chains: &Self::Chains) -> Result<Vec<Vec<u32>>, InferError>;
@@ -280,6 +306,83 @@ pub fn host_chain<T: SpecBackend>(
         next = Some(backend.head_step(head, cache, &step, input)?);
     }
     Ok(drafts)
+}
+
+/// [`SpecBackend::head_beams`] on the host: each step's top-k read back, the beams picked by
+/// [`BeamSearch`], the next step built from their paths ([`BeamStep`]). The burn backend's
+/// beams, and the baseline of a backend that picks them on its device.
+#[allow(clippy::too_many_arguments)]
+pub fn host_beams<T: SpecBackend>(
+    backend: &T,
+    head: &T::Head,
+    cache: &mut T::Cache,
+    hidden: &T::Rows,
+    logits: &T::Logits,
+    batch: usize,
+    steps: usize,
+    k: usize,
+) -> Result<Vec<Vec<DraftStep>>, InferError> {
+    let base_columns = T::layout(cache).used();
+    let to_target =
+        |ids: &[u32]| -> Vec<u32> { ids.iter().map(|&d| T::to_target(head, d)).collect() };
+    // Outputs of the draft steps so far; source 0 of a gather is the roots' hidden states.
+    let mut outputs: Vec<T::Rows> = Vec::with_capacity(steps);
+    // Where each beam's output is, `(source, row)`, by node index: its children's hidden input.
+    let mut node_at: Vec<Vec<Option<(usize, usize)>>> = vec![Vec::new(); batch];
+    let mut searches: Vec<BeamSearch> = (0..batch).map(|_| BeamSearch::new(k)).collect();
+    let (probs, ids) = backend.softmax_topk(logits, k)?;
+    push_roots(&mut searches, k, &probs, &to_target(&ids));
+    for _ in 1..steps {
+        let next = BeamStep::new(&searches);
+        let width = next.width;
+        // A node's hidden input is its parent's output (the root's for depth 0).
+        let mut picks = Vec::with_capacity(batch * width);
+        for (b, frontier) in next.frontiers.iter().enumerate() {
+            for &node in frontier {
+                picks.push(match searches[b].parent(node) {
+                    Some(p) => node_at[b][p].expect("parents were beams of an earlier step"),
+                    None => (0, b),
+                });
+            }
+        }
+        let step: StepInput = T::layout(cache).tree_step(&next.trees())?;
+        let sources: Vec<&T::Rows> = std::iter::once(hidden).chain(outputs.iter()).collect();
+        let input = backend.gather_rows(&sources, &picks)?;
+        let (out_hidden, out_logits) = backend.head_step(head, cache, &step, input)?;
+        T::layout_mut(cache).rollback(base_columns);
+
+        // The beams' rows: where their outputs are, and their top-k to the tree.
+        let source = outputs.len() + 1;
+        let mut beam_rows = Vec::new();
+        for (b, search) in searches.iter().enumerate() {
+            for (j, &beam) in search.beams().iter().enumerate() {
+                let row = b * width + next.beam_slot(j);
+                if node_at[b].len() <= beam {
+                    node_at[b].resize(beam + 1, None);
+                }
+                node_at[b][beam] = Some((source, row));
+                beam_rows.push(row);
+            }
+        }
+        outputs.push(out_hidden);
+        let (probs, ids) = backend.softmax_topk(&out_logits, k)?;
+        let mut at = 0;
+        for search in searches.iter_mut() {
+            let n = search.beams().len();
+            let rows = &beam_rows[at..at + n];
+            let beam_probs: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|&r| probs[r * k..(r + 1) * k].to_vec())
+                .collect();
+            let beam_tokens: Vec<Vec<u32>> = rows
+                .iter()
+                .map(|&r| to_target(&ids[r * k..(r + 1) * k]))
+                .collect();
+            search.push(&beam_probs, &beam_tokens);
+            at += n;
+        }
+    }
+    Ok(searches.iter().map(|s| s.steps().to_vec()).collect())
 }
 
 /// `step` (a tree step of chains: each sequence's root, then its drafts) with the drafts of
