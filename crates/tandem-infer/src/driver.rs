@@ -1639,8 +1639,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             &roots.hidden,
             &roots.logits,
             tokens.len(),
-            shape.steps,
-            shape.topk,
+            (shape.steps, shape.topk),
         )?;
         tokens
             .iter()

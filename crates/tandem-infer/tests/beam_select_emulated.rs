@@ -23,7 +23,7 @@ fn made_up_topk(s: usize, row: usize, k: usize, vocab: usize) -> (Vec<f32>, Vec<
         })
         .collect();
     w.sort_by(|a, b| b.cmp(a));
-    if k >= 3 && (row + s) % 3 == 0 {
+    if k >= 3 && (row + s).is_multiple_of(3) {
         w[2] = w[1];
     }
     let probs = w.iter().map(|&v| v as f32 / 256.0).collect();

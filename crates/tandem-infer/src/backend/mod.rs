@@ -137,13 +137,12 @@ pub trait SpecBackend {
         hidden: &Self::Rows,
         logits: &Self::Logits,
         batch: usize,
-        steps: usize,
-        topk: usize,
+        (steps, topk): (usize, usize),
     ) -> Result<Vec<Vec<DraftStep>>, InferError>
     where
         Self: Sized,
     {
-        host_beams(self, head, cache, hidden, logits, batch, steps, topk)
+        host_beams(self, head, cache, hidden, logits, batch, (steps, topk))
     }
 
     /// The chains' tokens on the host, `[batch][steps]` (for a device buffer, one read-back,
@@ -311,7 +310,6 @@ pub fn host_chain<T: SpecBackend>(
 /// [`SpecBackend::head_beams`] on the host: each step's top-k read back, the beams picked by
 /// [`BeamSearch`], the next step built from their paths ([`BeamStep`]). The burn backend's
 /// beams, and the baseline of a backend that picks them on its device.
-#[allow(clippy::too_many_arguments)]
 pub fn host_beams<T: SpecBackend>(
     backend: &T,
     head: &T::Head,
@@ -319,8 +317,7 @@ pub fn host_beams<T: SpecBackend>(
     hidden: &T::Rows,
     logits: &T::Logits,
     batch: usize,
-    steps: usize,
-    k: usize,
+    (steps, k): (usize, usize),
 ) -> Result<Vec<Vec<DraftStep>>, InferError> {
     let base_columns = T::layout(cache).used();
     let to_target =
