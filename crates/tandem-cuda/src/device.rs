@@ -276,6 +276,7 @@ struct Kernels {
     argmax_rows: CudaFunction,
     scatter_chain_tokens: CudaFunction,
     gather_accepted_roots: CudaFunction,
+    beam_select: CudaFunction,
     sample_rows: CudaFunction,
     copy_rows: CudaFunction,
     copy_rows_u16: CudaFunction,
@@ -504,6 +505,7 @@ impl Gpu {
             argmax_rows: module.load_function("argmax_rows")?,
             scatter_chain_tokens: module.load_function("scatter_chain_tokens")?,
             gather_accepted_roots: module.load_function("gather_accepted_roots")?,
+            beam_select: module.load_function("beam_select")?,
             sample_rows: module.load_function("sample_rows")?,
             copy_rows: module.load_function("copy_rows")?,
             copy_rows_u16: module.load_function("copy_rows_u16")?,
@@ -2327,19 +2329,112 @@ impl Gpu {
         // back, and each read-back is a synchronisation plus a copy, each buffer an allocation
         // and a free.
         let mut out = self.scratch::<u32>(2 * rows * k)?;
-        let (vocab_i, k_i) = (vocab as i32, k as i32);
-        {
-            let mut launch = self.stream.launch_builder(&self.kernels.topk_softmax);
-            launch.arg(logits).arg(&vocab_i).arg(&k_i).arg(&mut out);
-            // SAFETY: one block per row reads `vocab` values and writes `k` probabilities and
-            // `k` ids into `out` (rows * k each, the grid being rows); sizes asserted.
-            unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
-        }
+        self.topk_softmax_rows_into(logits, rows, vocab, k, &mut out)?;
         let mut host = self.download(&out)?;
         host.truncate(2 * rows * k);
         let ids = host.split_off(rows * k);
         let probs = host.into_iter().map(f32::from_bits).collect();
         Ok((probs, ids))
+    }
+}
+
+impl Gpu {
+    /// [`Gpu::topk_softmax_rows`] left on the device: `out` gets the `rows * k` probabilities
+    /// (f32 bits, row after row, descending) and then the `rows * k` ids.
+    pub fn topk_softmax_rows_into(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        k: usize,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        assert!(logits.len() >= rows * vocab && (1..=32).contains(&k) && k <= vocab);
+        assert!(out.len() >= 2 * rows * k);
+        if rows == 0 {
+            return Ok(());
+        }
+        let (vocab_i, k_i) = (vocab as i32, k as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.topk_softmax);
+        launch.arg(logits).arg(&vocab_i).arg(&k_i).arg(out);
+        // SAFETY: one block per row reads `vocab` values and writes `k` probabilities and `k`
+        // ids into `out` (rows * k each, the grid being rows); sizes asserted.
+        unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
+        Ok(())
+    }
+
+    /// One draft step's beam choice for tree drafting on the device (`beam_select` in
+    /// kernels/llama.cu: what the host's beam search does, one warp per sequence): `topk` the
+    /// step's top-k ([`Gpu::topk_softmax_rows_into`] of the roots at step 0, of each sequence's
+    /// `k` beam rows after), `d2t` the head's id map, `state_in` / `state_out` the beams'
+    /// scores, paths and hidden-input rows, `record` this step's scores, target ids and
+    /// parents, `next` the next step's slot tokens and hidden-input rows, `out_row0` the hidden
+    /// bank row of this step's first beam output.
+    #[allow(clippy::too_many_arguments)]
+    pub fn beam_select(
+        &self,
+        topk: &CudaSlice<u32>,
+        d2t: &CudaSlice<u32>,
+        (batch, k, s, steps): (usize, usize, usize, usize),
+        state_in: (&CudaSlice<f32>, &CudaSlice<u32>, &CudaSlice<i32>),
+        state_out: (
+            &mut CudaSlice<f32>,
+            &mut CudaSlice<u32>,
+            &mut CudaSlice<i32>,
+        ),
+        record: &mut CudaViewMut<'_, u32>,
+        next: (&mut CudaSlice<u32>, &mut CudaSlice<i32>),
+        out_row0: usize,
+    ) -> Result<(), CudaError> {
+        assert!(
+            (1..=8).contains(&k) && s < steps,
+            "beam step {s} of {steps}, topk {k}"
+        );
+        let rows = if s == 0 { batch } else { batch * k };
+        let n = if s == 0 { k } else { k * k };
+        let beams = batch * k;
+        assert!(topk.len() >= 2 * rows * k);
+        assert!(record.len() >= 2 * batch * n + if s > 0 { beams } else { 0 });
+        assert!(state_in.0.len() >= beams && state_out.0.len() >= beams);
+        assert!(state_in.1.len() >= beams * steps && state_out.1.len() >= beams * steps);
+        assert!(state_in.2.len() >= beams * steps && state_out.2.len() >= beams * steps);
+        assert!(
+            s + 1 == steps || (next.0.len() >= beams * (s + 1) && next.1.len() >= beams * (s + 1))
+        );
+        if batch == 0 {
+            return Ok(());
+        }
+        let ints = [rows, k, s, steps, out_row0].map(|v| i32::try_from(v).expect("fits i32"));
+        let mut launch = self.stream.launch_builder(&self.kernels.beam_select);
+        launch
+            .arg(topk)
+            .arg(&ints[0])
+            .arg(d2t)
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(state_in.0)
+            .arg(state_in.1)
+            .arg(state_in.2)
+            .arg(state_out.0)
+            .arg(state_out.1)
+            .arg(state_out.2)
+            .arg(record)
+            .arg(next.0)
+            .arg(next.1)
+            .arg(&ints[4]);
+        // SAFETY: signature (const u32*, int, const u32*, int, int, int, const f32*, const u32*,
+        // const i32*, f32*, u32*, i32*, u32*, u32*, i32*, int); block b (one warp) reads its
+        // sequence's top-k rows and beams and writes its own beams, record entries and slots;
+        // sizes asserted; d2t holds every id the top-k gives (the head's draft vocabulary).
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (batch as u32, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        Ok(())
     }
 }
 

@@ -60,6 +60,10 @@ pub struct CudaDraft {
     /// Whether fused steps fold the embedding into the q|k|v kernel and the final norm into
     /// the logits (two launches fewer a step); see [`head_fold_default`].
     fold: bool,
+    /// Whether tree drafting picks its beams on the device ([`CudaDraft::draft_beams`]):
+    /// `TANDEM_CUDA_DEVICE_BEAMS=1`, or [`CudaDraft::set_device_beams`]. Off by default until
+    /// a GPU run has measured it against the host's beams.
+    device_beams: std::sync::atomic::AtomicBool,
 }
 
 /// `TANDEM_CUDA_DRAFT_LM_HEAD`: `gemv` (the default) takes a fused step's draft logits from
@@ -93,6 +97,49 @@ impl std::fmt::Debug for CudaDraft {
 pub struct DraftStepOutput {
     pub hidden: DeviceRows,
     pub logits: DeviceLogits,
+}
+
+/// One draft step of one sequence's tree drafting as [`CudaDraft::draft_beams`] records it, in
+/// SGLang's layout (`tandem_infer::DraftStep`): the candidates' cumulative scores and target
+/// ids (`topk` at step 0, `topk * topk` beam-major after) and, after step 0, the flat indices of
+/// the candidates chosen as the next beams (step 0's are `[-1, 0, .., topk - 1]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BeamRecord {
+    pub scores: Vec<f32>,
+    pub tokens: Vec<u32>,
+    pub parents: Vec<i64>,
+}
+
+/// Each sequence's [`BeamRecord`]s from the read-back of [`CudaDraft::draft_beams`]: per step,
+/// `[batch * n]` score bits, `[batch * n]` ids, then (after step 0) `[batch * k]` parents.
+fn beam_records(values: &[u32], batch: usize, k: usize, steps: usize) -> Vec<Vec<BeamRecord>> {
+    let mut out: Vec<Vec<BeamRecord>> = vec![Vec::with_capacity(steps); batch];
+    let mut at = 0;
+    for s in 0..steps {
+        let n = if s == 0 { k } else { k * k };
+        let (scores, rest) = values[at..].split_at(batch * n);
+        let (tokens, rest) = rest.split_at(batch * n);
+        for (b, steps_of_b) in out.iter_mut().enumerate() {
+            let parents = if s == 0 {
+                std::iter::once(-1).chain(0..k as i64).collect()
+            } else {
+                rest[b * k..(b + 1) * k]
+                    .iter()
+                    .map(|&p| i64::from(p))
+                    .collect()
+            };
+            steps_of_b.push(BeamRecord {
+                scores: scores[b * n..(b + 1) * n]
+                    .iter()
+                    .map(|&v| f32::from_bits(v))
+                    .collect(),
+                tokens: tokens[b * n..(b + 1) * n].to_vec(),
+                parents,
+            });
+        }
+        at += 2 * batch * n + if s == 0 { 0 } else { batch * k };
+    }
+    out
 }
 
 /// Columns `[from, to)` of every row of a row-major `[rows, cols]` host matrix.
@@ -182,6 +229,9 @@ impl CudaDraft {
             draft_to_target: gpu.upload(&draft_to_target)?,
             lm_head_gemv: lm_head_gemv_default(),
             fold: head_fold_default(),
+            device_beams: std::sync::atomic::AtomicBool::new(
+                std::env::var("TANDEM_CUDA_DEVICE_BEAMS").is_ok_and(|v| v.trim() == "1"),
+            ),
             spec,
             vocab,
             gpu,
@@ -553,6 +603,159 @@ impl CudaDraft {
         Ok(ids)
     }
 
+    /// Tree drafting on the device (SGLang's beams, what `tandem_infer::host_beams` does with a
+    /// read-back and host beam search at every step): `steps` draft steps of `k` beams for each
+    /// of the `batch` sequences, from the roots (`hidden` `[batch, H]`, `logits` `[batch,
+    /// draft_vocab]`, row `b` sequence `b`). Step 0 is the roots' top-k; each later step runs
+    /// every beam's path (`k` paths of the beams' depth a sequence, the layout of
+    /// `tandem_infer::BeamStep`) in one head step, rolled back, keeping only the beams' output
+    /// rows, whose top-k the `beam_select` kernel turns into the next beams, the next step's
+    /// tokens and the rows of its hidden inputs in a bank of the roots and every kept output.
+    /// Nothing waits for the device until the records of every step come back in one read:
+    /// each sequence's steps in SGLang's layout ([`BeamRecord`]), which the host turns into
+    /// the tree to verify.
+    pub fn draft_beams(
+        &self,
+        cache: &mut CudaKvCache,
+        hidden: &CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        batch: usize,
+        (steps, k): (usize, usize),
+    ) -> Result<Vec<Vec<BeamRecord>>, CudaError> {
+        let gpu = &*self.gpu;
+        let (h, vocab) = (self.spec.hidden_size, self.spec.draft_vocab_size);
+        if hidden.len() < batch * h || logits.len() < batch * vocab {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "beams of {batch} sequences need {batch} root rows of {h} hidden values and \
+                     {vocab} logits; got {} and {} values",
+                    hidden.len(),
+                    logits.len()
+                ),
+            }
+            .into());
+        }
+        if !(1..=8).contains(&k) || steps == 0 {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "device beams take topk 1 to 8 and at least one step; got topk {k}, {steps} steps"
+                ),
+            }
+            .into());
+        }
+        if batch == 0 {
+            return Ok(Vec::new());
+        }
+        let beams = batch * k;
+        // The hidden bank: the roots, then each later step's beam outputs.
+        let bank_rows = batch + (steps - 1) * beams;
+        let mut bank = gpu.scratch::<f32>(bank_rows * h)?;
+        gpu.copy_into(hidden, &mut bank, batch * h)?;
+        let widest = beams * steps.saturating_sub(1).max(1);
+        let counting: Vec<i32> = (0..bank_rows.max(widest) as i32).collect();
+        let counting = gpu.upload(&counting)?;
+        let mut topk = gpu.scratch::<u32>(2 * beams * k)?;
+        let mut scores = [gpu.scratch::<f32>(beams)?, gpu.scratch::<f32>(beams)?];
+        let mut paths = [
+            gpu.scratch::<u32>(beams * steps)?,
+            gpu.scratch::<u32>(beams * steps)?,
+        ];
+        let mut hrows = [
+            gpu.scratch::<i32>(beams * steps)?,
+            gpu.scratch::<i32>(beams * steps)?,
+        ];
+        let mut next_tokens = gpu.scratch::<u32>(widest)?;
+        let mut next_hrows = gpu.scratch::<i32>(widest)?;
+        let sizes: Vec<usize> = (0..steps)
+            .map(|s| {
+                let n = if s == 0 { k } else { k * k };
+                2 * batch * n + if s == 0 { 0 } else { beams }
+            })
+            .collect();
+        let mut record = gpu.scratch::<u32>(sizes.iter().sum())?;
+        let base_columns = cache.layout().used();
+        let map = &self.draft_to_target;
+        let mut at = 0;
+        for (s, &size) in sizes.iter().enumerate() {
+            let out_row0 = batch + s.saturating_sub(1) * beams;
+            if s == 0 {
+                gpu.topk_softmax_rows_into(logits, batch, vocab, k, &mut topk)?;
+            } else {
+                // Every beam's path: slot (b, j, d) at (b * k + j) * s + d; beam j's own output
+                // (its path's last slot) is kept, as output row b * k + j.
+                let width = k * s;
+                let trees: Vec<(Vec<u32>, Vec<Option<usize>>)> = (0..batch)
+                    .map(|_| {
+                        let parents = (0..width).map(|i| (i % s > 0).then(|| i - 1)).collect();
+                        (vec![0; width], parents)
+                    })
+                    .collect();
+                let trees: Vec<(&[u32], &[Option<usize>])> = trees
+                    .iter()
+                    .map(|(t, p)| (t.as_slice(), p.as_slice()))
+                    .collect();
+                let step = cache.layout().tree_step(&trees)?;
+                let rows = batch * width;
+                let mut input = gpu.scratch::<f32>(rows * h)?;
+                gpu.copy_rows(
+                    &bank,
+                    &next_hrows.slice(0..rows),
+                    &mut input,
+                    &counting.slice(0..rows),
+                    rows,
+                    h,
+                )?;
+                let beam_slots: Vec<i32> = (0..beams).map(|r| (r * s + s - 1) as i32).collect();
+                let beam_slots = gpu.upload(&beam_slots)?;
+                let keep = Kept::Rows {
+                    from: beam_slots.slice(0..beams),
+                    to: counting.slice(0..beams),
+                    count: beams,
+                };
+                let tokens = next_tokens.slice(0..rows);
+                let host = self.step_host(cache, &step)?;
+                let out = self.forward_host_step(
+                    &step,
+                    host,
+                    StepHidden::Rows(input),
+                    cache,
+                    Some(&tokens),
+                    Some(&keep),
+                )?;
+                cache.layout_mut().rollback(base_columns);
+                gpu.copy_rows(
+                    &out.hidden.data,
+                    &counting.slice(0..beams),
+                    &mut bank,
+                    &counting.slice(out_row0..out_row0 + beams),
+                    beams,
+                    h,
+                )?;
+                gpu.topk_softmax_rows_into(&out.logits.data, beams, vocab, k, &mut topk)?;
+            }
+            // The beams double-buffered: each step reads [0] and writes [1], then they swap.
+            let [score_in, score_out] = &mut scores;
+            let [path_in, path_out] = &mut paths;
+            let [hrow_in, hrow_out] = &mut hrows;
+            gpu.beam_select(
+                &topk,
+                map,
+                (batch, k, s, steps),
+                (&*score_in, &*path_in, &*hrow_in),
+                (score_out, path_out, hrow_out),
+                &mut record.slice_mut(at..at + size),
+                (&mut next_tokens, &mut next_hrows),
+                out_row0,
+            )?;
+            scores.swap(0, 1);
+            paths.swap(0, 1);
+            hrows.swap(0, 1);
+            at += size;
+        }
+        let host = gpu.download(&record)?;
+        Ok(beam_records(&host, batch, k, steps))
+    }
+
     /// One step of a greedy draft chain on a graph already captured for it, with nothing
     /// copied out: the step's tokens from `tokens` (the previous step's ids), its hidden input
     /// copied into the graph's buffers from `hidden`, or with `None` left there (the previous
@@ -699,6 +902,17 @@ impl CudaDraft {
             Some(keep) => buffers.kept_output(self, keep),
             None => Ok(buffers.into_output(self)),
         }
+    }
+
+    /// Whether tree drafting picks its beams on the device ([`CudaDraft::draft_beams`]) rather
+    /// than on the host after a read-back at every step.
+    pub fn device_beams(&self) -> bool {
+        self.device_beams.load(Ordering::Relaxed)
+    }
+
+    /// Turns [`CudaDraft::device_beams`] on or off.
+    pub fn set_device_beams(&self, on: bool) {
+        self.device_beams.store(on, Ordering::Relaxed);
     }
 
     /// Turns graph replay of the head's decode-sized steps on or off.
@@ -1163,4 +1377,42 @@ pub fn chains_from_step_major(ids: &[u32], batch: usize, steps: usize) -> Vec<Ve
     (0..batch)
         .map(|b| (0..steps).map(|s| ids[s * batch + b]).collect())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two sequences, topk 2, two steps, laid out as `beam_select` writes the read-back: step 0
+    /// (2 scores and ids a sequence, no parents), then step 1 (4 each, then 2 parents).
+    #[test]
+    fn beam_records_split_the_read_back_by_step_and_sequence() {
+        let f = |v: f32| v.to_bits();
+        let mut values = vec![f(0.6), f(0.4), f(0.7), f(0.3), 10, 11, 20, 21];
+        values.extend([f(0.3), f(0.3), f(0.36), f(0.04)]);
+        values.extend([f(0.5), f(0.1), f(0.2), f(0.1)]);
+        values.extend([100, 101, 102, 103, 200, 201, 202, 203]);
+        values.extend([4, 2, 2, 4]);
+        let records = beam_records(&values, 2, 2, 2);
+        assert_eq!(records.len(), 2);
+        assert_eq!(
+            records[0][0],
+            BeamRecord {
+                scores: vec![0.6, 0.4],
+                tokens: vec![10, 11],
+                parents: vec![-1, 0, 1]
+            }
+        );
+        assert_eq!(records[1][0].tokens, [20, 21]);
+        assert_eq!(
+            records[1][1],
+            BeamRecord {
+                scores: vec![0.5, 0.1, 0.2, 0.1],
+                tokens: vec![200, 201, 202, 203],
+                parents: vec![2, 4]
+            }
+        );
+        assert_eq!(records[0][1].parents, [4, 2]);
+        assert_eq!(records[0][1].scores[2], 0.36);
+    }
 }

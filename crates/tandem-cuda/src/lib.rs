@@ -37,7 +37,9 @@ pub use device::{
     MMA_MIN_QUERY_ROWS, PendingRead, QkvInput, assemble_mma_attention, assemble_mma_rows,
     compile_all_kernels, nvrtc_present,
 };
-pub use draft::{CudaDraft, DraftStepOutput, chain_ids_to_host, chains_from_step_major};
+pub use draft::{
+    BeamRecord, CudaDraft, DraftStepOutput, chain_ids_to_host, chains_from_step_major,
+};
 pub use error::CudaError;
 pub use graphs::GraphStats;
 pub use kv_pool::{CACHE_COLUMNS_STEP, cache_columns};

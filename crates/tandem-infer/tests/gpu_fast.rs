@@ -369,6 +369,140 @@ fn extend_taps_keeps_the_slots_of_the_plain_extend() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
+fn device_beams_record_what_the_host_beams_record() {
+    // Tree drafting with the beams picked on the GPU (`CudaDraft::draft_beams`: `beam_select`
+    // between the head steps, one read-back at the end) against the host's beams
+    // (`host_beams`: the top-k read back and the beams picked on the host at every step), on
+    // two caches with the same history and a draft vocabulary smaller than the target's: every
+    // step's scores, target ids and parents the same bits, and the caches' keys and values
+    // too, at batch 1 (topk 4, 3 steps: the fused kernels), batch 2 (topk 2, 4 steps) and
+    // batch 3 (topk 4, 4 steps: up to 36 rows a step, cuBLAS), over rounds that replay graphs.
+    use tandem_infer::SpecBackend;
+    let mut config: HfConfig = tiny_config("LlamaForCausalLM", 4);
+    config.hidden_size = 128;
+    config.intermediate_size = 192;
+    config.vocab_size = 300;
+    let dir = scratch_dir("gpu-fast-device-beams");
+    write_random_model(&dir, &config, 11).expect("model written");
+    let gpu: Arc<Gpu> = Gpu::new(0).expect("these tests need a CUDA GPU");
+    let target = CudaTarget::load(&dir, gpu.clone()).expect("fast target");
+    let cpu_target = TargetModel::<B>::load(&dir, &Default::default()).expect("cpu target");
+    let taps = default_aux_taps(config.num_hidden_layers).unwrap();
+    let draft_vocab = 200;
+    let counts: Vec<u64> = (0..300)
+        .map(|j| if j % 2 == 1 { 50 } else { j % 7 })
+        .collect();
+    let vocab = tandem_eagle::build_vocab_map(&counts, draft_vocab, 300).unwrap();
+    let spec = Eagle3Config::for_target(&config, draft_vocab, taps.len())
+        .resolve()
+        .unwrap();
+    let cpu_draft = Eagle3Draft::init(
+        spec.clone(),
+        vocab.clone(),
+        cpu_target.embed_tokens.clone(),
+        5,
+        &Default::default(),
+    )
+    .unwrap();
+    let draft = CudaDraft::new(&target, spec, vocab, &cpu_draft.to_host()).expect("fast head");
+    let h = draft.spec.hidden_size;
+    let mut seed = 9u32;
+    let mut random = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                ((seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    };
+    for (batch, topk, steps) in [(1, 4, 3), (2, 2, 4), (3, 4, 4)] {
+        let mut host_cache = draft.new_cache(batch, 160).unwrap();
+        let mut device_cache = draft.new_cache(batch, 160).unwrap();
+        let chunks: Vec<Vec<u32>> = (0..batch)
+            .map(|b| (0..3 + 2 * b as u32).map(|i| (i * 37 + 5) % 300).collect())
+            .collect();
+        let chunks: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+        let step = host_cache.layout().prefill_step(&chunks).unwrap();
+        let prefix = random(step.batch * step.width * h, 1.0);
+        for cache in [&mut host_cache, &mut device_cache] {
+            draft
+                .forward_step(&step, gpu.upload(&prefix).unwrap(), cache)
+                .expect("extend");
+        }
+        for round in 0..3 {
+            let label = format!("batch {batch}, topk {topk}, {steps} steps, round {round}");
+            let hidden = random(batch * h, 1.0);
+            let logits = random(batch * draft_vocab, 4.0);
+            let roots = || {
+                let rows = DeviceRows {
+                    data: gpu.upload(&hidden).unwrap(),
+                    batch,
+                    width: 1,
+                    hidden: h,
+                };
+                let logits = tandem_cuda::DeviceLogits::new(
+                    gpu.upload(&logits).unwrap(),
+                    batch,
+                    draft_vocab,
+                    gpu.clone(),
+                );
+                (rows, logits)
+            };
+            draft.set_device_beams(false);
+            let (rows, logits_d) = roots();
+            let want = target
+                .head_beams(
+                    &draft,
+                    &mut host_cache,
+                    &rows,
+                    &logits_d,
+                    batch,
+                    (steps, topk),
+                )
+                .expect("host beams");
+            draft.set_device_beams(true);
+            let (rows, logits_d) = roots();
+            let got = target
+                .head_beams(
+                    &draft,
+                    &mut device_cache,
+                    &rows,
+                    &logits_d,
+                    batch,
+                    (steps, topk),
+                )
+                .expect("device beams");
+            assert_eq!(got.len(), batch, "{label}");
+            for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.len(), steps, "{label}: sequence {b}'s steps");
+                for (s, (gs, ws)) in g.iter().zip(w).enumerate() {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&gs.scores),
+                        bits(&ws.scores),
+                        "{label}: {b}/{s} scores"
+                    );
+                    assert_eq!(gs.tokens, ws.tokens, "{label}: {b}/{s} target ids");
+                    assert_eq!(gs.parents, ws.parents, "{label}: {b}/{s} parents");
+                }
+            }
+            assert_eq!(
+                device_cache.layout().used(),
+                host_cache.layout().used(),
+                "{label}: columns"
+            );
+            assert!(
+                device_cache.to_host(&gpu).unwrap() == host_cache.to_host(&gpu).unwrap(),
+                "{label}: the caches' keys or values differ"
+            );
+        }
+    }
+    let stats = draft.graph_stats();
+    assert!(stats.replays > 0, "{stats:?}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
 fn device_chain_drafts_what_the_host_loop_drafts() {
     // `CudaDraft::draft_chain` (each greedy id mapped through d2t on the GPU into the next
     // step's tokens, one read-back) against the loop it replaces (read each argmax back, map it

@@ -8,8 +8,9 @@ use tandem_cuda::{
 };
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
-use super::{SpecBackend, host_chain, with_chain_tokens};
+use super::{SpecBackend, host_beams, host_chain, with_chain_tokens};
 use crate::engine::InferError;
+use crate::tree::DraftStep;
 
 /// Rows `picks[j] = (source, row)` of `[_, cols]` f32 device matrices, as a new
 /// `[picks.len(), cols]` matrix: one `copy_rows` launch per source used.
@@ -149,6 +150,40 @@ impl SpecBackend for CudaTarget {
     ) -> Result<(DeviceRows, DeviceLogits), InferError> {
         let out = head.forward_step(step, hidden.data, cache)?;
         Ok((out.hidden, out.logits))
+    }
+
+    /// Tree drafting picks its beams on the GPU ([`CudaDraft::draft_beams`]: one read-back at
+    /// the end instead of one per step, for topk up to 8) when the head says so
+    /// (`TANDEM_CUDA_DEVICE_BEAMS=1`,
+    /// [`CudaDraft::set_device_beams`]), else on the host ([`host_beams`]); both record the
+    /// same bits (`device_beams_record_what_the_host_beams_record`).
+    fn head_beams(
+        &self,
+        head: &CudaDraft,
+        cache: &mut CudaKvCache,
+        hidden: &DeviceRows,
+        logits: &DeviceLogits,
+        batch: usize,
+        (steps, topk): (usize, usize),
+    ) -> Result<Vec<Vec<DraftStep>>, InferError> {
+        // The kernel takes up to 64 candidates a sequence (topk 8).
+        if !head.device_beams() || topk > 8 {
+            return host_beams(self, head, cache, hidden, logits, batch, (steps, topk));
+        }
+        let records = head.draft_beams(cache, &hidden.data, &logits.data, batch, (steps, topk))?;
+        Ok(records
+            .into_iter()
+            .map(|steps| {
+                steps
+                    .into_iter()
+                    .map(|r| DraftStep {
+                        scores: r.scores,
+                        tokens: r.tokens,
+                        parents: r.parents,
+                    })
+                    .collect()
+            })
+            .collect())
     }
 
     /// The chain stays on the GPU ([`CudaDraft::draft_chain_ids`]) and so do its tokens: the
