@@ -225,3 +225,47 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
                                  unsigned short* xs, int rows, int n, float eps) {
     stage_rms_normed_rows(F32Rows{x}, w, xs, rows, n, eps);
 }
+
+// The end of a fused q|k|v projection (norm_qkv_rope in llama.cu, norm_qkv_rope_mma in
+// rows_mma.cu): the rotation pair (row1, row1 + head_dim / 2) of head h, j its index in the
+// head, of step row r, whose projections are x1 and x2v: the bias, then RoPE at the row's
+// position into q (query heads, f32 [rows, heads * head_dim]) or the layer's key cache, or
+// unrotated into the value cache, at column col0 + r % width of sequence r / width.
+__device__ __forceinline__ void qkv_pair_out(float x1, float x2v, const float* __restrict__ bias,
+                                             int row1, int h, int j, int r,
+                                             const int* __restrict__ positions,
+                                             const float* __restrict__ inv_freq,
+                                             float* __restrict__ q_out, unsigned short* k_cache,
+                                             unsigned short* v_cache, int width, int heads,
+                                             int kv_heads, int head_dim, int capacity,
+                                             int col0) {
+    const int half = head_dim / 2;
+    if (bias != nullptr) {
+        x1 += bias[row1];
+        x2v += bias[row1 + half];
+    }
+    const int b = r / width;
+    const int col = col0 + r % width;
+    if (h < heads + kv_heads) {
+        const float angle = inv_freq[j] * (float)positions[r];
+        const float c = cosf(angle);
+        const float s = sinf(angle);
+        const float y1 = x1 * c - x2v * s;
+        const float y2 = x2v * c + x1 * s;
+        if (h < heads) {
+            float* q = q_out + (size_t)r * heads * head_dim + h * head_dim;
+            q[j] = y1;
+            q[j + half] = y2;
+        } else {
+            unsigned short* k =
+                k_cache + (((size_t)b * kv_heads + (h - heads)) * capacity + col) * head_dim;
+            k[j] = f32_to_bf16(y1);
+            k[j + half] = f32_to_bf16(y2);
+        }
+    } else {
+        unsigned short* v =
+            v_cache + (((size_t)b * kv_heads + (h - heads - kv_heads)) * capacity + col) * head_dim;
+        v[j] = f32_to_bf16(x1);
+        v[j + half] = f32_to_bf16(x2v);
+    }
+}

@@ -1265,40 +1265,10 @@ extern "C" __global__ void norm_qkv_rope(const float* __restrict__ x,
         sums[0] += sums2[0];
         sums[1] += sums2[1];
     }
-    const int q_dim = heads * head_dim;
     const int r = lane >> 2;
     if ((lane & 3) == 0 && r < rows) {
-        float x1 = sums[0];
-        float x2v = sums[1];
-        if (bias != nullptr) {
-            x1 += bias[row1];
-            x2v += bias[row2];
-        }
-        const int b = r / width;
-        const int col = col0 + r % width;
-        if (h < heads + kv_heads) {
-            const float angle = inv_freq[j] * (float)positions[r];
-            const float c = cosf(angle);
-            const float s = sinf(angle);
-            const float y1 = x1 * c - x2v * s;
-            const float y2 = x2v * c + x1 * s;
-            if (h < heads) {
-                float* q = q_out + (size_t)r * q_dim + h * head_dim;
-                q[j] = y1;
-                q[j + half] = y2;
-            } else {
-                unsigned short* k =
-                    k_cache + (((size_t)b * kv_heads + (h - heads)) * capacity + col) * head_dim;
-                k[j] = f32_to_bf16(y1);
-                k[j + half] = f32_to_bf16(y2);
-            }
-        } else {
-            unsigned short* v =
-                v_cache +
-                (((size_t)b * kv_heads + (h - heads - kv_heads)) * capacity + col) * head_dim;
-            v[j] = f32_to_bf16(x1);
-            v[j + half] = f32_to_bf16(x2v);
-        }
+        qkv_pair_out(sums[0], sums[1], bias, row1, h, j, r, positions, inv_freq, q_out, k_cache,
+                     v_cache, width, heads, kv_heads, head_dim, capacity, col0);
     }
 }
 

@@ -36,25 +36,7 @@
 #define MMA_ROWS_CHUNKS 4
 #define MMA_ROWS_MAX_SPLIT 16
 
-#ifndef TANDEM_MMA_HELPERS
-#define TANDEM_MMA_HELPERS
-// Two floats as a bf16x2 register, `lo` in the low half (the element with the smaller index).
-__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
-    return (unsigned int)f32_to_bf16(lo) | ((unsigned int)f32_to_bf16(hi) << 16);
-}
-
-#ifndef TANDEM_EMULATE
-// d += a * b for one 16x8x16 tile (a: 4 registers of A, b: 2 of B, d: 4 f32 of C/D).
-__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned int* a,
-                                               const unsigned int* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#endif
-#endif
+// pack_bf16x2 and mma_bf16_16816 come from mma.cuh.
 
 // One operand pair of a product: a weight matrix ([*, 32 * chunks] bf16, row-major) and the
 // step's input rows of the same width (bf16 [rows, 32 * chunks], shared or global memory).
@@ -342,44 +324,12 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
     if (step_scalars != nullptr) {
         col0 = step_scalars[0];
     }
-    const int q_dim = heads * head_dim;
-    const size_t row2 = row1 + half;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int r = 2 * t + i;
-        if (r >= rows) {
-            continue;
-        }
-        float x1 = c[i];
-        float x2v = c[2 + i];
-        if (bias != nullptr) {
-            x1 += bias[row1];
-            x2v += bias[row2];
-        }
-        const int bq = r / width;
-        const int col = col0 + r % width;
-        if (h < heads + kv_heads) {
-            const float angle = inv_freq[jj] * (float)positions[r];
-            const float cs = cosf(angle);
-            const float sn = sinf(angle);
-            const float y1 = x1 * cs - x2v * sn;
-            const float y2 = x2v * cs + x1 * sn;
-            if (h < heads) {
-                float* q = q_out + (size_t)r * q_dim + h * head_dim;
-                q[jj] = y1;
-                q[jj + half] = y2;
-            } else {
-                unsigned short* k =
-                    k_cache + (((size_t)bq * kv_heads + (h - heads)) * capacity + col) * head_dim;
-                k[jj] = f32_to_bf16(y1);
-                k[jj + half] = f32_to_bf16(y2);
-            }
-        } else {
-            unsigned short* v =
-                v_cache +
-                (((size_t)bq * kv_heads + (h - heads - kv_heads)) * capacity + col) * head_dim;
-            v[jj] = f32_to_bf16(x1);
-            v[jj + half] = f32_to_bf16(x2v);
+        if (r < rows) {
+            qkv_pair_out(c[i], c[2 + i], bias, (int)row1, h, jj, r, positions, inv_freq, q_out,
+                         k_cache, v_cache, width, heads, kv_heads, head_dim, capacity, col0);
         }
     }
 }

@@ -39,6 +39,8 @@ const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
 /// The helpers every kernel source uses (bf16 conversions, block reductions, block argmax).
 const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
+/// The tensor-core helpers (`mma.sync`) of the sources compiled for sm_80+.
+const MMA_HELPERS: &str = include_str!("../../../kernels/mma.cuh");
 
 /// Compiles a kernel source with NVRTC (`name` labels its messages), as every GPU path does at
 /// start-up: `kernels/common.cuh` first (NVRTC gets no include path), then a `#line` directive
@@ -79,6 +81,16 @@ fn full_source(source: &str, name: &str, defines: &str) -> String {
         "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define GEMV_BLOCK_WARPS {}\n{defines}\
          {COMMON_SOURCE}\n#line 1 \"{name}\"\n{source}",
         GEMV_THREADS / 32
+    )
+}
+
+/// [`full_source`] of a source that uses the tensor cores: `kernels/mma.cuh` between
+/// `common.cuh` and the source, whose line numbers still start at 1.
+fn mma_source(source: &str, name: &str, defines: &str) -> String {
+    full_source(
+        &format!("#line 1 \"mma.cuh\"\n{MMA_HELPERS}\n#line 1 \"{name}\"\n{source}"),
+        name,
+        defines,
     )
 }
 

@@ -367,32 +367,25 @@ fn extend_taps_keeps_the_slots_of_the_plain_extend() {
     assert!(err.contains("1 tap rows for an extend of 2 slots"), "{err}");
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn device_beams_record_what_the_host_beams_record() {
-    // Tree drafting with the beams picked on the GPU (`CudaDraft::draft_beams`: `beam_select`
-    // between the head steps, one read-back at the end) against the host's beams
-    // (`host_beams`: the top-k read back and the beams picked on the host at every step), on
-    // two caches with the same history and a draft vocabulary smaller than the target's: every
-    // step's scores, target ids and parents the same bits, and the caches' keys and values
-    // too, at batch 1 (topk 4, 3 steps: the fused kernels), batch 2 (topk 2, 4 steps) and
-    // batch 3 (topk 4, 4 steps: up to 36 rows a step, cuBLAS), over rounds that replay graphs.
-    use tandem_infer::SpecBackend;
+/// A tiny random Llama target on the GPU (hidden 128, 300 tokens) and a random head over a
+/// draft vocabulary of `draft_vocab` ids that is not a prefix of the target's (every odd id is
+/// frequent), so the d2t map matters.
+fn head_with_mapped_vocab(name: &str, draft_vocab: usize) -> (Arc<Gpu>, CudaTarget, CudaDraft) {
     let mut config: HfConfig = tiny_config("LlamaForCausalLM", 4);
     config.hidden_size = 128;
     config.intermediate_size = 192;
     config.vocab_size = 300;
-    let dir = scratch_dir("gpu-fast-device-beams");
+    let dir = scratch_dir(name);
     write_random_model(&dir, &config, 11).expect("model written");
     let gpu: Arc<Gpu> = Gpu::new(0).expect("these tests need a CUDA GPU");
     let target = CudaTarget::load(&dir, gpu.clone()).expect("fast target");
     let cpu_target = TargetModel::<B>::load(&dir, &Default::default()).expect("cpu target");
     let taps = default_aux_taps(config.num_hidden_layers).unwrap();
-    let draft_vocab = 200;
     let counts: Vec<u64> = (0..300)
         .map(|j| if j % 2 == 1 { 50 } else { j % 7 })
         .collect();
     let vocab = tandem_eagle::build_vocab_map(&counts, draft_vocab, 300).unwrap();
+    assert!((0..draft_vocab).any(|d| vocab.to_target(d) != d as u32));
     let spec = Eagle3Config::for_target(&config, draft_vocab, taps.len())
         .resolve()
         .unwrap();
@@ -405,6 +398,22 @@ fn device_beams_record_what_the_host_beams_record() {
     )
     .unwrap();
     let draft = CudaDraft::new(&target, spec, vocab, &cpu_draft.to_host()).expect("fast head");
+    (gpu, target, draft)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn device_beams_record_what_the_host_beams_record() {
+    // Tree drafting with the beams picked on the GPU (`CudaDraft::draft_beams`: `beam_select`
+    // between the head steps, one read-back at the end) against the host's beams
+    // (`host_beams`: the top-k read back and the beams picked on the host at every step), on
+    // two caches with the same history and a draft vocabulary smaller than the target's: every
+    // step's scores, target ids and parents the same bits, and the caches' keys and values
+    // too, at batch 1 (topk 4, 3 steps: the fused kernels), batch 2 (topk 2, 4 steps) and
+    // batch 3 (topk 4, 4 steps: up to 36 rows a step, cuBLAS), over rounds that replay graphs.
+    use tandem_infer::SpecBackend;
+    let draft_vocab = 200;
+    let (gpu, target, draft) = head_with_mapped_vocab("gpu-fast-device-beams", draft_vocab);
     let h = draft.spec.hidden_size;
     let mut seed = 9u32;
     let mut random = |n: usize, scale: f32| -> Vec<f32> {
@@ -510,35 +519,8 @@ fn device_chain_drafts_what_the_host_loop_drafts() {
     // draft vocabulary smaller than the target's so the map matters: the same tokens, and the
     // same keys and values in the caches, bit for bit, over rounds of 4 that roll back their
     // draft columns as the driver does (the later rounds replay CUDA graphs).
-    let mut config: HfConfig = tiny_config("LlamaForCausalLM", 4);
-    config.hidden_size = 128;
-    config.intermediate_size = 192;
-    config.vocab_size = 300;
-    let dir = scratch_dir("gpu-fast-device-chain");
-    write_random_model(&dir, &config, 11).expect("model written");
-    let gpu: Arc<Gpu> = Gpu::new(0).expect("these tests need a CUDA GPU");
-    let target = CudaTarget::load(&dir, gpu.clone()).expect("fast target");
-    let cpu_target = TargetModel::<B>::load(&dir, &Default::default()).expect("cpu target");
-    let taps = default_aux_taps(config.num_hidden_layers).unwrap();
     let draft_vocab = 200;
-    // Every odd id is frequent, so the draft vocabulary is not a prefix of the target's.
-    let counts: Vec<u64> = (0..300)
-        .map(|j| if j % 2 == 1 { 50 } else { j % 7 })
-        .collect();
-    let vocab = tandem_eagle::build_vocab_map(&counts, draft_vocab, 300).unwrap();
-    assert!((0..draft_vocab).any(|d| vocab.to_target(d) != d as u32));
-    let spec = Eagle3Config::for_target(&config, draft_vocab, taps.len())
-        .resolve()
-        .unwrap();
-    let cpu_draft = Eagle3Draft::init(
-        spec.clone(),
-        vocab.clone(),
-        cpu_target.embed_tokens.clone(),
-        5,
-        &Default::default(),
-    )
-    .unwrap();
-    let draft = CudaDraft::new(&target, spec, vocab, &cpu_draft.to_host()).expect("fast head");
+    let (gpu, _target, draft) = head_with_mapped_vocab("gpu-fast-device-chain", draft_vocab);
     let h = draft.spec.hidden_size;
     let mut seed = 7u32;
     let mut random = |n: usize, scale: f32| -> Vec<f32> {

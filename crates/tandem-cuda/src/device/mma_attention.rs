@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
 
-use super::{AttentionShape, Gpu, KernelArgs, full_source};
+use super::{AttentionShape, Gpu, KernelArgs, mma_source};
 use crate::error::CudaError;
 
 pub(super) const MMA_ATTENTION_SOURCE: &str = include_str!("../../../../kernels/attention_mma.cu");
@@ -35,7 +35,7 @@ pub(super) struct MmaAttention {
 /// in `compile_all_kernels`).
 pub(super) fn compile() -> Result<cudarc::nvrtc::Ptx, CudaError> {
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
-        full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
+        mma_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
         cudarc::nvrtc::CompileOptions {
             name: Some("attention_mma.cu".into()),
             arch: Some("compute_80"),
@@ -198,7 +198,7 @@ impl Gpu {
 /// carries inline PTX unchecked), so CI assembles it without a GPU.
 pub fn assemble_mma_attention(arch: &str) -> Result<Assembly, CudaError> {
     assemble(
-        &full_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
+        &mma_source(MMA_ATTENTION_SOURCE, "attention_mma.cu", ""),
         "attention_mma.cu",
         arch,
     )

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaFunction, LaunchConfig};
 
-use super::{GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, full_source, mma_attention};
+use super::{GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, mma_attention, mma_source};
 use crate::error::CudaError;
 
 pub(super) const MMA_ROWS_SOURCE: &str = include_str!("../../../../kernels/rows_mma.cu");
@@ -44,7 +44,7 @@ pub(super) fn compile(programmatic: bool) -> Result<cudarc::nvrtc::Ptx, CudaErro
         ""
     };
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
-        full_source(MMA_ROWS_SOURCE, "rows_mma.cu", pdl),
+        mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", pdl),
         cudarc::nvrtc::CompileOptions {
             name: Some("rows_mma.cu".into()),
             arch: Some(if programmatic {
@@ -143,7 +143,7 @@ impl Gpu {
 /// is inline PTX, which only ptxas checks (see [`mma_attention::assemble_mma_attention`]).
 pub fn assemble_mma_rows(arch: &str) -> Result<mma_attention::Assembly, CudaError> {
     mma_attention::assemble(
-        &full_source(MMA_ROWS_SOURCE, "rows_mma.cu", ""),
+        &mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", ""),
         "rows_mma.cu",
         arch,
     )

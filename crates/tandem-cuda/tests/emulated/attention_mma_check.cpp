@@ -10,6 +10,7 @@
 #include "cuda_emu.h"
 
 #include "common.cuh"
+#include "mma.cuh"
 #include "attention_mma.cu"
 #include "host_reference.h"
 

@@ -12,6 +12,7 @@
 #define GEMV_BLOCK_WARPS 4
 #define PERSIST_THREADS 512
 #include "common.cuh"
+#include "mma.cuh"
 #include "llama.cu"
 #include "rows_mma.cu"
 #include "host_reference.h"
