@@ -1754,39 +1754,9 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
                 const int row1 = h * head_dim + j;
                 const int r = lane >> 2;
                 if ((lane & 3) == 0 && r < rows) {
-                    float x1 = sums[0];
-                    float x2 = sums[1];
-                    if (layer.qkv_bias != nullptr) {
-                        x1 += layer.qkv_bias[row1];
-                        x2 += layer.qkv_bias[row1 + half];
-                    }
-                    const int b = r / width;
-                    const int col = col0 + r % width;
-                    if (h < heads + kv_heads) {
-                        const float angle = inv_freq[j] * (float)positions[r];
-                        const float c = cosf(angle);
-                        const float s = sinf(angle);
-                        const float y1 = x1 * c - x2 * s;
-                        const float y2 = x2 * c + x1 * s;
-                        if (h < heads) {
-                            float* qr = q + (size_t)r * q_dim + h * head_dim;
-                            qr[j] = y1;
-                            qr[j + half] = y2;
-                        } else {
-                            unsigned short* kr =
-                                layer.k_cache +
-                                (((size_t)b * kv_heads + (h - heads)) * capacity + col) * head_dim;
-                            kr[j] = f32_to_bf16(y1);
-                            kr[j + half] = f32_to_bf16(y2);
-                        }
-                    } else {
-                        unsigned short* vr =
-                            layer.v_cache +
-                            (((size_t)b * kv_heads + (h - heads - kv_heads)) * capacity + col) *
-                                head_dim;
-                        vr[j] = f32_to_bf16(x1);
-                        vr[j + half] = f32_to_bf16(x2);
-                    }
+                    qkv_pair_out(sums[0], sums[1], layer.qkv_bias, row1, h, j, r, positions,
+                                 inv_freq, q, layer.k_cache, layer.v_cache, width, heads,
+                                 kv_heads, head_dim, capacity, col0);
                 }
                 cur = next;
             }

@@ -10,6 +10,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+#[path = "emulated/gxx.rs"]
+mod gxx;
+
 fn crate_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -17,28 +20,9 @@ fn crate_dir() -> PathBuf {
 /// Builds `harness` (in tests/emulated) against kernels/ and runs it; panics with its output
 /// when it fails.
 fn build_and_run(harness: &str) -> String {
-    let kernels = crate_dir().join("../../kernels");
     let source = crate_dir().join("tests/emulated").join(harness);
     let binary = Path::new(env!("CARGO_TARGET_TMPDIR")).join(harness.replace(".cpp", ""));
-    let built = Command::new("g++")
-        .args([
-            "-std=c++20",
-            "-O2",
-            "-pthread",
-            "-Wno-unknown-pragmas",
-            "-I",
-        ])
-        .arg(&kernels)
-        .arg("-o")
-        .arg(&binary)
-        .arg(&source)
-        .output()
-        .expect("g++ runs (the emulated kernel tests need g++ with C++20)");
-    assert!(
-        built.status.success(),
-        "g++ could not build {harness}:\n{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
+    gxx::build_harness(&source, &binary);
     let ran = Command::new(&binary).output().expect("the harness runs");
     let stdout = String::from_utf8_lossy(&ran.stdout).into_owned();
     assert!(

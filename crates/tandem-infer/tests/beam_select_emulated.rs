@@ -13,6 +13,9 @@ use std::process::Command;
 
 use tandem_infer::{BeamSearch, BeamStep};
 
+#[path = "../../tandem-cuda/tests/emulated/gxx.rs"]
+mod gxx;
+
 /// The harness's `made_up_topk`: probabilities (multiples of 1/256, descending, a tie between
 /// the second and third on every third row) and draft ids of row `row` at step `s`.
 fn made_up_topk(s: usize, row: usize, k: usize, vocab: usize) -> (Vec<f32>, Vec<u32>) {
@@ -40,27 +43,7 @@ fn d2t(id: u32) -> u32 {
 fn run_harness(batch: usize, k: usize, steps: usize, vocab: usize) -> String {
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let binary = Path::new(env!("CARGO_TARGET_TMPDIR")).join("beam_select_run");
-    let built = Command::new("g++")
-        .args([
-            "-std=c++20",
-            "-O2",
-            "-pthread",
-            "-Wno-unknown-pragmas",
-            "-I",
-        ])
-        .arg(here.join("../../kernels"))
-        .arg("-I")
-        .arg(here.join("../tandem-cuda/tests/emulated"))
-        .arg("-o")
-        .arg(&binary)
-        .arg(here.join("tests/emulated/beam_select_run.cpp"))
-        .output()
-        .expect("g++ runs (the emulated kernel tests need g++ with C++20)");
-    assert!(
-        built.status.success(),
-        "g++: {}",
-        String::from_utf8_lossy(&built.stderr)
-    );
+    gxx::build_harness(&here.join("tests/emulated/beam_select_run.cpp"), &binary);
     let ran = Command::new(&binary)
         .args([batch, k, steps, vocab].map(|v| v.to_string()))
         .output()

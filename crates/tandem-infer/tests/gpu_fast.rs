@@ -90,8 +90,6 @@ fn real_rows(values: &[f32], real: &[bool], width: usize) -> Vec<f32> {
         .collect()
 }
 
-/// A second copy of the fixture's head that launches every kernel (graphs off): the
-/// reference a graphed head is compared with.
 /// `n` values uniform in [-scale, scale) from a linear congruential generator at `seed`
 /// (advanced), so that two heads can be fed the same hidden inputs.
 fn uniform_rows(seed: &mut u32, n: usize, scale: f32) -> Vec<f32> {
@@ -103,6 +101,8 @@ fn uniform_rows(seed: &mut u32, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+/// A second copy of the fixture's head that launches every kernel (graphs off): the
+/// reference a graphed head is compared with.
 fn eager_head(f: &Fixture) -> CudaDraft {
     let eager = CudaDraft::new(
         &f.target,
@@ -416,14 +416,7 @@ fn device_beams_record_what_the_host_beams_record() {
     let (gpu, target, draft) = head_with_mapped_vocab("gpu-fast-device-beams", draft_vocab);
     let h = draft.spec.hidden_size;
     let mut seed = 9u32;
-    let mut random = |n: usize, scale: f32| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                ((seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    };
+    let mut random = |n: usize, scale: f32| uniform_rows(&mut seed, n, scale);
     for (batch, topk, steps) in [(1, 4, 3), (2, 2, 4), (3, 4, 4)] {
         let mut host_cache = draft.new_cache(batch, 160).unwrap();
         let mut device_cache = draft.new_cache(batch, 160).unwrap();
@@ -523,14 +516,7 @@ fn device_chain_drafts_what_the_host_loop_drafts() {
     let (gpu, _target, draft) = head_with_mapped_vocab("gpu-fast-device-chain", draft_vocab);
     let h = draft.spec.hidden_size;
     let mut seed = 7u32;
-    let mut random = |n: usize, scale: f32| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                ((seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    };
+    let mut random = |n: usize, scale: f32| uniform_rows(&mut seed, n, scale);
     let mut host_cache = draft.new_cache(2, 96).unwrap();
     let mut device_cache = draft.new_cache(2, 96).unwrap();
     let chunks: [&[u32]; 2] = [&[3, 14, 15, 92, 65], &[2, 71]];
