@@ -17,6 +17,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(test)]
+mod cpu_backend_tests;
 pub mod data;
 mod driver;
 pub mod error;

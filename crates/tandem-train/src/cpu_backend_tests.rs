@@ -1,0 +1,118 @@
+//! The CPU backend of the jobs (`CpuBackend`: burn-flex since session 39) against burn-ndarray
+//! (the CPU backend before, and still the reference of the tests that train tiny heads): one
+//! EAGLE-3 head, the same initial weights (a host RNG), the same batch, three TTT steps of
+//! forward and backward through burn's autodiff on each. The loss and the gradients of seven
+//! weights (fc, q/k/o, gate/down, lm_head) must agree to 1e-5 relative L2 (measured: <= 1e-6;
+//! the two backends sum in different orders, nothing else differs). `tandem train --device cpu`
+//! trains on `CpuBackend`.
+
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use burn::tensor::TensorData;
+use rand::{Rng, SeedableRng};
+use tandem_eagle::{Eagle3Config, Eagle3Draft, Linear, build_vocab_map};
+use tandem_model::backend::CpuBackend;
+use tandem_model::testing::rel_l2;
+
+use crate::data::Batch;
+use crate::gpu_check::{HIDDEN, VOCAB, bf16_round, target_dir};
+use crate::objective::{BatchTargets, draft_id_tensor, objective};
+use crate::target::TargetHead;
+
+/// The loss and seven weight gradients of one TTT unroll on backend `C`.
+fn loss_and_gradients<C: Backend>() -> (f64, Vec<Vec<f32>>) {
+    let device: C::Device = Default::default();
+    let head = TargetHead::<C>::load(&target_dir().unwrap(), &device).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let counts: Vec<u64> = (0..VOCAB).map(|_| rng.random_range(0..1000)).collect();
+    let vocab = build_vocab_map(&counts, 128, VOCAB).unwrap();
+    let spec = Eagle3Config::for_target(&head.config, 128, 3)
+        .resolve()
+        .unwrap();
+    let model = Eagle3Draft::<Autodiff<C>>::init(
+        spec.clone(),
+        vocab.clone(),
+        Tensor::from_inner(head.embed_tokens.clone()),
+        3,
+        &device,
+    )
+    .unwrap();
+    let lengths = vec![32usize, 19, 27, 12];
+    let (b, w, fc_in) = (lengths.len(), 32usize, spec.fc_in());
+    let mut batch = Batch {
+        rows: (0..b).collect(),
+        lengths: lengths.clone(),
+        width: w,
+        input_ids: vec![0; b * w],
+        loss_mask: vec![0; b * w],
+        aux: vec![0.0; b * w * fc_in],
+        last_hidden: vec![0.0; b * w * HIDDEN],
+    };
+    for (s, &len) in lengths.iter().enumerate() {
+        for t in 0..len {
+            let row = s * w + t;
+            for v in &mut batch.aux[row * fc_in..(row + 1) * fc_in] {
+                *v = bf16_round(rng.random::<f32>() * 4.0 - 2.0);
+            }
+            for v in &mut batch.last_hidden[row * HIDDEN..(row + 1) * HIDDEN] {
+                *v = bf16_round(rng.random::<f32>() * 6.0 - 3.0);
+            }
+            batch.input_ids[row] = rng.random_range(0..VOCAB as u32);
+            batch.loss_mask[row] = u8::from(t > 1);
+        }
+    }
+    let draft_ids = draft_id_tensor::<C>(&vocab, &device);
+    let targets = BatchTargets::<C>::compute(&head, &batch, &draft_ids);
+    let aux = Tensor::<Autodiff<C>, 3>::from_data(
+        TensorData::new(batch.aux.clone(), [b, w, fc_in]),
+        &device,
+    );
+    let outputs = model
+        .forward_ttt(aux, &batch.input_ids, &batch.lengths, 3)
+        .unwrap();
+    let targets = BatchTargets::<Autodiff<C>> {
+        probs: Tensor::from_inner(targets.probs),
+        argmax: targets.argmax,
+    };
+    let (loss, _) = objective(&outputs, &targets, &batch, &model.vocab);
+    let value = loss.clone().into_scalar().elem::<f64>();
+    let grads = loss.backward();
+    let gradient = |l: &Linear<Autodiff<C>>| -> Vec<f32> {
+        l.weight
+            .val()
+            .grad(&grads)
+            .expect("the weight has a gradient")
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let m = &model.midlayer;
+    let gradients = [
+        &model.fc,
+        &m.self_attn.q_proj,
+        &m.self_attn.k_proj,
+        &m.self_attn.o_proj,
+        &m.mlp.gate_proj,
+        &m.mlp.down_proj,
+        &model.lm_head,
+    ]
+    .map(gradient)
+    .to_vec();
+    (value, gradients)
+}
+
+#[test]
+fn the_cpu_backend_trains_as_burn_ndarray_does() {
+    let (reference_loss, reference) = loss_and_gradients::<burn::backend::NdArray<f32>>();
+    let (loss, gradients) = loss_and_gradients::<CpuBackend>();
+    assert!(
+        ((loss - reference_loss) / reference_loss).abs() < 1e-6,
+        "loss {loss} against {reference_loss}"
+    );
+    for (i, (g, r)) in gradients.iter().zip(&reference).enumerate() {
+        assert!(r.iter().any(|&v| v != 0.0), "gradient {i} is all zeros");
+        let err = rel_l2(g, r);
+        assert!(err < 1e-5, "gradient {i}: relative L2 {err:e}");
+    }
+}
