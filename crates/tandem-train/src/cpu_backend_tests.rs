@@ -14,8 +14,7 @@ use tandem_eagle::{Eagle3Config, Eagle3Draft, Linear, build_vocab_map};
 use tandem_model::backend::CpuBackend;
 use tandem_model::testing::rel_l2;
 
-use crate::data::Batch;
-use crate::gpu_check::{HIDDEN, VOCAB, bf16_round, target_dir};
+use crate::gpu_check::{VOCAB, random_batch, target_dir};
 use crate::objective::{BatchTargets, draft_id_tensor, objective};
 use crate::target::TargetHead;
 
@@ -39,28 +38,7 @@ fn loss_and_gradients<C: Backend>() -> (f64, Vec<Vec<f32>>) {
     .unwrap();
     let lengths = vec![32usize, 19, 27, 12];
     let (b, w, fc_in) = (lengths.len(), 32usize, spec.fc_in());
-    let mut batch = Batch {
-        rows: (0..b).collect(),
-        lengths: lengths.clone(),
-        width: w,
-        input_ids: vec![0; b * w],
-        loss_mask: vec![0; b * w],
-        aux: vec![0.0; b * w * fc_in],
-        last_hidden: vec![0.0; b * w * HIDDEN],
-    };
-    for (s, &len) in lengths.iter().enumerate() {
-        for t in 0..len {
-            let row = s * w + t;
-            for v in &mut batch.aux[row * fc_in..(row + 1) * fc_in] {
-                *v = bf16_round(rng.random::<f32>() * 4.0 - 2.0);
-            }
-            for v in &mut batch.last_hidden[row * HIDDEN..(row + 1) * HIDDEN] {
-                *v = bf16_round(rng.random::<f32>() * 6.0 - 3.0);
-            }
-            batch.input_ids[row] = rng.random_range(0..VOCAB as u32);
-            batch.loss_mask[row] = u8::from(t > 1);
-        }
-    }
+    let batch = random_batch(&mut rng, &lengths, w, fc_in, |t, _| t > 1);
     let draft_ids = draft_id_tensor::<C>(&vocab, &device);
     let targets = BatchTargets::<C>::compute(&head, &batch, &draft_ids);
     let aux = Tensor::<Autodiff<C>, 3>::from_data(

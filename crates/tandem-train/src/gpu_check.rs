@@ -59,6 +59,42 @@ pub(crate) fn bf16_round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
 }
 
+/// A batch of sequences of `lengths` at `width` with random bf16-rounded taps (aux in [-2, 2),
+/// last hidden in [-3, 3)) and token ids, each position's loss mask from `mask(t, rng)`: the
+/// batch the trainer checks are run on (one RNG stream, drawn in this order).
+pub(crate) fn random_batch(
+    rng: &mut rand::rngs::StdRng,
+    lengths: &[usize],
+    width: usize,
+    fc_in: usize,
+    mut mask: impl FnMut(usize, &mut rand::rngs::StdRng) -> bool,
+) -> Batch {
+    let b = lengths.len();
+    let mut batch = Batch {
+        rows: (0..b).collect(),
+        lengths: lengths.to_vec(),
+        width,
+        input_ids: vec![0; b * width],
+        loss_mask: vec![0; b * width],
+        aux: vec![0.0; b * width * fc_in],
+        last_hidden: vec![0.0; b * width * HIDDEN],
+    };
+    for (s, &len) in lengths.iter().enumerate() {
+        for t in 0..len {
+            let row = s * width + t;
+            for v in &mut batch.aux[row * fc_in..(row + 1) * fc_in] {
+                *v = bf16_round(rng.random::<f32>() * 4.0 - 2.0);
+            }
+            for v in &mut batch.last_hidden[row * HIDDEN..(row + 1) * HIDDEN] {
+                *v = bf16_round(rng.random::<f32>() * 6.0 - 3.0);
+            }
+            batch.input_ids[row] = rng.random_range(0..VOCAB as u32);
+            batch.loss_mask[row] = u8::from(mask(t, rng));
+        }
+    }
+    batch
+}
+
 fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
@@ -115,32 +151,15 @@ pub fn gpu_parity_check() -> Result<Vec<String>, TrainError> {
     let lengths = vec![40usize, 23, 31];
     let (b, w) = (lengths.len(), 40usize);
     let fc_in = spec.fc_in();
-    let mut aux = vec![0f32; b * w * fc_in];
-    let mut last = vec![0f32; b * w * HIDDEN];
-    let mut ids = vec![0u32; b * w];
-    let mut mask = vec![0u8; b * w];
-    for (s, &len) in lengths.iter().enumerate() {
-        for t in 0..len {
-            let row = s * w + t;
-            for v in &mut aux[row * fc_in..(row + 1) * fc_in] {
-                *v = bf16_round(rng.random::<f32>() * 4.0 - 2.0);
-            }
-            for v in &mut last[row * HIDDEN..(row + 1) * HIDDEN] {
-                *v = bf16_round(rng.random::<f32>() * 6.0 - 3.0);
-            }
-            ids[row] = rng.random_range(0..VOCAB as u32);
-            mask[row] = u8::from(t > 2 && rng.random::<f32>() < 0.85);
-        }
-    }
-    let batch = Batch {
-        rows: vec![0, 1, 2],
-        lengths: lengths.clone(),
-        width: w,
-        input_ids: ids.clone(),
-        loss_mask: mask.clone(),
-        aux: aux.clone(),
-        last_hidden: last.clone(),
-    };
+    let batch = random_batch(&mut rng, &lengths, w, fc_in, |t, rng| {
+        t > 2 && rng.random::<f32>() < 0.85
+    });
+    let (aux, last, ids, mask) = (
+        batch.aux.clone(),
+        batch.last_hidden.clone(),
+        batch.input_ids.clone(),
+        batch.loss_mask.clone(),
+    );
 
     for steps in [1usize, 4, 7] {
         // burn, autodiff on the CPU.

@@ -82,7 +82,7 @@ mod gradient_tests {
 
     use super::replica_share;
     use crate::data::Batch;
-    use crate::gpu_check::{AB, B, HIDDEN, VOCAB, bf16_round, linear_grad, target_dir};
+    use crate::gpu_check::{AB, B, HIDDEN, VOCAB, linear_grad, random_batch, target_dir};
     use crate::objective::{BatchTargets, draft_id_tensor, objective};
     use crate::target::TargetHead;
     use tandem_model::testing::rel_l2;
@@ -132,28 +132,7 @@ mod gradient_tests {
         .unwrap();
         let lengths = vec![32usize, 19, 27, 12];
         let (b, w, fc_in) = (lengths.len(), 32usize, spec.fc_in());
-        let mut batch = Batch {
-            rows: (0..b).collect(),
-            lengths: lengths.clone(),
-            width: w,
-            input_ids: vec![0; b * w],
-            loss_mask: vec![0; b * w],
-            aux: vec![0.0; b * w * fc_in],
-            last_hidden: vec![0.0; b * w * HIDDEN],
-        };
-        for (s, &len) in lengths.iter().enumerate() {
-            for t in 0..len {
-                let row = s * w + t;
-                for v in &mut batch.aux[row * fc_in..(row + 1) * fc_in] {
-                    *v = bf16_round(rng.random::<f32>() * 4.0 - 2.0);
-                }
-                for v in &mut batch.last_hidden[row * HIDDEN..(row + 1) * HIDDEN] {
-                    *v = bf16_round(rng.random::<f32>() * 6.0 - 3.0);
-                }
-                batch.input_ids[row] = rng.random_range(0..VOCAB as u32);
-                batch.loss_mask[row] = u8::from(t > 1);
-            }
-        }
+        let batch = random_batch(&mut rng, &lengths, w, fc_in, |t, _| t > 1);
         let steps = 3;
         let draft_ids = draft_id_tensor::<B>(&vocab, &device);
         // Loss, per-step counts and a few gradients of `part`, its loss scaled by `scale`.
