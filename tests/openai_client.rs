@@ -56,9 +56,11 @@ fn serve_refuses_a_head_wired_for_another_template() {
         "the check's sentence names the template: {stderr}"
     );
 
-    // The override starts the server (killed once it listens).
+    // The override starts the server (killed once it listens; a fixed shape, so it listens
+    // without measuring the policy's costs first).
     let mut server = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["serve", "--port", "0", "--allow-wiring-mismatch", "--draft"])
+        .args(["serve", "--port", "0", "--speculation", "fixed"])
+        .args(["--allow-wiring-mismatch", "--draft"])
         .arg(&dir)
         .current_dir(root)
         .stdout(std::process::Stdio::piped())

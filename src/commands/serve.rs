@@ -52,10 +52,11 @@ pub struct ServeArgs {
     /// auto (the CUDA fast path on --device cuda, burn on cpu), burn, or fast.
     #[arg(long, default_value = "auto")]
     pub engine: EngineKind,
-    /// How each round's draft shape is chosen on the fast path: `adaptive` (from the batch
-    /// size, the cost of each shape measured at start-up on this GPU and the acceptance
-    /// observed; rounds without drafts when speculation would be slower) or `fixed` (always
-    /// --steps/--topk/--num-draft-tokens). The burn engines always use the fixed shape.
+    /// How each round's draft shape is chosen: `adaptive` (from the batch size, the cost of
+    /// each shape measured at start-up on this device and the acceptance observed; rounds
+    /// without drafts when speculation would be slower) or `fixed` (always
+    /// --steps/--topk/--num-draft-tokens). The fast path measures at the CUDA graphs' batch
+    /// sizes; the burn engines at batch 1 and 2 (costs grow about linearly with rows there).
     #[arg(long, default_value = "adaptive")]
     pub speculation: Speculation,
     /// The shapes the adaptive policy chooses among, steps/topk/num_draft_tokens.
@@ -144,13 +145,7 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
     let cuda = args.model.device.to_string() == "cuda";
     match args.engine {
         EngineKind::Fast | EngineKind::Auto if cuda => {
-            let policy = match args.speculation {
-                Speculation::Adaptive if !args.no_draft => Some(
-                    tandem_infer::Shape::parse_list(&args.policy_shapes)
-                        .context("--policy-shapes")?,
-                ),
-                _ => None,
-            };
+            let policy = adaptive_shapes(args)?;
             let mut decoder = super::spec_fast::serve_decoder(
                 &args.model,
                 &args.spec,
@@ -185,16 +180,60 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
             let loaded = super::spec::load::<B>(&args.model, &args.spec, &device)?;
             // Sampling and seed are per request; the engine's own are unused by the server.
             let config = args.spec.config(SamplingParams::greedy(), 0);
-            let decoder = SpecDecoder::new(
+            let shapes = adaptive_shapes(args)?;
+            // Rounds are plain until the costs are measured on the decoder's own caches.
+            let forced = shapes.clone().map(|shapes| {
+                tandem_infer::SpeculationPolicy::forced(shapes, tandem_infer::Choice::Plain)
+            });
+            let mut decoder = SpecDecoder::new(
                 loaded.target,
                 Some(loaded.head.draft),
                 loaded.taps,
                 config,
                 args.context,
-                None,
+                forced,
                 0,
             )?;
+            if let Some(shapes) = shapes {
+                let batches: Vec<usize> = if args.max_batch > 1 {
+                    vec![1, 2]
+                } else {
+                    vec![1]
+                };
+                let start = std::time::Instant::now();
+                let costs = decoder
+                    .calibrate(&batches, policy_config())
+                    .context("measuring the cost of each draft shape")?;
+                eprintln!(
+                    "speculation policy: round costs measured in {:.1}s (ms per round):\n{}",
+                    start.elapsed().as_secs_f64(),
+                    costs.render(&shapes)
+                );
+            }
             Ok(Box::new(decoder) as Box<dyn Decoder>)
         }
     })
+}
+
+/// The shapes the adaptive policy chooses among (`--policy-shapes`), or `None` for a fixed
+/// shape (`--speculation fixed`) or no head.
+fn adaptive_shapes(args: &ServeArgs) -> anyhow::Result<Option<Vec<tandem_infer::Shape>>> {
+    Ok(match args.speculation {
+        Speculation::Adaptive if !args.no_draft => {
+            Some(tandem_infer::Shape::parse_list(&args.policy_shapes).context("--policy-shapes")?)
+        }
+        _ => None,
+    })
+}
+
+/// The policy's settings: the defaults, and `TANDEM_POLICY_MARGIN=F`, the fraction a shape
+/// must beat plain rounds by (an A/B knob for the serve load test).
+pub fn policy_config() -> tandem_infer::PolicyConfig {
+    let mut config = tandem_infer::PolicyConfig::default();
+    if let Some(margin) =
+        tandem_infer::policy::margin_override(std::env::var("TANDEM_POLICY_MARGIN").ok().as_deref())
+    {
+        config.margin = margin;
+    }
+    config
 }

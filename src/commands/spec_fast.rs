@@ -125,16 +125,8 @@ pub fn serve_decoder(
         .collect();
     batches.push(max_batch.max(1));
     let start = Instant::now();
-    // `TANDEM_POLICY_MARGIN=F`: the fraction a shape must beat plain rounds by (an A/B knob for
-    // the serve load test; the default is PolicyConfig's).
-    let mut config = tandem_infer::PolicyConfig::default();
-    if let Some(margin) =
-        tandem_infer::policy::margin_override(std::env::var("TANDEM_POLICY_MARGIN").ok().as_deref())
-    {
-        config.margin = margin;
-    }
     let costs = decoder
-        .calibrate(&batches, config)
+        .calibrate(&batches, super::serve::policy_config())
         .context("measuring the cost of each draft shape")?;
     eprintln!(
         "speculation policy: round costs measured in {:.1}s (ms per round):\n{}",

@@ -26,7 +26,9 @@ MAX_TOKENS = 16
 def main(binary: str) -> None:
     server = subprocess.Popen(
         [binary, "serve", "--port", "0", "--max-batch", "4", "--context", "512",
-         "--served-model-name", "smollm2", "--model", MODEL_DIR, "--draft", HEAD],
+         "--served-model-name", "smollm2", "--model", MODEL_DIR, "--draft", HEAD,
+         # every round drafts (the adaptive policy may choose plain rounds on this CPU)
+         "--speculation", "fixed"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

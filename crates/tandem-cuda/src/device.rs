@@ -350,7 +350,8 @@ pub struct Gpu {
     /// The fused small steps' products on the tensor cores (`kernels/rows_mma.cu`), compiled
     /// when first switched on ([`Gpu::set_mma_rows`]) on an sm_80+ GPU.
     mma_rows: OnceLock<MmaRows>,
-    /// Whether fused steps take them (`TANDEM_CUDA_MMA_ROWS=1`; see [`mma_rows::enabled`]).
+    /// Whether fused steps take them (on sm_80+ unless `TANDEM_CUDA_MMA_ROWS=0`; see
+    /// [`mma_rows::enabled`]).
     mma_rows_on: AtomicBool,
 }
 

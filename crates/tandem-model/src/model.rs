@@ -17,7 +17,8 @@ use crate::error::ModelError;
 use crate::micro_batch::{Execution, MicroBatch, merge};
 use crate::weights::{HostTensor, WeightFiles};
 
-/// `y = x W^T + b`, with `W^T` stored `[in, out]` so the forward is one matmul.
+/// `y = x W^T + b`. `weight_t` is `W^T`, `[in, out]`, so the forward is one matmul; as loaded
+/// it is a transposed view of `W` kept in HF's `[out, in]` layout (see [`upload_transposed`]).
 #[derive(Debug, Clone)]
 pub struct Linear<B: Backend> {
     pub weight_t: Tensor<B, 2>,
@@ -252,6 +253,15 @@ fn upload<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tens
     Tensor::from_data(TensorData::new(t.values, t.shape), device)
 }
 
+/// `W^T` for a weight `W` read in HF's `[out, in]` layout: the weight stays in that layout and
+/// the result is its transposed view (strides swapped, nothing copied), so `x.matmul(W^T)`
+/// reads each output's inputs contiguously. On the CPU backend (burn-flex's gemm) a one-row
+/// product over SmolLM2's lm_head takes about half the time it takes on a copied `[in, out]`
+/// matrix (BENCHMARKS.md, CPU backend), and a tied lm_head shares the embedding's memory.
+fn upload_transposed<B: Backend>(w: HostTensor, device: &B::Device) -> Tensor<B, 2> {
+    upload::<B, 2>(w, device).transpose()
+}
+
 /// Reads modules by their HF names (the tensor names are the module paths).
 struct Loader<'a, B: Backend> {
     weights: &'a WeightFiles,
@@ -279,7 +289,7 @@ impl<B: Backend> Loader<'_, B> {
             None
         };
         Ok(Linear {
-            weight_t: upload(w.transposed(), self.device),
+            weight_t: upload_transposed(w, self.device),
             bias,
         })
     }
@@ -385,7 +395,7 @@ impl<B: Backend> Loader<'_, B> {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Moe {
             gate: Router {
-                weight_t: upload(gate_w.transposed(), self.device),
+                weight_t: upload_transposed(gate_w, self.device),
                 e_score_correction_bias: bias.values,
             },
             experts,
@@ -440,20 +450,25 @@ impl<B: Backend> TargetModel<B> {
                 mlp,
             });
         }
-        let embed = weights.read("model.embed_tokens.weight", &[spec.vocab_size, h])?;
-        let lm_head = if spec.tie_word_embeddings || !weights.contains("lm_head.weight") {
-            embed.transposed()
+        let embed_tokens: Tensor<B, 2> = upload(
+            weights.read("model.embed_tokens.weight", &[spec.vocab_size, h])?,
+            device,
+        );
+        // Tied: the embedding's own memory, seen transposed.
+        let lm_head_t = if spec.tie_word_embeddings || !weights.contains("lm_head.weight") {
+            embed_tokens.clone().transpose()
         } else {
-            weights
-                .read("lm_head.weight", &[spec.vocab_size, h])?
-                .transposed()
+            upload_transposed(
+                weights.read("lm_head.weight", &[spec.vocab_size, h])?,
+                device,
+            )
         };
         Ok(Self {
             inv_freq: spec.rope_inv_freq(),
-            embed_tokens: upload(embed, device),
+            embed_tokens,
             layers,
             norm: load.norm("model.norm", h)?,
-            lm_head_t: upload(lm_head, device),
+            lm_head_t,
             spec,
             execution: Execution::default(),
             tensor_parallel: 1,

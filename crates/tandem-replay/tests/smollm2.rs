@@ -9,6 +9,10 @@ use tandem_model::TargetModel;
 use tandem_replay::{ReplayOptions, Status, fingerprint_model, replay};
 use tandem_wiring::{TapId, TapSpec};
 
+/// The jobs' own CPU backend (burn-flex) for the real model: the fault suite's `B`
+/// (burn-ndarray, for its tiny trained heads) copies every weight view on each product.
+type Real = tandem_model::backend::CpuBackend;
+
 #[test]
 fn smollm2_real_dump_matches_every_slot() {
     let dir = temp_dir("smollm2");
@@ -39,9 +43,9 @@ fn smollm2_real_dump_matches_every_slot() {
     let mut options = DumpOptions::new(smollm2_dir(), data.to_string_lossy(), &out);
     options.max_len = 96;
     options.taps = "sglang:1,14,26".parse::<TapSpec>().unwrap();
-    run_dump::<B>(&options, &Default::default()).unwrap();
+    run_dump::<Real>(&options, &Default::default()).unwrap();
 
-    let model = TargetModel::<B>::load(&smollm2_dir(), &Default::default()).unwrap();
+    let model = TargetModel::<Real>::load(&smollm2_dir(), &Default::default()).unwrap();
     let dump = DumpReader::open(&out).unwrap();
     let report = replay(
         &model,
@@ -83,7 +87,7 @@ fn smollm2_committed_head_diagnose_runs_on_its_own_text() {
     use tandem_wiring::Convention;
 
     let head_dir = workspace_root().join("heads/smollm2-135m-eagle3");
-    let model = TargetModel::<B>::load(&smollm2_dir(), &Default::default()).unwrap();
+    let model = TargetModel::<Real>::load(&smollm2_dir(), &Default::default()).unwrap();
     let tokenizer = TargetTokenizer::load(&smollm2_dir()).unwrap();
     let head =
         tandem_eagle::load_pretrained(&head_dir, model.embed_tokens.clone(), &Default::default())

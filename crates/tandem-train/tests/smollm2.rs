@@ -83,7 +83,9 @@ fn dump_train_export_reload_on_smollm2() {
     let mut o = DumpOptions::new(&model, data.to_string_lossy(), &dump);
     o.max_len = 64;
     let device = Default::default();
-    run_dump::<B>(&o, &device).unwrap();
+    // The dump runs the real target on the jobs' CPU backend (burn-flex, which multiplies by
+    // the loader's transposed weight views in place; burn-ndarray copies them every product).
+    run_dump::<tandem_model::backend::CpuBackend>(&o, &Default::default()).unwrap();
     assert_eq!(DumpReader::open(&dump).unwrap().len(), 10);
 
     let out = dir.join("head");

@@ -153,9 +153,9 @@ impl SpecBackend for CudaTarget {
     }
 
     /// Tree drafting picks its beams on the GPU ([`CudaDraft::draft_beams`]: one read-back at
-    /// the end instead of one per step, for topk up to 8) when the head says so
-    /// (`TANDEM_CUDA_DEVICE_BEAMS=1`,
-    /// [`CudaDraft::set_device_beams`]), else on the host ([`host_beams`]); both record the
+    /// the end instead of one per step, for topk up to 8) when the head says so (the default;
+    /// `TANDEM_CUDA_DEVICE_BEAMS=0` or [`CudaDraft::set_device_beams`] for the host's beams,
+    /// [`host_beams`]); both record the
     /// same bits (`device_beams_record_what_the_host_beams_record`).
     fn head_beams(
         &self,
