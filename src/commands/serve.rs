@@ -59,9 +59,11 @@ pub struct ServeArgs {
     /// sizes; the burn engines at batch 1 and 2 (costs grow about linearly with rows there).
     #[arg(long, default_value = "adaptive")]
     pub speculation: Speculation,
-    /// The shapes the adaptive policy chooses among, steps/topk/num_draft_tokens.
-    #[arg(long, default_value = "3/1/4,3/4/8,6/8/48")]
-    pub policy_shapes: String,
+    /// The shapes the adaptive policy chooses among, steps/topk/num_draft_tokens. Default:
+    /// 3/1/4,3/4/8,6/8/48 on the fast path; 3/1/4 on the burn engines, where measuring the
+    /// wide trees at start-up took most of a minute on a 2-core CPU, where they lost to plain rounds.
+    #[arg(long)]
+    pub policy_shapes: Option<String>,
     /// Write every round and admission of the fast path (batch size, context, choice, time by
     /// phase, the policy's prediction) as CSV to this file when the server stops.
     #[arg(long)]
@@ -145,7 +147,7 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
     let cuda = args.model.device.to_string() == "cuda";
     match args.engine {
         EngineKind::Fast | EngineKind::Auto if cuda => {
-            let policy = adaptive_shapes(args)?;
+            let policy = adaptive_shapes(args, FAST_POLICY_SHAPES)?;
             let mut decoder = super::spec_fast::serve_decoder(
                 &args.model,
                 &args.spec,
@@ -180,7 +182,7 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
             let loaded = super::spec::load::<B>(&args.model, &args.spec, &device)?;
             // Sampling and seed are per request; the engine's own are unused by the server.
             let config = args.spec.config(SamplingParams::greedy(), 0);
-            let shapes = adaptive_shapes(args)?;
+            let shapes = adaptive_shapes(args, BURN_POLICY_SHAPES)?;
             // Rounds are plain until the costs are measured on the decoder's own caches.
             let forced = shapes.clone().map(|shapes| {
                 tandem_infer::SpeculationPolicy::forced(shapes, tandem_infer::Choice::Plain)
@@ -215,12 +217,22 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
     })
 }
 
-/// The shapes the adaptive policy chooses among (`--policy-shapes`), or `None` for a fixed
-/// shape (`--speculation fixed`) or no head.
-fn adaptive_shapes(args: &ServeArgs) -> anyhow::Result<Option<Vec<tandem_infer::Shape>>> {
+/// The adaptive policy's default shapes on the CUDA fast path.
+const FAST_POLICY_SHAPES: &str = "3/1/4,3/4/8,6/8/48";
+/// ... and on the burn engines: on a 2-core CPU the start-up measurement of all three took 50 s
+/// (release build, SmolLM2, context 2048), 6/8/48's rounds most of it, at 21x a plain round.
+const BURN_POLICY_SHAPES: &str = "3/1/4";
+
+/// The shapes the adaptive policy chooses among (`--policy-shapes`, else `default`), or `None`
+/// for a fixed shape (`--speculation fixed`) or no head.
+fn adaptive_shapes(
+    args: &ServeArgs,
+    default: &str,
+) -> anyhow::Result<Option<Vec<tandem_infer::Shape>>> {
+    let list = args.policy_shapes.as_deref().unwrap_or(default);
     Ok(match args.speculation {
         Speculation::Adaptive if !args.no_draft => {
-            Some(tandem_infer::Shape::parse_list(&args.policy_shapes).context("--policy-shapes")?)
+            Some(tandem_infer::Shape::parse_list(list).context("--policy-shapes")?)
         }
         _ => None,
     })
