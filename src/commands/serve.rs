@@ -202,15 +202,7 @@ fn load_decoder(args: &ServeArgs) -> anyhow::Result<Box<dyn Decoder>> {
                 } else {
                     vec![1]
                 };
-                let start = std::time::Instant::now();
-                let costs = decoder
-                    .calibrate(&batches, policy_config())
-                    .context("measuring the cost of each draft shape")?;
-                eprintln!(
-                    "speculation policy: round costs measured in {:.1}s (ms per round):\n{}",
-                    start.elapsed().as_secs_f64(),
-                    costs.render(&shapes)
-                );
+                calibrate_policy(&mut decoder, &batches, &shapes)?;
             }
             Ok(Box::new(decoder) as Box<dyn Decoder>)
         }
@@ -238,14 +230,30 @@ fn adaptive_shapes(
     })
 }
 
-/// The policy's settings: the defaults, and `TANDEM_POLICY_MARGIN=F`, the fraction a shape
-/// must beat plain rounds by (an A/B knob for the serve load test).
-pub fn policy_config() -> tandem_infer::PolicyConfig {
+/// Measures the cost of each of `shapes` and of a plain round on `decoder`'s own caches at
+/// `batches` (the adaptive policy's start-up table; the policy chooses each round from then on)
+/// and prints the table with the time it took. The policy's settings are the defaults, but for
+/// `TANDEM_POLICY_MARGIN=F`, the fraction a shape must beat plain rounds by (an A/B knob for
+/// the serve load test).
+pub fn calibrate_policy<T: tandem_infer::SpecBackend>(
+    decoder: &mut tandem_serve::EngineDecoder<T>,
+    batches: &[usize],
+    shapes: &[tandem_infer::Shape],
+) -> anyhow::Result<()> {
     let mut config = tandem_infer::PolicyConfig::default();
     if let Some(margin) =
         tandem_infer::policy::margin_override(std::env::var("TANDEM_POLICY_MARGIN").ok().as_deref())
     {
         config.margin = margin;
     }
-    config
+    let start = std::time::Instant::now();
+    let costs = decoder
+        .calibrate(batches, config)
+        .context("measuring the cost of each draft shape")?;
+    eprintln!(
+        "speculation policy: round costs measured in {:.1}s (ms per round):\n{}",
+        start.elapsed().as_secs_f64(),
+        costs.render(shapes)
+    );
+    Ok(())
 }

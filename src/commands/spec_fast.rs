@@ -124,15 +124,7 @@ pub fn serve_decoder(
         .filter(|&b| b < max_batch)
         .collect();
     batches.push(max_batch.max(1));
-    let start = Instant::now();
-    let costs = decoder
-        .calibrate(&batches, super::serve::policy_config())
-        .context("measuring the cost of each draft shape")?;
-    eprintln!(
-        "speculation policy: round costs measured in {:.1}s (ms per round):\n{}",
-        start.elapsed().as_secs_f64(),
-        costs.render(&shapes)
-    );
+    super::serve::calibrate_policy(&mut decoder, &batches, &shapes)?;
     let (before, after) = gpu.release_unused_memory()?;
     eprintln!(
         "speculation policy: the measurement's scratch memory released ({:.2} GiB of the memory \

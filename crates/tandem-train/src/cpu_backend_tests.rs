@@ -9,36 +9,23 @@
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::TensorData;
-use rand::{Rng, SeedableRng};
-use tandem_eagle::{Eagle3Config, Eagle3Draft, Linear, build_vocab_map};
 use tandem_model::backend::CpuBackend;
 use tandem_model::testing::rel_l2;
 
-use crate::gpu_check::{VOCAB, random_batch, target_dir};
+use crate::gpu_check::{GradientFixture, gradient_fixture, linear_grad};
 use crate::objective::{BatchTargets, draft_id_tensor, objective};
-use crate::target::TargetHead;
 
 /// The loss and seven weight gradients of one TTT unroll on backend `C`.
 fn loss_and_gradients<C: Backend>() -> (f64, Vec<Vec<f32>>) {
     let device: C::Device = Default::default();
-    let head = TargetHead::<C>::load(&target_dir().unwrap(), &device).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-    let counts: Vec<u64> = (0..VOCAB).map(|_| rng.random_range(0..1000)).collect();
-    let vocab = build_vocab_map(&counts, 128, VOCAB).unwrap();
-    let spec = Eagle3Config::for_target(&head.config, 128, 3)
-        .resolve()
-        .unwrap();
-    let model = Eagle3Draft::<Autodiff<C>>::init(
-        spec.clone(),
-        vocab.clone(),
-        Tensor::from_inner(head.embed_tokens.clone()),
-        3,
-        &device,
-    )
-    .unwrap();
-    let lengths = vec![32usize, 19, 27, 12];
-    let (b, w, fc_in) = (lengths.len(), 32usize, spec.fc_in());
-    let batch = random_batch(&mut rng, &lengths, w, fc_in, |t, _| t > 1);
+    let GradientFixture {
+        head,
+        vocab,
+        model,
+        fc_in,
+        batch,
+    } = gradient_fixture::<C>(&device);
+    let (b, w) = (batch.size(), batch.width);
     let draft_ids = draft_id_tensor::<C>(&vocab, &device);
     let targets = BatchTargets::<C>::compute(&head, &batch, &draft_ids);
     let aux = Tensor::<Autodiff<C>, 3>::from_data(
@@ -55,16 +42,7 @@ fn loss_and_gradients<C: Backend>() -> (f64, Vec<Vec<f32>>) {
     let (loss, _) = objective(&outputs, &targets, &batch, &model.vocab);
     let value = loss.clone().into_scalar().elem::<f64>();
     let grads = loss.backward();
-    let gradient = |l: &Linear<Autodiff<C>>| -> Vec<f32> {
-        l.weight
-            .val()
-            .grad(&grads)
-            .expect("the weight has a gradient")
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .unwrap()
-    };
+    let gradient = |l| linear_grad::<Autodiff<C>>(l, &grads);
     let m = &model.midlayer;
     let gradients = [
         &model.fc,

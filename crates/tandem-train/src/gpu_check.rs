@@ -95,6 +95,47 @@ pub(crate) fn random_batch(
     batch
 }
 
+/// The trainer's gradient tests' setup (the data-parallel replicas, the CPU backends): the
+/// small target's head on `C`, a draft vocabulary of 128 from random token counts, a fresh head
+/// for 3 TTT steps under autodiff, and four sequences of 32, 19, 27 and 12 tokens at width 32
+/// (loss from position 2), all drawn from one RNG (seed 21) in that order.
+#[cfg(test)]
+pub(crate) struct GradientFixture<C: Backend> {
+    pub head: TargetHead<C>,
+    pub vocab: tandem_eagle::VocabMap,
+    pub model: Eagle3Draft<Autodiff<C>>,
+    pub fc_in: usize,
+    pub batch: Batch,
+}
+
+#[cfg(test)]
+pub(crate) fn gradient_fixture<C: Backend>(device: &C::Device) -> GradientFixture<C> {
+    let head = TargetHead::<C>::load(&target_dir().unwrap(), device).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let counts: Vec<u64> = (0..VOCAB).map(|_| rng.random_range(0..1000)).collect();
+    let vocab = build_vocab_map(&counts, 128, VOCAB).unwrap();
+    let spec = Eagle3Config::for_target(&head.config, 128, 3)
+        .resolve()
+        .unwrap();
+    let fc_in = spec.fc_in();
+    let model = Eagle3Draft::<Autodiff<C>>::init(
+        spec,
+        vocab.clone(),
+        Tensor::from_inner(head.embed_tokens.clone()),
+        3,
+        device,
+    )
+    .unwrap();
+    let batch = random_batch(&mut rng, &[32, 19, 27, 12], 32, fc_in, |t, _| t > 1);
+    GradientFixture {
+        head,
+        vocab,
+        model,
+        fc_in,
+        batch,
+    }
+}
+
 fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
@@ -103,13 +144,17 @@ fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 }
 
 /// Gradient of a burn linear (`[in, out]`) in HF layout (`[out, in]`).
-pub(crate) fn linear_grad(
-    l: &Linear<AB>,
-    grads: &<AB as burn::tensor::backend::AutodiffBackend>::Gradients,
+pub(crate) fn linear_grad<A: burn::tensor::backend::AutodiffBackend>(
+    l: &Linear<A>,
+    grads: &A::Gradients,
 ) -> Vec<f32> {
     let g = l.weight.val().grad(grads).expect("linear has a gradient");
     let [inp, out] = g.dims();
-    let values = host(g);
+    let values = g
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("f32 data");
     let mut t = vec![0f32; inp * out];
     for i in 0..inp {
         for o in 0..out {

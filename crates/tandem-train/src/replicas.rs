@@ -77,14 +77,11 @@ mod tests {
 mod gradient_tests {
     use burn::prelude::*;
     use burn::tensor::TensorData;
-    use rand::{Rng, SeedableRng};
-    use tandem_eagle::{Eagle3Config, Eagle3Draft, build_vocab_map};
 
     use super::replica_share;
     use crate::data::Batch;
-    use crate::gpu_check::{AB, B, HIDDEN, VOCAB, linear_grad, random_batch, target_dir};
+    use crate::gpu_check::{AB, B, GradientFixture, HIDDEN, gradient_fixture, linear_grad};
     use crate::objective::{BatchTargets, draft_id_tensor, objective};
-    use crate::target::TargetHead;
     use tandem_model::testing::rel_l2;
 
     /// Rows `rows` of `batch`, kept at its width.
@@ -115,24 +112,14 @@ mod gradient_tests {
     #[test]
     fn replica_gradients_sum_to_the_global_batch_gradient() {
         let device = Default::default();
-        let head = TargetHead::<B>::load(&target_dir().unwrap(), &device).unwrap();
-        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-        let counts: Vec<u64> = (0..VOCAB).map(|_| rng.random_range(0..1000)).collect();
-        let vocab = build_vocab_map(&counts, 128, VOCAB).unwrap();
-        let spec = Eagle3Config::for_target(&head.config, 128, 3)
-            .resolve()
-            .unwrap();
-        let model = Eagle3Draft::<AB>::init(
-            spec.clone(),
-            vocab.clone(),
-            Tensor::from_inner(head.embed_tokens.clone()),
-            3,
-            &device,
-        )
-        .unwrap();
-        let lengths = vec![32usize, 19, 27, 12];
-        let (b, w, fc_in) = (lengths.len(), 32usize, spec.fc_in());
-        let batch = random_batch(&mut rng, &lengths, w, fc_in, |t, _| t > 1);
+        let GradientFixture {
+            head,
+            vocab,
+            model,
+            fc_in,
+            batch,
+        } = gradient_fixture::<B>(&device);
+        let (b, w) = (batch.size(), batch.width);
         let steps = 3;
         let draft_ids = draft_id_tensor::<B>(&vocab, &device);
         // Loss, per-step counts and a few gradients of `part`, its loss scaled by `scale`.
