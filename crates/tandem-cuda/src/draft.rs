@@ -61,9 +61,9 @@ pub struct CudaDraft {
     /// the logits (two launches fewer a step); see [`head_fold_default`].
     fold: bool,
     /// Whether tree drafting picks its beams on the device ([`CudaDraft::draft_beams`]): on by
-    /// default (session 40, H100: 3/4/8's draft 0.200 ms a round instead of 0.233 with the
-    /// tensor-core small steps); `TANDEM_CUDA_DEVICE_BEAMS=0`, or
-    /// [`CudaDraft::set_device_beams`], picks them on the host.
+    /// default (session 40, H100: 3/4/8's draft 0.200 ms a round with them and the tensor-core
+    /// small steps, 0.233 with neither; the two were measured together);
+    /// `TANDEM_CUDA_DEVICE_BEAMS=0`, or [`CudaDraft::set_device_beams`], picks them on the host.
     device_beams: std::sync::atomic::AtomicBool,
 }
 
