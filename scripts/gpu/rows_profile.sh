@@ -21,6 +21,8 @@
 # least N slots a sequence (one arm per N) against the row kernel (fast-bench, same run).
 # AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
 # TESTS_AB_ENV="VAR=value ..": the tandem-infer GPU tests again with these exported.
+# LAUNCH_FLOOR=1: a CUDA graph of N dependent tiny kernels (and 576x576 gemvs) timed, N = 158 ..
+# 32 (scripts/gpu/launch_floor.py). NCU_WARM=1: ncu keeps the caches between kernels.
 # Knobs: TESTS=0, NCU=0 (2: also batch 8), NCU_HEAD=1, BENCH=0, FAST_AB, MMA_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
 # INTERLEAVE=1 (benches alternate target-only and speculative prompt by prompt; every bench prints
 # its speedup's standard error).
@@ -32,7 +34,7 @@
 set -uo pipefail
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
-EXTRA_FILES="scripts/reference/make_random_llama.py scripts/gpu/mma_ab.py"
+EXTRA_FILES="scripts/reference/make_random_llama.py scripts/gpu/mma_ab.py scripts/gpu/launch_floor.py"
 
 # ncu_rows NAME FAST_BENCH_ARGS...: ncu over one fast-bench run, summarised by rows and kernel.
 ncu_rows() {
@@ -40,7 +42,11 @@ ncu_rows() {
   shift
   ncu=$(find_tool ncu)
   [[ -n "$ncu" ]] || { echo "ncu missing" | tee -a "$R/summary.txt"; return 1; }
-  TANDEM_CUDA_GRAPHS=0 TANDEM_CUDA_FUSED=8 timeout 280 "$ncu" --clock-control none \
+  # NCU_WARM=1: caches kept between kernels (`--cache-control none`), as in the pipeline, where
+  # a kernel reads the rows the previous one just wrote from L2.
+  local warm=()
+  [[ "${NCU_WARM:-0}" == 1 ]] && warm=(--cache-control none)
+  TANDEM_CUDA_GRAPHS=0 TANDEM_CUDA_FUSED=8 timeout 280 "$ncu" --clock-control none "${warm[@]}" \
     --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum \
     --csv --launch-count 5000 "$T" fast-bench --model "$M" --prompt-tokens 128 --new-tokens 8 \
     --repeats 1 --fused on "$@" > "$R/$name.csv" 2> "$R/$name.err"
@@ -80,6 +86,20 @@ for key in sorted(by, key=lambda key: (key[0], -sum(k.get("gpu__time_duration.su
     print(f"{key[0]:>8} {key[1]:40s} {key[2]:>14} {len(ks):6d} {mean('gpu__time_duration.sum'):8.2f} us "
           f"{mean('launch__registers_per_thread'):5.0f} reg {mean('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f}% "
           f"{mean('dram__bytes_read.sum'):8.1f} KB")
+# Kernel time a step by row count: every kernel labelled with that row count, over the number
+# of steps (attention launches / 30 layers), to set against the graphed step time (the rest of
+# that time is the gaps between launches).
+layers = 30  # SmolLM2
+per_label = collections.defaultdict(lambda: [0.0, 0, 0])
+for (label, name, _grid), ks in by.items():
+    per_label[label][0] += sum(k.get("gpu__time_duration.sum", 0) for k in ks)
+    per_label[label][1] += len(ks)
+    if name.startswith("attention_invariant"):
+        per_label[label][2] += len(ks)
+for label, (us, count, attn) in sorted(per_label.items()):
+    if attn >= layers:
+        steps = attn / layers
+        print(f"STEP {label:>8}: {us / steps:8.1f} us of kernel time a step, {count / steps:6.1f} kernels a step ({steps:.0f} steps)")
 PY
 }
 
@@ -130,6 +150,13 @@ pipeline() {
     mark "fast-bench done"
   fi
   [[ -n "${MMA_AB:-}" ]] && mma_attention_ab
+  # LAUNCH_FLOOR=1: what N dependent kernels cost in one CUDA graph on this card (tiny kernels
+  # and 576x576 gemvs, PyTorch), the floor under a decode step of N launches.
+  if [[ "${LAUNCH_FLOOR:-0}" == 1 ]]; then
+    timeout 120 python3 "$W/launch_floor.py" > "$R/launch_floor.md" 2>&1
+    echo "launch floor: exit $?" | tee -a "$R/summary.txt"
+    cat "$R/launch_floor.md" >> "$R/summary.txt"
+  fi
   # Outputs a warp of gemv_rows per row bucket (TANDEM_CUDA_GEMV_OUTPUTS; bits never change):
   # fused step times for each setting in GEMV_SWEEP, and the fastest over the 4- and 8-row
   # steps is exported for the bench and the serve load test below.
