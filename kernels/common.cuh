@@ -188,24 +188,44 @@ __device__ __forceinline__ void stage_rms_normed_row(const Rows& x,
                                                      unsigned short* xs, int r, int n, float eps) {
     const int lane = threadIdx.x & 31;
     const uint2* w4 = reinterpret_cast<const uint2*>(w);
+    const int nv = n >> 2;
+    // The norm weight's first NORM_PREFETCH vectors of this lane are loaded with the row, not
+    // after its sum: otherwise the weight (evicted from L2 by the step's other weights) is one
+    // more trip to memory on every fused step's critical path. The arithmetic is unchanged.
+    constexpr int NORM_PREFETCH = 8;
+    uint2 wpre[NORM_PREFETCH];
+#pragma unroll
+    for (int it = 0; it < NORM_PREFETCH; ++it) {
+        const int i = lane + 32 * it;
+        wpre[it] = i < nv ? w4[i] : make_uint2(0, 0);
+    }
     {
         float squares = 0.0f;
 #pragma unroll 4
-        for (int i = lane; i < (n >> 2); i += 32) {
+        for (int i = lane; i < nv; i += 32) {
             const float4 v = x.at(r, n, i);
             squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
         const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
         uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
-#pragma unroll 4
-        for (int i = lane; i < (n >> 2); i += 32) {
+        auto put = [&](int i, const uint2& wv) {
             const float4 v = x.at(r, n, i);
-            const uint2 wv = w4[i];
             const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
                                     ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
             const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
                                     ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
             out[i] = make_uint2(lo, hi);
+        };
+#pragma unroll
+        for (int it = 0; it < NORM_PREFETCH; ++it) {
+            const int i = lane + 32 * it;
+            if (i < nv) {
+                put(i, wpre[it]);
+            }
+        }
+#pragma unroll 4
+        for (int i = lane + 32 * NORM_PREFETCH; i < nv; i += 32) {
+            put(i, w4[i]);
         }
     }
 }
@@ -231,23 +251,43 @@ __device__ void stage_rms_normed(const float* __restrict__ x, const unsigned sho
 // head, of step row r, whose projections are x1 and x2v: the bias, then RoPE at the row's
 // position into q (query heads, f32 [rows, heads * head_dim]) or the layer's key cache, or
 // unrotated into the value cache, at column col0 + r % width of sequence r / width.
-__device__ __forceinline__ void qkv_pair_out(float x1, float x2v, const float* __restrict__ bias,
-                                             int row1, int h, int j, int r,
-                                             const int* __restrict__ positions,
-                                             const float* __restrict__ inv_freq,
-                                             float* __restrict__ q_out, unsigned short* k_cache,
-                                             unsigned short* v_cache, int width, int heads,
-                                             int kv_heads, int head_dim, int capacity,
-                                             int col0) {
+// The pair's operands read ahead of its product (norm_qkv_rope_mma loads them while the product
+// runs): the bias pair (when there is a bias), the rotation's frequency and the row's position.
+struct QkvPairInputs {
+    float bias1, bias2;
+    bool has_bias;
+    float inv_freq;
+    int position;
+};
+
+__device__ __forceinline__ QkvPairInputs qkv_pair_inputs(const float* __restrict__ bias, int row1,
+                                                         int j, int r, int head_dim,
+                                                         const int* __restrict__ positions,
+                                                         const float* __restrict__ inv_freq) {
+    QkvPairInputs in;
+    in.has_bias = bias != nullptr;
+    in.bias1 = in.has_bias ? bias[row1] : 0.0f;
+    in.bias2 = in.has_bias ? bias[row1 + head_dim / 2] : 0.0f;
+    in.inv_freq = inv_freq[j];
+    in.position = positions[r];
+    return in;
+}
+
+__device__ __forceinline__ void qkv_pair_out_with(float x1, float x2v, const QkvPairInputs& in,
+                                                  int h, int j, int r, float* __restrict__ q_out,
+                                                  unsigned short* k_cache,
+                                                  unsigned short* v_cache, int width, int heads,
+                                                  int kv_heads, int head_dim, int capacity,
+                                                  int col0) {
     const int half = head_dim / 2;
-    if (bias != nullptr) {
-        x1 += bias[row1];
-        x2v += bias[row1 + half];
+    if (in.has_bias) {
+        x1 += in.bias1;
+        x2v += in.bias2;
     }
     const int b = r / width;
     const int col = col0 + r % width;
     if (h < heads + kv_heads) {
-        const float angle = inv_freq[j] * (float)positions[r];
+        const float angle = in.inv_freq * (float)in.position;
         const float c = cosf(angle);
         const float s = sinf(angle);
         const float y1 = x1 * c - x2v * s;
@@ -268,4 +308,17 @@ __device__ __forceinline__ void qkv_pair_out(float x1, float x2v, const float* _
         v[j] = f32_to_bf16(x1);
         v[j + half] = f32_to_bf16(x2v);
     }
+}
+
+__device__ __forceinline__ void qkv_pair_out(float x1, float x2v, const float* __restrict__ bias,
+                                             int row1, int h, int j, int r,
+                                             const int* __restrict__ positions,
+                                             const float* __restrict__ inv_freq,
+                                             float* __restrict__ q_out, unsigned short* k_cache,
+                                             unsigned short* v_cache, int width, int heads,
+                                             int kv_heads, int head_dim, int capacity,
+                                             int col0) {
+    qkv_pair_out_with(x1, x2v, qkv_pair_inputs(bias, row1, j, r, head_dim, positions, inv_freq),
+                      h, j, r, q_out, k_cache, v_cache, width, heads, kv_heads, head_dim,
+                      capacity, col0);
 }

@@ -176,7 +176,24 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
     const MmaOperand a{w, x, inp >> 5};
     const MmaOperand none{w, x, 0};
     float c[4];
-    if (!mma_rows_tile(a, none, lo, hi, rows, WaitOnly{}, c)) {
+    // With `accumulate`, warp 0 reads the outputs it will add to right after the wait, so the
+    // read is in flight during the product instead of one more trip to memory after it
+    // (prev + c and c + prev are the same float).
+    float prev[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    auto stage = [&]() {
+        PDL_WAIT();
+        if (accumulate && threadIdx.x < 32) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int o = o0 + g + (i >= 2 ? 8 : 0);
+                const int r = 2 * t + (i & 1);
+                if (o < out && r < rows) {
+                    prev[i] = y[(size_t)r * out + o];
+                }
+            }
+        }
+    };
+    if (!mma_rows_tile(a, none, lo, hi, rows, stage, c)) {
         return;
     }
 #pragma unroll
@@ -184,8 +201,7 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
         const int o = o0 + g + (i >= 2 ? 8 : 0);
         const int r = 2 * t + (i & 1);
         if (o < out && r < rows) {
-            float* dst = y + (size_t)r * out + o;
-            *dst = accumulate ? *dst + c[i] : c[i];
+            y[(size_t)r * out + o] = accumulate ? prev[i] + c[i] : c[i];
         }
     }
 }
@@ -298,10 +314,23 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
     const MmaOperand a{w, xs, hidden >> 5};
     const MmaOperand b{w2, xs2, x2 != nullptr ? hidden >> 5 : 0};
     float c[4];
+    // Warp 0 writes the pairs: it reads their bias, frequency, positions and first cache
+    // column right after the wait, so they arrive during the product instead of after it.
+    QkvPairInputs pair_in[2];
     auto stage = [&]() {
         PDL_WAIT();
         const int warp = threadIdx.x >> 5;
         const int warps = blockDim.x >> 5;
+        if (warp == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = min(2 * t + i, rows - 1);
+                pair_in[i] = qkv_pair_inputs(bias, (int)row1, jj, r, head_dim, positions, inv_freq);
+            }
+            if (step_scalars != nullptr) {
+                col0 = step_scalars[0];
+            }
+        }
         const int inputs = x2 != nullptr ? 2 : 1;
         for (int task = warp; task < inputs * rows; task += warps) {
             if (task >= rows) {
@@ -321,15 +350,12 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
     if (p >= pairs) {
         return;
     }
-    if (step_scalars != nullptr) {
-        col0 = step_scalars[0];
-    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int r = 2 * t + i;
         if (r < rows) {
-            qkv_pair_out(c[i], c[2 + i], bias, (int)row1, h, jj, r, positions, inv_freq, q_out,
-                         k_cache, v_cache, width, heads, kv_heads, head_dim, capacity, col0);
+            qkv_pair_out_with(c[i], c[2 + i], pair_in[i], h, jj, r, q_out, k_cache, v_cache,
+                              width, heads, kv_heads, head_dim, capacity, col0);
         }
     }
 }

@@ -35,6 +35,10 @@ set -uo pipefail
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 EXTRA_FILES="scripts/reference/make_random_llama.py scripts/gpu/mma_ab.py scripts/gpu/launch_floor.py"
+# A baseline binary carried as .device/e/tandem-base.xz (e.g. the build before a kernel change
+# that has no switch): fast-bench and the 3/1/4 bench run with it too, between two runs of the
+# new binary (the pipeline's BASE section).
+[[ -f .device/e/tandem-base.xz ]] && EXTRA_FILES+=" .device/e/tandem-base.xz"
 
 # ncu_rows NAME FAST_BENCH_ARGS...: ncu over one fast-bench run, summarised by rows and kernel.
 ncu_rows() {
@@ -148,6 +152,48 @@ pipeline() {
       echo "fast-bench with $FAST_AB: exit $?" | tee -a "$R/summary.txt"
     fi
     mark "fast-bench done"
+  fi
+  # The baseline binary (see EXTRA_FILES): fast-bench with it, then the new binary again, and
+  # the 3/1/4 bench with each, so a device drift shows as a difference between the two new runs.
+  if [[ -f "$W/tandem-base.xz" ]]; then
+    xz -dc "$W/tandem-base.xz" > "$W/tandem-base" && chmod +x "$W/tandem-base"
+    local which
+    for which in base new2; do
+      local bin=$T
+      [[ $which == base ]] && bin=$W/tandem-base
+      timeout 300 "$bin" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 --new-tokens 64 \
+        --repeats 3 --with-taps --graphs-only --fused on --json "$R/fast-bench-$which.json" \
+        > "$R/fast-bench-$which.md" 2> "$R/fast-bench-$which.log"
+      echo "fast-bench ($which binary): exit $?" | tee -a "$R/summary.txt"
+    done
+    for which in base new; do
+      (bin=$T; [[ $which == base ]] && bin=$W/tandem-base
+       T=$bin bench "$W/head" "bin-$which" "3/1/4")
+    done
+    python3 - "$R" <<'PY' | tee -a "$R/summary.txt"
+import json, os, sys
+r = sys.argv[1]
+def load(name):
+    try:
+        return json.load(open(os.path.join(r, name)))
+    except (OSError, ValueError):
+        return []
+runs = {"new": load("fast-bench.json"), "base": load("fast-bench-base.json"), "new2": load("fast-bench-new2.json")}
+def ms(rows, step, width, batch):
+    for x in rows:
+        if (x["step"], x["width"], x["batch"], x["taps"], x["kernels"]) == (step, width, batch, 3, "fused"):
+            return x["step_ms_median"]
+    return float("nan")
+print("| step | batch | base ms | new ms | new again ms | new / base |")
+print("|---|---|---|---|---|---|")
+for step, width, batch in [("decode", 1, 1), ("decode", 1, 2), ("decode", 1, 4), ("decode", 1, 8), ("verify", 2, 1), ("verify", 4, 1), ("verify", 8, 1)]:
+    b = ms(runs["base"], step, width, batch)
+    n1 = ms(runs["new"], step, width, batch)
+    n2 = ms(runs["new2"], step, width, batch)
+    label = step if step == "decode" else f"verify {width}"
+    print(f"| {label} | {batch} | {b:.3f} | {n1:.3f} | {n2:.3f} | {min(n1, n2) / b:.3f} |")
+PY
+    mark "baseline binary done"
   fi
   [[ -n "${MMA_AB:-}" ]] && mma_attention_ab
   # LAUNCH_FLOOR=1: what N dependent kernels cost in one CUDA graph on this card (tiny kernels

@@ -65,6 +65,78 @@ pub struct CudaDraft {
     /// small steps, 0.233 with neither; the two were measured together);
     /// `TANDEM_CUDA_DEVICE_BEAMS=0`, or [`CudaDraft::set_device_beams`], picks them on the host.
     device_beams: std::sync::atomic::AtomicBool,
+    /// [`CudaDraft::draft_beams`]' device buffers for the last (batch, topk, steps) it drafted,
+    /// kept between rounds: allocating, uploading and freeing them every round was about 40
+    /// driver calls, which made 3/4/8's draft host bound (0.197 of its 0.200 ms a round was
+    /// host queue time, session 40).
+    beam_workspace: std::sync::Mutex<Option<BeamWorkspace>>,
+}
+
+/// The buffers of one tree draft of `batch` sequences, `topk` beams and `steps` steps
+/// ([`CudaDraft::draft_beams`]): the hidden bank (the roots, then each later step's beam
+/// outputs), the identity row list, each step's beam slots, the top-k, the double-buffered beam
+/// state, the next step's tokens and hidden rows, and the record read back at the end. Every
+/// use is ordered on the GPU's one stream, so a round reuses what the round before read.
+struct BeamWorkspace {
+    key: (usize, usize, usize),
+    bank: CudaSlice<f32>,
+    counting: CudaSlice<i32>,
+    /// `beam_slots[s - 1]`: step s's beam outputs (each beam's path's last slot).
+    beam_slots: Vec<CudaSlice<i32>>,
+    topk: CudaSlice<u32>,
+    scores: [CudaSlice<f32>; 2],
+    paths: [CudaSlice<u32>; 2],
+    hrows: [CudaSlice<i32>; 2],
+    next_tokens: CudaSlice<u32>,
+    next_hrows: CudaSlice<i32>,
+    record: CudaSlice<u32>,
+    /// Per step, the record's length.
+    sizes: Vec<usize>,
+}
+
+impl BeamWorkspace {
+    fn new(
+        gpu: &Gpu,
+        h: usize,
+        (batch, k, steps): (usize, usize, usize),
+    ) -> Result<Self, CudaError> {
+        let beams = batch * k;
+        let bank_rows = batch + (steps - 1) * beams;
+        let widest = beams * steps.saturating_sub(1).max(1);
+        let counting: Vec<i32> = (0..bank_rows.max(widest) as i32).collect();
+        let beam_slots = (1..steps)
+            .map(|s| {
+                let slots: Vec<i32> = (0..beams).map(|r| (r * s + s - 1) as i32).collect();
+                gpu.upload(&slots)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let sizes: Vec<usize> = (0..steps)
+            .map(|s| {
+                let n = if s == 0 { k } else { k * k };
+                2 * batch * n + if s == 0 { 0 } else { beams }
+            })
+            .collect();
+        Ok(Self {
+            key: (batch, k, steps),
+            bank: gpu.scratch::<f32>(bank_rows * h)?,
+            counting: gpu.upload(&counting)?,
+            beam_slots,
+            topk: gpu.scratch::<u32>(2 * beams * k)?,
+            scores: [gpu.scratch::<f32>(beams)?, gpu.scratch::<f32>(beams)?],
+            paths: [
+                gpu.scratch::<u32>(beams * steps)?,
+                gpu.scratch::<u32>(beams * steps)?,
+            ],
+            hrows: [
+                gpu.scratch::<i32>(beams * steps)?,
+                gpu.scratch::<i32>(beams * steps)?,
+            ],
+            next_tokens: gpu.scratch::<u32>(widest)?,
+            next_hrows: gpu.scratch::<i32>(widest)?,
+            record: gpu.scratch::<u32>(sizes.iter().sum())?,
+            sizes,
+        })
+    }
 }
 
 /// `TANDEM_CUDA_DRAFT_LM_HEAD`: `gemv` (the default) takes a fused step's draft logits from
@@ -233,6 +305,7 @@ impl CudaDraft {
             device_beams: std::sync::atomic::AtomicBool::new(
                 std::env::var("TANDEM_CUDA_DEVICE_BEAMS").map_or(true, |v| v.trim() != "0"),
             ),
+            beam_workspace: std::sync::Mutex::new(None),
             spec,
             vocab,
             gpu,
@@ -648,39 +721,37 @@ impl CudaDraft {
             return Ok(Vec::new());
         }
         let beams = batch * k;
+        let mut held = self
+            .beam_workspace
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.as_ref().map(|w| w.key) != Some((batch, k, steps)) {
+            *held = None; // freed before the new shape's buffers are taken
+            *held = Some(BeamWorkspace::new(gpu, h, (batch, k, steps))?);
+        }
+        let BeamWorkspace {
+            bank,
+            counting,
+            beam_slots,
+            topk,
+            scores,
+            paths,
+            hrows,
+            next_tokens,
+            next_hrows,
+            record,
+            sizes,
+            ..
+        } = held.as_mut().expect("made above");
         // The hidden bank: the roots, then each later step's beam outputs.
-        let bank_rows = batch + (steps - 1) * beams;
-        let mut bank = gpu.scratch::<f32>(bank_rows * h)?;
-        gpu.copy_into(hidden, &mut bank, batch * h)?;
-        let widest = beams * steps.saturating_sub(1).max(1);
-        let counting: Vec<i32> = (0..bank_rows.max(widest) as i32).collect();
-        let counting = gpu.upload(&counting)?;
-        let mut topk = gpu.scratch::<u32>(2 * beams * k)?;
-        let mut scores = [gpu.scratch::<f32>(beams)?, gpu.scratch::<f32>(beams)?];
-        let mut paths = [
-            gpu.scratch::<u32>(beams * steps)?,
-            gpu.scratch::<u32>(beams * steps)?,
-        ];
-        let mut hrows = [
-            gpu.scratch::<i32>(beams * steps)?,
-            gpu.scratch::<i32>(beams * steps)?,
-        ];
-        let mut next_tokens = gpu.scratch::<u32>(widest)?;
-        let mut next_hrows = gpu.scratch::<i32>(widest)?;
-        let sizes: Vec<usize> = (0..steps)
-            .map(|s| {
-                let n = if s == 0 { k } else { k * k };
-                2 * batch * n + if s == 0 { 0 } else { beams }
-            })
-            .collect();
-        let mut record = gpu.scratch::<u32>(sizes.iter().sum())?;
+        gpu.copy_into(hidden, bank, batch * h)?;
         let base_columns = cache.layout().used();
         let map = &self.draft_to_target;
         let mut at = 0;
         for (s, &size) in sizes.iter().enumerate() {
             let out_row0 = batch + s.saturating_sub(1) * beams;
             if s == 0 {
-                gpu.topk_softmax_rows_into(logits, batch, vocab, k, &mut topk)?;
+                gpu.topk_softmax_rows_into(logits, batch, vocab, k, topk)?;
             } else {
                 // Every beam's path: slot (b, j, d) at (b * k + j) * s + d; beam j's own output
                 // (its path's last slot) is kept, as output row b * k + j.
@@ -697,55 +768,45 @@ impl CudaDraft {
                     .collect();
                 let step = cache.layout().tree_step(&trees)?;
                 let rows = batch * width;
-                let mut input = gpu.scratch::<f32>(rows * h)?;
-                gpu.copy_rows(
-                    &bank,
-                    &next_hrows.slice(0..rows),
-                    &mut input,
-                    &counting.slice(0..rows),
-                    rows,
-                    h,
-                )?;
-                let beam_slots: Vec<i32> = (0..beams).map(|r| (r * s + s - 1) as i32).collect();
-                let beam_slots = gpu.upload(&beam_slots)?;
                 let keep = Kept::Rows {
-                    from: beam_slots.slice(0..beams),
+                    from: beam_slots[s - 1].slice(0..beams),
                     to: counting.slice(0..beams),
                     count: beams,
                 };
                 let tokens = next_tokens.slice(0..rows);
                 let host = self.step_host(cache, &step)?;
-                let out = self.forward_host_step(
-                    &step,
-                    host,
-                    StepHidden::Rows(input),
-                    cache,
-                    Some(&tokens),
-                    Some(&keep),
-                )?;
+                // The step's hidden input rows gathered from the bank straight into the
+                // step's buffers.
+                let input = StepHidden::Gather {
+                    from: bank,
+                    rows: next_hrows.slice(0..rows),
+                    to: counting.slice(0..rows),
+                };
+                let out =
+                    self.forward_host_step(&step, host, input, cache, Some(&tokens), Some(&keep))?;
                 cache.layout_mut().rollback(base_columns);
                 gpu.copy_rows(
                     &out.hidden.data,
                     &counting.slice(0..beams),
-                    &mut bank,
+                    bank,
                     &counting.slice(out_row0..out_row0 + beams),
                     beams,
                     h,
                 )?;
-                gpu.topk_softmax_rows_into(&out.logits.data, beams, vocab, k, &mut topk)?;
+                gpu.topk_softmax_rows_into(&out.logits.data, beams, vocab, k, topk)?;
             }
             // The beams double-buffered: each step reads [0] and writes [1], then they swap.
-            let [score_in, score_out] = &mut scores;
-            let [path_in, path_out] = &mut paths;
-            let [hrow_in, hrow_out] = &mut hrows;
+            let [score_in, score_out] = scores;
+            let [path_in, path_out] = paths;
+            let [hrow_in, hrow_out] = hrows;
             gpu.beam_select(
-                &topk,
+                topk,
                 map,
                 (batch, k, s, steps),
                 (&*score_in, &*path_in, &*hrow_in),
                 (score_out, path_out, hrow_out),
                 &mut record.slice_mut(at..at + size),
-                (&mut next_tokens, &mut next_hrows),
+                (&mut *next_tokens, &mut *next_hrows),
                 out_row0,
             )?;
             scores.swap(0, 1);
@@ -753,7 +814,7 @@ impl CudaDraft {
             hrows.swap(0, 1);
             at += size;
         }
-        let host = gpu.download(&record)?;
+        let host = gpu.download(record)?;
         Ok(beam_records(&host, batch, k, steps))
     }
 
@@ -860,6 +921,7 @@ impl CudaDraft {
         let (held, wanted, what) = match &hidden {
             StepHidden::Rows(data) => (data.len(), rows * h, "hidden input"),
             StepHidden::Fc(aux) => (aux.len(), rows * fc_in, "fc input"),
+            StepHidden::Gather { rows: from, .. } => (from.len() * h, rows * h, "gathered input"),
         };
         if held < wanted {
             return Err(ModelError::InvalidStep {
@@ -895,6 +957,13 @@ impl CudaDraft {
         let hidden = match hidden {
             StepHidden::Rows(data) => data,
             StepHidden::Fc(aux) => self.fc(aux, host.shape.rows())?,
+            StepHidden::Gather { from, rows, to } => {
+                let n = host.shape.rows();
+                let h = self.spec.hidden_size;
+                let mut data = self.gpu.scratch::<f32>(n * h)?;
+                self.gpu.copy_rows(from, &rows, &mut data, &to, n, h)?;
+                data
+            }
         };
         let mut buffers = DraftBuffers::new(self, host.shape, host.total, Some(hidden))?;
         buffers.load(&self.gpu, host, tokens)?;
@@ -967,6 +1036,11 @@ impl CudaDraft {
             StepHidden::Rows(data) => gpu.copy_into(&data, &mut entry.buffers.hidden, rows * h)?,
             // The live rows' fc output lands in the graph's input rows.
             StepHidden::Fc(aux) => self.fc_into(aux, rows, &mut entry.buffers.hidden)?,
+            StepHidden::Gather {
+                from,
+                rows: src,
+                to,
+            } => gpu.copy_rows(from, &src, &mut entry.buffers.hidden, &to, rows, h)?,
         }
         gpu.replay(&entry.graph)?;
         let output = match keep {
@@ -1161,6 +1235,13 @@ impl CudaDraft {
 enum StepHidden<'a> {
     Rows(CudaSlice<f32>),
     Fc(&'a CudaSlice<u16>),
+    /// Rows `rows` of `from` (`[*, H]` f32) as the step's rows `to` (`0..rows`): a tree draft
+    /// step's beam inputs, gathered from its bank straight into the step's buffers.
+    Gather {
+        from: &'a CudaSlice<f32>,
+        rows: CudaView<'a, i32>,
+        to: CudaView<'a, i32>,
+    },
 }
 
 /// The slots of a step to return.
