@@ -179,6 +179,10 @@ phase_a() {
 phase_piece() {
   cp ".device/$1/gguf.part" "$W/part-$1"
   local f
+  # Pieces of a baseline binary too large to travel with one call (rows_profile.sh BASE).
+  for f in .device/"$1"/tandem-base.xz.*; do
+    [[ -f "$f" ]] && cp "$f" "$W/"
+  done
   for f in .device/"$1"/*-tests.xz; do
     [[ -f "$f" ]] && xz -dc "$f" > "$W/$(basename "$f" .xz)" && chmod +x "$W/$(basename "$f" .xz)"
   done

@@ -38,6 +38,8 @@ EXTRA_FILES="scripts/reference/make_random_llama.py scripts/gpu/mma_ab.py script
 # A baseline binary carried as .device/e/tandem-base.xz (e.g. the build before a kernel change
 # that has no switch): fast-bench and the 3/1/4 bench run with it too, between two runs of the
 # new binary (the pipeline's BASE section).
+# A binary too large for .device/e travels split as .device/{c,d}/tandem-base.xz.{1,2}
+# (phase_piece copies them into $W; the pipeline joins them).
 [[ -f .device/e/tandem-base.xz ]] && EXTRA_FILES+=" .device/e/tandem-base.xz"
 
 # ncu_rows NAME FAST_BENCH_ARGS...: ncu over one fast-bench run, summarised by rows and kernel.
@@ -155,6 +157,9 @@ pipeline() {
   fi
   # The baseline binary (see EXTRA_FILES): fast-bench with it, then the new binary again, and
   # the 3/1/4 bench with each, so a device drift shows as a difference between the two new runs.
+  if [[ ! -f "$W/tandem-base.xz" ]] && compgen -G "$W/tandem-base.xz.*" > /dev/null; then
+    cat "$W"/tandem-base.xz.* > "$W/tandem-base.xz"
+  fi
   if [[ -f "$W/tandem-base.xz" ]]; then
     xz -dc "$W/tandem-base.xz" > "$W/tandem-base" && chmod +x "$W/tandem-base"
     local which
