@@ -233,8 +233,9 @@ fn adaptive_shapes(
 /// Measures the cost of each of `shapes` and of a plain round on `decoder`'s own caches at
 /// `batches` (the adaptive policy's start-up table; the policy chooses each round from then on)
 /// and prints the table with the time it took. The policy's settings are the defaults, but for
-/// `TANDEM_POLICY_MARGIN=F`, the fraction a shape must beat plain rounds by (an A/B knob for
-/// the serve load test).
+/// `TANDEM_POLICY_MARGIN=F`, the fraction a shape must beat plain rounds by, and
+/// `TANDEM_POLICY_PROBE_BUDGET=F|off`, what a probe may cost (A/B knobs for the serve load
+/// test).
 pub fn calibrate_policy<T: tandem_infer::SpecBackend>(
     decoder: &mut tandem_serve::EngineDecoder<T>,
     batches: &[usize],
@@ -245,6 +246,11 @@ pub fn calibrate_policy<T: tandem_infer::SpecBackend>(
         tandem_infer::policy::margin_override(std::env::var("TANDEM_POLICY_MARGIN").ok().as_deref())
     {
         config.margin = margin;
+    }
+    if let Some(budget) = tandem_infer::policy::probe_budget_override(
+        std::env::var("TANDEM_POLICY_PROBE_BUDGET").ok().as_deref(),
+    ) {
+        config.probe_budget = budget;
     }
     let start = std::time::Instant::now();
     let costs = decoder

@@ -400,6 +400,14 @@ pub struct PolicyConfig {
     /// After this many plain rounds in a row, one round drafts with the best shape, so the
     /// acceptance estimates follow the prompts being served.
     pub probe_every: u64,
+    /// What a probe may cost: a due probe runs only once its extra seconds (the cheapest
+    /// shape's round and catch-up over a plain round) are at most this share of the plain
+    /// rounds' seconds since the last drafted round, and it drafts with that cheapest shape.
+    /// `None`: every `probe_every` plain rounds, with the best-rated shape (the behaviour
+    /// before session 41). Session 41, H100, c=8: with the fused kernels 9% faster, a batch of
+    /// 8 drafted at break-even, and probes with 6/8/48 and 3/4/8 (3-5 ms rounds behind 5 ms
+    /// catch-ups) were most of the 6% the adaptive server lost to target-only.
+    pub probe_budget: Option<f64>,
     /// Weight (in sequence-rounds) of the optimistic prior of each shape's commit length.
     pub prior_weight: f64,
     /// Sequence-rounds over which old acceptance observations fade (1/e).
@@ -430,6 +438,7 @@ impl Default for PolicyConfig {
         Self {
             margin: 0.2,
             probe_every: 400,
+            probe_budget: Some(0.01),
             prior_weight: 2.0,
             window: 512.0,
             revisit: 1024.0,
@@ -446,6 +455,21 @@ pub fn margin_override(value: Option<&str>) -> Option<f64> {
     value
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|m| m.is_finite() && *m >= 0.0)
+}
+
+/// `TANDEM_POLICY_PROBE_BUDGET`'s value as [`PolicyConfig::probe_budget`]: `off` for none (a
+/// probe every `probe_every` plain rounds, as before), a finite fraction of at least 0 for that
+/// share; unset or anything else keeps the default (`None` here).
+pub fn probe_budget_override(value: Option<&str>) -> Option<Option<f64>> {
+    let value = value?.trim();
+    if value == "off" {
+        return Some(None);
+    }
+    value
+        .parse::<f64>()
+        .ok()
+        .filter(|b| b.is_finite() && *b >= 0.0)
+        .map(Some)
 }
 
 /// A decayed running mean of tokens committed per sequence-round.
@@ -511,6 +535,9 @@ pub struct SpeculationPolicy {
     /// rounds), not because drafting was expected to pay: a run that ends as a probe says
     /// nothing about how long a worthwhile drafted run lasts, so it is not counted.
     probing: bool,
+    /// Seconds of plain rounds (by the cost table) since the last drafted round: what a probe's
+    /// cost is set against ([`PolicyConfig::probe_budget`]).
+    plain_seconds: f64,
 }
 
 impl SpeculationPolicy {
@@ -535,6 +562,7 @@ impl SpeculationPolicy {
             drafted_streak: 0,
             drafted_run: None,
             probing: false,
+            plain_seconds: 0.0,
         }
     }
 
@@ -753,7 +781,7 @@ impl SpeculationPolicy {
         let choice = match &self.mode {
             Mode::Fixed => Choice::Draft(0),
             Mode::Forced(choice) => *choice,
-            Mode::Adaptive { config, .. } => {
+            Mode::Adaptive { config, costs } => {
                 let config = *config;
                 let rates = self.rates(batch, columns, deferred, tokens_left);
                 let plain = rates[0].1;
@@ -763,10 +791,34 @@ impl SpeculationPolicy {
                     .max_by(|a, b| a.1.total_cmp(&b.1))
                     .expect("at least one shape");
                 let on_merit = rate > plain * (1.0 + config.margin);
-                if on_merit || self.plain_streak + 1 >= config.probe_every {
-                    self.probing = !on_merit;
-                    best
+                let plain_round = costs.at(0, batch, columns);
+                let probe = if on_merit || self.plain_streak + 1 < config.probe_every {
+                    None
                 } else {
+                    match config.probe_budget {
+                        None => Some(best),
+                        Some(share) => {
+                            // The cheapest shape to probe with, and what it costs over a
+                            // plain round (its catch-up included).
+                            let (cheapest, extra) = (0..self.shapes.len())
+                                .map(|i| {
+                                    let round = costs.at(1 + i, batch, columns);
+                                    (i, round + self.switch_seconds(deferred) - plain_round)
+                                })
+                                .min_by(|a, b| a.1.total_cmp(&b.1))
+                                .expect("at least one shape");
+                            (extra <= share * self.plain_seconds).then_some(Choice::Draft(cheapest))
+                        }
+                    }
+                };
+                if on_merit {
+                    self.probing = false;
+                    best
+                } else if let Some(probe) = probe {
+                    self.probing = true;
+                    probe
+                } else {
+                    self.plain_seconds += plain_round;
                     Choice::Plain
                 }
             }
@@ -794,6 +846,9 @@ impl SpeculationPolicy {
                 Choice::Plain => {}
                 Choice::Draft(_) => self.drafted_streak += 1,
             }
+        }
+        if matches!(choice, Choice::Draft(_)) {
+            self.plain_seconds = 0.0;
         }
         self.plain_streak = match choice {
             Choice::Plain => self.plain_streak + 1,
@@ -973,6 +1028,66 @@ mod tests {
     }
 
     #[test]
+    fn a_probe_waits_until_the_plain_rounds_since_the_last_draft_pay_for_it() {
+        // Batch 8 of `table()`: a plain round 1.5 ms, the chain 2.1 ms, the tree 2.4 ms; a
+        // catch-up priced at 0.1 ms a deferred step, 4 steps behind: the chain's probe costs
+        // 0.6 + 0.4 = 1.0 ms over a plain round, the tree's 1.3 ms.
+        let config = PolicyConfig {
+            probe_every: 10,
+            probe_budget: Some(0.01),
+            ..PolicyConfig::default()
+        };
+        let shapes = vec![shape("3/1/4"), shape("3/4/8")];
+        let mut p = SpeculationPolicy::adaptive(shapes, table(), config).unwrap();
+        for _ in 0..30 {
+            p.observe_switch(0.4e-3, 4);
+        }
+        // Both shapes judged (untimed rounds: the table stays as it is): nothing accepted,
+        // so plain rounds win on merit.
+        for choice in [Choice::Draft(0), Choice::Draft(1)] {
+            for _ in 0..50 {
+                p.observe(choice, 8, 0, 8, None);
+            }
+        }
+        p.choose_recorded(Choice::Draft(0));
+        // 1.0 ms at 1% needs 100 ms of plain rounds: 67 rounds of 1.5 ms (the 67th brings
+        // the sum to 100.5 ms), although `probe_every` (10) came long before.
+        let choices: Vec<Choice> = (0..68).map(|_| p.choose(8, 0, 4)).collect();
+        let first_probe = choices.iter().position(|c| *c != Choice::Plain);
+        assert_eq!(first_probe, Some(67), "{choices:?}");
+        // The probe drafts with the cheaper shape, the chain, not the better-rated tree.
+        assert_eq!(choices[67], Choice::Draft(0));
+        // Without a budget the probe comes after `probe_every` plain rounds, with the
+        // best-rated shape.
+        let unbudgeted = PolicyConfig {
+            probe_budget: None,
+            ..config
+        };
+        let mut q =
+            SpeculationPolicy::adaptive(vec![shape("3/1/4"), shape("3/4/8")], table(), unbudgeted)
+                .unwrap();
+        for choice in [Choice::Draft(0), Choice::Draft(1)] {
+            for _ in 0..50 {
+                q.observe(choice, 8, 0, 8, None);
+            }
+        }
+        q.choose_recorded(Choice::Draft(0));
+        let choices: Vec<Choice> = (0..10).map(|_| q.choose(8, 0, 4)).collect();
+        assert!(choices[..9].iter().all(|c| *c == Choice::Plain));
+        assert_ne!(choices[9], Choice::Plain);
+    }
+
+    #[test]
+    fn the_probe_budget_switch_reads_off_and_fractions() {
+        assert_eq!(probe_budget_override(None), None);
+        assert_eq!(probe_budget_override(Some("off")), Some(None));
+        assert_eq!(probe_budget_override(Some(" 0.05 ")), Some(Some(0.05)));
+        assert_eq!(probe_budget_override(Some("-1")), None);
+        assert_eq!(probe_budget_override(Some("NaN")), None);
+        assert_eq!(probe_budget_override(Some("lots")), None);
+    }
+
+    #[test]
     fn the_margin_switch_reads_finite_fractions_of_at_least_zero() {
         assert_eq!(margin_override(None), None);
         assert_eq!(margin_override(Some("0.03")), Some(0.03));
@@ -1008,6 +1123,7 @@ mod tests {
         let shapes = vec![shape("3/1/4")];
         let config = PolicyConfig {
             probe_every: 10,
+            probe_budget: None,
             ..PolicyConfig::default()
         };
         let mut p = SpeculationPolicy::adaptive(shapes, table_for(1), config).unwrap();
@@ -1283,7 +1399,12 @@ mod tests {
         // H200: counting them shrank the horizon at c=8 until the switch looked too dear to
         // ever draft again (1.04x target-only, against 1.22x all-chain in the run before).
         let dear = CostTable::flat(vec![1], vec![vec![1.5e-3], vec![10e-3]]);
-        let mut probed = SpeculationPolicy::adaptive(vec![shape("3/1/4")], dear, config).unwrap();
+        let unbudgeted = PolicyConfig {
+            probe_budget: None,
+            ..config
+        };
+        let mut probed =
+            SpeculationPolicy::adaptive(vec![shape("3/1/4")], dear, unbudgeted).unwrap();
         probed.plain_streak = config.probe_every;
         let horizon = probed.switch_horizon();
         assert_eq!(
