@@ -235,24 +235,35 @@ pub(crate) struct PersistentStep<'a> {
 
 /// Which steps launch their small-step kernels (and the plain attention kernel) with
 /// programmatic dependent launch, by row count: `TANDEM_CUDA_PDL_ROWS=N` (steps of at most N
-/// rows; 0: none), or `TANDEM_CUDA_PDL=1` (every step, as before N existed); off otherwise.
-/// A PDL launch may start while the kernel before it runs and load its weights before
-/// waiting for its inputs (`PDL_WAIT` in the kernels). On the H200 that made 1- and 2-row
-/// steps faster and 4- and 8-row steps slower (BENCHMARKS.md, session 30).
-fn pdl_rows_from_env() -> usize {
+/// rows; 0: none), or `TANDEM_CUDA_PDL=1` (every step, as before N existed). Unset: every fused
+/// step ([`GEMV_MAX_ROWS`]) where the tensor-core small steps run (`TANDEM_CUDA_MMA_ROWS` not
+/// 0), none otherwise. A PDL launch may start while the kernel before it runs and load its
+/// weights before waiting for its inputs (`PDL_WAIT` in the kernels). With the CUDA-core
+/// kernels that made 1- and 2-row steps faster and 4- and 8-row steps slower (BENCHMARKS.md,
+/// session 30); with the tensor-core ones every fused step from 1 to 8 rows is 11-15% faster
+/// (session 41, H100: a batch-1 decode 0.724 -> 0.625 ms, an 8-token verification 0.836 ->
+/// 0.739), and every GPU suite passes with it.
+fn pdl_rows_from_env(compute_major: i32) -> usize {
+    let tensor_core_steps = mma_rows::enabled(
+        std::env::var("TANDEM_CUDA_MMA_ROWS").ok().as_deref(),
+        compute_major,
+    );
     pdl_rows(
         std::env::var("TANDEM_CUDA_PDL_ROWS").ok().as_deref(),
         std::env::var("TANDEM_CUDA_PDL").ok().as_deref(),
+        if tensor_core_steps { GEMV_MAX_ROWS } else { 0 },
     )
 }
 
-/// [`pdl_rows_from_env`] of the two variables' values: `TANDEM_CUDA_PDL_ROWS` wins when set (a
-/// value that is not a number turns PDL off rather than on).
-fn pdl_rows(rows: Option<&str>, every_step: Option<&str>) -> usize {
+/// [`pdl_rows_from_env`] of the two variables' values and the default when neither is set:
+/// `TANDEM_CUDA_PDL_ROWS` wins when set (a value that is not a number turns PDL off rather
+/// than on); `TANDEM_CUDA_PDL` set to anything but 1 turns it off.
+fn pdl_rows(rows: Option<&str>, every_step: Option<&str>, default: usize) -> usize {
     match (rows, every_step) {
         (Some(rows), _) => rows.trim().parse().unwrap_or(0),
         (None, Some("1")) => usize::MAX,
-        (None, _) => 0,
+        (None, Some(_)) => 0,
+        (None, None) => default,
     }
 }
 
@@ -491,7 +502,11 @@ impl Gpu {
             status.result()?;
         }
         let (major, _) = ctx.compute_capability()?;
-        let pdl_rows = if major >= 9 { pdl_rows_from_env() } else { 0 };
+        let pdl_rows = if major >= 9 {
+            pdl_rows_from_env(major)
+        } else {
+            0
+        };
         let programmatic = pdl_rows > 0;
         // The persistent step's block: 16 warps, or 8 with TANDEM_CUDA_PERSISTENT_WARPS=8
         // (twice the registers per thread).
@@ -2534,14 +2549,15 @@ mod tests {
     #[test]
     fn pdl_rows_take_the_row_cap_first_and_every_step_only_for_1() {
         use super::pdl_rows;
-        assert_eq!(pdl_rows(None, None), 0);
-        assert_eq!(pdl_rows(Some("2"), None), 2);
-        assert_eq!(pdl_rows(Some(" 8 "), Some("1")), 8);
-        assert_eq!(pdl_rows(Some("0"), Some("1")), 0, "the row cap wins");
-        assert_eq!(pdl_rows(Some("two"), None), 0, "not a number: off");
-        assert_eq!(pdl_rows(None, Some("1")), usize::MAX);
-        assert_eq!(pdl_rows(None, Some("0")), 0);
-        assert_eq!(pdl_rows(None, Some("yes")), 0);
+        assert_eq!(pdl_rows(None, None, 0), 0);
+        assert_eq!(pdl_rows(None, None, 8), 8, "unset: the default");
+        assert_eq!(pdl_rows(Some("2"), None, 8), 2);
+        assert_eq!(pdl_rows(Some(" 8 "), Some("1"), 0), 8);
+        assert_eq!(pdl_rows(Some("0"), Some("1"), 8), 0, "the row cap wins");
+        assert_eq!(pdl_rows(Some("two"), None, 8), 0, "not a number: off");
+        assert_eq!(pdl_rows(None, Some("1"), 0), usize::MAX);
+        assert_eq!(pdl_rows(None, Some("0"), 8), 0);
+        assert_eq!(pdl_rows(None, Some("yes"), 8), 0);
     }
 
     use super::*;

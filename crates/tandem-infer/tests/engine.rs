@@ -531,6 +531,8 @@ fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
     let costly = CostTable::flat(vec![1, 4], vec![vec![1e-3, 1e-3], vec![1.0, 1.0]]);
     let config = PolicyConfig {
         probe_every: 4,
+        // Probes every 4 plain rounds whatever they cost (the rounds this test needs).
+        probe_budget: None,
         ..PolicyConfig::default()
     };
     batch.policy = SpeculationPolicy::adaptive(shapes, costly, config).unwrap();
@@ -579,6 +581,8 @@ fn forgetting_old_deferred_tokens_keeps_greedy_output_exact() {
     let costly = CostTable::flat(vec![1, 4], vec![vec![1e-3, 1e-3], vec![1.0, 1.0]]);
     let config = PolicyConfig {
         probe_every: 12,
+        // Probes every 12 plain rounds whatever they cost (the rounds this test needs).
+        probe_budget: None,
         ..PolicyConfig::default()
     };
     let policy =
@@ -738,6 +742,8 @@ fn retiring_the_heads_rows_lazily_leaves_what_retiring_them_at_once_leaves() {
         let costly = CostTable::flat(vec![1, 4], vec![vec![1e-3, 1e-3], vec![1.0, 1.0]]);
         let config = PolicyConfig {
             probe_every: 4,
+            // Probes every 4 plain rounds whatever they cost (the rounds this test needs).
+            probe_budget: None,
             ..PolicyConfig::default()
         };
         SpeculationPolicy::adaptive(vec![Shape::parse("3/1/4").unwrap()], costly, config).unwrap()
