@@ -35,12 +35,10 @@ set -uo pipefail
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
 EXTRA_FILES="scripts/reference/make_random_llama.py scripts/gpu/mma_ab.py scripts/gpu/launch_floor.py"
-# A baseline binary carried as .device/e/tandem-base.xz (e.g. the build before a kernel change
-# that has no switch): fast-bench and the 3/1/4 bench run with it too, between two runs of the
-# new binary (the pipeline's BASE section).
-# A binary too large for .device/e travels split as .device/{c,d}/tandem-base.xz.{1,2}
-# (phase_piece copies them into $W; the pipeline joins them).
-[[ -f .device/e/tandem-base.xz ]] && EXTRA_FILES+=" .device/e/tandem-base.xz"
+# A baseline binary (e.g. the build before a kernel change that has no switch) travels split as
+# .device/{c,d}/tandem-base.xz.{1,2} (no one piece has room for it beside the tree; phase_piece
+# copies them into $W): fast-bench and the 3/1/4 bench run with it too, between two runs of the
+# new binary (the pipeline's baseline section).
 
 # ncu_rows NAME FAST_BENCH_ARGS...: ncu over one fast-bench run, summarised by rows and kernel.
 ncu_rows() {
@@ -139,6 +137,13 @@ mma_attention_ab() {
   mark "mma attention A/B done"
 }
 
+# fused_fast_bench BIN NAME: fast-bench of the fused small steps (decode at batch 1-8, verify
+# 2/4/8), its table and JSON as $R/NAME.{md,json}.
+fused_fast_bench() {
+  timeout 300 "$1" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 --new-tokens 64 \
+    --repeats 3 --with-taps --graphs-only --fused on --json "$R/$2.json" > "$R/$2.md" 2> "$R/$2.log"
+}
+
 pipeline() {
   [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 300
   if [[ "${BENCH:-1}" == 1 ]]; then
@@ -148,33 +153,21 @@ pipeline() {
     echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
     # FAST_AB="VAR=value ..": the same fast-bench again with these exported (same run).
     if [[ -n "${FAST_AB:-}" ]]; then
-      (export $FAST_AB; timeout 300 "$T" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 \
-        --new-tokens 64 --repeats 3 --with-taps --graphs-only --fused on --json "$R/fast-bench-ab.json" \
-        > "$R/fast-bench-ab.md" 2> "$R/fast-bench-ab.log")
+      (export $FAST_AB; fused_fast_bench "$T" fast-bench-ab)
       echo "fast-bench with $FAST_AB: exit $?" | tee -a "$R/summary.txt"
     fi
     mark "fast-bench done"
   fi
-  # The baseline binary (see EXTRA_FILES): fast-bench with it, then the new binary again, and
-  # the 3/1/4 bench with each, so a device drift shows as a difference between the two new runs.
-  if [[ ! -f "$W/tandem-base.xz" ]] && compgen -G "$W/tandem-base.xz.*" > /dev/null; then
-    cat "$W"/tandem-base.xz.* > "$W/tandem-base.xz"
-  fi
-  if [[ -f "$W/tandem-base.xz" ]]; then
-    xz -dc "$W/tandem-base.xz" > "$W/tandem-base" && chmod +x "$W/tandem-base"
-    local which
-    for which in base new2; do
-      local bin=$T
-      [[ $which == base ]] && bin=$W/tandem-base
-      timeout 300 "$bin" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 --new-tokens 64 \
-        --repeats 3 --with-taps --graphs-only --fused on --json "$R/fast-bench-$which.json" \
-        > "$R/fast-bench-$which.md" 2> "$R/fast-bench-$which.log"
-      echo "fast-bench ($which binary): exit $?" | tee -a "$R/summary.txt"
-    done
-    for which in base new; do
-      (bin=$T; [[ $which == base ]] && bin=$W/tandem-base
-       T=$bin bench "$W/head" "bin-$which" "3/1/4")
-    done
+  # The baseline binary (see the top): fast-bench with it, then the new binary again, and the
+  # 3/1/4 bench with each, so a device drift shows as a difference between the two new runs.
+  if compgen -G "$W/tandem-base.xz.*" > /dev/null; then
+    cat "$W"/tandem-base.xz.* | xz -dc > "$W/tandem-base" && chmod +x "$W/tandem-base"
+    fused_fast_bench "$W/tandem-base" fast-bench-base
+    echo "fast-bench (base binary): exit $?" | tee -a "$R/summary.txt"
+    fused_fast_bench "$T" fast-bench-new2
+    echo "fast-bench (new binary again): exit $?" | tee -a "$R/summary.txt"
+    (T="$W/tandem-base"; bench "$W/head" bin-base 3/1/4)
+    bench "$W/head" bin-new 3/1/4
     python3 - "$R" <<'PY' | tee -a "$R/summary.txt"
 import json, os, sys
 r = sys.argv[1]

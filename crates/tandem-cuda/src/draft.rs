@@ -921,7 +921,9 @@ impl CudaDraft {
         let (held, wanted, what) = match &hidden {
             StepHidden::Rows(data) => (data.len(), rows * h, "hidden input"),
             StepHidden::Fc(aux) => (aux.len(), rows * fc_in, "fc input"),
-            StepHidden::Gather { rows: from, .. } => (from.len() * h, rows * h, "gathered input"),
+            StepHidden::Gather { rows: gathered, .. } => {
+                (gathered.len() * h, rows * h, "gathered input")
+            }
         };
         if held < wanted {
             return Err(ModelError::InvalidStep {

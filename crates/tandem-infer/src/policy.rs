@@ -397,8 +397,9 @@ pub struct PolicyConfig {
     /// taps). On an H100, 10 repeats: 0.2 against 0.03 gave c=8 1.322 / 1.308, c=32 0.945 /
     /// 0.929, c=64 1.008 / 0.930 x target-only (BENCHMARKS.md, issue #16 session 36).
     pub margin: f64,
-    /// After this many plain rounds in a row, one round drafts with the best shape, so the
-    /// acceptance estimates follow the prompts being served.
+    /// After this many plain rounds in a row, one round may draft (a probe: see
+    /// [`Self::probe_budget`] for when and with which shape), so the acceptance estimates
+    /// follow the prompts being served.
     pub probe_every: u64,
     /// What a probe may cost: a due probe runs only once its extra seconds (the cheapest
     /// shape's round and catch-up over a plain round) are at most this share of the plain
@@ -799,14 +800,12 @@ impl SpeculationPolicy {
                         None => Some(best),
                         Some(share) => {
                             // The cheapest shape to probe with, and what it costs over a
-                            // plain round (its catch-up included).
-                            let (cheapest, extra) = (0..self.shapes.len())
-                                .map(|i| {
-                                    let round = costs.at(1 + i, batch, columns);
-                                    (i, round + self.switch_seconds(deferred) - plain_round)
-                                })
+                            // plain round, its catch-up included (the same for every shape).
+                            let (cheapest, round) = (0..self.shapes.len())
+                                .map(|i| (i, costs.at(1 + i, batch, columns)))
                                 .min_by(|a, b| a.1.total_cmp(&b.1))
                                 .expect("at least one shape");
+                            let extra = round + self.switch_seconds(deferred) - plain_round;
                             (extra <= share * self.plain_seconds).then_some(Choice::Draft(cheapest))
                         }
                     }
