@@ -32,6 +32,9 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
                                         unsigned short* __restrict__ out,
                                         float* __restrict__ out_f32, int hidden, float eps) {
     __shared__ float scratch[32];
+    // Programmatic dependent launch for small steps (the fused steps' final norm).
+    PDL_LAUNCH_DEPENDENTS();
+    PDL_WAIT();
     const int r = blockIdx.x;
     float* xr = x + (size_t)r * hidden;
     float squares = 0.0f;
@@ -1929,6 +1932,10 @@ extern "C" __global__ void attention_invariant(const float* q, const unsigned sh
                                                int width, int heads, int kv_heads, int head_dim,
                                                int capacity, int total, float scale,
                                                const int* step_scalars) {
+    // Launched with programmatic dependent launch in fused steps: the next launch (o_proj)
+    // starts loading its weights while this one runs; everything here is read after the wait.
+    PDL_LAUNCH_DEPENDENTS();
+    PDL_WAIT();
     if (step_scalars != nullptr) {
         total = step_scalars[1];
     }

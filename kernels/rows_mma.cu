@@ -163,10 +163,13 @@ struct WaitOnly {
 };
 
 // y[r, o] = x[r, :] . w[o, :] (or y +=, `accumulate`), as gemv_rows. Grid: ceil(out / 16).
+// `tap` (null: none) gets a copy of what y gets: a block's output written into a capture slot
+// by the launch that computes it, so a step with taps has no copy nodes between its launches
+// (a memcpy node costs a launch and ends the chain of programmatic dependent launches).
 extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
                                          const unsigned short* __restrict__ w,
-                                         float* __restrict__ y, int rows, int inp, int out,
-                                         int accumulate) {
+                                         float* __restrict__ y, float* __restrict__ tap,
+                                         int rows, int inp, int out, int accumulate) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
@@ -201,7 +204,11 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
         const int o = o0 + g + (i >= 2 ? 8 : 0);
         const int r = 2 * t + (i & 1);
         if (o < out && r < rows) {
-            y[(size_t)r * out + o] = accumulate ? prev[i] + c[i] : c[i];
+            const float value = accumulate ? prev[i] + c[i] : c[i];
+            y[(size_t)r * out + o] = value;
+            if (tap != nullptr) {
+                tap[(size_t)r * out + o] = value;
+            }
         }
     }
 }

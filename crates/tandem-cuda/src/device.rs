@@ -1086,25 +1086,26 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         assert!(x.len() >= rows * hidden && out.len() >= rows * hidden && w.len() >= hidden);
         assert!(delta.is_none_or(|d| d.len() >= rows * hidden));
-        let hidden_i = hidden as i32;
-        let mut launch = self.stream.launch_builder(&self.kernels.add_rms_norm);
-        launch.arg(x);
-        match delta {
-            Some(d) => launch.arg(d),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(w).arg(out);
-        match out_f32 {
-            Some(o) => {
-                assert!(o.len() >= rows * hidden);
-                launch.arg(o)
-            }
-            None => launch.arg(&NULL),
-        };
-        launch.arg(&hidden_i).arg(&eps);
-        // SAFETY: signature (f32*, const f32* or null, u16*, u16*, f32* or null, int, float).
-        unsafe { launch.launch(Self::rows_config(rows, 256)) }?;
-        Ok(())
+        assert!(out_f32.as_ref().is_none_or(|o| o.len() >= rows * hidden));
+        let args = KernelArgs::default()
+            .buffer(self, x)
+            .optional(self, delta)
+            .buffer(self, w)
+            .buffer(self, out)
+            .optional(self, out_f32.as_deref())
+            .int(hidden)
+            .float(eps);
+        // SAFETY: signature (f32*, const f32* or null, u16*, u16*, f32* or null, int, float);
+        // sizes asserted; the kernel waits (PDL_WAIT) before reading anything, so a small
+        // step's final norm may launch while the last down_proj runs.
+        unsafe {
+            self.launch_programmatic(
+                &self.kernels.add_rms_norm,
+                Self::rows_config(rows, 256),
+                args,
+                rows,
+            )
+        }
     }
 
     /// See `rope_qkv` in kernels/llama.cu.
@@ -1325,11 +1326,13 @@ impl Gpu {
         // SAFETY: the argument list matches the kernel's signature (q, caches, mask, [list,
         // counts,] out, seven scalars, step scalars); sizes asserted above; dynamic shared memory
         // as each kernel declares; the caches are whole allocations, so key rows are 16-byte
-        // aligned (head_dim % 32 == 0); lists hold columns below `total`; `attention` waits
+        // aligned (head_dim % 32 == 0); lists hold columns below `total`; both kernels wait
         // (PDL_WAIT) before reading anything.
         unsafe {
             match visible {
-                Some(_) => self.launch_ex(&self.kernels.attention_invariant, cfg, args, None),
+                Some(_) => {
+                    self.launch_programmatic(&self.kernels.attention_invariant, cfg, args, s.rows())
+                }
                 None => self.launch_programmatic(&self.kernels.attention, cfg, args, s.rows()),
             }
         }
@@ -1513,6 +1516,29 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        self.gemv_rows_tapped(x, w, y, None, rows, inp, out, accumulate)
+    }
+
+    /// [`Gpu::gemv_rows`] that also leaves `y`'s first `rows * out` values in `tap` (a capture
+    /// slot). The tensor-core kernel writes both from one launch (no copy node in the step's
+    /// graph, which would also end its chain of dependent launches); the CUDA-core kernels
+    /// copy after the product. Either way `tap` gets `y`'s bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_rows_tapped(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        tap: Option<&mut CudaSlice<f32>>,
+        rows: usize,
+        inp: usize,
+        out: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        assert!(
+            tap.as_ref().is_none_or(|t| t.len() >= rows * out),
+            "tap of {rows} x {out}"
+        );
         if let Some(mma) = self.mma_rows_for(inp, 0) {
             assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
             assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
@@ -1520,20 +1546,25 @@ impl Gpu {
                 .buffer(self, x)
                 .buffer(self, w)
                 .buffer(self, y)
+                .optional(self, tap.as_deref())
                 .int(rows)
                 .int(inp)
                 .int(out)
                 .int(usize::from(accumulate));
             let cfg = mma_rows::config(out.div_ceil(16), inp, 0);
-            // SAFETY: signature (u16*, u16*, f32*, int, int, int, int) of `gemv_rows_mma`;
-            // sizes asserted; inp a multiple of 32 (`mma_rows::takes`), so every 16-byte load
-            // is aligned; outputs past `out` load a valid row and write nothing; PDL_WAIT
-            // before reading x or y.
+            // SAFETY: signature (u16*, u16*, f32*, f32* or null, int, int, int, int) of
+            // `gemv_rows_mma`; sizes asserted (the tap's too); inp a multiple of 32
+            // (`mma_rows::takes`), so every 16-byte load is aligned; outputs past `out` load a
+            // valid row and write nothing; PDL_WAIT before reading x or y.
             return unsafe { self.launch_programmatic(&mma.gemv_rows, cfg, args, rows) };
         }
         let bucket = gemv_bucket(rows);
         let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
-        self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, bucket, outputs)
+        self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, bucket, outputs)?;
+        match tap {
+            Some(tap) => self.copy_into(y, tap, rows * out),
+            None => Ok(()),
+        }
     }
 
     /// [`Gpu::gemv_rows`] with the kernel of row bucket `bucket` (1, 2, 4 or 8, at least

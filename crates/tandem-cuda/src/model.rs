@@ -1406,9 +1406,19 @@ impl CudaTarget {
         } = b;
         // `partial`: the injected fault's tap, `rows_of` plus the rank's own down_proj product
         // (`act . down^T`) before the all-reduce ([`CudaTarget::set_partial_sum_fault`]).
+        // `written`: the slot the launch computing the tap point already wrote (the fused
+        // down_proj writes its output into the first slot asking for it), copied into no more.
         type Partial<'a> = Option<(&'a CudaSlice<u16>, &'a CudaSlice<u16>, usize)>;
-        let mut observe = |tap: TapId, rows_of: &CudaSlice<f32>, partial: Partial<'_>| {
+        let observe = |hook: &mut CaptureHook<()>,
+                       taps: &mut [CudaSlice<f32>],
+                       tap: TapId,
+                       rows_of: &CudaSlice<f32>,
+                       partial: Partial<'_>,
+                       written: Option<usize>| {
             hook.try_observe_with(tap, |slot| {
+                if written == Some(slot) {
+                    return Ok(());
+                }
                 gpu.copy_into(rows_of, &mut taps[slot], rows * h)?;
                 match partial {
                     Some((act, down, inter)) => {
@@ -1423,7 +1433,7 @@ impl CudaTarget {
         let scalars = graphed.map(|()| inputs.scalars());
         let scalars = scalars.as_ref();
         gpu.embed_rows(&self.weights.embed, &tokens, hidden, rows, h)?;
-        observe(TapId::Embed, hidden, None)?;
+        observe(hook, taps, TapId::Embed, hidden, None, None)?;
         let layers = &self.weights.layers;
         // Small steps may run fused (see the small-step kernels in kernels/llama.cu): five
         // launches a layer, the input norm inside q|k|v with RoPE and the cache write, attention,
@@ -1457,6 +1467,7 @@ impl CudaTarget {
             )?;
         }
         for (k, layer) in layers.iter().enumerate() {
+            let mut written = None;
             if fused {
                 gpu.norm_qkv_rope(
                     QkvInput::Rows(hidden),
@@ -1525,7 +1536,11 @@ impl CudaTarget {
                     inter,
                     eps,
                 )?;
-                gpu.gemv_rows(act, &layer.down, hidden, rows, inter, h, true)?;
+                // The block's output goes into its tap slot from the same launch.
+                let slot = hook.first_slot(TapId::Block(k)).filter(|_| !partial_fault);
+                written = slot;
+                let tap = slot.map(|slot| &mut taps[slot]);
+                gpu.gemv_rows_tapped(act, &layer.down, hidden, tap, rows, inter, h, true)?;
             } else {
                 gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
                 self.reduce(delta, rows * h)?;
@@ -1544,7 +1559,14 @@ impl CudaTarget {
                 gpu.linear(act, &layer.down, delta, rows, inter, h)?;
                 if partial_fault {
                     // `hidden` holds the residual after attention here.
-                    observe(TapId::Block(k), hidden, Some((act, &layer.down, inter)))?;
+                    observe(
+                        hook,
+                        taps,
+                        TapId::Block(k),
+                        hidden,
+                        Some((act, &layer.down, inter)),
+                        None,
+                    )?;
                 }
                 self.reduce(delta, rows * h)?;
                 // The residual add of this block fused with the next norm: the next layer's
@@ -1574,7 +1596,7 @@ impl CudaTarget {
                 }
             }
             if !partial_fault {
-                observe(TapId::Block(k), hidden, None)?;
+                observe(hook, taps, TapId::Block(k), hidden, None, written)?;
             }
         }
         if fused {
@@ -1590,7 +1612,7 @@ impl CudaTarget {
                 eps,
             )?;
         }
-        observe(TapId::Final, final_normed, None)?;
+        observe(hook, taps, TapId::Final, final_normed, None, None)?;
 
         let vocab = spec.vocab_size;
         // Fused steps take the logits from the matrix-vector kernel too (`Gpu::project`).

@@ -101,6 +101,14 @@ impl<T: Clone> CaptureHook<T> {
         Ok(())
     }
 
+    /// The first slot that asks for `tap`, if any, without recording a visit: a block loop
+    /// that writes a tap from the launch computing it (the CUDA fast path's fused down_proj)
+    /// hands that slot's buffer to the launch, then records the visit with
+    /// [`CaptureHook::try_observe_with`] as every other tap point does.
+    pub fn first_slot(&self, tap: TapId) -> Option<usize> {
+        self.request.taps.iter().position(|wanted| *wanted == tap)
+    }
+
     pub fn finish(self) -> Taps<T> {
         Taps {
             taps: self.request.taps,
@@ -175,5 +183,42 @@ impl<B: Backend> CapturedTaps<B> {
         } else {
             Some(Tensor::cat(self.tensors.clone(), 2))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loop that writes a tap point's first slot from the launch computing it and copies the
+    /// rest: `first_slot` names that slot before the visit, records nothing, and the hook ends
+    /// with every slot filled and the visit in order.
+    #[test]
+    fn first_slot_names_the_launchs_slot_and_leaves_the_rest_to_the_visit() {
+        let request = TapRequest::new(vec![TapId::Block(2), TapId::Block(0), TapId::Block(2)]);
+        let mut hook = CaptureHook::<u32>::new(request);
+        assert_eq!(hook.first_slot(TapId::Block(2)), Some(0));
+        assert_eq!(hook.first_slot(TapId::Block(0)), Some(1));
+        assert_eq!(hook.first_slot(TapId::Block(1)), None);
+        assert_eq!(hook.first_slot(TapId::Embed), None);
+        assert!(hook.visited.is_empty(), "a query is not a visit");
+        let mut copied = Vec::new();
+        for k in 0..3 {
+            let written = hook.first_slot(TapId::Block(k));
+            hook.try_observe_with(TapId::Block(k), |slot| {
+                if written != Some(slot) {
+                    copied.push(slot);
+                }
+                Ok::<u32, ()>(10 * k as u32 + slot as u32)
+            })
+            .unwrap();
+        }
+        assert_eq!(copied, vec![2], "only the second slot of block 2 is copied");
+        let taps = hook.finish();
+        assert_eq!(taps.tensors, vec![20, 1, 22]);
+        assert_eq!(
+            taps.visited,
+            vec![TapId::Block(0), TapId::Block(1), TapId::Block(2)]
+        );
     }
 }

@@ -58,7 +58,7 @@ static bool check_gemv(std::mt19937& rng) {
     for (int rows = 1; rows <= 8; ++rows) {
         std::vector<float> y(8 * out, NAN);
         emu_launch(EmuDim3{static_cast<unsigned int>((out + 15) / 16), 1, 1}, EmuDim3{32 * split_for(inp), 1, 1}, 0,
-                   [&] { gemv_rows_mma(x.data(), w.data(), y.data(), rows, inp, out, 0); });
+                   [&] { gemv_rows_mma(x.data(), w.data(), y.data(), nullptr, rows, inp, out, 0); });
         for (int r = 0; r < rows; ++r)
             for (int o = 0; o < out; ++o) {
                 double dot = 0;
@@ -77,8 +77,12 @@ static bool check_gemv(std::mt19937& rng) {
     const int rows = 5;
     auto y = random_f32(rng, rows * out);
     const auto before = y;
+    // With a tap: the tap gets exactly what y gets, and nothing past the step's rows.
+    std::vector<float> tap(8 * out, NAN);
     emu_launch(EmuDim3{static_cast<unsigned int>((out + 15) / 16), 1, 1}, EmuDim3{32 * split_for(inp), 1, 1}, 0,
-               [&] { gemv_rows_mma(x.data(), w.data(), y.data(), rows, inp, out, 1); });
+               [&] { gemv_rows_mma(x.data(), w.data(), y.data(), tap.data(), rows, inp, out, 1); });
+    bool tap_is_y = std::memcmp(tap.data(), y.data(), rows * out * sizeof(float)) == 0;
+    for (int i = rows * out; i < 8 * out; ++i) tap_is_y &= std::isnan(tap[i]);
     double worst_add = 0.0;
     for (int r = 0; r < rows; ++r)
         for (int o = 0; o < out; ++o)
@@ -91,6 +95,7 @@ static bool check_gemv(std::mt19937& rng) {
     ok &= report("gemv_rows_mma: a row's bits the same at every step width", same_bits, "");
     std::snprintf(detail, sizeof detail, "(max |error| %.1e, tolerance 1e-5)", worst_add);
     ok &= report("gemv_rows_mma: accumulate adds the products", worst_add <= 1e-5, detail);
+    ok &= report("gemv_rows_mma: the tap gets what y gets", tap_is_y, "(bit for bit, step rows only)");
     return ok;
 }
 
