@@ -576,6 +576,11 @@ mod tests {
     struct CountingDecoder {
         rows: Vec<(u64, usize, Vec<u32>)>,
         admissions: Arc<Mutex<Vec<usize>>>,
+        /// The first admission waits for it (the test has queued every request): which
+        /// requests join which admission must not depend on how fast the test submits them
+        /// (once in ~20 runs the last 28 arrived after the batch had run rounds, and joined
+        /// in one admission).
+        gate: Option<std::sync::mpsc::Receiver<()>>,
     }
 
     impl CountingDecoder {
@@ -606,6 +611,9 @@ mod tests {
             Ok(())
         }
         fn admit(&mut self, requests: Vec<Request>) -> Result<Vec<Progress>, InferError> {
+            if let Some(gate) = self.gate.take() {
+                gate.recv().expect("the test opens the gate");
+            }
             self.admissions.lock().unwrap().push(requests.len());
             // The admission's prefill gives each joining request (alone) its first token.
             let joining = requests
@@ -642,6 +650,7 @@ mod tests {
     fn serve_ragged(join_hold_rounds: usize) -> Vec<usize> {
         let admissions = Arc::new(Mutex::new(Vec::new()));
         let log = admissions.clone();
+        let (open, gate) = std::sync::mpsc::channel();
         let (scheduler, engine) = Scheduler::spawn(
             SchedulerConfig {
                 max_batch: 32,
@@ -652,6 +661,7 @@ mod tests {
                 Ok(Box::new(CountingDecoder {
                     rows: Vec::new(),
                     admissions: log,
+                    gate: Some(gate),
                 }) as Box<dyn Decoder>)
             }),
         )
@@ -670,6 +680,7 @@ mod tests {
                 scheduler.submit(request).unwrap()
             })
             .collect();
+        open.send(()).unwrap();
         for (i, mut rx) in receivers.into_iter().enumerate() {
             let out = loop {
                 match rx.blocking_recv().expect("the request ends with an event") {
