@@ -132,6 +132,13 @@ pub struct RunningBatch<T: SpecBackend> {
     /// switch after a long plain run now costs at most this many tokens per row.
     pub max_deferred: usize,
     pub deferred_keep: usize,
+    /// Deferred tokens per row a catch-up extends the head over: the last ones (default
+    /// [`CATCH_UP_TAIL`], `TANDEM_CATCH_UP_TAIL=K` or `all`), or all of them (`None`). The
+    /// head's cache then has a gap before them, as after [`RunningBatch::max_deferred`];
+    /// verification keeps the output exact. A full catch-up after a plain run cost 4-20 ms at
+    /// c=8 (session 42: a probe's whole price), while the head's attention needs little of
+    /// the skipped context (session 15: the same acceptance at c=32 with a tail of 16).
+    pub catch_up_tail: Option<usize>,
     /// Time spent so far, by phase.
     pub timings: Timings,
     /// Compactions run so far.
@@ -205,6 +212,14 @@ impl<T: SpecBackend> RunningBatch<T> {
         self.rows.iter().map(|r| r.behind.len()).max().unwrap_or(0)
     }
 
+    /// Tokens of the row furthest behind that the next catch-up extends the head over (at most
+    /// [`RunningBatch::catch_up_tail`]): what a switch from plain rounds to drafting costs.
+    pub fn catch_up_rounds(&self) -> usize {
+        let deferred = self.deferred_rounds();
+        self.catch_up_tail
+            .map_or(deferred, |tail| deferred.min(tail))
+    }
+
     /// Whether rows have left since the head was last read, its cache and roots not yet cut
     /// down to the batch's rows ([`RunningBatch::lazy_head`]).
     pub fn head_retire_pending(&self) -> bool {
@@ -225,6 +240,11 @@ impl<T: SpecBackend> RunningBatch<T> {
         if let Some((origin, records)) = &mut self.trace {
             records.push(record((started - *origin).as_secs_f64()));
         }
+    }
+
+    /// Columns of the head's cache in use (0 without a head).
+    pub fn head_columns(&self) -> usize {
+        self.columns().2
     }
 
     /// Used target columns, the longest sequence and used head columns (zeros without caches).
@@ -285,16 +305,29 @@ const MAX_DEFERRED_TAP_ROWS: usize = 1 << 16;
 /// ([`RunningBatch::deferred_keep`]).
 const DEFERRED_KEEP: usize = 128;
 
-/// `TANDEM_CATCH_UP_TAIL`: deferred tokens per row a catch-up extends the head over (the
-/// last ones), or all of them when unset (see [`Engine::catch_up`]).
+/// Deferred tokens per row a catch-up extends the head over by default (the last ones; see
+/// [`RunningBatch::catch_up_tail`]).
+pub const CATCH_UP_TAIL: usize = 16;
+
+/// [`RunningBatch::catch_up_tail`]'s default: `TANDEM_CATCH_UP_TAIL` read once.
 fn catch_up_tail() -> Option<usize> {
     static TAIL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *TAIL.get_or_init(|| {
-        std::env::var("TANDEM_CATCH_UP_TAIL")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|k| *k > 0)
-    })
+    *TAIL.get_or_init(|| catch_up_tail_from(std::env::var("TANDEM_CATCH_UP_TAIL").ok().as_deref()))
+}
+
+/// `TANDEM_CATCH_UP_TAIL`'s value as a tail: `all` for every deferred token, a positive count
+/// for that many, [`CATCH_UP_TAIL`] when unset or unreadable.
+fn catch_up_tail_from(value: Option<&str>) -> Option<usize> {
+    match value.map(str::trim) {
+        Some("all") => None,
+        Some(v) => Some(
+            v.parse::<usize>()
+                .ok()
+                .filter(|k| *k > 0)
+                .unwrap_or(CATCH_UP_TAIL),
+        ),
+        None => Some(CATCH_UP_TAIL),
+    }
 }
 
 /// Rounds run before timing a choice in [`Engine::calibrate`] (the CUDA graphs of a
@@ -385,6 +418,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             backlog: TapBacklog::new(),
             max_deferred: MAX_DEFERRED,
             deferred_keep: DEFERRED_KEEP,
+            catch_up_tail: catch_up_tail(),
             timings: Timings::default(),
             compactions: 0,
             retirements: 0,
@@ -556,7 +590,7 @@ impl<T: SpecBackend> Engine<'_, T> {
                 columns[row][k] = used;
             }
             // The plain rounds (measured last) left the head behind: what catching up costs.
-            let deferred = batch.deferred_rounds();
+            let deferred = batch.catch_up_rounds();
             if deferred > 0 {
                 let t0 = Instant::now();
                 self.catch_up(batch)?;
@@ -704,7 +738,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             || batch.policy.expects_plain(
                 batch.rows.len() + requests.len(),
                 columns,
-                batch.deferred_rounds(),
+                batch.catch_up_rounds(),
             )
     }
 
@@ -1051,7 +1085,7 @@ impl<T: SpecBackend> Engine<'_, T> {
         // Every row's attention reads every used column of the target's cache: the context the
         // round is priced at.
         let columns = batch.columns().0;
-        let deferred = batch.deferred_rounds();
+        let deferred = batch.catch_up_rounds();
         // The most any row still has to generate bounds the drafted rounds a switch from plain
         // rounds pays for.
         let tokens_left = batch
@@ -1372,15 +1406,16 @@ impl<T: SpecBackend> Engine<'_, T> {
     /// a piece would not fit), and replaces the roots of those rows. Rows with nothing deferred
     /// keep their roots. A drafted round does this first by itself.
     pub fn catch_up(&self, batch: &mut RunningBatch<T>) -> Result<(), InferError> {
-        // Experimental (TANDEM_CATCH_UP_TAIL=K): extend each row over its last K deferred
-        // tokens only. The head's cache then has a gap and its positions lag the target's;
-        // outputs stay exact (verification decides), acceptance may drop, and a switch from
-        // plain rounds costs one piece of K columns instead of the whole run.
+        // Each row over its last `catch_up_tail` deferred tokens only (by default): the head's
+        // cache then has a gap and its positions lag the target's; outputs stay exact
+        // (verification decides), and a switch from plain rounds costs one piece of that many
+        // columns instead of the whole run.
+        let tail = batch.catch_up_tail;
         let behind: Vec<&[(u32, usize)]> = batch
             .rows
             .iter()
             .map(|r| {
-                let skip = catch_up_tail().map_or(0, |k| r.behind.len().saturating_sub(k));
+                let skip = tail.map_or(0, |k| r.behind.len().saturating_sub(k));
                 &r.behind[skip..]
             })
             .collect();
@@ -1790,5 +1825,19 @@ impl<T: SpecBackend> SpecGenerate for Engine<'_, T> {
     }
     fn config(&self) -> SpecConfig {
         self.config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CATCH_UP_TAIL, catch_up_tail_from};
+
+    #[test]
+    fn the_catch_up_tail_switch_reads_all_counts_and_falls_back_to_the_default() {
+        assert_eq!(catch_up_tail_from(None), Some(CATCH_UP_TAIL));
+        assert_eq!(catch_up_tail_from(Some("all")), None);
+        assert_eq!(catch_up_tail_from(Some(" 64 ")), Some(64));
+        assert_eq!(catch_up_tail_from(Some("0")), Some(CATCH_UP_TAIL));
+        assert_eq!(catch_up_tail_from(Some("many")), Some(CATCH_UP_TAIL));
     }
 }

@@ -563,6 +563,73 @@ fn adaptive_policy_rounds_keep_greedy_output_exact_on_burn() {
     }
 }
 
+/// A catch-up extends the head over each row's last `catch_up_tail` deferred tokens only: after
+/// the same plain run the head's cache grows by the tail, not by the whole run as with
+/// `catch_up_tail: None`, the switch is priced by the tail, and the drafted rounds after it
+/// still give exactly the target's greedy output.
+#[test]
+fn a_tail_catch_up_extends_the_head_over_the_last_deferred_tokens_only() {
+    use tandem_infer::{Choice, Shape, SpeculationPolicy};
+
+    let (target, draft, taps) = setup("tail");
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    let shapes = vec![Shape::parse("3/1/4").unwrap()];
+    let prompts = [vec![3u32, 14, 15, 92, 65], vec![2u32, 71, 82]];
+    let mut grown = Vec::new();
+    let mut deferred_runs = Vec::new();
+    for tail in [None, Some(2)] {
+        let mut batch = engine.new_batch_with_policy(
+            256,
+            SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+        );
+        batch.catch_up_tail = tail;
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+        let mut keep = |progress: Vec<tandem_infer::Progress>| {
+            for p in progress {
+                tokens[p.id as usize].extend(&p.tokens);
+            }
+        };
+        keep(
+            engine
+                .admit(&mut batch, greedy_requests(&prompts, 20))
+                .unwrap(),
+        );
+        for _ in 0..6 {
+            keep(engine.step(&mut batch).unwrap());
+        }
+        let deferred = batch.deferred_rounds();
+        assert!(deferred >= 6, "six plain rounds deferred, got {deferred}");
+        assert_eq!(
+            batch.catch_up_rounds(),
+            tail.map_or(deferred, |t| deferred.min(t))
+        );
+        let before = batch.head_columns();
+        engine.catch_up(&mut batch).unwrap();
+        assert_eq!(batch.deferred_rounds(), 0);
+        grown.push(batch.head_columns() - before);
+        deferred_runs.push(deferred);
+        batch.policy.force(Choice::Draft(0));
+        while !batch.is_empty() {
+            keep(engine.step(&mut batch).unwrap());
+        }
+        for (i, prompt) in prompts.iter().enumerate() {
+            let expected = target_greedy(&target, prompt, 20, &[]).unwrap();
+            assert_eq!(tokens[i], expected, "tail {tail:?}, prompt {i}");
+        }
+    }
+    assert_eq!(deferred_runs[0], deferred_runs[1], "the same plain run");
+    assert_eq!(
+        grown,
+        vec![deferred_runs[0], 2],
+        "head columns a catch-up added"
+    );
+}
+
 /// A long plain run forgets its oldest deferred tokens (keeping each row's last few) instead of
 /// catching the head up on all of them: the deferral stays bounded, the head's cache gets a gap,
 /// and the drafted rounds that follow still give exactly the target's greedy output.

@@ -1299,6 +1299,8 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
         1024,
         SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
     );
+    // The whole deferred prompt, not the default tail.
+    batch.catch_up_tail = None;
     let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut keep = |progress| streamed(&mut got, progress);
     keep(
