@@ -335,6 +335,9 @@ pub struct Gpu {
     /// The most rows a step may have for its kernels to launch with programmatic dependent
     /// launch ([`pdl_rows_from_env`]; 0 when `programmatic` is off).
     pdl_rows: usize,
+    /// Whether the fused steps' attention (`attention_invariant`) joins the programmatic launch
+    /// chain (since session 42; `TANDEM_CUDA_PDL_ATTENTION=0`: launched plainly, as before).
+    attention_pdl: bool,
     /// Streaming multiprocessors: the persistent step runs one block on each.
     sm_count: usize,
     /// Warps per block of the persistent step (PERSIST_THREADS / 32 as compiled).
@@ -561,6 +564,7 @@ impl Gpu {
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             programmatic,
             pdl_rows,
+            attention_pdl: std::env::var("TANDEM_CUDA_PDL_ATTENTION").as_deref() != Ok("0"),
             sm_count,
             persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
@@ -1330,9 +1334,10 @@ impl Gpu {
         // (PDL_WAIT) before reading anything.
         unsafe {
             match visible {
-                Some(_) => {
+                Some(_) if self.attention_pdl => {
                     self.launch_programmatic(&self.kernels.attention_invariant, cfg, args, s.rows())
                 }
+                Some(_) => self.launch_ex(&self.kernels.attention_invariant, cfg, args, None),
                 None => self.launch_programmatic(&self.kernels.attention, cfg, args, s.rows()),
             }
         }
