@@ -7,11 +7,14 @@ line per label after the first (and one per adaptive-X against target-only-X whe
 its tokens/s to the baseline's, repeat by repeat (the loads of
 one repeat ran back to back), then the median, the smallest and the largest. A ratio of medians
 would pair a fast repeat of one server with a slow one of the other; the median of per-repeat
-ratios does not. A repeat where either load failed requests is left out and counted.
+ratios does not. The geometric mean of the ratios and its standard error say how far from 1 a
+ratio is in units of the repeat-to-repeat noise. A repeat where either load failed requests is
+left out and counted.
 """
 
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -51,9 +54,15 @@ def summary_line(label, base_label, baseline, other):
     tps = statistics.median(other[rep]["tokens_per_second"] for rep, _ in paired)
     base_tps = statistics.median(baseline[rep]["tokens_per_second"] for rep, _ in paired)
     shapes = other[paired[-1][0]].get("shapes")
+    # The geometric mean of the ratios and its standard error (from the logs' spread): how
+    # far a ratio is from 1 in units of the repeat-to-repeat noise.
+    logs = [math.log(r) for r in values]
+    mean = statistics.fmean(logs)
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
     line = (
         f"{label} / {base_label}: median {statistics.median(values):.3f} "
         f"(min {min(values):.3f}, max {max(values):.3f}; {len(values)} repeats: {each}); "
+        f"geometric mean {math.exp(mean):.3f} (se {math.exp(mean) * se:.3f}); "
         f"median tok/s {tps:,.1f} / {base_tps:,.1f}"
     )
     if shapes:

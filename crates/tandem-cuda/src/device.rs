@@ -336,7 +336,9 @@ pub struct Gpu {
     /// launch ([`pdl_rows_from_env`]; 0 when `programmatic` is off).
     pdl_rows: usize,
     /// Whether the fused steps' attention (`attention_invariant`) joins the programmatic launch
-    /// chain (since session 42; `TANDEM_CUDA_PDL_ATTENTION=0`: launched plainly, as before).
+    /// chain (`TANDEM_CUDA_PDL_ATTENTION=1`). Off by default: on an H100 it did not pay
+    /// (session 42: batch-1 decode 0.662 ms with it, 0.635 without, same run), the o_proj
+    /// blocks it lets in early waiting beside nine attention blocks that gain nothing.
     attention_pdl: bool,
     /// Streaming multiprocessors: the persistent step runs one block on each.
     sm_count: usize,
@@ -564,7 +566,7 @@ impl Gpu {
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             programmatic,
             pdl_rows,
-            attention_pdl: std::env::var("TANDEM_CUDA_PDL_ATTENTION").as_deref() != Ok("0"),
+            attention_pdl: std::env::var("TANDEM_CUDA_PDL_ATTENTION").as_deref() == Ok("1"),
             sm_count,
             persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
