@@ -664,6 +664,21 @@ extern "C" __global__ void move_rows_u16(const unsigned long long* sources,
     }
 }
 
+// dst_y[i] = src_y[i] for i < n and each of up to four (source, destination) pairs y =
+// blockIdx.y: a plain round's taps appended to the head's backlog in one launch instead of one
+// copy each (a copy is a launch too, and the next round waits behind them). Grid: (blocks, pairs).
+extern "C" __global__ void copy_f32_pairs(const float* src0, const float* src1, const float* src2,
+                                          const float* src3, float* dst0, float* dst1,
+                                          float* dst2, float* dst3, long long n) {
+    const int y = blockIdx.y;
+    const float* src = y == 0 ? src0 : (y == 1 ? src1 : (y == 2 ? src2 : src3));
+    float* dst = y == 0 ? dst0 : (y == 1 ? dst1 : (y == 2 ? dst2 : dst3));
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        dst[i] = src[i];
+    }
+}
+
 // Gathers f32 rows of up to four taps into a bf16 matrix, each tap at its own columns:
 // dst[k * dst_stride + (first + y) * hidden + i] = bf16(src_y[rows[k] * hidden + i]) for source
 // y = blockIdx.y. Concatenates the target's taps into the `fc` input of the draft head, taking

@@ -305,6 +305,7 @@ struct Kernels {
     copy_rows_u16: CudaFunction,
     move_rows_u16: CudaFunction,
     taps_to_bf16: CudaFunction,
+    copy_f32_pairs: CudaFunction,
     topk_softmax: CudaFunction,
     /// `gemv_rows_r{R}_o{N}`: `[bucket][outputs]` for row buckets 1, 2, 4, 8 ([`gemv_bucket`])
     /// and 1, 2, 4 outputs a warp.
@@ -544,6 +545,7 @@ impl Gpu {
             copy_rows_u16: module.load_function("copy_rows_u16")?,
             move_rows_u16: module.load_function("move_rows_u16")?,
             taps_to_bf16: module.load_function("taps_to_bf16")?,
+            copy_f32_pairs: module.load_function("copy_f32_pairs")?,
             topk_softmax: module.load_function("topk_softmax")?,
             gemv_rows: Self::gemv_kernels(&module, "gemv_rows")?,
             gemv_norm_rows: Self::gemv_kernels(&module, "gemv_norm_rows")?,
@@ -795,6 +797,46 @@ impl Gpu {
         Ok(self
             .stream
             .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(at..at + n))?)
+    }
+
+    /// `dst[at..at + n] = src[..n]` for every (source, destination) pair, four pairs a launch
+    /// (`copy_f32_pairs` in kernels/llama.cu): what [`Gpu::copy_to_offset`] does pair by pair,
+    /// in one launch instead of one copy each.
+    pub fn copy_pairs_to_offset(
+        &self,
+        pairs: &mut [(&CudaSlice<f32>, &mut CudaSlice<f32>)],
+        at: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        assert!(pairs.iter().all(|(s, d)| s.len() >= n && d.len() >= at + n));
+        if n == 0 {
+            return Ok(());
+        }
+        let bytes_at = (at * std::mem::size_of::<f32>()) as u64;
+        for group in pairs.chunks_mut(4) {
+            let mut args = KernelArgs::default();
+            for y in 0..4 {
+                args = args.optional(self, group.get(y).map(|(s, _)| &**s));
+            }
+            for y in 0..4 {
+                args.0.push(
+                    group
+                        .get(y)
+                        .map_or(NULL, |(_, d)| self.address(d) + bytes_at),
+                );
+            }
+            args.0.push(n as u64);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(256).min(64) as u32, group.len() as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: signature (4 x const f32*, 4 x f32* (null past the group), long long);
+            // block row y < group.len() reads n values of source y and writes n values from
+            // offset `at` of destination y; sizes asserted.
+            unsafe { self.launch_ex(&self.kernels.copy_f32_pairs, cfg, args, None) }?;
+        }
+        Ok(())
     }
 
     /// The device address of `buffer` (identifies the buffers a graph was captured over).

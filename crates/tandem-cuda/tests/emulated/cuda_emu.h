@@ -18,6 +18,7 @@
 
 #include <math.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <barrier>
@@ -230,21 +231,23 @@ inline void mma_bf16_16816(float* d, const unsigned int* a, const unsigned int* 
     }
 }
 
-// Runs `kernel` (a callable taking no arguments) over `grid` blocks of `block` threads, one
-// block at a time, with `shared_bytes` of dynamic shared memory.
+// Runs `kernel` (a callable taking no arguments) over `grid` blocks (x and y) of `block`
+// threads, one block at a time, with `shared_bytes` of dynamic shared memory.
 template <typename Kernel>
 void emu_launch(EmuDim3 grid, EmuDim3 block, std::size_t shared_bytes, Kernel kernel) {
     gridDim = grid;
     blockDim = block;
     emu_dynamic.assign(shared_bytes / sizeof(uint4) + 1, uint4{0, 0, 0, 0});
-    for (unsigned int bx = 0; bx < grid.x; ++bx) {
+    for (unsigned int block_index = 0; block_index < grid.x * std::max(grid.y, 1u); ++block_index) {
+        const unsigned int bx = block_index % grid.x;
+        const unsigned int by = block_index / grid.x;
         EmuBlock state(static_cast<int>(block.x));
         std::vector<std::thread> threads;
         threads.reserve(block.x);
         for (unsigned int tx = 0; tx < block.x; ++tx) {
-            threads.emplace_back([&, tx, bx] {
+            threads.emplace_back([&, tx, bx, by] {
                 threadIdx = EmuDim3{tx, 0, 0};
-                blockIdx = EmuDim3{bx, 0, 0};
+                blockIdx = EmuDim3{bx, by, 0};
                 emu_block = &state;
                 kernel();
                 // A thread that is done (or returned early) no longer holds up the block's

@@ -265,11 +265,36 @@ static bool check_attention_invariance(std::mt19937& rng) {
     return ok;
 }
 
+// copy_f32_pairs: three taps appended to their backlogs at an offset, in one launch of fewer
+// blocks than values (the grid-stride loop); everything outside [at, at + n) left as it was.
+static bool check_copy_f32_pairs(std::mt19937& rng) {
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    const long long n = 1000, at = 37, size = 1200;
+    std::vector<float> src[3], dst[3];
+    for (int y = 0; y < 3; ++y) {
+        src[y].resize(n);
+        dst[y].assign(size, -7.0f);
+        for (auto& v : src[y]) v = uni(rng);
+    }
+    emu_launch(EmuDim3{2, 3, 1}, EmuDim3{ROWS_BLOCK, 1, 1}, 0, [&] {
+        copy_f32_pairs(src[0].data(), src[1].data(), src[2].data(), nullptr, dst[0].data() + at,
+                       dst[1].data() + at, dst[2].data() + at, nullptr, n);
+    });
+    bool same = true;
+    for (int y = 0; y < 3; ++y)
+        for (long long i = 0; i < size; ++i) {
+            const bool inside = i >= at && i < at + n;
+            same &= inside ? dst[y][i] == src[y][i - at] : dst[y][i] == -7.0f;
+        }
+    return report("copy_f32_pairs: three taps at an offset, nothing else", same, "(bit for bit)");
+}
+
 int main() {
     std::mt19937 rng(34);
     bool ok = check_gather_accepted_roots(rng);
     ok = check_attention_kernels(rng) && ok;
     ok = check_gemv_rows_invariance(rng) && ok;
     ok = check_attention_invariance(rng) && ok;
+    ok = check_copy_f32_pairs(rng) && ok;
     return ok ? 0 : 1;
 }
