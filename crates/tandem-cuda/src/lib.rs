@@ -45,7 +45,7 @@ pub use graphs::GraphStats;
 pub use kv_pool::{CACHE_COLUMNS_STEP, cache_columns};
 pub use model::{
     CudaStepOutput, CudaTarget, DeviceLogits, FUSED_MAX_ROWS, GRAPH_BATCHES, GRAPH_MAX_WIDTH,
-    PersistentProfile,
+    KeptTaps, PersistentProfile,
 };
 pub use tensor_parallel::TpReduction;
 pub use train::{

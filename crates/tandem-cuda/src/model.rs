@@ -269,23 +269,30 @@ impl StepBuffers {
                 tensors,
                 visited,
             },
+            kept: None,
         }
     }
 
     /// The outputs of a replayed step: copies, since the graph's buffers are reused.
+    /// With `kept`, the taps are not copied (none come back): they stay in these buffers, for
+    /// [`CudaTarget::push_kept_taps`] to copy once the caller has queued its read-back.
     fn copy_output(
         &self,
         target: &CudaTarget,
         taps: Vec<TapId>,
         visited: Vec<TapId>,
+        kept: Option<KeptTaps>,
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*target.gpu;
         let h = target.spec.hidden_size;
-        let tensors = self
-            .taps
-            .iter()
-            .map(|data| Ok(self.rows(gpu.duplicate(data)?, h)))
-            .collect::<Result<_, CudaError>>()?;
+        let tensors = match kept {
+            Some(_) => Vec::new(),
+            None => self
+                .taps
+                .iter()
+                .map(|data| Ok(self.rows(gpu.duplicate(data)?, h)))
+                .collect::<Result<_, CudaError>>()?,
+        };
         let logits = match &self.logits {
             Some(data) => Some(DeviceLogits::new(
                 gpu.duplicate(data)?,
@@ -302,6 +309,7 @@ impl StepBuffers {
                 tensors,
                 visited,
             },
+            kept,
         })
     }
 }
@@ -369,6 +377,19 @@ impl DeviceLogits {
 pub struct CudaStepOutput {
     pub logits: Option<DeviceLogits>,
     pub taps: Taps<DeviceRows>,
+    /// From [`CudaTarget::forward_keeping_taps`] when the step replayed a graph: `taps` has no
+    /// tensors, the taps are still in the graph's buffers.
+    pub kept: Option<KeptTaps>,
+}
+
+/// A replayed step's taps left in its graph's buffers ([`CudaTarget::forward_keeping_taps`]):
+/// valid until the target's next step, which may replay the same graph.
+#[derive(Debug, Clone)]
+pub struct KeptTaps {
+    key: GraphKey,
+    /// Tap rows of the step (`batch * width`, the graph's padding left out).
+    pub rows: usize,
+    pub taps: Vec<TapId>,
 }
 
 impl CudaStepOutput {
@@ -383,6 +404,9 @@ impl CudaStepOutput {
         }
         for tap in &mut self.taps.tensors {
             tap.batch = batch;
+        }
+        if let Some(kept) = &mut self.kept {
+            kept.rows = batch * width;
         }
     }
 }
@@ -922,7 +946,7 @@ impl CudaTarget {
         taps: &TapRequest,
         logits_for: LogitsFor,
     ) -> Result<CudaStepOutput, CudaError> {
-        self.forward_with(step, cache, taps, logits_for, None)
+        self.forward_with(step, cache, taps, logits_for, None, false)
     }
 
     /// [`CudaTarget::forward`] of a verification of greedy chains whose drafted tokens are
@@ -956,7 +980,52 @@ impl CudaTarget {
             batch: step.batch,
             steps,
         };
-        self.forward_with(step, cache, taps, logits_for, Some(chain))
+        self.forward_with(step, cache, taps, logits_for, Some(chain), false)
+    }
+
+    /// [`CudaTarget::forward`] for a step whose taps the caller copies elsewhere after queuing
+    /// its read-back (a plain round's taps into the head's backlog): a replayed step leaves them
+    /// in its graph's buffers (`kept`, copied by [`CudaTarget::push_kept_taps`]) instead of
+    /// copying each into a buffer of its own ahead of the read-back; an eager step returns
+    /// them as `forward` does.
+    pub fn forward_keeping_taps(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> Result<CudaStepOutput, CudaError> {
+        self.forward_with(step, cache, taps, logits_for, None, true)
+    }
+
+    /// Copies kept taps (every tap row of the step) into `dsts` (one buffer per tap, in the
+    /// request's order) from row `at`, in one launch.
+    pub fn push_kept_taps(
+        &self,
+        kept: &KeptTaps,
+        dsts: &mut [&mut CudaSlice<f32>],
+        at: usize,
+    ) -> Result<(), CudaError> {
+        let h = self.spec.hidden_size;
+        let graphs = self.graphs.lock();
+        let entry = graphs
+            .captured
+            .get(&kept.key)
+            .expect("kept taps are read before the next step");
+        assert_eq!(
+            entry.buffers.taps.len(),
+            dsts.len(),
+            "one destination per tap"
+        );
+        let mut pairs: Vec<(&CudaSlice<f32>, &mut CudaSlice<f32>)> = entry
+            .buffers
+            .taps
+            .iter()
+            .zip(dsts.iter_mut())
+            .map(|(src, dst)| (src, &mut **dst))
+            .collect();
+        self.gpu
+            .copy_pairs_to_offset(&mut pairs, at * h, kept.rows * h)
     }
 
     fn forward_with(
@@ -966,12 +1035,21 @@ impl CudaTarget {
         taps: &TapRequest,
         logits_for: LogitsFor,
         chain: Option<ChainTokens<'_>>,
+        keep_taps: bool,
     ) -> Result<CudaStepOutput, CudaError> {
         match &self.tp {
             Some(tp) if !tp.peers.is_empty() => {
                 self.forward_ranks(tp, step, cache, taps, logits_for, chain)
             }
-            _ => self.forward_rank(step, cache, taps, logits_for, chain, GraphPlan::Own),
+            _ => self.forward_rank(
+                step,
+                cache,
+                taps,
+                logits_for,
+                chain,
+                GraphPlan::Own,
+                keep_taps,
+            ),
         }
     }
 
@@ -1060,6 +1138,7 @@ impl CudaTarget {
                                 LogitsFor::None,
                                 None,
                                 plan,
+                                false,
                             )
                         });
                         if out.is_err() {
@@ -1069,8 +1148,9 @@ impl CudaTarget {
                     })
                 })
                 .collect();
-            let own =
-                unwinding_as_error(|| self.forward_rank(step, cache, taps, logits_for, None, plan));
+            let own = unwinding_as_error(|| {
+                self.forward_rank(step, cache, taps, logits_for, None, plan, false)
+            });
             if own.is_err() {
                 tp.reducer.abort();
             }
@@ -1168,6 +1248,7 @@ impl CudaTarget {
     }
 
     /// One rank's step over its cache (the whole step on one GPU).
+    #[allow(clippy::too_many_arguments)]
     fn forward_rank(
         &self,
         step: &StepInput,
@@ -1176,6 +1257,7 @@ impl CudaTarget {
         logits_for: LogitsFor,
         chain: Option<ChainTokens<'_>>,
         plan: GraphPlan<'_>,
+        keep_taps: bool,
     ) -> Result<CudaStepOutput, CudaError> {
         let spec = &self.rank_spec;
         taps.validate(spec.num_layers)?;
@@ -1205,7 +1287,9 @@ impl CudaTarget {
             for b in step.batch..padded {
                 last.push((b * step.width) as i32 + last[0]);
             }
-            self.forward_graphed(&host, &last, cache, taps, logits_for, chain, plan)?
+            self.forward_graphed(
+                &host, &last, cache, taps, logits_for, chain, plan, keep_taps,
+            )?
         } else {
             self.forward_eager(&host, &last, cache, taps, logits_for, chain)?
         };
@@ -1270,6 +1354,7 @@ impl CudaTarget {
         logits_for: LogitsFor,
         chain: Option<ChainTokens<'_>>,
         plan: GraphPlan<'_>,
+        keep_taps: bool,
     ) -> Result<CudaStepOutput, CudaError> {
         let gpu = &*self.gpu;
         // A new shape or cache runs eagerly for its first steps (which also lets cuBLAS pick
@@ -1314,9 +1399,15 @@ impl CudaTarget {
         let entry = graphs.captured.get_mut(&key).expect("captured above");
         entry.buffers.load(gpu, host, last, chain)?;
         gpu.replay(&entry.graph)?;
-        let output = entry
-            .buffers
-            .copy_output(self, taps.taps.clone(), entry.visited.clone());
+        let kept = (keep_taps && !taps.taps.is_empty()).then(|| KeptTaps {
+            key: key.clone(),
+            rows: host.shape.rows(),
+            taps: taps.taps.clone(),
+        });
+        let output =
+            entry
+                .buffers
+                .copy_output(self, taps.taps.clone(), entry.visited.clone(), kept);
         graphs.stats.replays += 1;
         output
     }

@@ -27,7 +27,7 @@ use tandem_model::sampling::{SamplingParams, distribution, sample_from};
 use tandem_model::{ColumnLayout, LogitsFor, TapRequest, Taps};
 
 use crate::admission::Admission;
-use crate::backend::SpecBackend;
+use crate::backend::{DeferredTaps, SpecBackend};
 use crate::engine::{
     BatchOutput, Finish, InferError, Progress, Request, SpecConfig, SpecGenerate, SpecOutput,
     Timings, commit_tokens, draft_scratch, run_to_completion,
@@ -287,6 +287,20 @@ impl<T: SpecBackend> TapBacklog<T> {
         self.rows += T::tap_rows(step_taps);
         self.steps += 1;
         Ok(first)
+    }
+
+    /// [`TapBacklog::push`] of a plain round's taps, also when the step kept them where it
+    /// wrote them ([`SpecBackend::forward_deferring_taps`]).
+    fn push_deferred(&mut self, target: &T, taps: DeferredTaps<T>) -> Result<usize, InferError> {
+        match taps {
+            DeferredTaps::Owned(taps) => self.push(target, &taps),
+            DeferredTaps::Kept(kept) => {
+                let first = self.rows;
+                self.rows += target.push_kept_taps(&mut self.taps, self.rows, &kept)?;
+                self.steps += 1;
+                Ok(first)
+            }
+        }
     }
 
     /// Forgets what was deferred (the buffers stay).
@@ -1173,12 +1187,34 @@ impl<T: SpecBackend> Engine<'_, T> {
         // Drafted trees go in as they are; device chains are laid out with placeholder tokens
         // (a chain's tree shape does not depend on its tokens) and read back after the
         // verification's results.
+        let all_greedy = rows.iter().all(|r| r.request.sampling.is_greedy());
+        let defers_taps = self.draft.is_some() && caches.head.is_some() && shape.is_none();
+        // A plain round of a batch with a head waits for its ids only (below): its taps, wanted
+        // only in the backlog, may stay where the step wrote them until the read-back is queued
+        // (copied out ahead of it they cost c=8's plain rounds ~11 us, session 42).
+        let reads_ids_first = defers_taps && batch.lazy_head && all_greedy;
+        let mut deferred_taps = None;
         let (trees, device_chains, step, (logits, step_taps)) = match drafted {
             Drafted::Trees(trees) => {
                 let step = T::layout(&caches.target).tree_step(&tree_refs(&trees))?;
-                let out =
+                let out = if reads_ids_first {
+                    let (logits, taps) = self.target.forward_deferring_taps(
+                        &step,
+                        &mut caches.target,
+                        &self.taps,
+                        LogitsFor::All,
+                    )?;
+                    deferred_taps = Some(taps);
+                    let none = Taps {
+                        taps: Vec::new(),
+                        tensors: Vec::new(),
+                        visited: Vec::new(),
+                    };
+                    (logits, none)
+                } else {
                     self.target
-                        .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?;
+                        .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?
+                };
                 (trees, None, step, out)
             }
             Drafted::Chains(chains, steps) => {
@@ -1200,12 +1236,10 @@ impl<T: SpecBackend> Engine<'_, T> {
         if timing {
             batch.timings.verify_queue_s += t0.elapsed().as_secs_f64();
         }
-        let all_greedy = rows.iter().all(|r| r.request.sampling.is_greedy());
         let early = batch.early_extend && !timing && all_greedy;
         let mut early_extend = None;
         // The backlog row of this step's row 0, should the round be plain.
         let backlog_row = batch.backlog.rows;
-        let defers_taps = self.draft.is_some() && caches.head.is_some() && shape.is_none();
         let mut taps_deferred = false;
         let (reads, drafted_chains) = match (device_chains, self.draft, &mut caches.head) {
             (Some(chains), Some(draft), Some((dcache, _))) if early => {
@@ -1235,9 +1269,12 @@ impl<T: SpecBackend> Engine<'_, T> {
             // copy is queued behind their read-back, while the device still runs the step.
             // (Without a head the round reads its ids as it always has: target-only serving,
             // the baseline, keeps its code path.)
-            (None, _, _) if defers_taps && batch.lazy_head && all_greedy => {
+            (None, _, _) if reads_ids_first => {
                 let read = self.target.plain_read_back(&logits)?;
-                batch.backlog.push(self.target, &step_taps)?;
+                match deferred_taps.take() {
+                    Some(taps) => batch.backlog.push_deferred(self.target, taps)?,
+                    None => batch.backlog.push(self.target, &step_taps)?,
+                };
                 taps_deferred = true;
                 let (argmax, _) = self.target.finish_read_back(read)?;
                 let reads = VerifyReads {

@@ -61,6 +61,7 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
     type Cache = KvCache<B>;
     type Rows = Tensor<B, 3>;
     type Logits = Tensor<B, 3>;
+    type KeptTaps = std::convert::Infallible;
 
     fn vocab_size(&self) -> usize {
         self.spec.vocab_size
@@ -291,6 +292,14 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
             visited: Vec::new(),
         });
         Ok(())
+    }
+    fn push_kept_taps(
+        &self,
+        _: &mut Option<Taps<Tensor<B, 3>>>,
+        _: usize,
+        kept: &std::convert::Infallible,
+    ) -> Result<usize, InferError> {
+        match *kept {}
     }
     fn tap_rows(taps: &Taps<Tensor<B, 3>>) -> usize {
         taps.tensors.first().map_or(0, |t| {

@@ -4,11 +4,11 @@
 
 use tandem_cuda::{
     CudaDraft, CudaKvCache, CudaSlice, CudaStepOutput, CudaTarget, DeviceLogits, DeviceRows, Gpu,
-    PendingRead, chain_ids_to_host, chains_from_step_major,
+    KeptTaps, PendingRead, chain_ids_to_host, chains_from_step_major,
 };
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
-use super::{SpecBackend, host_beams, host_chain, with_chain_tokens};
+use super::{DeferredTaps, SpecBackend, host_beams, host_chain, with_chain_tokens};
 use crate::engine::InferError;
 use crate::tree::DraftStep;
 
@@ -62,11 +62,47 @@ fn with_logits(out: CudaStepOutput) -> Result<(DeviceLogits, Taps<DeviceRows>), 
     Ok((logits, out.taps))
 }
 
+/// The backlog with room for `needed` rows of every tap (`hidden` wide): grown to at least
+/// twice its size when short, its first `kept` rows copied over.
+fn grown_backlog<'a>(
+    gpu: &Gpu,
+    backlog: &'a mut Option<Taps<DeviceRows>>,
+    taps: &[tandem_wiring::TapId],
+    hidden: usize,
+    kept: usize,
+    needed: usize,
+) -> Result<&'a mut Taps<DeviceRows>, InferError> {
+    let capacity = backlog.as_ref().map_or(0, |t| t.tensors[0].batch);
+    if needed > capacity {
+        let grown = needed.max(2 * capacity).max(1024);
+        let mut tensors = Vec::with_capacity(taps.len());
+        for i in 0..taps.len() {
+            let mut data = gpu.scratch::<f32>(grown * hidden)?;
+            if let Some(old) = backlog.as_ref() {
+                gpu.copy_into(&old.tensors[i].data, &mut data, kept * hidden)?;
+            }
+            tensors.push(DeviceRows {
+                data,
+                batch: grown,
+                width: 1,
+                hidden,
+            });
+        }
+        *backlog = Some(Taps {
+            taps: taps.to_vec(),
+            tensors,
+            visited: Vec::new(),
+        });
+    }
+    Ok(backlog.as_mut().expect("allocated above"))
+}
+
 impl SpecBackend for CudaTarget {
     type Head = CudaDraft;
     type Cache = CudaKvCache;
     type Rows = DeviceRows;
     type Logits = DeviceLogits;
+    type KeptTaps = KeptTaps;
 
     fn vocab_size(&self) -> usize {
         self.spec.vocab_size
@@ -402,33 +438,10 @@ impl SpecBackend for CudaTarget {
     ) -> Result<(), InferError> {
         let gpu = self.gpu();
         let incoming = Self::tap_rows(step);
-        let needed = at + incoming;
-        let capacity = backlog.as_ref().map_or(0, |t| t.tensors[0].batch);
-        if needed > capacity {
-            let grown = needed.max(2 * capacity).max(1024);
-            let mut tensors = Vec::with_capacity(step.tensors.len());
-            for (i, src) in step.tensors.iter().enumerate() {
-                let mut data = gpu.scratch::<f32>(grown * src.hidden)?;
-                if let Some(old) = backlog.as_ref() {
-                    gpu.copy_into(&old.tensors[i].data, &mut data, at * src.hidden)?;
-                }
-                tensors.push(DeviceRows {
-                    data,
-                    batch: grown,
-                    width: 1,
-                    hidden: src.hidden,
-                });
-            }
-            *backlog = Some(Taps {
-                taps: step.taps.clone(),
-                tensors,
-                visited: Vec::new(),
-            });
-        }
-        let buffers = backlog.as_mut().expect("allocated above");
+        let hidden = step.tensors.first().map_or(0, |t| t.hidden);
+        let buffers = grown_backlog(gpu, backlog, &step.taps, hidden, at, at + incoming)?;
         // Every tap in one launch: a plain round with a head pays for it before the next
         // round's step (three copies cost that round ~11 us at c=8, session 42).
-        let hidden = step.tensors.first().map_or(0, |t| t.hidden);
         let mut pairs: Vec<_> = step
             .tensors
             .iter()
@@ -438,6 +451,37 @@ impl SpecBackend for CudaTarget {
         assert!(step.tensors.iter().all(|t| t.hidden == hidden));
         gpu.copy_pairs_to_offset(&mut pairs, at * hidden, incoming * hidden)?;
         Ok(())
+    }
+    fn forward_deferring_taps(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> Result<(DeviceLogits, DeferredTaps<Self>), InferError> {
+        let mut out = CudaTarget::forward_keeping_taps(self, step, cache, taps, logits_for)?;
+        let kept = out.kept.take();
+        let (logits, taps) = with_logits(out)?;
+        Ok((
+            logits,
+            match kept {
+                Some(kept) => DeferredTaps::Kept(kept),
+                None => DeferredTaps::Owned(taps),
+            },
+        ))
+    }
+    fn push_kept_taps(
+        &self,
+        backlog: &mut Option<Taps<DeviceRows>>,
+        at: usize,
+        kept: &KeptTaps,
+    ) -> Result<usize, InferError> {
+        let hidden = self.spec.hidden_size;
+        let buffers = grown_backlog(self.gpu(), backlog, &kept.taps, hidden, at, at + kept.rows)?;
+        let mut dsts: Vec<&mut CudaSlice<f32>> =
+            buffers.tensors.iter_mut().map(|t| &mut t.data).collect();
+        CudaTarget::push_kept_taps(self, kept, &mut dsts, at)?;
+        Ok(kept.rows)
     }
     fn tap_rows(taps: &Taps<DeviceRows>) -> usize {
         taps.tensors.first().map_or(0, |r| r.batch * r.width)

@@ -18,6 +18,15 @@ use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 use crate::engine::InferError;
 use crate::tree::{BeamSearch, BeamStep, DraftStep, push_roots};
 
+/// A plain round's taps on their way into the head's backlog
+/// ([`SpecBackend::forward_deferring_taps`]).
+pub enum DeferredTaps<T: SpecBackend + ?Sized> {
+    /// Taps of their own, as [`SpecBackend::forward`] returns them.
+    Owned(Taps<T::Rows>),
+    /// Taps still where the step wrote them ([`SpecBackend::push_kept_taps`]).
+    Kept(T::KeptTaps),
+}
+
 /// A target model on some device and the EAGLE-3 head type that drafts for it there.
 pub trait SpecBackend {
     /// The EAGLE-3 head on the same device.
@@ -28,6 +37,9 @@ pub trait SpecBackend {
     type Rows;
     /// Device logits `[n, vocab]`.
     type Logits;
+    /// A replayed step's taps left where the step wrote them
+    /// ([`SpecBackend::forward_deferring_taps`]; `Infallible` where a step never keeps any).
+    type KeptTaps;
 
     fn vocab_size(&self) -> usize;
     fn max_positions(&self) -> usize;
@@ -239,6 +251,29 @@ pub trait SpecBackend {
     ) -> Result<(), InferError>;
     /// Rows in a step's taps (`batch * width`).
     fn tap_rows(taps: &Taps<Self::Rows>) -> usize;
+    /// [`SpecBackend::forward`] of a plain round, whose taps only go into the head's backlog
+    /// once the caller has queued its read-back: where the step replayed a CUDA graph its taps
+    /// may stay in the graph's buffers ([`DeferredTaps::Kept`], appended by
+    /// [`SpecBackend::push_kept_taps`] before the next step) instead of being copied out ahead
+    /// of the read-back. By default the taps come back as from `forward`.
+    fn forward_deferring_taps(
+        &self,
+        step: &StepInput,
+        cache: &mut Self::Cache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+    ) -> Result<(Self::Logits, DeferredTaps<Self>), InferError> {
+        let (logits, taps) = self.forward(step, cache, taps, logits_for)?;
+        Ok((logits, DeferredTaps::Owned(taps)))
+    }
+    /// Appends kept taps to `backlog` after its first `at` rows (as
+    /// [`SpecBackend::backlog_push`]); returns the rows appended.
+    fn push_kept_taps(
+        &self,
+        backlog: &mut Option<Taps<Self::Rows>>,
+        at: usize,
+        kept: &Self::KeptTaps,
+    ) -> Result<usize, InferError>;
 
     /// Allocates room for `rows` sequences so joins and leaves up to that many move data in
     /// place (a no-op where buffers do not matter).
