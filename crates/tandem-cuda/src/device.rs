@@ -782,26 +782,8 @@ impl Gpu {
         Ok(self.stream.memcpy_dtod(src, &mut dst.slice_mut(0..n))?)
     }
 
-    /// `dst[at..at + n] = src[..n]` on the GPU.
-    pub fn copy_to_offset<T: DeviceRepr>(
-        &self,
-        src: &CudaSlice<T>,
-        dst: &mut CudaSlice<T>,
-        at: usize,
-        n: usize,
-    ) -> Result<(), CudaError> {
-        assert!(src.len() >= n && dst.len() >= at + n);
-        if n == 0 {
-            return Ok(());
-        }
-        Ok(self
-            .stream
-            .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(at..at + n))?)
-    }
-
     /// `dst[at..at + n] = src[..n]` for every (source, destination) pair, four pairs a launch
-    /// (`copy_f32_pairs` in kernels/llama.cu): what [`Gpu::copy_to_offset`] does pair by pair,
-    /// in one launch instead of one copy each.
+    /// (`copy_f32_pairs` in kernels/llama.cu): one launch instead of one copy per pair.
     pub fn copy_pairs_to_offset(
         &self,
         pairs: &mut [(&CudaSlice<f32>, &mut CudaSlice<f32>)],

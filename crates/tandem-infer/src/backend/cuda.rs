@@ -439,6 +439,7 @@ impl SpecBackend for CudaTarget {
         let gpu = self.gpu();
         let incoming = Self::tap_rows(step);
         let hidden = step.tensors.first().map_or(0, |t| t.hidden);
+        assert!(step.tensors.iter().all(|t| t.hidden == hidden));
         let buffers = grown_backlog(gpu, backlog, &step.taps, hidden, at, at + incoming)?;
         // Every tap in one launch: a plain round with a head pays for it before the next
         // round's step (three copies cost that round ~11 us at c=8, session 42).
@@ -448,7 +449,6 @@ impl SpecBackend for CudaTarget {
             .zip(buffers.tensors.iter_mut())
             .map(|(src, dst)| (&src.data, &mut dst.data))
             .collect();
-        assert!(step.tensors.iter().all(|t| t.hidden == hidden));
         gpu.copy_pairs_to_offset(&mut pairs, at * hidden, incoming * hidden)?;
         Ok(())
     }
