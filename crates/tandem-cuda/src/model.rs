@@ -16,8 +16,8 @@ use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, PeerCache, StepInputs};
 use crate::device::{
-    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
-    QkvInput,
+    Addends, AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS,
+    PersistentStep, QkvInput,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -135,6 +135,9 @@ struct StepBuffers {
     delta: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
     act: CudaSlice<u16>,
+    /// `[rows, heads, hidden]`: o_proj's per-head partials ([`Gpu::attention_o_proj`]), for
+    /// fused steps that take it (one element otherwise).
+    head_partials: CudaSlice<f32>,
     final_normed: CudaSlice<f32>,
     selected: CudaSlice<u16>,
     logits: Option<CudaSlice<f32>>,
@@ -189,6 +192,11 @@ impl StepBuffers {
             delta: gpu.scratch(rows * h)?,
             gate_up: gpu.scratch(rows * 2 * inter)?,
             act: gpu.scratch(rows * inter)?,
+            head_partials: gpu.scratch(if fuses && gpu.attention_o_proj_on() {
+                rows * spec.num_heads * h
+            } else {
+                1
+            })?,
             final_normed: gpu.scratch(rows * h)?,
             selected: gpu.scratch(last_rows * h)?,
             logits: match logits_rows {
@@ -1487,6 +1495,7 @@ impl CudaTarget {
             delta,
             gate_up,
             act,
+            head_partials,
             final_normed,
             last,
             selected,
@@ -1532,6 +1541,9 @@ impl CudaTarget {
         // down_proj added into the residual. Either way `hidden` holds the block's output after
         // each layer.
         let fused = self.fuses(rows);
+        // Buffers sized when the switch was on (a test may turn it off in between).
+        let attention_o_proj =
+            fused && gpu.attention_o_proj_on() && head_partials.len() >= rows * spec.num_heads * h;
         // Fused steps group each row's keys by their order among its visible keys (lists built
         // once a step), so with the fused matrix-vector sums a row's bits do not depend on the
         // step's other rows nor on rejected drafts left in the cache.
@@ -1604,21 +1616,50 @@ impl CudaTarget {
                     scalars,
                 )?;
             }
-            gpu.attention(
-                q,
-                &cache.keys[k],
-                &cache.values[k],
-                &inputs.mask,
-                visible.as_ref().map(|(list, counts)| (list, counts)),
-                attn,
-                shape,
-                total,
-                scalars,
-            )?;
+            // o_proj inside the attention launch, its per-head partials added by the next two
+            // launches, or a launch of its own (`attn` then its input).
+            let addends = match &visible {
+                Some((list, counts)) if attention_o_proj => {
+                    gpu.attention_o_proj(
+                        q,
+                        &cache.keys[k],
+                        &cache.values[k],
+                        &inputs.mask,
+                        (list, counts),
+                        &layer.o,
+                        head_partials,
+                        shape,
+                        h,
+                        total,
+                        scalars,
+                    )?;
+                    Some(Addends {
+                        values: &*head_partials,
+                        count: spec.num_heads,
+                    })
+                }
+                _ => {
+                    gpu.attention(
+                        q,
+                        &cache.keys[k],
+                        &cache.values[k],
+                        &inputs.mask,
+                        visible.as_ref().map(|(list, counts)| (list, counts)),
+                        attn,
+                        shape,
+                        total,
+                        scalars,
+                    )?;
+                    None
+                }
+            };
             if fused {
-                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
+                if addends.is_none() {
+                    gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
+                }
                 gpu.norm_gate_up_silu(
                     hidden,
+                    addends,
                     &layer.post_norm,
                     &layer.gate_up,
                     act,
@@ -1631,7 +1672,7 @@ impl CudaTarget {
                 let slot = hook.first_slot(TapId::Block(k)).filter(|_| !partial_fault);
                 written = slot;
                 let tap = slot.map(|slot| &mut taps[slot]);
-                gpu.gemv_rows_tapped(act, &layer.down, hidden, tap, rows, inter, h, true)?;
+                gpu.gemv_rows_tapped(act, &layer.down, hidden, tap, addends, rows, inter, h, true)?;
             } else {
                 gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
                 self.reduce(delta, rows * h)?;

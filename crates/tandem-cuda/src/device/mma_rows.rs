@@ -12,12 +12,19 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
 
-use super::{GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, mma_attention, mma_source};
+use super::{
+    GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, mma_attention, mma_source, with_attention_block,
+};
 use crate::error::CudaError;
 
 pub(super) const MMA_ROWS_SOURCE: &str = include_str!("../../../../kernels/rows_mma.cu");
+
+/// kernels/rows_mma.cu behind the attention block its `attention_o_proj_mma` runs.
+fn rows_mma_source() -> String {
+    with_attention_block(MMA_ROWS_SOURCE, "rows_mma.cu")
+}
 
 /// Chunks of 32 input values a warp loads at once (`MMA_ROWS_CHUNKS`) and the most warps a
 /// tile's block splits its k range over (`MMA_ROWS_MAX_SPLIT`).
@@ -27,12 +34,13 @@ const MAX_SPLIT: usize = 16;
 /// Static shared memory of a block: one f32 partial tile (4 values a lane) per warp.
 const PARTIAL_BYTES: usize = MAX_SPLIT * 4 * 32 * 4;
 
-/// The four kernels.
+/// The five kernels.
 pub(super) struct MmaRows {
     pub(super) gemv_rows: CudaFunction,
     pub(super) gemv_norm_rows: CudaFunction,
     pub(super) norm_gate_up_silu: CudaFunction,
     pub(super) norm_qkv_rope: CudaFunction,
+    pub(super) attention_o_proj: CudaFunction,
 }
 
 /// `kernels/rows_mma.cu` as PTX: compute_80, or compute_90 with `TANDEM_PDL` when the other
@@ -44,7 +52,7 @@ pub(super) fn compile(programmatic: bool) -> Result<cudarc::nvrtc::Ptx, CudaErro
         ""
     };
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
-        mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", pdl),
+        mma_source(&rows_mma_source(), "rows_mma.cu", pdl),
         cudarc::nvrtc::CompileOptions {
             name: Some("rows_mma.cu".into()),
             arch: Some(if programmatic {
@@ -68,6 +76,7 @@ impl MmaRows {
             gemv_norm_rows: module.load_function("gemv_norm_rows_mma")?,
             norm_gate_up_silu: module.load_function("norm_gate_up_silu_mma")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope_mma")?,
+            attention_o_proj: module.load_function("attention_o_proj_mma")?,
         })
     }
 }
@@ -141,11 +150,121 @@ impl Gpu {
     }
 }
 
+/// Output tiles (16 rows of o_proj) a block of `attention_o_proj_mma` computes: one a warp.
+const ATTENTION_O_PROJ_TILES: usize = super::ATTENTION_THREADS as usize / 32;
+
+/// Blocks of `attention_o_proj_mma` for each row and head: enough for every 16-row tile of
+/// `hidden` outputs, [`ATTENTION_O_PROJ_TILES`] a block (SmolLM2, hidden 576: 36 tiles, 5).
+pub(super) fn attention_o_proj_splits(hidden: usize) -> usize {
+    hidden.div_ceil(16).div_ceil(ATTENTION_O_PROJ_TILES)
+}
+
+impl Gpu {
+    /// Whether fused steps take [`Gpu::attention_o_proj`] (one launch for attention and
+    /// o_proj) where it applies: on unless `TANDEM_CUDA_ATTENTION_O_PROJ=0`, and only with the
+    /// tensor-core kernels. Like the family, a process decides once: o_proj's sums are
+    /// grouped by head, so a row's bits differ from `gemv_rows`'s.
+    pub fn attention_o_proj_on(&self) -> bool {
+        self.attention_o_proj_on.load(Ordering::Relaxed) && self.mma_rows()
+    }
+
+    /// Switches [`Gpu::attention_o_proj_on`] (tests compare the two paths).
+    pub fn set_attention_o_proj(&self, on: bool) {
+        self.attention_o_proj_on.store(on, Ordering::Relaxed);
+    }
+
+    /// Attention of a small step's rows over their visible keys (as [`Gpu::attention`] with
+    /// `visible`: the same bits) and o_proj in the same launch, split by head:
+    /// `partials[r, h, :] = attn[r, h, :] . w_o[:, h * head_dim ..][.., ..head_dim]^T`, to be
+    /// added to the residual in head order by the next launches ([`Addends`] of
+    /// [`Gpu::norm_gate_up_silu`] and of down_proj's [`Gpu::gemv_rows_tapped`]). A fused layer
+    /// is four launches instead of five (`attention_o_proj_mma` in kernels/rows_mma.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_o_proj(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        mask: &CudaSlice<f32>,
+        visible: (&CudaView<'_, i32>, &CudaView<'_, i32>),
+        w_o: &CudaSlice<u16>,
+        partials: &mut CudaSlice<f32>,
+        shape: super::AttentionShape,
+        hidden: usize,
+        total: usize,
+        step_scalars: Option<&CudaView<'_, i32>>,
+    ) -> Result<(), CudaError> {
+        let s = shape;
+        let q_dim = s.heads * s.head_dim;
+        let mma = self
+            .mma_rows
+            .get()
+            .filter(|_| self.attention_o_proj_on())
+            .expect("attention_o_proj needs the tensor-core small steps");
+        assert!(
+            [32, 64, 128, 256].contains(&s.head_dim),
+            "head_dim {}",
+            s.head_dim
+        );
+        assert!(s.heads.is_multiple_of(s.kv_heads) && total <= s.capacity);
+        assert!(hidden > 0 && s.rows() <= GEMV_MAX_ROWS);
+        assert!(q.len() >= s.rows() * q_dim && mask.len() >= s.rows() * total);
+        assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
+        assert!(v_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
+        assert!(w_o.len() >= hidden * q_dim && partials.len() >= s.rows() * s.heads * hidden);
+        let (list, counts) = visible;
+        assert!(list.len() >= s.rows() * s.capacity && counts.len() >= s.rows());
+        let args = super::KernelArgs::default()
+            .buffer(self, q)
+            .buffer(self, k_cache)
+            .buffer(self, v_cache)
+            .buffer(self, mask)
+            .view(self, list)
+            .view(self, counts)
+            .buffer(self, w_o)
+            .buffer(self, partials)
+            .int(s.width)
+            .int(s.heads)
+            .int(s.kv_heads)
+            .int(s.head_dim)
+            .int(s.capacity)
+            .int(total)
+            .float(1.0 / (s.head_dim as f32).sqrt())
+            .optional_view(self, step_scalars)
+            .int(hidden);
+        let warps = super::ATTENTION_THREADS / 32;
+        let head_dim = s.head_dim as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(s.rows() * s.heads).expect("rows x heads fit a grid dimension"),
+                u32::try_from(attention_o_proj_splits(hidden)).expect("splits fit"),
+                1,
+            ),
+            block_dim: (super::ATTENTION_THREADS, 1, 1),
+            // attention_block's partials and query, then the row's head output (bf16).
+            shared_mem_bytes: (warps * (head_dim + 2) + head_dim) * 4 + head_dim * 2,
+        };
+        // SAFETY: the argument list matches `attention_o_proj_mma`'s signature (q, caches,
+        // mask, list, counts, w_o, partials, seven scalars, step scalars, hidden); sizes
+        // asserted; the caches and w_o are whole allocations with rows of whole 32-value
+        // chunks (head_dim % 32 == 0), so every 16-byte load is aligned; output rows past
+        // `hidden` load a valid row and write nothing; lists hold columns below `total`; the
+        // kernel waits (PDL_WAIT) before reading anything but w_o.
+        unsafe {
+            if self.attention_pdl {
+                self.launch_programmatic(&mma.attention_o_proj, cfg, args, s.rows())
+            } else {
+                self.launch_ex(&mma.attention_o_proj, cfg, args, None)
+            }
+        }
+    }
+}
+
 /// Assembles `kernels/rows_mma.cu` to machine code for `arch` (e.g. `sm_90`): its `mma.sync`
 /// is inline PTX, which only ptxas checks (see [`mma_attention::assemble_mma_attention`]).
 pub fn assemble_mma_rows(arch: &str) -> Result<mma_attention::Assembly, CudaError> {
     mma_attention::assemble(
-        &mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", ""),
+        &mma_source(&rows_mma_source(), "rows_mma.cu", ""),
         "rows_mma.cu",
         arch,
     )
@@ -175,6 +294,21 @@ mod tests {
         assert!(!takes(1536, 2));
         // Not whole chunks of 32.
         assert!(!takes(584, 1) && !takes(0, 1));
+    }
+
+    #[test]
+    fn attention_o_proj_blocks_cover_every_output_tile_once() {
+        // (hidden, blocks a row and head): SmolLM2's 576 (36 tiles: four blocks of eight and
+        // one of four), the emulator test's 160, one tile, Qwen2.5-1.5B's 1,536.
+        for (hidden, splits) in [(576, 5), (160, 2), (16, 1), (1536, 12)] {
+            assert_eq!(attention_o_proj_splits(hidden), splits, "hidden {hidden}");
+            let tiles = hidden.div_ceil(16);
+            assert!(splits * ATTENTION_O_PROJ_TILES >= tiles);
+            assert!(
+                (splits - 1) * ATTENTION_O_PROJ_TILES < tiles,
+                "no empty block"
+            );
+        }
     }
 
     #[test]
