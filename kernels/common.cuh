@@ -166,29 +166,6 @@ struct F32Rows {
     }
 };
 
-// x's rows plus `count` addends of each (`addends` [rows, count, n] f32), added in addend
-// order after x: a residual and the per-head o_proj partials `attention_o_proj_mma` leaves,
-// summed the same way (the same bits) by every launch that reads them.
-struct F32RowsPlus {
-    const float* __restrict__ x;
-    const float* __restrict__ addends;
-    int count;
-    __device__ __forceinline__ float4 at(int r, int n, int i) const {
-        float4 v = reinterpret_cast<const float4*>(x + (size_t)r * n)[i];
-        const float4* a = reinterpret_cast<const float4*>(addends + (size_t)r * count * n) + i;
-        const int stride = n >> 2;
-#pragma unroll 8
-        for (int k = 0; k < count; ++k) {
-            const float4 w = a[(size_t)k * stride];
-            v.x += w.x;
-            v.y += w.y;
-            v.z += w.z;
-            v.w += w.w;
-        }
-        return v;
-    }
-};
-
 // The same, of the embedding rows of the step's tokens (bf16, exact in f32): what embed_rows
 // writes, read where it is needed instead of through an f32 copy.
 struct EmbedRows {

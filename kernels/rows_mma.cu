@@ -166,13 +166,9 @@ struct WaitOnly {
 // `tap` (null: none) gets a copy of what y gets: a block's output written into a capture slot
 // by the launch that computes it, so a step with taps has no copy nodes between its launches
 // (a memcpy node costs a launch and ends the chain of programmatic dependent launches).
-// With `accumulate`, `n_addends` more terms of each output ([rows, n_addends, out], e.g. the
-// per-head o_proj partials of attention_o_proj_mma) are added to y first, in order, as
-// F32RowsPlus adds them (the same bits as the norm that read them in the launch before).
 extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
                                          const unsigned short* __restrict__ w,
                                          float* __restrict__ y, float* __restrict__ tap,
-                                         const float* __restrict__ addends, int n_addends,
                                          int rows, int inp, int out, int accumulate) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
@@ -195,13 +191,7 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
                 const int o = o0 + g + (i >= 2 ? 8 : 0);
                 const int r = 2 * t + (i & 1);
                 if (o < out && r < rows) {
-                    float v = y[(size_t)r * out + o];
-                    const float* a = addends + (size_t)r * n_addends * out + o;
-#pragma unroll 8
-                    for (int k = 0; k < n_addends; ++k) {
-                        v += a[(size_t)k * out];
-                    }
-                    prev[i] = v;
+                    prev[i] = y[(size_t)r * out + o];
                 }
             }
         }
@@ -260,12 +250,8 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
 
 // act[r, j] = bf16(silu(gate) * up), as norm_gate_up_silu: a tile is gate rows j0 .. j0 + 7
 // (A rows 0-7) and their up rows inter + j0 .. (A rows 8-15), so a lane holds both of an
-// output. The normed rows are of x plus `n_addends` addends a row ([rows, n_addends, hidden];
-// none: null, 0), added as F32RowsPlus does. Grid: ceil(inter / 8); dynamic shared: rows *
-// hidden bf16.
+// output. Grid: ceil(inter / 8); dynamic shared: rows * hidden bf16.
 extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
-                                                 const float* __restrict__ addends,
-                                                 int n_addends,
                                                  const unsigned short* __restrict__ norm_w,
                                                  const unsigned short* __restrict__ w,
                                                  unsigned short* __restrict__ act, int rows,
@@ -282,12 +268,7 @@ extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
     float c[4];
     auto stage = [&]() {
         PDL_WAIT();
-        if (n_addends > 0) {
-            stage_rms_normed_rows(F32RowsPlus{x, addends, n_addends}, norm_w, xs, rows, hidden,
-                                  eps);
-        } else {
-            stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
-        }
+        stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
     };
     if (!mma_rows_tile(a, none, (size_t)jw, (size_t)(inter + jw), rows, stage, c)) {
         return;
@@ -387,29 +368,25 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
 }
 
 // Attention of row r and head h (block x = r * heads + h; attention_block, the arithmetic of
-// attention_invariant) and that head's share of o_proj for 16 output rows a warp:
-// partials[r, h, o] = attn[r, h, :] . w_o[o, h * head_dim ..][: head_dim], the attention
-// output rounded to bf16 as `attn` holds it. The partials are added to the residual in head
-// order by the launches after (norm_gate_up_silu_mma and the down_proj gemv_rows_mma,
-// `addends`), so o_proj has no launch of its own: a layer of a fused step is four launches.
-// Blocks y = 0 .. ceil(hidden / (16 * warps)) - 1 take the output tiles y * warps + warp; each
-// repeats its row and head's attention (a small step's keys are read from L2) and loads its
-// weight tile before the wait, so the product adds little after the attention. A row's bits
-// depend on its own inputs only (the mma's other columns are zero). Block: ATTENTION_THREADS;
-// dynamic shared: warps * (head_dim + 2) + head_dim f32 (attention_block's), then head_dim
-// bf16. head_dim 32, 64, 128 or 256.
+// attention_invariant) and o_proj in the same launch, so a fused layer is four launches: the
+// block multiplies its head's output (rounded to bf16, as `attn` holds it) by the head's
+// columns of w_o for a range of output rows (block y of gridDim.y: 16-row tiles y * per ..,
+// per = ceil(tiles / gridDim.y), one a warp at a time), writes those per-head partials, and
+// the last of the row's `heads` blocks of range y to arrive (a counter in `arrivals`, left at
+// zero again) adds them to the residual `y` in head order. The sums and their order depend on
+// the shapes only (not on gridDim.y, which the launcher picks by row count, nor on which block
+// arrives last), so a row's bits are the same at every step width. Each warp loads its first
+// tile's weights before the wait. Block: ATTENTION_THREADS; dynamic shared: warps *
+// (head_dim + 2) + head_dim f32 (attention_block's), then head_dim bf16.
 template <int CHUNKS>
-__device__ __forceinline__ void attention_o_proj_chunks(const float* q, const unsigned short* k_cache,
-                                                const unsigned short* v_cache,
-                                                const float* mask, const int* list,
-                                                const int* counts,
-                                                const unsigned short* __restrict__ w_o,
-                                                float* __restrict__ partials, int width,
-                                                int heads, int kv_heads, int head_dim,
-                                                int capacity, int total, float scale,
-                                                const int* step_scalars, int hidden) {
+__device__ __forceinline__ void attention_o_proj_chunks(
+    const float* q, const unsigned short* k_cache, const unsigned short* v_cache,
+    const float* mask, const int* list, const int* counts, const unsigned short* __restrict__ w_o,
+    float* partials, float* y, unsigned int* arrivals, int width, int heads, int kv_heads,
+    int head_dim, int capacity, int total, float scale, const int* step_scalars, int hidden) {
     DYNAMIC_SHARED(uint4, attention_raw);  // uint4: 16-byte aligned, for the row's loads below
     float* attention_shared = reinterpret_cast<float*>(attention_raw);
+    __shared__ int last_to_arrive;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
@@ -417,20 +394,26 @@ __device__ __forceinline__ void attention_o_proj_chunks(const float* q, const un
     const int t = lane & 3;
     const int r = blockIdx.x / heads;
     const int h = blockIdx.x % heads;
-    const int o0 = (blockIdx.y * warps + warp) * 16;
+    const int tiles = (hidden + 15) / 16;
+    const int per = (tiles + gridDim.y - 1) / gridDim.y;
+    const int first = blockIdx.y * per;
+    const int end = min(tiles, first + per);
     const int q_dim = heads * head_dim;
-    // The warp's weight tile: rows o0 + g and o0 + g + 8 (clamped: rows past the end load a
-    // valid row and write nothing), the head's columns, 8 values a lane of each chunk.
+    const size_t col = (size_t)h * head_dim + 8 * t;
+    // Tile `tile`'s weights: rows 16 tile + g and + 8 (clamped: rows past the end load a valid
+    // row and write nothing), the head's columns, 8 values a lane of each chunk.
     uint4 lo[CHUNKS], hi[CHUNKS];
-    {
-        const size_t row_lo = min(o0 + g, hidden - 1);
-        const size_t row_hi = min(o0 + g + 8, hidden - 1);
-        const size_t col = (size_t)h * head_dim + 8 * t;
+    auto load_tile = [&](int tile) {
+        const size_t row_lo = min(tile * 16 + g, hidden - 1);
+        const size_t row_hi = min(tile * 16 + g + 8, hidden - 1);
 #pragma unroll
         for (int u = 0; u < CHUNKS; ++u) {
             lo[u] = __ldg(reinterpret_cast<const uint4*>(w_o + row_lo * q_dim + col + 32 * u));
             hi[u] = __ldg(reinterpret_cast<const uint4*>(w_o + row_hi * q_dim + col + 32 * u));
         }
+    };
+    if (first + warp < end) {
+        load_tile(first + warp);
     }
     PDL_LAUNCH_DEPENDENTS();
     PDL_WAIT();
@@ -446,25 +429,55 @@ __device__ __forceinline__ void attention_o_proj_chunks(const float* q, const un
                     list + (size_t)r * capacity, counts[r], mask + (size_t)r * total, head_dim,
                     attention_shared, q_shared, out_shared);
     __syncthreads();
-    if (o0 >= hidden) {
-        return;
-    }
     // The row is the mma's column 0 (lanes g = 0 load it; the other columns are zeros).
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 xv[CHUNKS];
 #pragma unroll
     for (int u = 0; u < CHUNKS; ++u) {
-        const uint4 xv = g == 0 ? *reinterpret_cast<const uint4*>(out_shared + 32 * u + 8 * t)
-                                : make_uint4(0, 0, 0, 0);
-        mma_pair(c, lo[u], hi[u], xv);
+        xv[u] = g == 0 ? *reinterpret_cast<const uint4*>(out_shared + 32 * u + 8 * t)
+                       : make_uint4(0, 0, 0, 0);
     }
-    if (t == 0) {
-        float* dst = partials + ((size_t)r * heads + h) * hidden;
-        if (o0 + g < hidden) {
-            dst[o0 + g] = c[0];
+    float* dst = partials + ((size_t)r * heads + h) * hidden;
+    for (int tile = first + warp; tile < end; tile += warps) {
+        if (tile != first + warp) {
+            load_tile(tile);
         }
-        if (o0 + g + 8 < hidden) {
-            dst[o0 + g + 8] = c[2];
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int u = 0; u < CHUNKS; ++u) {
+            mma_pair(c, lo[u], hi[u], xv[u]);
         }
+        const int o = tile * 16 + g;
+        if (t == 0) {
+            if (o < hidden) {
+                dst[o] = c[0];
+            }
+            if (o + 8 < hidden) {
+                dst[o + 8] = c[2];
+            }
+        }
+    }
+    // The partials out before the count (the last block reads them through L2).
+    __threadfence();
+    __syncthreads();
+    unsigned int* arrived = arrivals + (size_t)r * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) {
+        last_to_arrive = atomicAdd(arrived, 1u) == (unsigned int)(heads - 1);
+    }
+    __syncthreads();
+    if (!last_to_arrive) {
+        return;
+    }
+    __threadfence();
+    const float* row_partials = partials + (size_t)r * heads * hidden;
+    for (int o = first * 16 + threadIdx.x; o < min(hidden, end * 16); o += blockDim.x) {
+        float v = y[(size_t)r * hidden + o];
+        for (int k = 0; k < heads; ++k) {
+            v += __ldcg(row_partials + (size_t)k * hidden + o);
+        }
+        y[(size_t)r * hidden + o] = v;
+    }
+    if (threadIdx.x == 0) {
+        *arrived = 0;  // ready for the next launch (the next layer, the next replay)
     }
 }
 
@@ -473,23 +486,29 @@ extern "C" __global__ void attention_o_proj_mma(const float* q, const unsigned s
                                                 const float* mask, const int* list,
                                                 const int* counts,
                                                 const unsigned short* __restrict__ w_o,
-                                                float* __restrict__ partials, int width,
-                                                int heads, int kv_heads, int head_dim,
-                                                int capacity, int total, float scale,
+                                                float* partials, float* y,
+                                                unsigned int* arrivals, int width, int heads,
+                                                int kv_heads, int head_dim, int capacity,
+                                                int total, float scale,
                                                 const int* step_scalars, int hidden) {
     // A lane's weight registers hold head_dim / 32 chunks: one instance a head_dim.
+#define ATTENTION_O_PROJ(C)                                                                    \
+    attention_o_proj_chunks<C>(q, k_cache, v_cache, mask, list, counts, w_o, partials, y,      \
+                               arrivals, width, heads, kv_heads, head_dim, capacity, total,    \
+                               scale, step_scalars, hidden)
     switch (head_dim >> 5) {
     case 1:
-        attention_o_proj_chunks<1>(q, k_cache, v_cache, mask, list, counts, w_o, partials, width, heads, kv_heads, head_dim, capacity, total, scale, step_scalars, hidden);
+        ATTENTION_O_PROJ(1);
         break;
     case 2:
-        attention_o_proj_chunks<2>(q, k_cache, v_cache, mask, list, counts, w_o, partials, width, heads, kv_heads, head_dim, capacity, total, scale, step_scalars, hidden);
+        ATTENTION_O_PROJ(2);
         break;
     case 4:
-        attention_o_proj_chunks<4>(q, k_cache, v_cache, mask, list, counts, w_o, partials, width, heads, kv_heads, head_dim, capacity, total, scale, step_scalars, hidden);
+        ATTENTION_O_PROJ(4);
         break;
     default:
-        attention_o_proj_chunks<8>(q, k_cache, v_cache, mask, list, counts, w_o, partials, width, heads, kv_heads, head_dim, capacity, total, scale, step_scalars, hidden);
+        ATTENTION_O_PROJ(8);
         break;
     }
+#undef ATTENTION_O_PROJ
 }

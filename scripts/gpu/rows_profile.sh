@@ -16,7 +16,8 @@
 # NSYS=1: an nsys timeline of 3/1/4 speculative rounds (the raw kernel and API traces come back).
 # AB_ENV="VAR=value ..": each shape's bench (and the adaptive serve at each concurrency) also
 # runs with these variables exported, labelled `ab`: an A/B of one switch in one binary and run.
-# FAST_AB="VAR=value ..": fast-bench (fused) again with these exported, in the same run.
+# FAST_AB="VAR=value ..": fast-bench (fused) again with these exported, in the same run;
+# FAST_AB2 a second such arm, followed by the defaults once more.
 # MMA_AB="N ..": prefill and verify step times with the tensor-core attention for steps of at
 # least N slots a sequence (one arm per N) against the row kernel (fast-bench, same run).
 # AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
@@ -155,6 +156,13 @@ pipeline() {
     if [[ -n "${FAST_AB:-}" ]]; then
       (export $FAST_AB; fused_fast_bench "$T" fast-bench-ab)
       echo "fast-bench with $FAST_AB: exit $?" | tee -a "$R/summary.txt"
+    fi
+    # FAST_AB2: a second arm, then the defaults again (a drift of the card shows between them).
+    if [[ -n "${FAST_AB2:-}" ]]; then
+      (export $FAST_AB2; fused_fast_bench "$T" fast-bench-ab2)
+      echo "fast-bench with $FAST_AB2: exit $?" | tee -a "$R/summary.txt"
+      fused_fast_bench "$T" fast-bench-again
+      echo "fast-bench (defaults again): exit $?" | tee -a "$R/summary.txt"
     fi
     mark "fast-bench done"
   fi
@@ -371,6 +379,9 @@ report() {
   grep -hE "^test .*(FAILED|ok)$|test result|panicked" "$R"/tests-*.log 2>/dev/null | tail -40
   cat "$R/summary.txt" 2>/dev/null
   grep -E "^\|" "$R/fast-bench.md" 2>/dev/null
+  for f in fast-bench-ab fast-bench-ab2 fast-bench-again; do
+    grep -E "^\|" "$R/$f.md" 2>/dev/null | sed "s/^/$f /"
+  done
   grep -E "^\|" "$R/qwen-fast-bench.md" 2>/dev/null | sed 's/^/QWEN /'
   tail -n 12 "$R/hf.log" 2>/dev/null
   head -n 25 "$R"/nsys_cuda_api_sum.csv "$R"/nsys_cuda_gpu_kern_sum.csv 2>/dev/null

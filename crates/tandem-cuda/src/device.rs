@@ -285,14 +285,6 @@ fn pdl_rows(rows: Option<&str>, every_step: Option<&str>, default: usize) -> usi
     }
 }
 
-/// Terms a launch adds to a residual's rows before it reads them: `values` is `[rows, count,
-/// width]` f32, added in order (e.g. [`Gpu::attention_o_proj`]'s per-head partials of o_proj).
-#[derive(Clone, Copy)]
-pub struct Addends<'a> {
-    pub values: &'a CudaSlice<f32>,
-    pub count: usize,
-}
-
 /// The first input of [`Gpu::norm_qkv_rope`].
 #[derive(Clone, Copy)]
 pub enum QkvInput<'a, 'b> {
@@ -1579,15 +1571,13 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        self.gemv_rows_tapped(x, w, y, None, None, rows, inp, out, accumulate)
+        self.gemv_rows_tapped(x, w, y, None, rows, inp, out, accumulate)
     }
 
     /// [`Gpu::gemv_rows`] that also leaves `y`'s first `rows * out` values in `tap` (a capture
     /// slot). The tensor-core kernel writes both from one launch (no copy node in the step's
     /// graph, which would also end its chain of dependent launches); the CUDA-core kernels
-    /// copy after the product. Either way `tap` gets `y`'s bits. `addends` (with
-    /// `accumulate`, on the tensor-core kernel only): terms added to `y` before the product,
-    /// e.g. [`Gpu::attention_o_proj`]'s partials.
+    /// copy after the product. Either way `tap` gets `y`'s bits.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_rows_tapped(
         &self,
@@ -1595,7 +1585,6 @@ impl Gpu {
         w: &CudaSlice<u16>,
         y: &mut CudaSlice<f32>,
         tap: Option<&mut CudaSlice<f32>>,
-        addends: Option<Addends<'_>>,
         rows: usize,
         inp: usize,
         out: usize,
@@ -1605,10 +1594,6 @@ impl Gpu {
             tap.as_ref().is_none_or(|t| t.len() >= rows * out),
             "tap of {rows} x {out}"
         );
-        assert!(
-            addends.is_none_or(|a| accumulate && a.values.len() >= rows * a.count * out),
-            "addends of {rows} x {out}"
-        );
         if let Some(mma) = self.mma_rows_for(inp, 0) {
             assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
             assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
@@ -1617,24 +1602,17 @@ impl Gpu {
                 .buffer(self, w)
                 .buffer(self, y)
                 .optional(self, tap.as_deref())
-                .optional(self, addends.map(|a| a.values))
-                .int(addends.map_or(0, |a| a.count))
                 .int(rows)
                 .int(inp)
                 .int(out)
                 .int(usize::from(accumulate));
             let cfg = mma_rows::config(out.div_ceil(16), inp, 0);
-            // SAFETY: signature (u16*, u16*, f32*, f32* or null, f32* or null, int, int, int,
-            // int, int) of `gemv_rows_mma`; sizes asserted (the tap's and addends' too); inp a
-            // multiple of 32
+            // SAFETY: signature (u16*, u16*, f32*, f32* or null, int, int, int, int) of
+            // `gemv_rows_mma`; sizes asserted (the tap's too); inp a multiple of 32
             // (`mma_rows::takes`), so every 16-byte load is aligned; outputs past `out` load a
             // valid row and write nothing; PDL_WAIT before reading x or y.
             return unsafe { self.launch_programmatic(&mma.gemv_rows, cfg, args, rows) };
         }
-        assert!(
-            addends.is_none(),
-            "addends need the tensor-core small steps"
-        );
         let bucket = gemv_bucket(rows);
         let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
         self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, bucket, outputs)?;
@@ -1767,13 +1745,11 @@ impl Gpu {
     }
 
     /// `act[r, j] = silu(gate) * up` of the gate|up projection of `rms_norm(x[r]) * norm_w`
-    /// (see `norm_gate_up_silu` in kernels/llama.cu). `addends` (the tensor-core kernel only):
-    /// terms added to x's rows before the norm, e.g. [`Gpu::attention_o_proj`]'s partials.
+    /// (see `norm_gate_up_silu` in kernels/llama.cu).
     #[allow(clippy::too_many_arguments)]
     pub fn norm_gate_up_silu(
         &self,
         x: &CudaSlice<f32>,
-        addends: Option<Addends<'_>>,
         norm_w: &CudaSlice<u16>,
         w: &CudaSlice<u16>,
         act: &mut CudaSlice<u16>,
@@ -1785,22 +1761,8 @@ impl Gpu {
         assert!(Self::gemv_fits(rows, hidden, &[inter]));
         assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
         assert!(w.len() >= 2 * inter * hidden && act.len() >= rows * inter);
-        assert!(
-            addends.is_none_or(|a| a.values.len() >= rows * a.count * hidden),
-            "addends of {rows} x {hidden}"
-        );
-        let mma = self.mma_rows_for(hidden, 1);
-        assert!(
-            addends.is_none() || mma.is_some(),
-            "addends need the tensor-core small steps"
-        );
-        let mut args = KernelArgs::default().buffer(self, x);
-        if mma.is_some() {
-            args = args
-                .optional(self, addends.map(|a| a.values))
-                .int(addends.map_or(0, |a| a.count));
-        }
-        let args = args
+        let args = KernelArgs::default()
+            .buffer(self, x)
             .buffer(self, norm_w)
             .buffer(self, w)
             .buffer(self, act)
@@ -1808,7 +1770,7 @@ impl Gpu {
             .int(hidden)
             .int(inter)
             .float(eps);
-        let (func, cfg) = match mma {
+        let (func, cfg) = match self.mma_rows_for(hidden, 1) {
             Some(mma) => (
                 &mma.norm_gate_up_silu,
                 mma_rows::config(inter.div_ceil(8), hidden, rows * hidden * 2),
@@ -1819,9 +1781,9 @@ impl Gpu {
             ),
         };
         // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float) of
-        // `norm_gate_up_silu`, with (f32* or null, int) after x for `norm_gate_up_silu_mma`;
-        // sizes asserted; dynamic shared memory holds rows * hidden bf16 (beside the partial
-        // tiles: `mma_rows::takes`); PDL_WAIT before reading x or the addends.
+        // `norm_gate_up_silu` and `norm_gate_up_silu_mma`; sizes asserted; dynamic shared
+        // memory holds rows * hidden bf16 (beside the partial tiles: `mma_rows::takes`);
+        // PDL_WAIT before reading x.
         unsafe { self.launch_programmatic(func, cfg, args, rows) }
     }
 

@@ -1166,7 +1166,6 @@ impl CudaDraft {
             gpu.gemv_rows(&b.attn, &self.o, &mut b.hidden, rows, q_dim, h, true)?;
             gpu.norm_gate_up_silu(
                 &b.hidden,
-                None,
                 &self.post_norm,
                 &self.gate_up,
                 &mut b.act,

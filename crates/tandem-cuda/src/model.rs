@@ -16,8 +16,8 @@ use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, PeerCache, StepInputs};
 use crate::device::{
-    Addends, AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS,
-    PersistentStep, QkvInput,
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
+    QkvInput,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -135,9 +135,11 @@ struct StepBuffers {
     delta: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
     act: CudaSlice<u16>,
-    /// `[rows, heads, hidden]`: o_proj's per-head partials ([`Gpu::attention_o_proj`]), for
-    /// fused steps that take it (one element otherwise).
+    /// `[rows, heads, hidden]`: o_proj's per-head partials, and `[rows * splits]` zeros: the
+    /// counts of their blocks ([`Gpu::attention_o_proj`]), for fused steps that take it (one
+    /// element each otherwise).
     head_partials: CudaSlice<f32>,
+    head_arrivals: CudaSlice<u32>,
     final_normed: CudaSlice<f32>,
     selected: CudaSlice<u16>,
     logits: Option<CudaSlice<f32>>,
@@ -194,6 +196,11 @@ impl StepBuffers {
             act: gpu.scratch(rows * inter)?,
             head_partials: gpu.scratch(if fuses && gpu.attention_o_proj_on() {
                 rows * spec.num_heads * h
+            } else {
+                1
+            })?,
+            head_arrivals: gpu.zeros(if fuses && gpu.attention_o_proj_on() {
+                rows * gpu.attention_o_proj_splits(h, rows, spec.num_heads)
             } else {
                 1
             })?,
@@ -1496,6 +1503,7 @@ impl CudaTarget {
             gate_up,
             act,
             head_partials,
+            head_arrivals,
             final_normed,
             last,
             selected,
@@ -1616,9 +1624,9 @@ impl CudaTarget {
                     scalars,
                 )?;
             }
-            // o_proj inside the attention launch, its per-head partials added by the next two
-            // launches, or a launch of its own (`attn` then its input).
-            let addends = match &visible {
+            // o_proj added into the residual by the attention launch, or by a launch of its
+            // own (`attn` its input).
+            let o_proj_inside = match &visible {
                 Some((list, counts)) if attention_o_proj => {
                     gpu.attention_o_proj(
                         q,
@@ -1628,15 +1636,14 @@ impl CudaTarget {
                         (list, counts),
                         &layer.o,
                         head_partials,
+                        hidden,
+                        head_arrivals,
                         shape,
                         h,
                         total,
                         scalars,
                     )?;
-                    Some(Addends {
-                        values: &*head_partials,
-                        count: spec.num_heads,
-                    })
+                    true
                 }
                 _ => {
                     gpu.attention(
@@ -1650,16 +1657,15 @@ impl CudaTarget {
                         total,
                         scalars,
                     )?;
-                    None
+                    false
                 }
             };
             if fused {
-                if addends.is_none() {
+                if !o_proj_inside {
                     gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
                 }
                 gpu.norm_gate_up_silu(
                     hidden,
-                    addends,
                     &layer.post_norm,
                     &layer.gate_up,
                     act,
@@ -1672,7 +1678,7 @@ impl CudaTarget {
                 let slot = hook.first_slot(TapId::Block(k)).filter(|_| !partial_fault);
                 written = slot;
                 let tap = slot.map(|slot| &mut taps[slot]);
-                gpu.gemv_rows_tapped(act, &layer.down, hidden, tap, addends, rows, inter, h, true)?;
+                gpu.gemv_rows_tapped(act, &layer.down, hidden, tap, rows, inter, h, true)?;
             } else {
                 gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
                 self.reduce(delta, rows * h)?;

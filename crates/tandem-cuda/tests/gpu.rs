@@ -1439,7 +1439,7 @@ fn tensor_core_small_steps_keep_a_rows_bits_at_every_width() {
     let run = |rows: usize, mma: bool| {
         gpu.set_mma_rows(mma).expect("an sm_80+ GPU");
         let mut act = gpu.zeros::<u16>(8 * inter).unwrap();
-        gpu.norm_gate_up_silu(&xd, None, &normd, &wd, &mut act, rows, hidden, inter, eps)
+        gpu.norm_gate_up_silu(&xd, &normd, &wd, &mut act, rows, hidden, inter, eps)
             .unwrap();
         gpu.set_mma_rows(false).unwrap();
         gpu.download(&act).unwrap()

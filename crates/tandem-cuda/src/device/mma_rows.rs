@@ -150,13 +150,24 @@ impl Gpu {
     }
 }
 
-/// Output tiles (16 rows of o_proj) a block of `attention_o_proj_mma` computes: one a warp.
-const ATTENTION_O_PROJ_TILES: usize = super::ATTENTION_THREADS as usize / 32;
+/// Warps of an `attention_o_proj_mma` block, each multiplying one 16-row tile of o_proj at a
+/// time.
+const ATTENTION_O_PROJ_WARPS: usize = super::ATTENTION_THREADS as usize / 32;
 
-/// Blocks of `attention_o_proj_mma` for each row and head: enough for every 16-row tile of
-/// `hidden` outputs, [`ATTENTION_O_PROJ_TILES`] a block (SmolLM2, hidden 576: 36 tiles, 5).
-pub(super) fn attention_o_proj_splits(hidden: usize) -> usize {
-    hidden.div_ceil(16).div_ceil(ATTENTION_O_PROJ_TILES)
+/// Blocks of `attention_o_proj_mma` for each row and head (its grid's y): as many as the
+/// output tiles (16 rows of `hidden` each) need at one tile a warp, fewer once the step's rows
+/// x heads blocks would pass `sm_count` (warps then take several tiles; every block repeats its
+/// row and head's attention, so more blocks than SMs would run it in waves). SmolLM2 (hidden
+/// 576: 36 tiles, 9 heads) on 132 SMs: 5 at one or two rows, 3 at four, 1 at eight. The bits
+/// do not depend on it: a tile's sums and the residual's are the same whichever block does them.
+pub(super) fn attention_o_proj_splits(
+    hidden: usize,
+    rows: usize,
+    heads: usize,
+    sm_count: usize,
+) -> usize {
+    let most = hidden.div_ceil(16).div_ceil(ATTENTION_O_PROJ_WARPS);
+    (sm_count / (rows * heads).max(1)).clamp(1, most.max(1))
 }
 
 impl Gpu {
@@ -173,12 +184,20 @@ impl Gpu {
         self.attention_o_proj_on.store(on, Ordering::Relaxed);
     }
 
+    /// Blocks a row and head of [`Gpu::attention_o_proj`] for a step of `rows` rows: what its
+    /// `arrivals` needs `rows` times.
+    pub fn attention_o_proj_splits(&self, hidden: usize, rows: usize, heads: usize) -> usize {
+        attention_o_proj_splits(hidden, rows, heads, self.sm_count)
+    }
+
     /// Attention of a small step's rows over their visible keys (as [`Gpu::attention`] with
-    /// `visible`: the same bits) and o_proj in the same launch, split by head:
-    /// `partials[r, h, :] = attn[r, h, :] . w_o[:, h * head_dim ..][.., ..head_dim]^T`, to be
-    /// added to the residual in head order by the next launches ([`Addends`] of
-    /// [`Gpu::norm_gate_up_silu`] and of down_proj's [`Gpu::gemv_rows_tapped`]). A fused layer
-    /// is four launches instead of five (`attention_o_proj_mma` in kernels/rows_mma.cu).
+    /// `visible`: the same bits) and o_proj added into the residual `y` (`[rows, hidden]`) in
+    /// the same launch (`attention_o_proj_mma` in kernels/rows_mma.cu): each (row, head) block
+    /// writes its head's share of o_proj into `partials` (`[rows, heads, hidden]`), and the
+    /// last of a row's head blocks to count itself in `arrivals` (`[rows *
+    /// attention_o_proj_splits]`, zeros, left zeros) adds them in head order. A fused layer is
+    /// four launches instead of five; o_proj's sums are grouped by head, so a row's bits
+    /// differ from `gemv_rows`'s but not with the step's width.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_o_proj(
         &self,
@@ -189,12 +208,15 @@ impl Gpu {
         visible: (&CudaView<'_, i32>, &CudaView<'_, i32>),
         w_o: &CudaSlice<u16>,
         partials: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        arrivals: &mut CudaSlice<u32>,
         shape: super::AttentionShape,
         hidden: usize,
         total: usize,
         step_scalars: Option<&CudaView<'_, i32>>,
     ) -> Result<(), CudaError> {
         let s = shape;
+        let rows = s.rows();
         let q_dim = s.heads * s.head_dim;
         let mma = self
             .mma_rows
@@ -207,13 +229,19 @@ impl Gpu {
             s.head_dim
         );
         assert!(s.heads.is_multiple_of(s.kv_heads) && total <= s.capacity);
-        assert!(hidden > 0 && s.rows() <= GEMV_MAX_ROWS);
-        assert!(q.len() >= s.rows() * q_dim && mask.len() >= s.rows() * total);
+        assert!(hidden > 0 && rows <= GEMV_MAX_ROWS);
+        assert!(q.len() >= rows * q_dim && mask.len() >= rows * total);
         assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
         assert!(v_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
-        assert!(w_o.len() >= hidden * q_dim && partials.len() >= s.rows() * s.heads * hidden);
+        assert!(w_o.len() >= hidden * q_dim && partials.len() >= rows * s.heads * hidden);
+        assert!(y.len() >= rows * hidden);
+        let splits = self.attention_o_proj_splits(hidden, rows, s.heads);
+        assert!(
+            arrivals.len() >= rows * splits,
+            "arrivals of {rows} x {splits}"
+        );
         let (list, counts) = visible;
-        assert!(list.len() >= s.rows() * s.capacity && counts.len() >= s.rows());
+        assert!(list.len() >= rows * s.capacity && counts.len() >= rows);
         let args = super::KernelArgs::default()
             .buffer(self, q)
             .buffer(self, k_cache)
@@ -223,6 +251,8 @@ impl Gpu {
             .view(self, counts)
             .buffer(self, w_o)
             .buffer(self, partials)
+            .buffer(self, y)
+            .buffer(self, arrivals)
             .int(s.width)
             .int(s.heads)
             .int(s.kv_heads)
@@ -236,8 +266,8 @@ impl Gpu {
         let head_dim = s.head_dim as u32;
         let cfg = LaunchConfig {
             grid_dim: (
-                u32::try_from(s.rows() * s.heads).expect("rows x heads fit a grid dimension"),
-                u32::try_from(attention_o_proj_splits(hidden)).expect("splits fit"),
+                u32::try_from(rows * s.heads).expect("rows x heads fit a grid dimension"),
+                u32::try_from(splits).expect("splits fit"),
                 1,
             ),
             block_dim: (super::ATTENTION_THREADS, 1, 1),
@@ -245,14 +275,15 @@ impl Gpu {
             shared_mem_bytes: (warps * (head_dim + 2) + head_dim) * 4 + head_dim * 2,
         };
         // SAFETY: the argument list matches `attention_o_proj_mma`'s signature (q, caches,
-        // mask, list, counts, w_o, partials, seven scalars, step scalars, hidden); sizes
-        // asserted; the caches and w_o are whole allocations with rows of whole 32-value
-        // chunks (head_dim % 32 == 0), so every 16-byte load is aligned; output rows past
-        // `hidden` load a valid row and write nothing; lists hold columns below `total`; the
-        // kernel waits (PDL_WAIT) before reading anything but w_o.
+        // mask, list, counts, w_o, partials, y, arrivals, seven scalars, step scalars,
+        // hidden); sizes asserted; the caches and w_o are whole allocations with rows of whole
+        // 32-value chunks (head_dim % 32 == 0), so every 16-byte load is aligned; output rows
+        // past `hidden` load a valid row and write nothing; lists hold columns below `total`;
+        // `arrivals` holds zeros and is left so; the kernel waits (PDL_WAIT) before reading
+        // anything but w_o.
         unsafe {
             if self.attention_pdl {
-                self.launch_programmatic(&mma.attention_o_proj, cfg, args, s.rows())
+                self.launch_programmatic(&mma.attention_o_proj, cfg, args, rows)
             } else {
                 self.launch_ex(&mma.attention_o_proj, cfg, args, None)
             }
@@ -297,16 +328,30 @@ mod tests {
     }
 
     #[test]
-    fn attention_o_proj_blocks_cover_every_output_tile_once() {
-        // (hidden, blocks a row and head): SmolLM2's 576 (36 tiles: four blocks of eight and
-        // one of four), the emulator test's 160, one tile, Qwen2.5-1.5B's 1,536.
-        for (hidden, splits) in [(576, 5), (160, 2), (16, 1), (1536, 12)] {
-            assert_eq!(attention_o_proj_splits(hidden), splits, "hidden {hidden}");
+    fn attention_o_proj_blocks_cover_every_tile_and_stay_within_the_sms() {
+        // (hidden, rows, heads, SMs, blocks a row and head): SmolLM2 (576: 36 tiles, 9 heads)
+        // on an H100's 132 SMs at 1, 2, 4 and 8 rows; the emulator test's 160; one tile;
+        // a GPU smaller than one block per row and head.
+        for (hidden, rows, heads, sms, splits) in [
+            (576, 1, 9, 132, 5),
+            (576, 2, 9, 132, 5),
+            (576, 4, 9, 132, 3),
+            (576, 8, 9, 132, 1),
+            (160, 1, 3, 132, 2),
+            (16, 1, 9, 132, 1),
+            (576, 8, 9, 16, 1),
+        ] {
+            let got = attention_o_proj_splits(hidden, rows, heads, sms);
+            assert_eq!(got, splits, "hidden {hidden}, {rows} rows, {sms} SMs");
             let tiles = hidden.div_ceil(16);
-            assert!(splits * ATTENTION_O_PROJ_TILES >= tiles);
+            let per = tiles.div_ceil(got);
             assert!(
-                (splits - 1) * ATTENTION_O_PROJ_TILES < tiles,
+                per * got >= tiles && (got - 1) * per < tiles,
                 "no empty block"
+            );
+            assert!(
+                rows * heads * got <= sms.max(rows * heads),
+                "within the SMs"
             );
         }
     }
