@@ -76,7 +76,7 @@ label = "?"
 by = collections.defaultdict(list)
 for i in sorted(kernels):
     k = kernels[i]
-    if k["name"].startswith(("attention_invariant", "attention_o_proj")):
+    if k["name"].startswith("attention_invariant"):
         blocks = int(re.findall(r"[0-9]+", k["grid"])[0])
         label = f"{blocks // heads} rows"
     elif k["name"].startswith("attention"):

@@ -37,24 +37,6 @@ pub use mma_rows::assemble_mma_rows;
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 
-/// One block's attention of a row and head (`attention_block`), shared by llama.cu's
-/// `attention_invariant` and persistent step and rows_mma.cu's `attention_o_proj_mma`, so all
-/// three fold a row's keys with the same arithmetic.
-const ATTENTION_BLOCK_SOURCE: &str = include_str!("../../../kernels/attention_block.cuh");
-
-/// `source` (file `name`) behind `kernels/attention_block.cuh`, each keeping its own line
-/// numbers in compiler messages.
-fn with_attention_block(source: &str, name: &str) -> String {
-    format!(
-        "#line 1 \"attention_block.cuh\"\n{ATTENTION_BLOCK_SOURCE}\n#line 1 \"{name}\"\n{source}"
-    )
-}
-
-/// kernels/llama.cu as NVRTC compiles it (behind the attention block it uses).
-fn llama_source() -> String {
-    with_attention_block(KERNEL_SOURCE, "llama.cu")
-}
-
 /// The helpers every kernel source uses (bf16 conversions, block reductions, block argmax).
 const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
 /// The tensor-core helpers (`mma.sync`) of the sources compiled for sm_80+.
@@ -129,10 +111,10 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
             "libnvrtc (CUDA runtime compiler)",
         ));
     }
-    compile_source(&llama_source(), "llama.cu")?;
-    compile_source_for(&llama_source(), "llama.cu", true, "")?;
+    compile_source(KERNEL_SOURCE, "llama.cu")?;
+    compile_source_for(KERNEL_SOURCE, "llama.cu", true, "")?;
     compile_source_for(
-        &llama_source(),
+        KERNEL_SOURCE,
         "llama.cu",
         false,
         "#define PERSIST_THREADS 256\n",
@@ -388,9 +370,6 @@ pub struct Gpu {
     /// Whether fused steps take them (on sm_80+ unless `TANDEM_CUDA_MMA_ROWS=0`; see
     /// [`mma_rows::enabled`]).
     mma_rows_on: AtomicBool,
-    /// Whether fused steps on the tensor-core kernels run o_proj inside the attention launch
-    /// ([`Gpu::attention_o_proj`]; on unless `TANDEM_CUDA_ATTENTION_O_PROJ=0`).
-    attention_o_proj_on: AtomicBool,
 }
 
 /// A page-locked host buffer and the event recorded after the last copy into it.
@@ -542,7 +521,7 @@ impl Gpu {
             _ => PERSISTENT_WARPS,
         };
         let ptx = compile_source_for(
-            &llama_source(),
+            KERNEL_SOURCE,
             "llama.cu",
             programmatic,
             &format!("#define PERSIST_THREADS {}\n", persistent_warps * 32),
@@ -604,9 +583,6 @@ impl Gpu {
             mma_attention_rows: AtomicUsize::new(mma_attention::MMA_MIN_QUERY_ROWS),
             mma_rows: OnceLock::new(),
             mma_rows_on: AtomicBool::new(false),
-            attention_o_proj_on: AtomicBool::new(
-                std::env::var("TANDEM_CUDA_ATTENTION_O_PROJ").map_or(true, |v| v.trim() != "0"),
-            ),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         let (compute_major, _) = gpu.ctx.compute_capability()?;

@@ -135,11 +135,6 @@ struct StepBuffers {
     delta: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
     act: CudaSlice<u16>,
-    /// `[rows, heads, hidden]`: o_proj's per-head partials, and `[rows * splits]` zeros: the
-    /// counts of their blocks ([`Gpu::attention_o_proj`]), for fused steps that take it (one
-    /// element each otherwise).
-    head_partials: CudaSlice<f32>,
-    head_arrivals: CudaSlice<u32>,
     final_normed: CudaSlice<f32>,
     selected: CudaSlice<u16>,
     logits: Option<CudaSlice<f32>>,
@@ -194,16 +189,6 @@ impl StepBuffers {
             delta: gpu.scratch(rows * h)?,
             gate_up: gpu.scratch(rows * 2 * inter)?,
             act: gpu.scratch(rows * inter)?,
-            head_partials: gpu.scratch(if fuses && gpu.attention_o_proj_on() {
-                rows * spec.num_heads * h
-            } else {
-                1
-            })?,
-            head_arrivals: gpu.zeros(if fuses && gpu.attention_o_proj_on() {
-                rows * gpu.attention_o_proj_splits(h, rows, spec.num_heads)
-            } else {
-                1
-            })?,
             final_normed: gpu.scratch(rows * h)?,
             selected: gpu.scratch(last_rows * h)?,
             logits: match logits_rows {
@@ -1502,8 +1487,6 @@ impl CudaTarget {
             delta,
             gate_up,
             act,
-            head_partials,
-            head_arrivals,
             final_normed,
             last,
             selected,
@@ -1549,9 +1532,6 @@ impl CudaTarget {
         // down_proj added into the residual. Either way `hidden` holds the block's output after
         // each layer.
         let fused = self.fuses(rows);
-        // Buffers sized when the switch was on (a test may turn it off in between).
-        let attention_o_proj =
-            fused && gpu.attention_o_proj_on() && head_partials.len() >= rows * spec.num_heads * h;
         // Fused steps group each row's keys by their order among its visible keys (lists built
         // once a step), so with the fused matrix-vector sums a row's bits do not depend on the
         // step's other rows nor on rejected drafts left in the cache.
@@ -1624,46 +1604,19 @@ impl CudaTarget {
                     scalars,
                 )?;
             }
-            // o_proj added into the residual by the attention launch, or by a launch of its
-            // own (`attn` its input).
-            let o_proj_inside = match &visible {
-                Some((list, counts)) if attention_o_proj => {
-                    gpu.attention_o_proj(
-                        q,
-                        &cache.keys[k],
-                        &cache.values[k],
-                        &inputs.mask,
-                        (list, counts),
-                        &layer.o,
-                        head_partials,
-                        hidden,
-                        head_arrivals,
-                        shape,
-                        h,
-                        total,
-                        scalars,
-                    )?;
-                    true
-                }
-                _ => {
-                    gpu.attention(
-                        q,
-                        &cache.keys[k],
-                        &cache.values[k],
-                        &inputs.mask,
-                        visible.as_ref().map(|(list, counts)| (list, counts)),
-                        attn,
-                        shape,
-                        total,
-                        scalars,
-                    )?;
-                    false
-                }
-            };
+            gpu.attention(
+                q,
+                &cache.keys[k],
+                &cache.values[k],
+                &inputs.mask,
+                visible.as_ref().map(|(list, counts)| (list, counts)),
+                attn,
+                shape,
+                total,
+                scalars,
+            )?;
             if fused {
-                if !o_proj_inside {
-                    gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
-                }
+                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
                 gpu.norm_gate_up_silu(
                     hidden,
                     &layer.post_norm,

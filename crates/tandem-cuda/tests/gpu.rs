@@ -919,22 +919,12 @@ fn fused_small_steps_match_the_unfused_kernels() {
 #[ignore = "needs an NVIDIA GPU"]
 fn tensor_core_small_steps_match_the_unfused_kernels() {
     // The same with the fused steps' products on the tensor cores (kernels/rows_mma.cu,
-    // `TANDEM_CUDA_MMA_ROWS=1`): q|k|v with RoPE and the cache write, attention with o_proj
-    // in the same launch (its per-head partials added by gate|up's norm and by down_proj),
-    // gate|up with SwiGLU, down_proj and the logits, at every row count the fused path takes,
-    // at head_dim 32 and 64 (SmolLM2's); then with o_proj in a launch of its own
-    // (`TANDEM_CUDA_ATTENTION_O_PROJ=0`).
-    for (head_dim, o_proj_inside, mode) in [
-        (32, true, "fused, tensor cores"),
-        (64, true, "fused, tensor cores"),
-        (64, false, "fused, tensor cores, o_proj launched alone"),
-    ] {
-        small_steps_match_the_unfused_kernels(mode, head_dim, false, |t| {
-            t.gpu().set_mma_rows(true).expect("an sm_80+ GPU");
-            t.gpu().set_attention_o_proj(o_proj_inside);
-            t.set_fused_rows(tandem_cuda::GEMV_MAX_ROWS)
-        });
-    }
+    // `TANDEM_CUDA_MMA_ROWS=1`): q|k|v with RoPE and the cache write, o_proj, gate|up with
+    // SwiGLU, down_proj and the logits, at every row count the fused path takes.
+    small_steps_match_the_unfused_kernels("fused, tensor cores", 32, false, |t| {
+        t.gpu().set_mma_rows(true).expect("an sm_80+ GPU");
+        t.set_fused_rows(tandem_cuda::GEMV_MAX_ROWS)
+    });
 }
 
 #[test]

@@ -12,19 +12,12 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
-use super::{
-    GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, mma_attention, mma_source, with_attention_block,
-};
+use super::{GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, mma_attention, mma_source};
 use crate::error::CudaError;
 
 pub(super) const MMA_ROWS_SOURCE: &str = include_str!("../../../../kernels/rows_mma.cu");
-
-/// kernels/rows_mma.cu behind the attention block its `attention_o_proj_mma` runs.
-fn rows_mma_source() -> String {
-    with_attention_block(MMA_ROWS_SOURCE, "rows_mma.cu")
-}
 
 /// Chunks of 32 input values a warp loads at once (`MMA_ROWS_CHUNKS`) and the most warps a
 /// tile's block splits its k range over (`MMA_ROWS_MAX_SPLIT`).
@@ -34,13 +27,12 @@ const MAX_SPLIT: usize = 16;
 /// Static shared memory of a block: one f32 partial tile (4 values a lane) per warp.
 const PARTIAL_BYTES: usize = MAX_SPLIT * 4 * 32 * 4;
 
-/// The five kernels.
+/// The four kernels.
 pub(super) struct MmaRows {
     pub(super) gemv_rows: CudaFunction,
     pub(super) gemv_norm_rows: CudaFunction,
     pub(super) norm_gate_up_silu: CudaFunction,
     pub(super) norm_qkv_rope: CudaFunction,
-    pub(super) attention_o_proj: CudaFunction,
 }
 
 /// `kernels/rows_mma.cu` as PTX: compute_80, or compute_90 with `TANDEM_PDL` when the other
@@ -52,7 +44,7 @@ pub(super) fn compile(programmatic: bool) -> Result<cudarc::nvrtc::Ptx, CudaErro
         ""
     };
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
-        mma_source(&rows_mma_source(), "rows_mma.cu", pdl),
+        mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", pdl),
         cudarc::nvrtc::CompileOptions {
             name: Some("rows_mma.cu".into()),
             arch: Some(if programmatic {
@@ -76,7 +68,6 @@ impl MmaRows {
             gemv_norm_rows: module.load_function("gemv_norm_rows_mma")?,
             norm_gate_up_silu: module.load_function("norm_gate_up_silu_mma")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope_mma")?,
-            attention_o_proj: module.load_function("attention_o_proj_mma")?,
         })
     }
 }
@@ -150,152 +141,11 @@ impl Gpu {
     }
 }
 
-/// Warps of an `attention_o_proj_mma` block, each multiplying one 16-row tile of o_proj at a
-/// time.
-const ATTENTION_O_PROJ_WARPS: usize = super::ATTENTION_THREADS as usize / 32;
-
-/// Blocks of `attention_o_proj_mma` for each row and head (its grid's y): as many as the
-/// output tiles (16 rows of `hidden` each) need at one tile a warp, fewer once the step's rows
-/// x heads blocks would pass `sm_count` (warps then take several tiles; every block repeats its
-/// row and head's attention, so more blocks than SMs would run it in waves). SmolLM2 (hidden
-/// 576: 36 tiles, 9 heads) on 132 SMs: 5 at one or two rows, 3 at four, 1 at eight. The bits
-/// do not depend on it: a tile's sums and the residual's are the same whichever block does them.
-pub(super) fn attention_o_proj_splits(
-    hidden: usize,
-    rows: usize,
-    heads: usize,
-    sm_count: usize,
-) -> usize {
-    let most = hidden.div_ceil(16).div_ceil(ATTENTION_O_PROJ_WARPS);
-    (sm_count / (rows * heads).max(1)).clamp(1, most.max(1))
-}
-
-impl Gpu {
-    /// Whether fused steps take [`Gpu::attention_o_proj`] (one launch for attention and
-    /// o_proj) where it applies: on unless `TANDEM_CUDA_ATTENTION_O_PROJ=0`, and only with the
-    /// tensor-core kernels. Like the family, a process decides once: o_proj's sums are
-    /// grouped by head, so a row's bits differ from `gemv_rows`'s.
-    pub fn attention_o_proj_on(&self) -> bool {
-        self.attention_o_proj_on.load(Ordering::Relaxed) && self.mma_rows()
-    }
-
-    /// Switches [`Gpu::attention_o_proj_on`] (tests compare the two paths).
-    pub fn set_attention_o_proj(&self, on: bool) {
-        self.attention_o_proj_on.store(on, Ordering::Relaxed);
-    }
-
-    /// Blocks a row and head of [`Gpu::attention_o_proj`] for a step of `rows` rows: what its
-    /// `arrivals` needs `rows` times.
-    pub fn attention_o_proj_splits(&self, hidden: usize, rows: usize, heads: usize) -> usize {
-        attention_o_proj_splits(hidden, rows, heads, self.sm_count)
-    }
-
-    /// Attention of a small step's rows over their visible keys (as [`Gpu::attention`] with
-    /// `visible`: the same bits) and o_proj added into the residual `y` (`[rows, hidden]`) in
-    /// the same launch (`attention_o_proj_mma` in kernels/rows_mma.cu): each (row, head) block
-    /// writes its head's share of o_proj into `partials` (`[rows, heads, hidden]`), and the
-    /// last of a row's head blocks to count itself in `arrivals` (`[rows *
-    /// attention_o_proj_splits]`, zeros, left zeros) adds them in head order. A fused layer is
-    /// four launches instead of five; o_proj's sums are grouped by head, so a row's bits
-    /// differ from `gemv_rows`'s but not with the step's width.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_o_proj(
-        &self,
-        q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<u16>,
-        v_cache: &CudaSlice<u16>,
-        mask: &CudaSlice<f32>,
-        visible: (&CudaView<'_, i32>, &CudaView<'_, i32>),
-        w_o: &CudaSlice<u16>,
-        partials: &mut CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
-        arrivals: &mut CudaSlice<u32>,
-        shape: super::AttentionShape,
-        hidden: usize,
-        total: usize,
-        step_scalars: Option<&CudaView<'_, i32>>,
-    ) -> Result<(), CudaError> {
-        let s = shape;
-        let rows = s.rows();
-        let q_dim = s.heads * s.head_dim;
-        let mma = self
-            .mma_rows
-            .get()
-            .filter(|_| self.attention_o_proj_on())
-            .expect("attention_o_proj needs the tensor-core small steps");
-        assert!(
-            [32, 64, 128, 256].contains(&s.head_dim),
-            "head_dim {}",
-            s.head_dim
-        );
-        assert!(s.heads.is_multiple_of(s.kv_heads) && total <= s.capacity);
-        assert!(hidden > 0 && rows <= GEMV_MAX_ROWS);
-        assert!(q.len() >= rows * q_dim && mask.len() >= rows * total);
-        assert!(k_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
-        assert!(v_cache.len() >= s.batch * s.kv_heads * s.capacity * s.head_dim);
-        assert!(w_o.len() >= hidden * q_dim && partials.len() >= rows * s.heads * hidden);
-        assert!(y.len() >= rows * hidden);
-        let splits = self.attention_o_proj_splits(hidden, rows, s.heads);
-        assert!(
-            arrivals.len() >= rows * splits,
-            "arrivals of {rows} x {splits}"
-        );
-        let (list, counts) = visible;
-        assert!(list.len() >= rows * s.capacity && counts.len() >= rows);
-        let args = super::KernelArgs::default()
-            .buffer(self, q)
-            .buffer(self, k_cache)
-            .buffer(self, v_cache)
-            .buffer(self, mask)
-            .view(self, list)
-            .view(self, counts)
-            .buffer(self, w_o)
-            .buffer(self, partials)
-            .buffer(self, y)
-            .buffer(self, arrivals)
-            .int(s.width)
-            .int(s.heads)
-            .int(s.kv_heads)
-            .int(s.head_dim)
-            .int(s.capacity)
-            .int(total)
-            .float(1.0 / (s.head_dim as f32).sqrt())
-            .optional_view(self, step_scalars)
-            .int(hidden);
-        let warps = super::ATTENTION_THREADS / 32;
-        let head_dim = s.head_dim as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(rows * s.heads).expect("rows x heads fit a grid dimension"),
-                u32::try_from(splits).expect("splits fit"),
-                1,
-            ),
-            block_dim: (super::ATTENTION_THREADS, 1, 1),
-            // attention_block's partials and query, then the row's head output (bf16).
-            shared_mem_bytes: (warps * (head_dim + 2) + head_dim) * 4 + head_dim * 2,
-        };
-        // SAFETY: the argument list matches `attention_o_proj_mma`'s signature (q, caches,
-        // mask, list, counts, w_o, partials, y, arrivals, seven scalars, step scalars,
-        // hidden); sizes asserted; the caches and w_o are whole allocations with rows of whole
-        // 32-value chunks (head_dim % 32 == 0), so every 16-byte load is aligned; output rows
-        // past `hidden` load a valid row and write nothing; lists hold columns below `total`;
-        // `arrivals` holds zeros and is left so; the kernel waits (PDL_WAIT) before reading
-        // anything but w_o.
-        unsafe {
-            if self.attention_pdl {
-                self.launch_programmatic(&mma.attention_o_proj, cfg, args, rows)
-            } else {
-                self.launch_ex(&mma.attention_o_proj, cfg, args, None)
-            }
-        }
-    }
-}
-
 /// Assembles `kernels/rows_mma.cu` to machine code for `arch` (e.g. `sm_90`): its `mma.sync`
 /// is inline PTX, which only ptxas checks (see [`mma_attention::assemble_mma_attention`]).
 pub fn assemble_mma_rows(arch: &str) -> Result<mma_attention::Assembly, CudaError> {
     mma_attention::assemble(
-        &mma_source(&rows_mma_source(), "rows_mma.cu", ""),
+        &mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", ""),
         "rows_mma.cu",
         arch,
     )
@@ -325,35 +175,6 @@ mod tests {
         assert!(!takes(1536, 2));
         // Not whole chunks of 32.
         assert!(!takes(584, 1) && !takes(0, 1));
-    }
-
-    #[test]
-    fn attention_o_proj_blocks_cover_every_tile_and_stay_within_the_sms() {
-        // (hidden, rows, heads, SMs, blocks a row and head): SmolLM2 (576: 36 tiles, 9 heads)
-        // on an H100's 132 SMs at 1, 2, 4 and 8 rows; the emulator test's 160; one tile;
-        // a GPU smaller than one block per row and head.
-        for (hidden, rows, heads, sms, splits) in [
-            (576, 1, 9, 132, 5),
-            (576, 2, 9, 132, 5),
-            (576, 4, 9, 132, 3),
-            (576, 8, 9, 132, 1),
-            (160, 1, 3, 132, 2),
-            (16, 1, 9, 132, 1),
-            (576, 8, 9, 16, 1),
-        ] {
-            let got = attention_o_proj_splits(hidden, rows, heads, sms);
-            assert_eq!(got, splits, "hidden {hidden}, {rows} rows, {sms} SMs");
-            let tiles = hidden.div_ceil(16);
-            let per = tiles.div_ceil(got);
-            assert!(
-                per * got >= tiles && (got - 1) * per < tiles,
-                "no empty block"
-            );
-            assert!(
-                rows * heads * got <= sms.max(rows * heads),
-                "within the SMs"
-            );
-        }
     }
 
     #[test]

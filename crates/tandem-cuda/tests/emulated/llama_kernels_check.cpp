@@ -18,7 +18,6 @@
 #define PERSIST_THREADS 512
 #include "common.cuh"
 #include "mma.cuh"
-#include "attention_block.cuh"
 #include "llama.cu"
 #include "attention_mma.cu"
 #include "host_reference.h"

@@ -13,7 +13,6 @@
 #define PERSIST_THREADS 512
 #include "common.cuh"
 #include "mma.cuh"
-#include "attention_block.cuh"
 #include "llama.cu"
 #include "rows_mma.cu"
 #include "host_reference.h"
@@ -227,108 +226,6 @@ static bool check_qkv_rope(std::mt19937& rng, bool head) {
                   worst_q <= 2e-4 && worst_kv <= 1e-2 && written, detail);
 }
 
-// attention_o_proj_mma (attention and o_proj in one launch, o_proj's sums split by head and
-// added into the residual by the last head block of a row to arrive) against
-// attention_invariant's bf16 output times w_o in double precision, added to the residual, with
-// rejected drafts hidden between a row's keys; a row's residual the same bits alone and as one
-// row of four, and with one, two or three blocks a head (the launcher picks by row count);
-// the arrival counts left at zero. Launches as `Gpu::attention_o_proj`: (rows * heads, splits)
-// blocks of ATTENTION_THREADS; hidden 160 is ten tiles: 8 + 2, or 4 + 4 + 2 at three.
-static bool check_attention_o_proj(std::mt19937& rng) {
-    const int heads = 3, kv_heads = 1, hd = 64, capacity = 64, hidden = 160;
-    const int q_dim = heads * hd;
-    const unsigned int threads = 256, warps = threads / 32;
-    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-    const auto w_o = random_bf16(rng, static_cast<size_t>(hidden) * q_dim, 0.2f);
-    const int seen = 45;
-    std::vector<int> columns;  // our row's visible columns: rejected drafts between them
-    for (int i = 0, c = 0; i < seen; ++i, ++c) {
-        if (i == 13) c += 3;
-        if (i == 30) c += 2;
-        columns.push_back(c);
-    }
-    const int total = columns.back() + 2;
-    std::vector<unsigned short> k(kv_heads * capacity * hd), v(k.size());
-    for (auto& x : k) x = to_bf16(uni(rng));
-    for (auto& x : v) x = to_bf16(uni(rng));
-    std::vector<float> q_row(q_dim);
-    for (auto& x : q_row) x = uni(rng) * 3.0f;
-    const auto y_row = random_f32(rng, hidden);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    struct Run {
-        std::vector<float> y;              // the residual after the launch, [width, hidden]
-        std::vector<float> y0;             // before it
-        std::vector<unsigned short> attn;  // attention_invariant's [width, heads, hd]
-        bool counts_zero;
-    };
-    // One step of `width` rows of one sequence; row `at` is ours, the others random.
-    auto run = [&](int width, int at, unsigned int splits) {
-        std::mt19937 others(7);  // the other rows: the same in every run of one width
-        std::uniform_real_distribution<float> u2(-1.0f, 1.0f);
-        std::vector<float> q(width * q_dim);
-        for (auto& x : q) x = u2(others);
-        std::copy(q_row.begin(), q_row.end(), q.begin() + at * q_dim);
-        std::vector<float> y(width * hidden);
-        for (auto& x : y) x = u2(others);
-        std::copy(y_row.begin(), y_row.end(), y.begin() + at * hidden);
-        std::vector<float> mask(width * total, NEG_INF);
-        for (int r = 0; r < width; ++r)
-            for (int j = 0; j < total; ++j)
-                if (r != at && (j + r) % 3 != 0) mask[r * total + j] = 0.0f;
-        for (int c : columns) mask[at * total + c] = 0.0f;
-        std::vector<int> list(width * capacity), counts(width);
-        emu_launch(EmuDim3{static_cast<unsigned int>(width), 1, 1}, EmuDim3{32, 1, 1}, 0, [&] {
-            visible_columns(mask.data(), list.data(), counts.data(), total, capacity, nullptr);
-        });
-        Run out{y, y, std::vector<unsigned short>(width * q_dim), true};
-        std::vector<float> partials(static_cast<size_t>(width) * heads * hidden, NAN);
-        std::vector<unsigned int> arrivals(width * splits, 0);
-        const size_t shared = (warps * (hd + 2) + hd) * 4;
-        emu_launch(EmuDim3{static_cast<unsigned int>(width * heads), splits, 1}, EmuDim3{threads, 1, 1},
-                   shared + hd * 2, [&] {
-                       attention_o_proj_mma(q.data(), k.data(), v.data(), mask.data(), list.data(),
-                                            counts.data(), w_o.data(), partials.data(), out.y.data(),
-                                            arrivals.data(), width, heads, kv_heads, hd, capacity,
-                                            total, scale, nullptr, hidden);
-                   });
-        for (unsigned int a : arrivals) out.counts_zero &= a == 0;
-        emu_launch(EmuDim3{static_cast<unsigned int>(width * heads), 1, 1}, EmuDim3{threads, 1, 1},
-                   shared, [&] {
-                       attention_invariant(q.data(), k.data(), v.data(), mask.data(), list.data(),
-                                           counts.data(), out.attn.data(), width, heads, kv_heads,
-                                           hd, capacity, total, scale, nullptr);
-                   });
-        return out;
-    };
-    const Run alone = run(1, 0, 2), alone3 = run(1, 0, 3), among = run(4, 2, 1);
-    double worst = 0.0;
-    bool counts_zero = true;
-    for (const auto* step : {&alone, &alone3, &among}) {
-        const int width = step == &among ? 4 : 1;
-        counts_zero &= step->counts_zero;
-        for (int r = 0; r < width; ++r)
-            for (int o = 0; o < hidden; ++o) {
-                double want = step->y0[r * hidden + o];
-                for (int h = 0; h < heads; ++h)
-                    for (int d = 0; d < hd; ++d)
-                        want += static_cast<double>(from_bf16(step->attn[(r * heads + h) * hd + d])) *
-                                from_bf16(w_o[static_cast<size_t>(o) * q_dim + h * hd + d]);
-                const float got = step->y[r * hidden + o];
-                worst = std::max(worst, std::isnan(got) ? 1e9 : std::fabs(got - want));
-            }
-    }
-    const bool same_bits =
-        std::memcmp(alone.y.data(), among.y.data() + 2 * hidden, hidden * sizeof(float)) == 0 &&
-        std::memcmp(alone.y.data(), alone3.y.data(), hidden * sizeof(float)) == 0;
-    char detail[160];
-    std::snprintf(detail, sizeof detail, "(1 and 4 rows; max |error| %.1e, tolerance 1e-4)", worst);
-    bool ok = report("attention_o_proj_mma: residual + attention_invariant's output . w_o",
-                     worst <= 1e-4 && counts_zero, detail);
-    ok &= report("attention_o_proj_mma: a row's bits alone, among four, at 1-3 blocks a head",
-                 same_bits, "");
-    return ok;
-}
-
 int main() {
     std::mt19937 rng(38);
     bool ok = check_gemv(rng);
@@ -336,6 +233,5 @@ int main() {
     ok = check_gate_up(rng) && ok;
     ok = check_qkv_rope(rng, false) && ok;
     ok = check_qkv_rope(rng, true) && ok;
-    ok = check_attention_o_proj(rng) && ok;
     return ok ? 0 : 1;
 }
