@@ -1620,11 +1620,19 @@ __device__ void attention_block(const float* q, float scale, const unsigned shor
     const int warps = blockDim.x >> 5;
     const int dims = head_dim >> 5;
     const int partial_width = head_dim + 2;
+    const int chunks = (count + 31) / 32;
+    // The lane's key column of chunk c (its chunk's last one past the end): read a group ahead,
+    // so the first group's columns travel with the query (both trips to L2, neither waiting for
+    // the other) and a later group's while the one before computes. Only the order of the loads
+    // changes, not what is summed.
+    auto column = [&](int c) {
+        return c < chunks ? __ldcg(list + c * 32 + min(lane, min(32, count - c * 32) - 1)) : 0;
+    };
+    int j = column(warp);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         q_shared[d] = __ldcg(q + d) * scale;
     }
     __syncthreads();
-    const int chunks = (count + 31) / 32;
     float m_run = NEG_INF;
     float l_run = 0.0f;
     float o[PERSIST_MAX_DIMS];
@@ -1634,9 +1642,9 @@ __device__ void attention_block(const float* q, float scale, const unsigned shor
     }
     for (int g = 0; g < chunks; g += warps) {
         const int c = g + warp;
+        const int j_next = column(c + warps);
         if (c < chunks) {
             const int n = min(32, count - c * 32);
-            const int j = __ldcg(list + c * 32 + min(lane, n - 1));
             float* part = shared_partials + warp * partial_width;
             switch (dims) {
             case 1:
@@ -1660,6 +1668,7 @@ __device__ void attention_block(const float* q, float scale, const unsigned shor
             }
         }
         __syncthreads();
+        j = j_next;
     }
     if (warp == 0) {
 #pragma unroll
