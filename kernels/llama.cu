@@ -1607,36 +1607,20 @@ __device__ __forceinline__ void attention_fold(const float* part, int dims, floa
 }
 
 // One (row, head)'s attention by a whole block: its warps take chunks of 32 of the row's
-// visible keys (`list`, `count`; `list_len` entries of `list` may be read), PERSIST-style, a
-// group of one chunk per warp at a time, and warp 0 folds each group's partials in chunk
-// order; warp 0 writes the bf16 output to `dst`. `q` the row and head's query (read through
-// L2), `shared_partials` warps * (head_dim + 2) f32 and `q_shared` head_dim f32 in shared
-// memory.
+// visible keys (`list`, `count`), PERSIST-style, a group of one chunk per warp at a time, and
+// warp 0 folds each group's partials in chunk order; warp 0 writes the bf16 output to `dst`.
+// `q` the row and head's query (read through L2), `shared_partials` warps * (head_dim + 2)
+// f32 and `q_shared` head_dim f32 in shared memory.
 __device__ void attention_block(const float* q, float scale, const unsigned short* k_cache,
                                 const unsigned short* v_cache, size_t base, const int* list,
-                                int list_len, int count, const float* mask_row, int head_dim,
+                                int count, const float* mask_row, int head_dim,
                                 float* shared_partials, float* q_shared, unsigned short* dst) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const int dims = head_dim >> 5;
     const int partial_width = head_dim + 2;
-    // Entry c * 32 + lane of the list (chunk c's column of this lane), read a group ahead and
-    // without waiting for `count`: the first group's entries travel with the query and the
-    // count (one trip to L2 for all three instead of a trip for the entries after the count),
-    // a later group's while the one before computes. Lanes past a chunk's end take its last
-    // column by a shuffle where the chunk is used. Only the order of the loads changes, not
-    // what is summed.
-    auto column = [&](int c) {
-        const int i = c * 32 + lane;
-        return i < list_len ? __ldcg(list + i) : 0;
-    };
-    const float q_own = (int)threadIdx.x < head_dim ? __ldcg(q + threadIdx.x) : 0.0f;
-    int j_raw = column(warp);
-    if ((int)threadIdx.x < head_dim) {
-        q_shared[threadIdx.x] = q_own * scale;
-    }
-    for (int d = threadIdx.x + blockDim.x; d < head_dim; d += blockDim.x) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         q_shared[d] = __ldcg(q + d) * scale;
     }
     __syncthreads();
@@ -1650,10 +1634,9 @@ __device__ void attention_block(const float* q, float scale, const unsigned shor
     }
     for (int g = 0; g < chunks; g += warps) {
         const int c = g + warp;
-        const int j_next = c + warps < chunks ? column(c + warps) : 0;
         if (c < chunks) {
             const int n = min(32, count - c * 32);
-            const int j = __shfl_sync(0xffffffffu, j_raw, min(lane, n - 1));
+            const int j = __ldcg(list + c * 32 + min(lane, n - 1));
             float* part = shared_partials + warp * partial_width;
             switch (dims) {
             case 1:
@@ -1677,7 +1660,6 @@ __device__ void attention_block(const float* q, float scale, const unsigned shor
             }
         }
         __syncthreads();
-        j_raw = j_next;
     }
     if (warp == 0) {
 #pragma unroll
@@ -1807,7 +1789,7 @@ persistent_step(const unsigned long long* __restrict__ table, int tap_slots,
             const int kvh = h / (heads / kv_heads);
             attention_block(q + (size_t)rh * head_dim, scale, layer.k_cache, layer.v_cache,
                             ((size_t)b * kv_heads + kvh) * capacity * head_dim,
-                            visible + (size_t)r * capacity, capacity, __ldcg(counts + r),
+                            visible + (size_t)r * capacity, __ldcg(counts + r),
                             mask + (size_t)r * total, head_dim, attention_partials, q_shared,
                             attn + (size_t)r * q_dim + h * head_dim);
         }
@@ -1981,8 +1963,7 @@ extern "C" __global__ void attention_invariant(const float* q, const unsigned sh
     const int kvh = h / (heads / kv_heads);
     attention_block(q + ((size_t)r * heads + h) * head_dim, scale, k_cache, v_cache,
                     ((size_t)b * kv_heads + kvh) * capacity * head_dim,
-                    list + (size_t)r * capacity, capacity, counts[r], mask + (size_t)r * total,
-                    head_dim,
+                    list + (size_t)r * capacity, counts[r], mask + (size_t)r * total, head_dim,
                     invariant_shared, invariant_shared + warps * (head_dim + 2),
                     out + ((size_t)r * heads + h) * head_dim);
 }

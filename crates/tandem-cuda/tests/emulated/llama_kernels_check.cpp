@@ -194,7 +194,7 @@ static bool check_gemv_rows_invariance(std::mt19937& rng) {
 // 32) and `Gpu::attention` with visible lists (rows * heads blocks of ATTENTION_THREADS,
 // (warps * (head_dim + 2) + head_dim) floats).
 // `seen` visible keys: 45 (two chunks, one group of the block's eight warps) and 300 (ten
-// chunks: a second group, whose key columns are read while the first computes).
+// chunks: a second group, folded after the first).
 static bool check_attention_invariance(std::mt19937& rng, int seen) {
     const int heads = 3, kv_heads = 1, hd = 64, capacity = seen + 19;
     std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
