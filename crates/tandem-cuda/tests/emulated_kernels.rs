@@ -64,8 +64,9 @@ fn tensor_core_attention_matches_a_plain_attention_on_the_emulator() {
 /// slicing that depends on the row count fails it), and are its dot products (1e-4); and the
 /// fused steps' attention (`visible_columns` + `attention_invariant`) over a clean cache and
 /// over one with rejected drafts hidden between the visible keys, at 45 and 300 keys (one group
-/// of chunks of the block's eight warps, and two), against a plain attention (5e-3; an off-by-one in the visible list fails it); and `copy_f32_pairs` (a plain round's
-/// taps appended to the head's backlog in one launch) bit for bit, nothing outside the range.
+/// of chunks of the block's eight warps, and two), against a plain attention (5e-3; an
+/// off-by-one in the visible list fails it); and `copy_f32_pairs` (a plain round's taps
+/// appended to the head's backlog in one launch) bit for bit, nothing outside the range.
 #[test]
 fn llama_kernels_match_their_host_models_on_the_emulator() {
     expect_all_ok(&build_and_run("llama_kernels_check.cpp"), 11);
