@@ -69,12 +69,66 @@ def plain_floor(path):
     )
 
 
+def median(values):
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+
+
+def detail(path):
+    """Where a server's wall time goes beyond its rounds' and admissions' own clocks: plain
+    rounds of the most frequent row count (median ms of each column and of the used target
+    columns), admissions by row count (median wall, prefill, head part, set-up), and the time
+    between one record's end and the next record's start while requests were in flight (the
+    scheduler's delivery and queue handling; gaps over 20 ms are idle time between loads and
+    are left out)."""
+    with open(path) as f:
+        records = list(csv.DictReader(f))
+    lines = []
+    plain = [r for r in records if r["kind"] != "admit" and r["choice"] == "none"]
+    if plain:
+        common = collections.Counter(int(r["rows"]) for r in plain).most_common(1)[0][0]
+        at = [r for r in plain if int(r["rows"]) == common]
+        cols = ("wall_s", "verify_s", "extend_s", "housekeeping_s")
+        parts = ", ".join(
+            f"{c[:-2]} {1e3 * median([float(r[c]) for r in at]):.4f}" for c in cols
+        )
+        lines.append(
+            f"  {len(at)} plain rounds of {common} rows (median ms): {parts}, target columns "
+            f"{median([int(r['target_columns']) for r in at]):.0f}"
+        )
+    admits = collections.defaultdict(list)
+    for r in records:
+        if r["kind"] == "admit":
+            admits[int(r["rows"])].append(r)
+    for rows in sorted(admits):
+        a = admits[rows]
+        cols = ("wall_s", "verify_s", "extend_s", "setup_s")
+        parts = ", ".join(f"{c[:-2]} {1e3 * median([float(r[c]) for r in a]):.3f}" for c in cols)
+        deferred = sum(r["choice"] == "deferred" for r in a)
+        lines.append(f"  admissions of {rows}: {len(a)} ({deferred} deferred), median ms: {parts}")
+    gaps = []
+    for prev, nxt in zip(records, records[1:]):
+        gap = float(nxt["at_s"]) - float(prev["at_s"]) - float(prev["wall_s"])
+        if gap < 0.02:
+            gaps.append(gap)
+    if gaps:
+        lines.append(
+            f"  between records: {len(gaps)} gaps, total {sum(gaps):.3f} s, median "
+            f"{1e6 * median(gaps):.1f} us"
+        )
+    return "\n".join(lines)
+
+
 def main(root, labels):
     for label in labels:
         path = os.path.join(root, f"rounds_{label}.csv")
         try:
             print(f"{label}: {summarise(path)}")
             print(f"{label}: {plain_floor(path)}")
+            print(detail(path))
         except (OSError, KeyError, ValueError) as e:
             print(f"{label}: no round log ({e})")
 
