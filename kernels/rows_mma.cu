@@ -1,6 +1,7 @@
-// The fused small steps' matrix products (steps of at most GEMV_MAX_ROWS = 8 rows) on the
-// tensor cores: `gemv_rows`, `gemv_norm_rows`, `norm_gate_up_silu` and `norm_qkv_rope` of
-// llama.cu with the same inputs, outputs and epilogues.
+// The fused small steps' matrix products on the tensor cores: `gemv_rows`, `gemv_norm_rows`,
+// `norm_gate_up_silu` and `norm_qkv_rope` of llama.cu with the same inputs, outputs and
+// epilogues, for steps of at most MMA_MAX_ROWS = 32 rows in row groups of GEMV_MAX_ROWS = 8
+// (grid y: one block row a group; see "Row groups" below).
 //
 // Why: the CUDA-core kernels of llama.cu read each weight once but multiply it into every row
 // on the CUDA cores, one FMA per value and row, with a row's inputs loaded once per output
@@ -26,6 +27,14 @@
 // the CUDA-core kernels', so a process uses one family for all its fused steps
 // (`TANDEM_CUDA_MMA_ROWS`, read once when the GPU is opened).
 //
+// Row groups: a step of more than 8 rows (a 3/1/4 verification at batch 8 is 32) runs each
+// group of 8 rows as its own block row (blockIdx.y), every block exactly what an 8-row step's
+// block does for those rows: a row's bits are the same at every step width up to 32 (what
+// greedy speculative output equal to target-only output needs at batch 8 too), and the
+// shared memory of a block stays that of 8 rows. The blocks of a tile load the same weights,
+// mostly from L2 (they run together); a step of 32 rows on the unfused kernels cost ~1.8 plain
+// 8-row rounds (session 42), which is what kept drafting at c=8 at break-even.
+//
 // Block: `split` warps (blockDim.x = 32 * split) share one tile's k range, each over its own
 // contiguous slice of at most MMA_ROWS_CHUNKS chunks of 32 values (loaded at once: one trip to
 // memory), summed in slice order through shared memory; warp 0 writes. Grid: one block a tile.
@@ -35,6 +44,8 @@
 
 #define MMA_ROWS_CHUNKS 4
 #define MMA_ROWS_MAX_SPLIT 16
+// Rows of a row group (an mma's n = 8): a block's rows.
+#define GROUP_ROWS 8
 
 // pack_bf16x2 and mma_bf16_16816 come from mma.cuh.
 
@@ -170,6 +181,13 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
                                          const unsigned short* __restrict__ w,
                                          float* __restrict__ y, float* __restrict__ tap,
                                          int rows, int inp, int out, int accumulate) {
+    const int r0 = blockIdx.y * GROUP_ROWS;  // this block's row group
+    rows = min(rows - r0, GROUP_ROWS);
+    x += (size_t)r0 * inp;
+    y += (size_t)r0 * out;
+    if (tap != nullptr) {
+        tap += (size_t)r0 * out;
+    }
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
@@ -220,6 +238,10 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
                                               const unsigned short* __restrict__ w,
                                               float* __restrict__ y, int rows, int inp, int out,
                                               float eps) {
+    const int r0 = blockIdx.y * GROUP_ROWS;
+    rows = min(rows - r0, GROUP_ROWS);
+    xf += (size_t)r0 * inp;
+    y += (size_t)r0 * out;
     DYNAMIC_SHARED(uint4, mma_shared);
     unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
     const int lane = threadIdx.x & 31;
@@ -256,6 +278,10 @@ extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
                                                  const unsigned short* __restrict__ w,
                                                  unsigned short* __restrict__ act, int rows,
                                                  int hidden, int inter, float eps) {
+    const int r0 = blockIdx.y * GROUP_ROWS;
+    rows = min(rows - r0, GROUP_ROWS);
+    x += (size_t)r0 * hidden;
+    act += (size_t)r0 * inter;
     DYNAMIC_SHARED(uint4, mma_shared);
     unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
     const int lane = threadIdx.x & 31;
@@ -305,6 +331,19 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
                                              float eps,
                                              const unsigned short* __restrict__ embed_table,
                                              const unsigned int* __restrict__ tokens) {
+    // The group's rows are staged and multiplied as rows 0 .. 7; their positions, q rows and
+    // cache columns are those of step rows r0 + r.
+    const int r0 = blockIdx.y * GROUP_ROWS;
+    rows = min(rows - r0, GROUP_ROWS);
+    if (x != nullptr) {
+        x += (size_t)r0 * hidden;
+    }
+    if (x2 != nullptr) {
+        x2 += (size_t)r0 * hidden;
+    }
+    if (tokens != nullptr) {
+        tokens += r0;
+    }
     DYNAMIC_SHARED(uint4, mma_shared);
     unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
     unsigned short* xs2 = xs + (size_t)rows * hidden;
@@ -331,7 +370,7 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
         if (warp == 0) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const int r = min(2 * t + i, rows - 1);
+                const int r = r0 + min(2 * t + i, rows - 1);
                 pair_in[i] = qkv_pair_inputs(bias, (int)row1, jj, r, head_dim, positions, inv_freq);
             }
             if (step_scalars != nullptr) {
@@ -361,7 +400,7 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
     for (int i = 0; i < 2; ++i) {
         const int r = 2 * t + i;
         if (r < rows) {
-            qkv_pair_out_with(c[i], c[2 + i], pair_in[i], h, jj, r, q_out, k_cache, v_cache,
+            qkv_pair_out_with(c[i], c[2 + i], pair_in[i], h, jj, r0 + r, q_out, k_cache, v_cache,
                               width, heads, kv_heads, head_dim, capacity, col0);
         }
     }

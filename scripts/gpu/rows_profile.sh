@@ -17,7 +17,8 @@
 # AB_ENV="VAR=value ..": each shape's bench (and the adaptive serve at each concurrency) also
 # runs with these variables exported, labelled `ab`: an A/B of one switch in one binary and run.
 # FAST_AB="VAR=value ..": fast-bench (fused) again with these exported, in the same run;
-# FAST_AB2 a second such arm, followed by the defaults once more.
+# FAST_AB2 a second such arm, followed by the defaults once more. FAST_BATCH (default 1,2,4,8)
+# and FAST_WIDTHS (2,4,8): fast-bench's batches and verification widths.
 # MMA_AB="N ..": prefill and verify step times with the tensor-core attention for steps of at
 # least N slots a sequence (one arm per N) against the row kernel (fast-bench, same run).
 # AB_TARGET=1: the serve load test's target-only server runs with AB_ENV too.
@@ -141,15 +142,16 @@ mma_attention_ab() {
 # fused_fast_bench BIN NAME: fast-bench of the fused small steps (decode at batch 1-8, verify
 # 2/4/8), its table and JSON as $R/NAME.{md,json}.
 fused_fast_bench() {
-  timeout 300 "$1" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 --new-tokens 64 \
+  timeout 300 "$1" fast-bench --model "$M" --batch "${FAST_BATCH:-1,2,4,8}" \
+    --verify-widths "${FAST_WIDTHS:-2,4,8}" --new-tokens 64 \
     --repeats 3 --with-taps --graphs-only --fused on --json "$R/$2.json" > "$R/$2.md" 2> "$R/$2.log"
 }
 
 pipeline() {
   [[ "${TESTS:-1}" == 1 ]] && run_gpu_tests 300
   if [[ "${BENCH:-1}" == 1 ]]; then
-    timeout 300 "$T" fast-bench --model "$M" --batch 1,2,4,8 --verify-widths 2,4,8 --new-tokens 64 \
-      --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast-bench.json" \
+    timeout 300 "$T" fast-bench --model "$M" --batch "${FAST_BATCH:-1,2,4,8}" \
+      --verify-widths "${FAST_WIDTHS:-2,4,8}" --new-tokens 64 --repeats 3 --with-taps --graphs-only --fused both --json "$R/fast-bench.json" \
       > "$R/fast-bench.md" 2> "$R/fast-bench.log"
     echo "fast-bench: exit $?" | tee -a "$R/summary.txt"
     # FAST_AB="VAR=value ..": the same fast-bench again with these exported (same run).

@@ -138,6 +138,17 @@ const ATTENTION_THREADS: u32 = 256;
 /// verification at small batch, where a projection is a matrix-vector product.
 pub const GEMV_MAX_ROWS: usize = 8;
 
+/// Most rows a fused small step takes on the tensor-core kernels (`kernels/rows_mma.cu`): row
+/// groups of [`GEMV_MAX_ROWS`], one block row each, so that a row's bits and a block's shared
+/// memory are those of an 8-row step. A chain 3/1/4 verification at batch 8 (32 rows) then runs
+/// fused and batch invariant instead of on cuBLAS.
+pub const MMA_MAX_ROWS: usize = 32;
+
+/// Rows of the row group a tensor-core small-step block takes (all of a step's up to 8).
+fn group_rows(rows: usize) -> usize {
+    rows.min(GEMV_MAX_ROWS)
+}
+
 /// Threads per block of the fused small-step kernels (4 warps, one output row or pair each).
 const GEMV_THREADS: u32 = 128;
 
@@ -1517,6 +1528,24 @@ impl Gpu {
                 .all(|w| w.is_multiple_of(8))
     }
 
+    /// [`Gpu::gemv_fits`] for the tensor-core kernels: up to [`MMA_MAX_ROWS`] rows, a block
+    /// staging its row group's (at most [`GEMV_MAX_ROWS`]).
+    fn mma_fits(rows: usize, hidden: usize, widths: &[usize]) -> bool {
+        (1..=MMA_MAX_ROWS).contains(&rows) && Self::gemv_fits(group_rows(rows), hidden, widths)
+    }
+
+    /// Most rows of a fused step of a decoder of these widths (the target's: one staged input):
+    /// [`MMA_MAX_ROWS`] when the tensor-core kernels are on and take every product of its
+    /// layers and its logits (a product they refuse falls back to a CUDA-core kernel, which
+    /// takes [`GEMV_MAX_ROWS`]), [`GEMV_MAX_ROWS`] otherwise.
+    pub fn fused_max_rows(&self, hidden: usize, q_dim: usize, inter: usize) -> usize {
+        let all_mma = self.mma_rows_for(hidden, 1).is_some()
+            && self.mma_rows_for(hidden, 0).is_some()
+            && self.mma_rows_for(q_dim, 0).is_some()
+            && self.mma_rows_for(inter, 0).is_some();
+        if all_mma { MMA_MAX_ROWS } else { GEMV_MAX_ROWS }
+    }
+
     /// Whether the fused small-step kernels take a decoder layer of these dimensions at `rows`
     /// rows, with `inputs` normed inputs staged per row (the target one, the draft head two).
     pub(crate) fn fused_layer_fits(
@@ -1571,7 +1600,7 @@ impl Gpu {
             "tap of {rows} x {out}"
         );
         if let Some(mma) = self.mma_rows_for(inp, 0) {
-            assert!(Self::gemv_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
+            assert!(Self::mma_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
             assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
             let args = KernelArgs::default()
                 .buffer(self, x)
@@ -1582,12 +1611,15 @@ impl Gpu {
                 .int(inp)
                 .int(out)
                 .int(usize::from(accumulate));
-            let cfg = mma_rows::config(out.div_ceil(16), inp, 0);
+            let cfg = mma_rows::config(out.div_ceil(16), inp, 0, rows);
             // SAFETY: signature (u16*, u16*, f32*, f32* or null, int, int, int, int) of
             // `gemv_rows_mma`; sizes asserted (the tap's too); inp a multiple of 32
             // (`mma_rows::takes`), so every 16-byte load is aligned; outputs past `out` load a
-            // valid row and write nothing; PDL_WAIT before reading x or y.
-            return unsafe { self.launch_programmatic(&mma.gemv_rows, cfg, args, rows) };
+            // valid row and write nothing; a block row per row group, each within `rows`;
+            // PDL_WAIT before reading x or y.
+            return unsafe {
+                self.launch_programmatic(&mma.gemv_rows, cfg, args, group_rows(rows))
+            };
         }
         let bucket = gemv_bucket(rows);
         let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
@@ -1675,13 +1707,18 @@ impl Gpu {
         out: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
+        let mma = self.mma_rows_for(inp, 1);
         assert!(
-            Self::gemv_fits(rows, inp, &[]),
+            if mma.is_some() {
+                Self::mma_fits(rows, inp, &[])
+            } else {
+                Self::gemv_fits(rows, inp, &[])
+            },
             "normed gemv of {rows} x {inp}"
         );
         assert!(x.len() >= rows * inp && norm_w.len() >= inp);
         assert!(w.len() >= out * inp && y.len() >= rows * out);
-        if let Some(mma) = self.mma_rows_for(inp, 1) {
+        if let Some(mma) = mma {
             let args = KernelArgs::default()
                 .buffer(self, x)
                 .buffer(self, norm_w)
@@ -1691,11 +1728,13 @@ impl Gpu {
                 .int(inp)
                 .int(out)
                 .float(eps);
-            let cfg = mma_rows::config(out.div_ceil(16), inp, rows * inp * 2);
+            let cfg = mma_rows::config(out.div_ceil(16), inp, group_rows(rows) * inp * 2, rows);
             // SAFETY: signature (f32*, u16*, u16*, f32*, int, int, int, float) of
-            // `gemv_norm_rows_mma`; sizes asserted; the staged rows and the partial tiles fit
-            // the block's shared memory (`mma_rows::takes`); PDL_WAIT before reading x.
-            return unsafe { self.launch_programmatic(&mma.gemv_norm_rows, cfg, args, rows) };
+            // `gemv_norm_rows_mma`; sizes asserted; a row group's staged rows and the partial
+            // tiles fit the block's shared memory (`mma_rows::takes`); PDL_WAIT before reading x.
+            return unsafe {
+                self.launch_programmatic(&mma.gemv_norm_rows, cfg, args, group_rows(rows))
+            };
         }
         let bucket = gemv_bucket(rows);
         let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
@@ -1734,7 +1773,12 @@ impl Gpu {
         inter: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
-        assert!(Self::gemv_fits(rows, hidden, &[inter]));
+        let mma = self.mma_rows_for(hidden, 1);
+        assert!(if mma.is_some() {
+            Self::mma_fits(rows, hidden, &[inter])
+        } else {
+            Self::gemv_fits(rows, hidden, &[inter])
+        });
         assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
         assert!(w.len() >= 2 * inter * hidden && act.len() >= rows * inter);
         let args = KernelArgs::default()
@@ -1746,10 +1790,15 @@ impl Gpu {
             .int(hidden)
             .int(inter)
             .float(eps);
-        let (func, cfg) = match self.mma_rows_for(hidden, 1) {
+        let (func, cfg) = match mma {
             Some(mma) => (
                 &mma.norm_gate_up_silu,
-                mma_rows::config(inter.div_ceil(8), hidden, rows * hidden * 2),
+                mma_rows::config(
+                    inter.div_ceil(8),
+                    hidden,
+                    group_rows(rows) * hidden * 2,
+                    rows,
+                ),
             ),
             None => (
                 &self.kernels.norm_gate_up_silu,
@@ -1758,9 +1807,9 @@ impl Gpu {
         };
         // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float) of
         // `norm_gate_up_silu` and `norm_gate_up_silu_mma`; sizes asserted; dynamic shared
-        // memory holds rows * hidden bf16 (beside the partial tiles: `mma_rows::takes`);
-        // PDL_WAIT before reading x.
-        unsafe { self.launch_programmatic(func, cfg, args, rows) }
+        // memory holds a block's rows (the step's, or its row group's) * hidden bf16 (beside
+        // the partial tiles: `mma_rows::takes`); PDL_WAIT before reading x.
+        unsafe { self.launch_programmatic(func, cfg, args, group_rows(rows)) }
     }
 
     /// q|k|v of `rms_norm(x[r]) * norm_w`, the bias, RoPE and the cache write in one launch: what
@@ -1794,7 +1843,15 @@ impl Gpu {
         let q_dim = s.heads * s.head_dim;
         let kv_dim = s.kv_heads * s.head_dim;
         let qkv_dim = q_dim + 2 * kv_dim;
-        assert!(Self::gemv_fits(rows, hidden, &[qkv_dim]) && s.head_dim.is_multiple_of(2));
+        let inputs = if second.is_some() { 2 } else { 1 };
+        let mma = self.mma_rows_for(hidden, inputs);
+        assert!(
+            if mma.is_some() {
+                Self::mma_fits(rows, hidden, &[qkv_dim])
+            } else {
+                Self::gemv_fits(rows, hidden, &[qkv_dim])
+            } && s.head_dim.is_multiple_of(2)
+        );
         assert!(norm_w.len() >= hidden && w.len() >= qkv_dim * hidden);
         let (rows_in, embed) = match x {
             QkvInput::Rows(x) => {
@@ -1816,8 +1873,13 @@ impl Gpu {
             assert!(w2.len() >= qkv_dim * hidden);
         }
         let pairs = (s.heads + 2 * s.kv_heads) * s.head_dim / 2;
-        let inputs = if second.is_some() { 2 } else { 1 };
-        assert!(inputs * rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES);
+        // A block stages its rows: the step's, or (tensor cores) its row group's.
+        let block_rows = if mma.is_some() {
+            group_rows(rows)
+        } else {
+            rows
+        };
+        assert!(inputs * block_rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES);
         let args = KernelArgs::default()
             .optional(self, rows_in)
             .buffer(self, norm_w)
@@ -1843,11 +1905,11 @@ impl Gpu {
             .float(eps)
             .optional(self, embed.map(|(table, _)| table))
             .optional_view(self, embed.map(|(_, tokens)| tokens));
-        let shared = inputs * rows * hidden * 2;
-        let (func, cfg) = match self.mma_rows_for(hidden, inputs) {
+        let shared = inputs * block_rows * hidden * 2;
+        let (func, cfg) = match mma {
             Some(mma) => (
                 &mma.norm_qkv_rope,
-                mma_rows::config(pairs.div_ceil(8), inputs * hidden, shared),
+                mma_rows::config(pairs.div_ceil(8), inputs * hidden, shared, rows),
             ),
             None => (
                 &self.kernels.norm_qkv_rope,
@@ -1855,11 +1917,11 @@ impl Gpu {
             ),
         };
         // SAFETY: the signature of `norm_qkv_rope` (which `norm_qkv_rope_mma` shares); sizes
-        // asserted; dynamic shared memory holds `inputs` * rows * hidden bf16 (beside the
-        // partial tiles: `mma_rows::takes`); cache columns as in `rope_qkv` (with
+        // asserted; dynamic shared memory holds `inputs` * a block's rows * hidden bf16 (beside
+        // the partial tiles: `mma_rows::takes`); cache columns as in `rope_qkv` (with
         // `step_scalars`, the caller checks each step's column); PDL_WAIT before reading any
         // input but the weights.
-        unsafe { self.launch_programmatic(func, cfg, args, rows) }
+        unsafe { self.launch_programmatic(func, cfg, args, block_rows) }
     }
 
     /// Dynamic shared memory of `persistent_step` at `rows` rows: the staged bf16 normed rows,

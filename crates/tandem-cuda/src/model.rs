@@ -16,8 +16,8 @@ use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, PeerCache, StepInputs};
 use crate::device::{
-    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, PERSISTENT_TABLE_WORDS, PersistentStep,
-    QkvInput,
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, MMA_MAX_ROWS, PERSISTENT_TABLE_WORDS,
+    PersistentStep, QkvInput,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -412,10 +412,11 @@ impl CudaStepOutput {
 }
 
 /// The cut-off of the fused small-step kernels on targets they are the default for (hidden size
-/// at most [`FUSED_DEFAULT_MAX_HIDDEN`]): every step of at most 8 rows (a batch-1 decode, chain
-/// and tree verifications of up to 8 tokens, the head's steps, small batches) runs them.
-/// `TANDEM_CUDA_FUSED=N` sets another cut-off on any target, `TANDEM_CUDA_FUSED=0` turns them
-/// off.
+/// at most [`FUSED_DEFAULT_MAX_HIDDEN`]): every step of at most 32 rows (a batch-1 decode, chain
+/// and tree verifications, a 3/1/4 verification at batch 8, batches of up to 32) runs them
+/// where the tensor-core kernels take every product (`Gpu::fused_max_rows`; 8 rows on the
+/// CUDA-core kernels). `TANDEM_CUDA_FUSED=N` sets another cut-off on any target,
+/// `TANDEM_CUDA_FUSED=0` turns them off.
 ///
 /// The fused kernels are batch invariant (a row gets the same bits at every step width, and
 /// attention groups its keys by their rank among its visible keys). With every step of a
@@ -425,8 +426,9 @@ impl CudaStepOutput {
 /// cuBLAS at one row and more at 8 (a tree-8 verification 1.36 ms against 1.19), and `tandem
 /// serve` with the speculation policy was faster with them than without at every concurrency
 /// (1.30x/1.34x/1.14x/1.04x target-only at c1/8/32/64; BENCHMARKS.md, session 24), which made
-/// them the default there in session 25.
-pub const FUSED_MAX_ROWS: usize = GEMV_MAX_ROWS;
+/// them the default there in session 25. Steps of 9 to 32 rows run fused since session 44 (row
+/// groups of the tensor-core kernels, `MMA_MAX_ROWS`).
+pub const FUSED_MAX_ROWS: usize = MMA_MAX_ROWS;
 
 /// The largest hidden size the fused kernels are on by default for. Their one-warp-per-output
 /// products keep too few loads in flight for wide rows: on a Qwen2.5-1.5B-shaped model (hidden
@@ -439,11 +441,11 @@ pub const FUSED_DEFAULT_MAX_HIDDEN: usize = 1024;
 pub const LAST_BLOCK_ROWS: usize = 512;
 
 /// The fused cut-off for a model of hidden size `hidden`: `TANDEM_CUDA_FUSED=N` (steps of at
-/// most N rows fused, N capped at [`GEMV_MAX_ROWS`]; 0, empty or not a number: off), else
+/// most N rows fused, N capped at [`FUSED_MAX_ROWS`]; 0, empty or not a number: off), else
 /// [`FUSED_MAX_ROWS`] up to [`FUSED_DEFAULT_MAX_HIDDEN`] and off above it.
 pub(crate) fn fused_rows_default(hidden: usize) -> usize {
     match std::env::var_os("TANDEM_CUDA_FUSED") {
-        Some(_) => rows_from_env("TANDEM_CUDA_FUSED"),
+        Some(_) => rows_from_env("TANDEM_CUDA_FUSED").min(FUSED_MAX_ROWS),
         None if hidden <= FUSED_DEFAULT_MAX_HIDDEN => FUSED_MAX_ROWS,
         None => 0,
     }
@@ -452,14 +454,14 @@ pub(crate) fn fused_rows_default(hidden: usize) -> usize {
 /// `TANDEM_CUDA_PERSISTENT=N`: steps of at most N rows (capped at [`GEMV_MAX_ROWS`]) run the
 /// persistent one-launch step; 0 (off) without it.
 pub(crate) fn persistent_rows_default() -> usize {
-    rows_from_env("TANDEM_CUDA_PERSISTENT")
+    rows_from_env("TANDEM_CUDA_PERSISTENT").min(GEMV_MAX_ROWS)
 }
 
 fn rows_from_env(name: &str) -> usize {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-        .map_or(0, |n| n.min(GEMV_MAX_ROWS))
+        .unwrap_or(0)
 }
 
 /// [`CudaTarget::persistent_profile`]: block 0's cycles by phase of one persistent step.
@@ -713,15 +715,15 @@ impl CudaTarget {
         })
     }
 
-    /// Steps of at most `rows` rows (capped at [`GEMV_MAX_ROWS`]) run the fused small-step
-    /// kernels; 0 turns them off: every step then runs the cuBLAS GEMMs and the separate norm,
-    /// RoPE and SwiGLU kernels, the baseline `fast-bench --fused both` measures and the
-    /// reference the GPU tests compare the fused kernels with. Default: [`FUSED_MAX_ROWS`] (8)
-    /// on targets of hidden size up to [`FUSED_DEFAULT_MAX_HIDDEN`], off above, or
-    /// `TANDEM_CUDA_FUSED=N`.
+    /// Steps of at most `rows` rows (capped at [`FUSED_MAX_ROWS`], and at what the kernels
+    /// take: `Gpu::fused_max_rows`) run the fused small-step kernels; 0 turns them off: every
+    /// step then runs the cuBLAS GEMMs and the separate norm, RoPE and SwiGLU kernels, the
+    /// baseline `fast-bench --fused both` measures and the reference the GPU tests compare the
+    /// fused kernels with. Default: [`FUSED_MAX_ROWS`] (32) on targets of hidden size up to
+    /// [`FUSED_DEFAULT_MAX_HIDDEN`], off above, or `TANDEM_CUDA_FUSED=N`.
     pub fn set_fused_rows(&self, rows: usize) {
         self.fused_rows
-            .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
+            .store(rows.min(FUSED_MAX_ROWS), Ordering::Relaxed);
     }
 
     pub fn fused_rows(&self) -> usize {
@@ -815,10 +817,16 @@ impl CudaTarget {
         let spec = &self.rank_spec;
         self.tp.is_none()
             && rows <= self.fused_rows()
+            && rows
+                <= self.gpu.fused_max_rows(
+                    spec.hidden_size,
+                    spec.num_heads * spec.head_dim,
+                    spec.intermediate_size,
+                )
             && !spec.qk_norm
             && [32, 64, 128, 256].contains(&spec.head_dim)
             && Gpu::fused_layer_fits(
-                rows,
+                rows.min(GEMV_MAX_ROWS),
                 1,
                 spec.hidden_size,
                 spec.num_heads,

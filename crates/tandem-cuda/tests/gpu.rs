@@ -1052,7 +1052,17 @@ fn small_step_rows_are_batch_invariant() {
             let target = tandem_cuda::CudaTarget::load(&dir, gpu.clone()).expect("loads");
             target.set_graphs(graphs);
             let all = tandem_cuda::GEMV_MAX_ROWS;
-            target.set_fused_rows(if mode.starts_with("fused") { all } else { 0 });
+            // The tensor-core kernels take steps of up to 32 rows (row groups of 8).
+            let fused_rows = if mode.ends_with("tensor cores") {
+                tandem_cuda::FUSED_MAX_ROWS
+            } else {
+                all
+            };
+            target.set_fused_rows(if mode.starts_with("fused") {
+                fused_rows
+            } else {
+                0
+            });
             target.set_persistent_rows(if mode == "persistent" { all } else { 0 });
             let label = format!("{architecture} {mode} head_dim {head_dim} graphs {graphs}");
             let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final]);
@@ -1160,6 +1170,63 @@ fn small_step_rows_are_batch_invariant() {
                 a_all[3],
                 "{label}: token 3's logits decoded after a hidden column"
             );
+            // E (tensor cores, which take steps of up to 32 rows): the chain verified as
+            // sequence 3 of a batch of five chains (20 rows in row groups of 8: its rows 12-15
+            // are the second group's last four), each sequence prefilled alone and joined into
+            // the batch as an admission joins.
+            if mode.ends_with("tensor cores") {
+                let mut e = target.new_cache(1, 128).unwrap();
+                let mut chains = Vec::new();
+                for s in 0..5u32 {
+                    let own: Vec<u32> = if s == 3 {
+                        prompt.clone()
+                    } else {
+                        (0..62u32).map(|i| (i * (13 + s) + s) % 300).collect()
+                    };
+                    let mut one = target.new_cache(1, 128).unwrap();
+                    let step = one.layout().prefill_step(&[&own]).unwrap();
+                    target
+                        .forward(&step, &mut one, &taps, LogitsFor::Last)
+                        .unwrap();
+                    if s == 0 {
+                        e = one;
+                    } else {
+                        e.append(&gpu, one).unwrap();
+                    }
+                    chains.push(if s == 3 {
+                        chain
+                    } else {
+                        [s + 1, 2 * s + 7, 3 * s + 11, 40 + s]
+                    });
+                }
+                let trees: Vec<(&[u32], &[Option<usize>])> = chains
+                    .iter()
+                    .map(|c| (c.as_slice(), parents.as_slice()))
+                    .collect();
+                let step = e.layout().tree_step(&trees).unwrap();
+                assert_eq!(step.batch * step.width, 20);
+                let wide = target
+                    .forward(&step, &mut e, &taps, LogitsFor::All)
+                    .unwrap();
+                let w_logits = bits(wide.logits.unwrap().to_host().unwrap());
+                for i in 0..4 {
+                    assert_eq!(
+                        row(&w_logits, 12 + i, vocab),
+                        row(&v_logits, i, vocab),
+                        "{label}: token {i}'s logits in a 20-row verification vs a chain of four"
+                    );
+                }
+                for (slot, tap) in wide.taps.tensors.iter().enumerate() {
+                    let tap = bits(tap.to_host().unwrap());
+                    for i in 0..4 {
+                        assert_eq!(
+                            row(&tap, 12 + i, hidden),
+                            row(&v_taps[slot], i, hidden),
+                            "{label}: token {i} tap {slot} in a 20-row verification"
+                        );
+                    }
+                }
+            }
             if graphs {
                 assert!(
                     target.graph_stats().replays > 0,

@@ -1,9 +1,10 @@
 //! The fused small steps' matrix products on the tensor cores (`kernels/rows_mma.cu`):
 //! [`Gpu::gemv_rows`], [`Gpu::gemv_norm_rows`], [`Gpu::norm_gate_up_silu`] and
-//! [`Gpu::norm_qkv_rope`] for steps of at most [`super::GEMV_MAX_ROWS`] rows, one
-//! `mma.m16n8k16` per 16 weight rows and 16 input values whatever the row count, so eight rows
-//! (an 8-token tree's verification, a batch-8 decode) cost what one does on the CUDA-core
-//! kernels' weight traffic. The bits differ from the CUDA-core kernels', and a row's bits must
+//! [`Gpu::norm_qkv_rope`] for steps of at most [`super::MMA_MAX_ROWS`] rows, one
+//! `mma.m16n8k16` per 16 weight rows and 16 input values a row group of
+//! [`super::GEMV_MAX_ROWS`] (one block row each), so eight rows (an 8-token tree's
+//! verification, a batch-8 decode) cost what one does on the CUDA-core kernels' weight
+//! traffic, and 32 (a 3/1/4 verification at batch 8) four blocks a tile instead of cuBLAS. The bits differ from the CUDA-core kernels', and a row's bits must
 //! not depend on which kernels a step takes, so the family is chosen once per process
 //! (`TANDEM_CUDA_MMA_ROWS`, [`enabled`]) and by the weight's shape only ([`takes`]), never by
 //! the row count. Compiled on its own for compute_80 (compute_90 with programmatic dependent
@@ -81,7 +82,7 @@ pub(super) fn enabled(value: Option<&str>, compute_major: i32) -> bool {
 }
 
 /// Whether the kernels take a product whose k range is `inputs` inputs of `width` values each:
-/// widths that are whole 32-value chunks, and the staged rows of a full step
+/// widths that are whole 32-value chunks, and the staged rows of a full row group
 /// ([`GEMV_MAX_ROWS`], whatever this step's rows: the choice must not depend on them) fitting
 /// beside the partial tiles in the 48 KiB a block gets without opting in.
 pub(super) fn takes(width: usize, inputs: usize) -> bool {
@@ -97,10 +98,16 @@ pub(super) fn split(width: usize) -> usize {
 }
 
 /// The launch of a product over a k range of `width` values with `tiles` tiles (16 weight
-/// rows, or 8 output pairs, each) and `shared_bytes` of staged inputs.
-pub(super) fn config(tiles: usize, width: usize, shared_bytes: usize) -> LaunchConfig {
+/// rows, or 8 output pairs, each) for a step of `rows` rows (a block row per row group of
+/// [`GEMV_MAX_ROWS`]), `shared_bytes` of staged inputs a block.
+pub(super) fn config(tiles: usize, width: usize, shared_bytes: usize, rows: usize) -> LaunchConfig {
+    assert!((1..=super::MMA_MAX_ROWS).contains(&rows), "{rows} rows");
     LaunchConfig {
-        grid_dim: (u32::try_from(tiles).expect("tiles fit a grid"), 1, 1),
+        grid_dim: (
+            u32::try_from(tiles).expect("tiles fit a grid"),
+            rows.div_ceil(GEMV_MAX_ROWS) as u32,
+            1,
+        ),
         block_dim: (32 * split(width) as u32, 1, 1),
         shared_mem_bytes: shared_bytes as u32,
     }
@@ -195,10 +202,21 @@ mod tests {
             let chunks = width / 32;
             assert!(chunks.div_ceil(warps) <= CHUNKS_A_WARP || warps == MAX_SPLIT);
         }
-        let c = config(36, 576, 1152);
+        let c = config(36, 576, 1152, 8);
         assert_eq!(
-            (c.grid_dim.0, c.block_dim.0, c.shared_mem_bytes),
-            (36, 160, 1152)
+            (
+                c.grid_dim.0,
+                c.grid_dim.1,
+                c.block_dim.0,
+                c.shared_mem_bytes
+            ),
+            (36, 1, 160, 1152)
         );
+        // A row group of 8 a block row: 9 to 16 rows take two, 32 take four.
+        let groups: Vec<u32> = [1, 8, 9, 16, 17, 32]
+            .iter()
+            .map(|&rows| config(36, 576, 1152, rows).grid_dim.1)
+            .collect();
+        assert_eq!(groups, [1, 1, 2, 2, 3, 4]);
     }
 }

@@ -2,7 +2,7 @@
 // (cuda_emu.h), with the launch shapes of crates/tandem-cuda/src/device/mma_rows.rs: a block of
 // `split` = min(16, ceil(chunks / 4)) warps a tile. Each kernel against double precision or
 // against its CUDA-core twin in llama.cu on the same inputs, and a row's bits at every step
-// width (1-8 rows). The shapes make the k range split over several warps, end in a ragged
+// width (1-8 rows), and steps of up to 32 rows in row groups. The shapes make the k range split over several warps, end in a ragged
 // slice, cross from the head's first input to its second inside a slice, and leave the last
 // tile of outputs part-empty. Prints one line per check; exits non-zero when one fails.
 #define TANDEM_EMULATE 1
@@ -226,6 +226,104 @@ static bool check_qkv_rope(std::mt19937& rng, bool head) {
                   worst_q <= 2e-4 && worst_kv <= 1e-2 && written, detail);
 }
 
+// Steps of 9 to 32 rows in row groups of 8 (grid y: one block row a group, `mma_rows::config`):
+// each group's rows get exactly the bits of that group run as its own 8-row (or shorter) step,
+// for every kernel, at 32 rows and at a ragged 20 (batch 5 x width 4: the q|k|v rows' positions,
+// query rows and cache columns are those of the step's rows, not the group's).
+static bool check_row_groups(std::mt19937& rng) {
+    const int hidden = 160, inter = 96, out = 40, max_rows = 32;
+    const auto x = random_f32(rng, max_rows * hidden);
+    const auto xb = random_bf16(rng, max_rows * inter);
+    const auto norm_w = random_bf16(rng, hidden);
+    const auto w_out = random_bf16(rng, out * inter);
+    const auto w_norm = random_bf16(rng, out * hidden);
+    const auto w_gate_up = random_bf16(rng, 2 * inter * hidden);
+    auto grid = [](int tiles, int rows) {
+        return EmuDim3{static_cast<unsigned int>(tiles), static_cast<unsigned int>((rows + 7) / 8), 1};
+    };
+    bool gemv_ok = true, norm_ok = true, gate_ok = true;
+    double worst = 0.0;
+    for (int rows : {20, 32}) {
+        // gemv_rows_mma (with a tap) and gemv_norm_rows_mma, grouped, then group by group.
+        std::vector<float> y(max_rows * out, NAN), tap(max_rows * out, NAN), yn(max_rows * out, NAN);
+        std::vector<unsigned short> act(max_rows * inter, 0xffff);
+        emu_launch(grid((out + 15) / 16, rows), EmuDim3{32 * split_for(inter), 1, 1}, 0,
+                   [&] { gemv_rows_mma(xb.data(), w_out.data(), y.data(), tap.data(), rows, inter, out, 0); });
+        emu_launch(grid((out + 15) / 16, rows), EmuDim3{32 * split_for(hidden), 1, 1}, 8 * hidden * 2,
+                   [&] { gemv_norm_rows_mma(x.data(), norm_w.data(), w_norm.data(), yn.data(), rows, hidden, out, 1e-5f); });
+        emu_launch(grid((inter + 7) / 8, rows), EmuDim3{32 * split_for(hidden), 1, 1}, 8 * hidden * 2,
+                   [&] { norm_gate_up_silu_mma(x.data(), norm_w.data(), w_gate_up.data(), act.data(), rows, hidden, inter, 1e-5f); });
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            const int n = std::min(8, rows - r0);
+            std::vector<float> g(8 * out, NAN), gn(8 * out, NAN);
+            std::vector<unsigned short> ga(8 * inter, 0xffff);
+            emu_launch(grid((out + 15) / 16, n), EmuDim3{32 * split_for(inter), 1, 1}, 0,
+                       [&] { gemv_rows_mma(xb.data() + r0 * inter, w_out.data(), g.data(), nullptr, n, inter, out, 0); });
+            emu_launch(grid((out + 15) / 16, n), EmuDim3{32 * split_for(hidden), 1, 1}, n * hidden * 2,
+                       [&] { gemv_norm_rows_mma(x.data() + r0 * hidden, norm_w.data(), w_norm.data(), gn.data(), n, hidden, out, 1e-5f); });
+            emu_launch(grid((inter + 7) / 8, n), EmuDim3{32 * split_for(hidden), 1, 1}, n * hidden * 2,
+                       [&] { norm_gate_up_silu_mma(x.data() + r0 * hidden, norm_w.data(), w_gate_up.data(), ga.data(), n, hidden, inter, 1e-5f); });
+            gemv_ok &= std::memcmp(g.data(), y.data() + r0 * out, n * out * sizeof(float)) == 0;
+            gemv_ok &= std::memcmp(g.data(), tap.data() + r0 * out, n * out * sizeof(float)) == 0;
+            norm_ok &= std::memcmp(gn.data(), yn.data() + r0 * out, n * out * sizeof(float)) == 0;
+            gate_ok &= std::memcmp(ga.data(), act.data() + r0 * inter, n * inter * 2) == 0;
+        }
+        // Rows past the step's are left alone; the products themselves against double precision.
+        for (int i = rows * out; i < max_rows * out; ++i) gemv_ok &= std::isnan(y[i]) && std::isnan(tap[i]);
+        for (int i = rows * inter; i < max_rows * inter; ++i) gate_ok &= act[i] == 0xffff;
+        for (int r = 0; r < rows; ++r)
+            for (int o = 0; o < out; ++o) {
+                double dot = 0;
+                for (int i = 0; i < inter; ++i)
+                    dot += static_cast<double>(from_bf16(xb[r * inter + i])) * from_bf16(w_out[o * inter + i]);
+                worst = std::max(worst, std::fabs(y[r * out + o] - dot));
+            }
+    }
+    // norm_qkv_rope_mma: batch 5 x width 4 = 20 rows (three groups, the last of 4), against each
+    // group run as its own step of two sequences (its cache rows and query rows offset).
+    const int heads = 2, kv_heads = 1, head_dim = 32, batch = 5, width = 4, rows = batch * width;
+    const int capacity = 8, col0 = 3, half = head_dim / 2, pairs = (heads + 2 * kv_heads) * half;
+    const int qkv_dim = (heads + 2 * kv_heads) * head_dim, q_dim = heads * head_dim;
+    const auto w = random_bf16(rng, qkv_dim * hidden, 0.2f);
+    const auto bias = random_f32(rng, qkv_dim);
+    std::vector<int> positions(rows);
+    for (int r = 0; r < rows; ++r) positions[r] = 3 * (r / width) + r % width + 1;
+    std::vector<float> inv_freq(half);
+    for (int j = 0; j < half; ++j) inv_freq[j] = std::pow(10000.0f, -2.0f * j / head_dim);
+    const size_t seq = static_cast<size_t>(kv_heads) * capacity * head_dim;
+    auto qkv = [&](int r0, int n, float* q, unsigned short* k, unsigned short* v) {
+        emu_launch(grid((pairs + 7) / 8, n), EmuDim3{32 * split_for(hidden), 1, 1}, std::min(n, 8) * hidden * 2, [&] {
+            norm_qkv_rope_mma(x.data() + r0 * hidden, norm_w.data(), w.data(), nullptr, nullptr, nullptr,
+                              bias.data(), positions.data() + r0, inv_freq.data(), q, k, v, n, hidden,
+                              width, heads, kv_heads, head_dim, capacity, col0, nullptr, 1e-5f, nullptr,
+                              nullptr);
+        });
+    };
+    std::vector<float> q(rows * q_dim, NAN);
+    std::vector<unsigned short> k(batch * seq, 0), v(batch * seq, 0);
+    qkv(0, rows, q.data(), k.data(), v.data());
+    std::vector<float> q_groups(rows * q_dim, NAN);
+    std::vector<unsigned short> k_groups(batch * seq, 0), v_groups(batch * seq, 0);
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+        const int n = std::min(8, rows - r0);
+        const size_t cache_at = static_cast<size_t>(r0 / width) * seq;
+        qkv(r0, n, q_groups.data() + r0 * q_dim, k_groups.data() + cache_at, v_groups.data() + cache_at);
+    }
+    bool qkv_ok = std::memcmp(q.data(), q_groups.data(), q.size() * sizeof(float)) == 0 && k == k_groups &&
+                  v == v_groups;
+    // Every sequence's four columns were written (a zero would mean a row missed its column).
+    for (int b = 0; b < batch; ++b)
+        for (int c = col0; c < col0 + width; ++c) qkv_ok &= k[b * seq + c * head_dim] != 0 && v[b * seq + c * head_dim] != 0;
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(20 and 32 rows; max |error| %.1e, tolerance 2e-4)", worst);
+    bool ok = report("gemv_rows_mma: row groups, each group's bits (and the tap's)", gemv_ok && worst <= 2e-4, detail);
+    ok &= report("gemv_norm_rows_mma: row groups, each group's bits", norm_ok, "(20 and 32 rows)");
+    ok &= report("norm_gate_up_silu_mma: row groups, each group's bits", gate_ok, "(20 and 32 rows)");
+    ok &= report("norm_qkv_rope_mma: row groups, positions and cache columns of the step's rows", qkv_ok,
+                 "(batch 5 x width 4)");
+    return ok;
+}
+
 int main() {
     std::mt19937 rng(38);
     bool ok = check_gemv(rng);
@@ -233,5 +331,6 @@ int main() {
     ok = check_gate_up(rng) && ok;
     ok = check_qkv_rope(rng, false) && ok;
     ok = check_qkv_rope(rng, true) && ok;
+    ok = check_row_groups(rng) && ok;
     return ok ? 0 : 1;
 }
