@@ -1327,7 +1327,14 @@ impl<T: SpecBackend> Engine<'_, T> {
                     row.behind
                         .push((committed[0], backlog_row + b * verify_width));
                 }
-                *row.output.rounds_by_shape.entry(label.clone()).or_default() += 1;
+                // Counted without a new key but for a row's first round of a shape: a plain
+                // round of 32 rows would otherwise allocate 32 label copies after its wait.
+                match row.output.rounds_by_shape.get_mut(label.as_str()) {
+                    Some(rounds) => *rounds += 1,
+                    None => {
+                        row.output.rounds_by_shape.insert(label.clone(), 1);
+                    }
+                }
             }
             let before = row.output.tokens.len();
             commit(row, &committed);
