@@ -149,6 +149,12 @@ fn group_rows(rows: usize) -> usize {
     rows.min(GEMV_MAX_ROWS)
 }
 
+/// Rows a fused small-step block stages and multiplies: its row group's on the tensor cores,
+/// the whole step's on the CUDA cores.
+fn block_rows(tensor_cores: bool, rows: usize) -> usize {
+    if tensor_cores { group_rows(rows) } else { rows }
+}
+
 /// Threads per block of the fused small-step kernels (4 warps, one output row or pair each).
 const GEMV_THREADS: u32 = 128;
 
@@ -1528,10 +1534,16 @@ impl Gpu {
                 .all(|w| w.is_multiple_of(8))
     }
 
-    /// [`Gpu::gemv_fits`] for the tensor-core kernels: up to [`MMA_MAX_ROWS`] rows, a block
-    /// staging its row group's (at most [`GEMV_MAX_ROWS`]).
-    fn mma_fits(rows: usize, hidden: usize, widths: &[usize]) -> bool {
-        (1..=MMA_MAX_ROWS).contains(&rows) && Self::gemv_fits(group_rows(rows), hidden, widths)
+    /// [`Gpu::gemv_fits`] for the family a product takes: on the CUDA cores as it is, on the
+    /// tensor cores up to [`MMA_MAX_ROWS`] rows, a block staging its row group's (at most
+    /// [`GEMV_MAX_ROWS`]).
+    fn small_step_fits(tensor_cores: bool, rows: usize, hidden: usize, widths: &[usize]) -> bool {
+        let most = if tensor_cores {
+            MMA_MAX_ROWS
+        } else {
+            GEMV_MAX_ROWS
+        };
+        rows <= most && Self::gemv_fits(block_rows(tensor_cores, rows), hidden, widths)
     }
 
     /// Most rows of a fused step of a decoder of these widths (the target's: one staged input):
@@ -1600,7 +1612,10 @@ impl Gpu {
             "tap of {rows} x {out}"
         );
         if let Some(mma) = self.mma_rows_for(inp, 0) {
-            assert!(Self::mma_fits(rows, 8, &[inp]), "gemv of {rows} x {inp}");
+            assert!(
+                Self::small_step_fits(true, rows, 8, &[inp]),
+                "gemv of {rows} x {inp}"
+            );
             assert!(x.len() >= rows * inp && w.len() >= out * inp && y.len() >= rows * out);
             let args = KernelArgs::default()
                 .buffer(self, x)
@@ -1709,11 +1724,7 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         let mma = self.mma_rows_for(inp, 1);
         assert!(
-            if mma.is_some() {
-                Self::mma_fits(rows, inp, &[])
-            } else {
-                Self::gemv_fits(rows, inp, &[])
-            },
+            Self::small_step_fits(mma.is_some(), rows, inp, &[]),
             "normed gemv of {rows} x {inp}"
         );
         assert!(x.len() >= rows * inp && norm_w.len() >= inp);
@@ -1774,11 +1785,8 @@ impl Gpu {
         eps: f32,
     ) -> Result<(), CudaError> {
         let mma = self.mma_rows_for(hidden, 1);
-        assert!(if mma.is_some() {
-            Self::mma_fits(rows, hidden, &[inter])
-        } else {
-            Self::gemv_fits(rows, hidden, &[inter])
-        });
+        assert!(Self::small_step_fits(mma.is_some(), rows, hidden, &[inter]));
+        let staged = block_rows(mma.is_some(), rows) * hidden * 2;
         assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
         assert!(w.len() >= 2 * inter * hidden && act.len() >= rows * inter);
         let args = KernelArgs::default()
@@ -1793,16 +1801,11 @@ impl Gpu {
         let (func, cfg) = match mma {
             Some(mma) => (
                 &mma.norm_gate_up_silu,
-                mma_rows::config(
-                    inter.div_ceil(8),
-                    hidden,
-                    group_rows(rows) * hidden * 2,
-                    rows,
-                ),
+                mma_rows::config(inter.div_ceil(8), hidden, staged, rows),
             ),
             None => (
                 &self.kernels.norm_gate_up_silu,
-                Self::gemv_config(inter, rows * hidden * 2),
+                Self::gemv_config(inter, staged),
             ),
         };
         // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float) of
@@ -1846,11 +1849,8 @@ impl Gpu {
         let inputs = if second.is_some() { 2 } else { 1 };
         let mma = self.mma_rows_for(hidden, inputs);
         assert!(
-            if mma.is_some() {
-                Self::mma_fits(rows, hidden, &[qkv_dim])
-            } else {
-                Self::gemv_fits(rows, hidden, &[qkv_dim])
-            } && s.head_dim.is_multiple_of(2)
+            Self::small_step_fits(mma.is_some(), rows, hidden, &[qkv_dim])
+                && s.head_dim.is_multiple_of(2)
         );
         assert!(norm_w.len() >= hidden && w.len() >= qkv_dim * hidden);
         let (rows_in, embed) = match x {
@@ -1873,12 +1873,7 @@ impl Gpu {
             assert!(w2.len() >= qkv_dim * hidden);
         }
         let pairs = (s.heads + 2 * s.kv_heads) * s.head_dim / 2;
-        // A block stages its rows: the step's, or (tensor cores) its row group's.
-        let block_rows = if mma.is_some() {
-            group_rows(rows)
-        } else {
-            rows
-        };
+        let block_rows = block_rows(mma.is_some(), rows);
         assert!(inputs * block_rows * hidden * 2 <= GEMV_MAX_SHARED_BYTES);
         let args = KernelArgs::default()
             .optional(self, rows_in)

@@ -4,7 +4,8 @@
 //! `mma.m16n8k16` per 16 weight rows and 16 input values a row group of
 //! [`super::GEMV_MAX_ROWS`] (one block row each), so eight rows (an 8-token tree's
 //! verification, a batch-8 decode) cost what one does on the CUDA-core kernels' weight
-//! traffic, and 32 (a 3/1/4 verification at batch 8) four blocks a tile instead of cuBLAS. The bits differ from the CUDA-core kernels', and a row's bits must
+//! traffic, and 32 (a 3/1/4 verification at batch 8) four blocks a tile instead of cuBLAS.
+//! The bits differ from the CUDA-core kernels', and a row's bits must
 //! not depend on which kernels a step takes, so the family is chosen once per process
 //! (`TANDEM_CUDA_MMA_ROWS`, [`enabled`]) and by the weight's shape only ([`takes`]), never by
 //! the row count. Compiled on its own for compute_80 (compute_90 with programmatic dependent

@@ -2,9 +2,10 @@
 // (cuda_emu.h), with the launch shapes of crates/tandem-cuda/src/device/mma_rows.rs: a block of
 // `split` = min(16, ceil(chunks / 4)) warps a tile. Each kernel against double precision or
 // against its CUDA-core twin in llama.cu on the same inputs, and a row's bits at every step
-// width (1-8 rows), and steps of up to 32 rows in row groups. The shapes make the k range split over several warps, end in a ragged
-// slice, cross from the head's first input to its second inside a slice, and leave the last
-// tile of outputs part-empty. Prints one line per check; exits non-zero when one fails.
+// width (1-8 rows), and steps of up to 32 rows in row groups. The shapes make the k range split
+// over several warps, end in a ragged slice, cross from the head's first input to its second
+// inside a slice, and leave the last tile of outputs part-empty. Prints one line per check;
+// exits non-zero when one fails.
 #define TANDEM_EMULATE 1
 #include "cuda_emu.h"
 
@@ -47,6 +48,20 @@ static std::vector<float> random_f32(std::mt19937& rng, size_t n) {
     return v;
 }
 
+// The largest |y[r, o] - x[r, :] . w[o, :]| over the step's rows, the dot in double precision.
+static double max_dot_error(const std::vector<unsigned short>& x, const std::vector<unsigned short>& w,
+                            const std::vector<float>& y, int rows, int inp, int out) {
+    double worst = 0.0;
+    for (int r = 0; r < rows; ++r)
+        for (int o = 0; o < out; ++o) {
+            double dot = 0;
+            for (int i = 0; i < inp; ++i)
+                dot += static_cast<double>(from_bf16(x[r * inp + i])) * from_bf16(w[o * inp + i]);
+            worst = std::max(worst, std::fabs(y[r * out + o] - dot));
+        }
+    return worst;
+}
+
 // gemv_rows_mma: y = x . w^T and y += x . w^T against double precision, and row r's bits the
 // same in steps of r + 1 .. 8 rows.
 static bool check_gemv(std::mt19937& rng) {
@@ -59,13 +74,7 @@ static bool check_gemv(std::mt19937& rng) {
         std::vector<float> y(8 * out, NAN);
         emu_launch(EmuDim3{static_cast<unsigned int>((out + 15) / 16), 1, 1}, EmuDim3{32 * split_for(inp), 1, 1}, 0,
                    [&] { gemv_rows_mma(x.data(), w.data(), y.data(), nullptr, rows, inp, out, 0); });
-        for (int r = 0; r < rows; ++r)
-            for (int o = 0; o < out; ++o) {
-                double dot = 0;
-                for (int i = 0; i < inp; ++i)
-                    dot += static_cast<double>(from_bf16(x[r * inp + i])) * from_bf16(w[o * inp + i]);
-                worst = std::max(worst, std::fabs(y[r * out + o] - dot));
-            }
+        worst = std::max(worst, max_dot_error(x, w, y, rows, inp, out));
         // Rows past the step's are not written.
         for (int i = rows * out; i < 8 * out; ++i) worst = std::isnan(y[i]) ? worst : 1e9;
         by_rows[rows] = y;
@@ -271,13 +280,7 @@ static bool check_row_groups(std::mt19937& rng) {
         // Rows past the step's are left alone; the products themselves against double precision.
         for (int i = rows * out; i < max_rows * out; ++i) gemv_ok &= std::isnan(y[i]) && std::isnan(tap[i]);
         for (int i = rows * inter; i < max_rows * inter; ++i) gate_ok &= act[i] == 0xffff;
-        for (int r = 0; r < rows; ++r)
-            for (int o = 0; o < out; ++o) {
-                double dot = 0;
-                for (int i = 0; i < inter; ++i)
-                    dot += static_cast<double>(from_bf16(xb[r * inter + i])) * from_bf16(w_out[o * inter + i]);
-                worst = std::max(worst, std::fabs(y[r * out + o] - dot));
-            }
+        worst = std::max(worst, max_dot_error(xb, w_out, y, rows, inter, out));
     }
     // norm_qkv_rope_mma: batch 5 x width 4 = 20 rows (three groups, the last of 4), against each
     // group run as its own step of two sequences (its cache rows and query rows offset).
