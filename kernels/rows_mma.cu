@@ -28,16 +28,21 @@
 // (`TANDEM_CUDA_MMA_ROWS`, read once when the GPU is opened).
 //
 // Row groups: a step of more than 8 rows (a 3/1/4 verification at batch 8 is 32) runs each
-// group of 8 rows as its own block row (blockIdx.y), every block exactly what an 8-row step's
+// group of 8 rows as its own block (MMA_GROUP), every block exactly what an 8-row step's
 // block does for those rows: a row's bits are the same at every step width up to 32 (what
 // greedy speculative output equal to target-only output needs at batch 8 too), and the
-// shared memory of a block stays that of 8 rows. The blocks of a tile load the same weights,
-// mostly from L2 (they run together); a step of 32 rows on the unfused kernels cost ~1.8 plain
-// 8-row rounds (session 42), which is what kept drafting at c=8 at break-even.
+// shared memory of a block stays that of 8 rows. The blocks of a tile load the same weights:
+// the group is the grid's x (the fastest index), so the blocks of one tile are launched one
+// after another and all but the first find its weights in L2. With the group as y (the
+// order before session 45, `MMA_GROUPS_IN_Y`), group 0 went through every tile before group
+// 1 began, and the logits' 56 MB of weights (SmolLM2), more than an H100's L2, came from
+// memory once per group; a step of 32 rows on the unfused kernels cost ~1.8 plain 8-row
+// rounds (session 42), which is what kept drafting at c=8 at break-even.
 //
 // Block: `split` warps (blockDim.x = 32 * split) share one tile's k range, each over its own
 // contiguous slice of at most MMA_ROWS_CHUNKS chunks of 32 values (loaded at once: one trip to
-// memory), summed in slice order through shared memory; warp 0 writes. Grid: one block a tile.
+// memory), summed in slice order through shared memory; warp 0 writes. Grid: one block a tile
+// and row group.
 // Needs sm_80 (mma.sync with bf16): compiled on its own for compute_80 (compute_90 with
 // programmatic dependent launch), like attention_mma.cu. Weight and input widths: multiples of
 // 32. Fragment layouts: see attention_mma.cu's header.
@@ -46,6 +51,15 @@
 #define MMA_ROWS_MAX_SPLIT 16
 // Rows of a row group (an mma's n = 8): a block's rows.
 #define GROUP_ROWS 8
+
+// A block's tile and row group (see "Row groups" above; `mma_rows::config` makes the grid).
+#ifdef MMA_GROUPS_IN_Y
+#define MMA_TILE blockIdx.x
+#define MMA_GROUP blockIdx.y
+#else
+#define MMA_TILE blockIdx.y
+#define MMA_GROUP blockIdx.x
+#endif
 
 // pack_bf16x2 and mma_bf16_16816 come from mma.cuh.
 
@@ -181,7 +195,7 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
                                          const unsigned short* __restrict__ w,
                                          float* __restrict__ y, float* __restrict__ tap,
                                          int rows, int inp, int out, int accumulate) {
-    const int r0 = blockIdx.y * GROUP_ROWS;  // this block's row group
+    const int r0 = MMA_GROUP * GROUP_ROWS;  // this block's row group
     rows = min(rows - r0, GROUP_ROWS);
     x += (size_t)r0 * inp;
     y += (size_t)r0 * out;
@@ -191,7 +205,7 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int o0 = blockIdx.x * 16;
+    const int o0 = MMA_TILE * 16;
     const size_t lo = min(o0 + g, out - 1);  // rows past the end load a valid row, write nothing
     const size_t hi = min(o0 + g + 8, out - 1);
     const MmaOperand a{w, x, inp >> 5};
@@ -238,7 +252,7 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
                                               const unsigned short* __restrict__ w,
                                               float* __restrict__ y, int rows, int inp, int out,
                                               float eps) {
-    const int r0 = blockIdx.y * GROUP_ROWS;
+    const int r0 = MMA_GROUP * GROUP_ROWS;
     rows = min(rows - r0, GROUP_ROWS);
     xf += (size_t)r0 * inp;
     y += (size_t)r0 * out;
@@ -247,7 +261,7 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int o0 = blockIdx.x * 16;
+    const int o0 = MMA_TILE * 16;
     const size_t lo = min(o0 + g, out - 1);
     const size_t hi = min(o0 + g + 8, out - 1);
     const MmaOperand a{w, xs, inp >> 5};
@@ -278,7 +292,7 @@ extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
                                                  const unsigned short* __restrict__ w,
                                                  unsigned short* __restrict__ act, int rows,
                                                  int hidden, int inter, float eps) {
-    const int r0 = blockIdx.y * GROUP_ROWS;
+    const int r0 = MMA_GROUP * GROUP_ROWS;
     rows = min(rows - r0, GROUP_ROWS);
     x += (size_t)r0 * hidden;
     act += (size_t)r0 * inter;
@@ -287,7 +301,7 @@ extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int j = blockIdx.x * 8 + g;
+    const int j = MMA_TILE * 8 + g;
     const int jw = min(j, inter - 1);
     const MmaOperand a{w, xs, hidden >> 5};
     const MmaOperand none{w, xs, 0};
@@ -333,7 +347,7 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
                                              const unsigned int* __restrict__ tokens) {
     // The group's rows are staged and multiplied as rows 0 .. 7; their positions, q rows and
     // cache columns are those of step rows r0 + r.
-    const int r0 = blockIdx.y * GROUP_ROWS;
+    const int r0 = MMA_GROUP * GROUP_ROWS;
     rows = min(rows - r0, GROUP_ROWS);
     if (x != nullptr) {
         x += (size_t)r0 * hidden;
@@ -352,7 +366,7 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
     const int t = lane & 3;
     const int half = head_dim / 2;
     const int pairs = (heads + 2 * kv_heads) * half;
-    const int p = blockIdx.x * 8 + g;
+    const int p = MMA_TILE * 8 + g;
     const int pw = min(p, pairs - 1);
     const int h = pw / half;
     const int jj = pw % half;

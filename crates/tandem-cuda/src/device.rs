@@ -121,8 +121,9 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     )?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
     mma_attention::compile()?;
-    mma_rows::compile(false)?;
-    mma_rows::compile(true)?;
+    mma_rows::compile(false, false)?;
+    mma_rows::compile(true, false)?;
+    mma_rows::compile(true, true)?;
     Ok(vec![
         "kernels/llama.cu",
         "kernels/train.cu",
@@ -1626,7 +1627,7 @@ impl Gpu {
                 .int(inp)
                 .int(out)
                 .int(usize::from(accumulate));
-            let cfg = mma_rows::config(out.div_ceil(16), inp, 0, rows);
+            let cfg = mma.config(out.div_ceil(16), inp, 0, rows);
             // SAFETY: signature (u16*, u16*, f32*, f32* or null, int, int, int, int) of
             // `gemv_rows_mma`; sizes asserted (the tap's too); inp a multiple of 32
             // (`mma_rows::takes`), so every 16-byte load is aligned; outputs past `out` load a
@@ -1739,7 +1740,7 @@ impl Gpu {
                 .int(inp)
                 .int(out)
                 .float(eps);
-            let cfg = mma_rows::config(out.div_ceil(16), inp, group_rows(rows) * inp * 2, rows);
+            let cfg = mma.config(out.div_ceil(16), inp, group_rows(rows) * inp * 2, rows);
             // SAFETY: signature (f32*, u16*, u16*, f32*, int, int, int, float) of
             // `gemv_norm_rows_mma`; sizes asserted; a row group's staged rows and the partial
             // tiles fit the block's shared memory (`mma_rows::takes`); PDL_WAIT before reading x.
@@ -1801,7 +1802,7 @@ impl Gpu {
         let (func, cfg) = match mma {
             Some(mma) => (
                 &mma.norm_gate_up_silu,
-                mma_rows::config(inter.div_ceil(8), hidden, staged, rows),
+                mma.config(inter.div_ceil(8), hidden, staged, rows),
             ),
             None => (
                 &self.kernels.norm_gate_up_silu,
@@ -1904,7 +1905,7 @@ impl Gpu {
         let (func, cfg) = match mma {
             Some(mma) => (
                 &mma.norm_qkv_rope,
-                mma_rows::config(pairs.div_ceil(8), inputs * hidden, shared, rows),
+                mma.config(pairs.div_ceil(8), inputs * hidden, shared, rows),
             ),
             None => (
                 &self.kernels.norm_qkv_rope,

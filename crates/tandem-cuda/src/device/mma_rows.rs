@@ -29,24 +29,40 @@ const MAX_SPLIT: usize = 16;
 /// Static shared memory of a block: one f32 partial tile (4 values a lane) per warp.
 const PARTIAL_BYTES: usize = MAX_SPLIT * 4 * 32 * 4;
 
-/// The four kernels.
+/// The four kernels, and the grid order they were compiled for.
 pub(super) struct MmaRows {
     pub(super) gemv_rows: CudaFunction,
     pub(super) gemv_norm_rows: CudaFunction,
     pub(super) norm_gate_up_silu: CudaFunction,
     pub(super) norm_qkv_rope: CudaFunction,
+    groups_in_y: bool,
+}
+
+/// Whether the row groups are the grid's y (`TANDEM_CUDA_MMA_GROUPS_IN_Y=1`: the order before
+/// session 45, kept for same-binary comparisons) instead of its x, beside each tile's other
+/// groups (the default: see "Row groups" in kernels/rows_mma.cu).
+pub(super) fn groups_in_y(value: Option<&str>) -> bool {
+    value.map(str::trim) == Some("1")
 }
 
 /// `kernels/rows_mma.cu` as PTX: compute_80, or compute_90 with `TANDEM_PDL` when the other
-/// kernels launch with programmatic dependent launch.
-pub(super) fn compile(programmatic: bool) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+/// kernels launch with programmatic dependent launch; `groups_in_y`: [`groups_in_y`].
+pub(super) fn compile(
+    programmatic: bool,
+    groups_in_y: bool,
+) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     let pdl = if programmatic {
         "#define TANDEM_PDL 1\n"
     } else {
         ""
     };
+    let order = if groups_in_y {
+        "#define MMA_GROUPS_IN_Y 1\n"
+    } else {
+        ""
+    };
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
-        mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", pdl),
+        mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", &format!("{pdl}{order}")),
         cudarc::nvrtc::CompileOptions {
             name: Some("rows_mma.cu".into()),
             arch: Some(if programmatic {
@@ -64,13 +80,55 @@ impl MmaRows {
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
         programmatic: bool,
     ) -> Result<Self, CudaError> {
-        let module = ctx.load_module(compile(programmatic)?)?;
+        let groups_in_y = groups_in_y(std::env::var("TANDEM_CUDA_MMA_GROUPS_IN_Y").ok().as_deref());
+        let module = ctx.load_module(compile(programmatic, groups_in_y)?)?;
         Ok(Self {
             gemv_rows: module.load_function("gemv_rows_mma")?,
             gemv_norm_rows: module.load_function("gemv_norm_rows_mma")?,
             norm_gate_up_silu: module.load_function("norm_gate_up_silu_mma")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope_mma")?,
+            groups_in_y,
         })
+    }
+
+    /// [`config`] in the grid order these kernels were compiled for.
+    pub(super) fn config(
+        &self,
+        tiles: usize,
+        width: usize,
+        shared_bytes: usize,
+        rows: usize,
+    ) -> LaunchConfig {
+        config(tiles, width, shared_bytes, rows, self.groups_in_y)
+    }
+}
+
+/// The launch of a product over a k range of `width` values with `tiles` tiles (16 weight rows,
+/// or 8 output pairs, each) for a step of `rows` rows (a block per tile and row group of
+/// [`GEMV_MAX_ROWS`]: the groups as the grid's x, the tiles as its y, or the other way round
+/// with `groups_in_y`), `shared_bytes` of staged inputs a block.
+pub(super) fn config(
+    tiles: usize,
+    width: usize,
+    shared_bytes: usize,
+    rows: usize,
+    groups_in_y: bool,
+) -> LaunchConfig {
+    assert!((1..=super::MMA_MAX_ROWS).contains(&rows), "{rows} rows");
+    let groups = rows.div_ceil(GEMV_MAX_ROWS) as u32;
+    let tiles = u32::try_from(tiles).expect("tiles fit a grid");
+    assert!(
+        groups_in_y || tiles <= 65_535,
+        "{tiles} tiles exceed a grid's y (65,535)"
+    );
+    LaunchConfig {
+        grid_dim: if groups_in_y {
+            (tiles, groups, 1)
+        } else {
+            (groups, tiles, 1)
+        },
+        block_dim: (32 * split(width) as u32, 1, 1),
+        shared_mem_bytes: shared_bytes as u32,
     }
 }
 
@@ -96,22 +154,6 @@ pub(super) fn takes(width: usize, inputs: usize) -> bool {
 /// [`CHUNKS_A_WARP`] chunks at once, at most [`MAX_SPLIT`] (wider ranges loop).
 pub(super) fn split(width: usize) -> usize {
     (width / 32).div_ceil(CHUNKS_A_WARP).clamp(1, MAX_SPLIT)
-}
-
-/// The launch of a product over a k range of `width` values with `tiles` tiles (16 weight
-/// rows, or 8 output pairs, each) for a step of `rows` rows (a block row per row group of
-/// [`GEMV_MAX_ROWS`]), `shared_bytes` of staged inputs a block.
-pub(super) fn config(tiles: usize, width: usize, shared_bytes: usize, rows: usize) -> LaunchConfig {
-    assert!((1..=super::MMA_MAX_ROWS).contains(&rows), "{rows} rows");
-    LaunchConfig {
-        grid_dim: (
-            u32::try_from(tiles).expect("tiles fit a grid"),
-            rows.div_ceil(GEMV_MAX_ROWS) as u32,
-            1,
-        ),
-        block_dim: (32 * split(width) as u32, 1, 1),
-        shared_mem_bytes: shared_bytes as u32,
-    }
 }
 
 impl Gpu {
@@ -164,6 +206,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn row_groups_are_the_grids_x_unless_asked_for_in_y() {
+        assert!(!groups_in_y(None));
+        assert!(!groups_in_y(Some("0")));
+        assert!(groups_in_y(Some(" 1\n")));
+    }
+
+    #[test]
     fn the_switch_is_on_unless_turned_off_on_a_gpu_with_bf16_mma() {
         assert!(enabled(None, 9));
         assert!(enabled(Some("1"), 9));
@@ -203,7 +252,7 @@ mod tests {
             let chunks = width / 32;
             assert!(chunks.div_ceil(warps) <= CHUNKS_A_WARP || warps == MAX_SPLIT);
         }
-        let c = config(36, 576, 1152, 8);
+        let c = config(36, 576, 1152, 8, false);
         assert_eq!(
             (
                 c.grid_dim.0,
@@ -211,13 +260,17 @@ mod tests {
                 c.block_dim.0,
                 c.shared_mem_bytes
             ),
-            (36, 1, 160, 1152)
+            (1, 36, 160, 1152)
         );
-        // A row group of 8 a block row: 9 to 16 rows take two, 32 take four.
+        // A row group of 8 a block: 9 to 16 rows take two, 32 take four, as the grid's x (or
+        // its y in the old order).
         let groups: Vec<u32> = [1, 8, 9, 16, 17, 32]
             .iter()
-            .map(|&rows| config(36, 576, 1152, rows).grid_dim.1)
+            .map(|&rows| config(36, 576, 1152, rows, false).grid_dim.0)
             .collect();
         assert_eq!(groups, [1, 1, 2, 2, 3, 4]);
+        assert_eq!(config(36, 576, 1152, 32, true).grid_dim, (36, 4, 1));
+        // Qwen2.5's 151,936-token vocabulary is 9,496 tiles of 16: within a grid's y.
+        assert_eq!(config(9_496, 1536, 0, 32, false).grid_dim, (4, 9_496, 1));
     }
 }
