@@ -858,16 +858,18 @@ impl SpeculationPolicy {
                 let affordable =
                     |choice: Choice, share: f64| extra(choice) <= share * self.plain_seconds;
                 // Winning only by a faded estimate, where the shapes as judged would all leave
-                // the round plain, is a revisit: it waits, as a probe does, until the plain
-                // rounds since the last drafted one pay for it. (A drafted run, too, ends where
-                // its shapes are judged not to pay: the last rows of a c=64 load, one at a
-                // time, drafted on at 0.8 ms a round for ~1.3 tokens against 0.65 ms for one,
-                // session 45.) Where some shape pays as judged, the faded estimates pick among
-                // the shapes: a revisit of one judged early, beside one that pays.
-                let judged_pays =
-                    best_of(&self.rates(batch, columns, deferred, tokens_left, Estimate::Judged)).1;
+                // the round plain, is a revisit: from a plain run it waits, as a probe does,
+                // until the plain rounds since the last drafted one pay for it.
                 let on_merit = on_merit
-                    && (judged_pays
+                    && (!self.in_plain_run()
+                        || best_of(&self.rates(
+                            batch,
+                            columns,
+                            deferred,
+                            tokens_left,
+                            Estimate::Judged,
+                        ))
+                        .1
                         || config
                             .probe_budget
                             .is_none_or(|share| affordable(best, share)));
@@ -1360,39 +1362,6 @@ mod tests {
             assert!(plain < 1000, "never revisited");
         }
         assert!((66..=68).contains(&plain), "{plain}");
-    }
-
-    #[test]
-    fn a_drafted_run_ends_at_a_batch_size_where_its_shape_is_judged_not_to_pay() {
-        // Batch 1: plain 0.65 ms, the chain 0.8 ms (worth it from 1.48 tokens with the 20%
-        // margin); batch 32: plain 1.2 ms, the chain 2.0 ms.
-        let costs = CostTable::flat(
-            vec![1, 32],
-            vec![vec![0.65e-3, 1.2e-3], vec![0.8e-3, 2.0e-3]],
-        );
-        let run_down = |probe_budget: Option<f64>| {
-            let config = PolicyConfig {
-                probe_every: 100_000,
-                probe_budget,
-                ..PolicyConfig::default()
-            };
-            let mut p =
-                SpeculationPolicy::adaptive(vec![shape("3/1/4")], costs.clone(), config).unwrap();
-            // 2.5 tokens a row at 32 rows; the last rows of earlier loads, one at a time,
-            // committed 1.2.
-            for _ in 0..20 {
-                p.observe(Choice::Draft(0), 32, 0, 80, None);
-            }
-            for _ in 0..6 {
-                p.observe(Choice::Draft(0), 1, 0, 1, None);
-            }
-            p.choose_recorded(Choice::Draft(0));
-            (p.choose(32, 0, 0), p.choose(1, 0, 0))
-        };
-        // The run goes on at 32 rows and ends when one row is left...
-        assert_eq!(run_down(Some(0.01)), (Choice::Draft(0), Choice::Plain));
-        // ...where, with revisits unpriced, the estimate of all rounds kept it drafting.
-        assert_eq!(run_down(None), (Choice::Draft(0), Choice::Draft(0)));
     }
 
     #[test]
