@@ -542,13 +542,15 @@ pub struct SpeculationPolicy {
     /// The same observations without the fade (the prior and what the shape did): what a
     /// shape is judged on when it is chosen on merit. A shape that wins only by its faded
     /// estimate is a revisit, and from plain rounds a revisit is priced as a probe
-    /// ([`PolicyConfig::probe_budget`]): at c=32 five 6/8/48 rounds taken on faded estimates
-    /// cost 1.6% of a load (133 us a token against 43; session 44).
+    /// ([`PolicyConfig::probe_budget`]). Session 44, c=32: five 6/8/48 rounds at 32 rows,
+    /// chosen on estimates they did not meet, cost 1.6% of a load (133 us a token against a
+    /// plain round's 43).
     judged: Vec<Mean>,
     /// What each shape committed per sequence at each batch size ([`batch_class`]; no prior):
     /// a shape is judged at a batch size by no more than it met there. A switch at 32 rows
-    /// drafts for rows whose heads saw only a tail of their context (rows of a long plain run),
-    /// and commits less than the same shape at batch 1 (session 44, c=32).
+    /// drafts for rows whose heads saw only a tail of their context (rows of a long plain run,
+    /// caught up over their last 16 tokens), which need not commit what rows drafted all along
+    /// at batch 1 do.
     met: Vec<[Mean; BATCH_CLASSES]>,
     /// Each shape's optimistic prior (what `committed` starts from).
     priors: Vec<Mean>,
