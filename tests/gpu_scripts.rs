@@ -128,7 +128,8 @@ fn mma_ab_divides_the_row_kernels_times_by_each_arms() {
 }
 
 /// round_logs.py: a server's admissions and rounds from its round log, summed by kind, with the
-/// mean one-prompt prefill and the rounds by choice.
+/// mean one-prompt prefill and the rounds by choice, and its drafted rounds by batch class
+/// against the plain rounds that would have committed their tokens.
 #[test]
 fn round_logs_sum_admissions_and_rounds_by_kind() {
     let dir = scratch("round-logs");
@@ -143,6 +144,8 @@ fn round_logs_sum_admissions_and_rounds_by_kind() {
         "0.4,round,5,80,80,80,3/1/4,11,0,0.001,0,0,0,0.002,0,0,1,0.002,0.001",
         "0.5,round,5,84,84,84,none,5,0,0.001,0,0,0,0.001,0,0,0,0.002,0.001",
         "0.6,round,5,85,85,85,3/1/4,9,0,0.001,0,0,0,0.002,0,0,0,0.002,0.001",
+        // One row: 2 tokens in 1.4 ms where a plain round is priced at 0.6 ms a token.
+        "0.7,round,1,90,90,90,3/4/8,2,0,0.001,0,0,0,0.0014,0,0,0,0.0015,0.0006",
     ];
     std::fs::write(
         dir.join("rounds_adaptive_c8.csv"),
@@ -156,7 +159,17 @@ fn round_logs_sum_admissions_and_rounds_by_kind() {
     assert!(
         out.contains(
             "adaptive_c8: admissions 3 (320 prompt tokens, 0.018 s; one-prompt prefill 3.00 ms), \
-             rounds 3 (25 tokens, 0.005 s): 3/1/4 2, none 1"
+             rounds 4 (27 tokens, 0.006 s): 3/1/4 2, 3/4/8 1, none 1"
+        ),
+        "{out}"
+    );
+    // Drafted rounds against plain rounds committing the same tokens: the one-row round as
+    // 2 x 0.6 ms (0.2 ms dearer), the 5-row rounds as 11/5 and 9/5 rounds of 1 ms (4 ms, what
+    // they took); 0.2 ms of 6.4 ms of rounds is +3.1%.
+    assert!(
+        out.contains(
+            "1 row: 1 rounds, 2 tokens, 1.40 ms, as plain 1.20 ms (+0.20 ms); 5-8 rows: 2 rounds, \
+             20 tokens, 4.00 ms, as plain 4.00 ms (+0.00 ms); all: +0.20 ms, +3.1% of round time"
         ),
         "{out}"
     );

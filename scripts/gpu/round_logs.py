@@ -69,6 +69,52 @@ def plain_floor(path):
     )
 
 
+def row_class(rows):
+    """The policy's batch classes (`batch_class` in policy.rs): 1, 2, 3-4, 5-8, .., 65+."""
+    for upper, label in ((1, "1 row"), (2, "2 rows"), (4, "3-4 rows"), (8, "5-8 rows"),
+                         (16, "9-16 rows"), (32, "17-32 rows"), (64, "33-64 rows")):
+        if rows <= upper:
+            return upper, label
+    return 65, "65+ rows"
+
+
+def drafted_against_plain(path):
+    """Drafted rounds by batch class against the plain rounds that would have committed the
+    same tokens: a round of `rows` rows committing `tokens` priced as tokens / rows plain rounds
+    at the policy's plain price for that round (`predicted_plain_s`, the cost table as
+    corrected by timed rounds). Positive: drafting cost more than plain rounds would have.
+    Session 45 read run 1's logs this way: c=8's drafted rounds saved ~100 ms (1.75%), and the
+    one-row drafted rounds that drain a c=64 load were not a loss."""
+    with open(path) as f:
+        records = [r for r in csv.DictReader(f) if r["kind"] != "admit"]
+    total = sum(float(r["wall_s"]) for r in records)
+    by_class = {}
+    for r in records:
+        plain = float(r["predicted_plain_s"])
+        if r["choice"] == "none" or plain != plain:  # NaN: no price (not adaptive)
+            continue
+        rows = int(r["rows"])
+        c = by_class.setdefault(row_class(rows), [0, 0, 0.0, 0.0])
+        c[0] += 1
+        c[1] += int(r["tokens"])
+        c[2] += float(r["wall_s"])
+        c[3] += int(r["tokens"]) / rows * plain
+    if not by_class:
+        return "  drafted rounds against plain ones: none"
+    parts = [
+        f"{label}: {n} rounds, {tokens} tokens, {1e3 * wall:.2f} ms, as plain {1e3 * plain:.2f} "
+        f"ms ({1e3 * (wall - plain):+.2f} ms)"
+        for (_, label), (n, tokens, wall, plain) in sorted(by_class.items())
+    ]
+    excess = sum(wall - plain for _, _, wall, plain in by_class.values())
+    share = f", {100 * excess / total:+.1f}% of round time" if total > 0 else ""
+    return (
+        "  drafted rounds against plain ones (the policy's plain price for their tokens): "
+        + "; ".join(parts)
+        + f"; all: {1e3 * excess:+.2f} ms{share}"
+    )
+
+
 def median(values):
     values = sorted(values)
     if not values:
@@ -129,6 +175,7 @@ def main(root, labels):
             print(f"{label}: {summarise(path)}")
             print(f"{label}: {plain_floor(path)}")
             print(detail(path))
+            print(drafted_against_plain(path))
         except (OSError, KeyError, ValueError) as e:
             print(f"{label}: no round log ({e})")
 
