@@ -514,7 +514,8 @@ impl Mean {
 enum Estimate {
     /// Faded toward the prior while other choices run (`committed`): what exploration uses.
     Explored,
-    /// The observations as they are (`judged`): what a choice on merit from plain rounds needs.
+    /// The observations without the fade, capped by what the shape met at the batch size
+    /// ([`SpeculationPolicy::judged_commit`]): what a choice on merit from plain rounds needs.
     Judged,
 }
 
@@ -731,10 +732,11 @@ impl SpeculationPolicy {
         self.plain_streak > 0
     }
 
-    /// Whether the costs and estimates alone (no probe) make the next round of `batch`
-    /// sequences at `columns` used columns, the head `deferred` steps behind, a plain one
-    /// (adaptive policies only; the others: never). Prompts joining such a batch defer their
-    /// head extension: if a drafted round comes anyway, its catch-up extends them.
+    /// Whether the costs and the judged estimates alone ([`Self::judged_commit`]; no probe,
+    /// no revisit) make the next round of `batch` sequences at `columns` used columns, the head
+    /// `deferred` steps behind, a plain one (adaptive policies only; the others: never).
+    /// Prompts joining such a batch defer their head extension: if a drafted round comes
+    /// anyway, its catch-up extends them.
     pub fn expects_plain(&self, batch: usize, columns: usize, deferred: usize) -> bool {
         let Mode::Adaptive { config, .. } = &self.mode else {
             return false;
