@@ -485,6 +485,18 @@ fn batch_class(batch: usize) -> usize {
     (above as usize).min(BATCH_CLASSES - 1)
 }
 
+/// The best-rated shape of `rates` (plain first, then the shapes, as [`SpeculationPolicy::throughput`]
+/// gives them) and whether its rate beats the plain round's by `margin`.
+fn best_shape(rates: &[(Choice, f64)], margin: f64) -> (Choice, bool) {
+    let plain = rates[0].1;
+    let (best, rate) = rates[1..]
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .expect("at least one shape");
+    (best, rate > plain * (1.0 + margin))
+}
+
 /// A decayed running mean of tokens committed per sequence-round.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 struct Mean {
@@ -742,10 +754,7 @@ impl SpeculationPolicy {
             return false;
         };
         let rates = self.rates(batch, columns, deferred, usize::MAX, Estimate::Judged);
-        let plain = rates[0].1;
-        !rates[1..]
-            .iter()
-            .any(|(_, rate)| *rate > plain * (1.0 + config.margin))
+        !best_shape(&rates, config.margin).1
     }
 
     /// What a switch from plain rounds to drafting is expected to cost, in seconds, with
@@ -800,7 +809,7 @@ impl SpeculationPolicy {
         };
         let b = batch.max(1) as f64;
         let commit = |i: usize| match estimate {
-            Estimate::Explored => self.committed[i].value(),
+            Estimate::Explored => self.expected_commit(i),
             Estimate::Judged => self.judged_commit(i, batch),
         };
         let switch = |i: usize| {
@@ -839,40 +848,30 @@ impl SpeculationPolicy {
             Mode::Forced(choice) => *choice,
             Mode::Adaptive { config, costs } => {
                 let config = *config;
-                let best_of = |rates: &[(Choice, f64)]| {
-                    let plain = rates[0].1;
-                    let (best, rate) = rates[1..]
-                        .iter()
-                        .copied()
-                        .max_by(|a, b| a.1.total_cmp(&b.1))
-                        .expect("at least one shape");
-                    (best, rate > plain * (1.0 + config.margin))
-                };
-                let (best, on_merit) =
-                    best_of(&self.rates(batch, columns, deferred, tokens_left, Estimate::Explored));
+                let (best, on_merit) = best_shape(
+                    &self.rates(batch, columns, deferred, tokens_left, Estimate::Explored),
+                    config.margin,
+                );
                 let plain_round = costs.at(0, batch, columns);
-                // What `choice` costs over a plain round, its catch-up included.
-                let extra = |choice: Choice| match choice {
-                    Choice::Draft(i) => {
-                        costs.at(1 + i, batch, columns) + self.switch_seconds(deferred)
-                            - plain_round
-                    }
-                    Choice::Plain => 0.0,
+                // Whether the plain rounds since the last drafted one pay, at `share`, for what
+                // a round of `shape` costs over a plain round, its catch-up included.
+                let affordable = |shape: Choice, share: f64| {
+                    let Choice::Draft(i) = shape else {
+                        return true;
+                    };
+                    let extra = costs.at(1 + i, batch, columns) + self.switch_seconds(deferred)
+                        - plain_round;
+                    extra <= share * self.plain_seconds
                 };
-                let affordable =
-                    |choice: Choice, share: f64| extra(choice) <= share * self.plain_seconds;
                 // Winning only by a faded estimate, where the shapes as judged would all leave
                 // the round plain, is a revisit: from a plain run it waits, as a probe does,
                 // until the plain rounds since the last drafted one pay for it.
                 let on_merit = on_merit
                     && (!self.in_plain_run()
-                        || best_of(&self.rates(
-                            batch,
-                            columns,
-                            deferred,
-                            tokens_left,
-                            Estimate::Judged,
-                        ))
+                        || best_shape(
+                            &self.rates(batch, columns, deferred, tokens_left, Estimate::Judged),
+                            config.margin,
+                        )
                         .1
                         || config
                             .probe_budget
@@ -883,8 +882,8 @@ impl SpeculationPolicy {
                     match config.probe_budget {
                         None => Some(best),
                         Some(share) => {
-                            // The cheapest shape to probe with, and what it costs over a
-                            // plain round, its catch-up included (the same for every shape).
+                            // The cheapest shape to probe with (its catch-up is the same for
+                            // every shape).
                             let cheapest = (0..self.shapes.len())
                                 .map(|i| (i, costs.at(1 + i, batch, columns)))
                                 .min_by(|a, b| a.1.total_cmp(&b.1))

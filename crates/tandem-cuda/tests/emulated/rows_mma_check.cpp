@@ -34,6 +34,12 @@ static unsigned int split_for(int width) {
     return static_cast<unsigned int>(std::min(16, (chunks + 3) / 4));
 }
 
+// The grid of a launch of `tiles` tiles for a step of `rows` rows (`MmaRows::config`): one
+// block a row group of 8 as the grid's x, the tiles as its y.
+static EmuDim3 mma_grid(int tiles, int rows) {
+    return EmuDim3{static_cast<unsigned int>((rows + 7) / 8), static_cast<unsigned int>(tiles), 1};
+}
+
 static std::vector<unsigned short> random_bf16(std::mt19937& rng, size_t n, float scale = 1.0f) {
     std::uniform_real_distribution<float> uni(-scale, scale);
     std::vector<unsigned short> v(n);
@@ -72,7 +78,7 @@ static bool check_gemv(std::mt19937& rng) {
     double worst = 0.0;
     for (int rows = 1; rows <= 8; ++rows) {
         std::vector<float> y(8 * out, NAN);
-        emu_launch(EmuDim3{1, static_cast<unsigned int>((out + 15) / 16), 1}, EmuDim3{32 * split_for(inp), 1, 1}, 0,
+        emu_launch(mma_grid((out + 15) / 16, rows), EmuDim3{32 * split_for(inp), 1, 1}, 0,
                    [&] { gemv_rows_mma(x.data(), w.data(), y.data(), nullptr, rows, inp, out, 0); });
         worst = std::max(worst, max_dot_error(x, w, y, rows, inp, out));
         // Rows past the step's are not written.
@@ -88,7 +94,7 @@ static bool check_gemv(std::mt19937& rng) {
     const auto before = y;
     // With a tap: the tap gets exactly what y gets, and nothing past the step's rows.
     std::vector<float> tap(8 * out, NAN);
-    emu_launch(EmuDim3{1, static_cast<unsigned int>((out + 15) / 16), 1}, EmuDim3{32 * split_for(inp), 1, 1}, 0,
+    emu_launch(mma_grid((out + 15) / 16, rows), EmuDim3{32 * split_for(inp), 1, 1}, 0,
                [&] { gemv_rows_mma(x.data(), w.data(), y.data(), tap.data(), rows, inp, out, 1); });
     bool tap_is_y = std::memcmp(tap.data(), y.data(), rows * out * sizeof(float)) == 0;
     for (int i = rows * out; i < 8 * out; ++i) tap_is_y &= std::isnan(tap[i]);
@@ -119,7 +125,7 @@ static bool check_gemv_norm(std::mt19937& rng) {
         gemv_norm_rows_r8_o1(xf.data(), norm_w.data(), w.data(), want.data(), rows, inp, out, 4,
                              1e-5f);
     });
-    emu_launch(EmuDim3{1, static_cast<unsigned int>((out + 15) / 16), 1}, EmuDim3{32 * split_for(inp), 1, 1}, rows * inp * 2,
+    emu_launch(mma_grid((out + 15) / 16, rows), EmuDim3{32 * split_for(inp), 1, 1}, rows * inp * 2,
                [&] {
                    gemv_norm_rows_mma(xf.data(), norm_w.data(), w.data(), got.data(), rows, inp,
                                       out, 1e-5f);
@@ -139,7 +145,7 @@ static bool check_gate_up(std::mt19937& rng) {
     const auto x = random_f32(rng, 8 * hidden);
     auto run_mma = [&](int rows) {
         std::vector<unsigned short> act(8 * inter, 0xffff);
-        emu_launch(EmuDim3{1, static_cast<unsigned int>((inter + 7) / 8), 1}, EmuDim3{32 * split_for(hidden), 1, 1},
+        emu_launch(mma_grid((inter + 7) / 8, rows), EmuDim3{32 * split_for(hidden), 1, 1},
                    rows * hidden * 2, [&] {
                        norm_gate_up_silu_mma(x.data(), norm_w.data(), w.data(), act.data(), rows,
                                              hidden, inter, 1e-5f);
@@ -207,7 +213,7 @@ static bool check_qkv_rope(std::mt19937& rng, bool head) {
               col0, nullptr, 1e-5f, head ? table.data() : nullptr, head ? tokens.data() : nullptr);
         };
         if (mma) {
-            emu_launch(EmuDim3{1, static_cast<unsigned int>((pairs + 7) / 8), 1}, EmuDim3{32 * split_for(inputs * hidden), 1, 1},
+            emu_launch(mma_grid((pairs + 7) / 8, rows), EmuDim3{32 * split_for(inputs * hidden), 1, 1},
                        shared, kernel);
         } else {
             emu_launch(EmuDim3{static_cast<unsigned int>((pairs + 3) / 4), 1, 1}, EmuDim3{128, 1, 1}, shared, kernel);
@@ -235,7 +241,7 @@ static bool check_qkv_rope(std::mt19937& rng, bool head) {
                   worst_q <= 2e-4 && worst_kv <= 1e-2 && written, detail);
 }
 
-// Steps of 9 to 32 rows in row groups of 8 (grid x: one block a group, `MmaRows::config`):
+// Steps of 9 to 32 rows in row groups of 8 (grid x: one block a group, `mma_grid`):
 // each group's rows get exactly the bits of that group run as its own 8-row (or shorter) step,
 // for every kernel, at 32 rows and at a ragged 20 (batch 5 x width 4: the q|k|v rows' positions,
 // query rows and cache columns are those of the step's rows, not the group's).
@@ -247,31 +253,27 @@ static bool check_row_groups(std::mt19937& rng) {
     const auto w_out = random_bf16(rng, out * inter);
     const auto w_norm = random_bf16(rng, out * hidden);
     const auto w_gate_up = random_bf16(rng, 2 * inter * hidden);
-    // The row group is the grid's x, the tile its y (`MmaRows::config`).
-    auto grid = [](int tiles, int rows) {
-        return EmuDim3{static_cast<unsigned int>((rows + 7) / 8), static_cast<unsigned int>(tiles), 1};
-    };
     bool gemv_ok = true, norm_ok = true, gate_ok = true;
     double worst = 0.0;
     for (int rows : {20, 32}) {
         // gemv_rows_mma (with a tap) and gemv_norm_rows_mma, grouped, then group by group.
         std::vector<float> y(max_rows * out, NAN), tap(max_rows * out, NAN), yn(max_rows * out, NAN);
         std::vector<unsigned short> act(max_rows * inter, 0xffff);
-        emu_launch(grid((out + 15) / 16, rows), EmuDim3{32 * split_for(inter), 1, 1}, 0,
+        emu_launch(mma_grid((out + 15) / 16, rows), EmuDim3{32 * split_for(inter), 1, 1}, 0,
                    [&] { gemv_rows_mma(xb.data(), w_out.data(), y.data(), tap.data(), rows, inter, out, 0); });
-        emu_launch(grid((out + 15) / 16, rows), EmuDim3{32 * split_for(hidden), 1, 1}, 8 * hidden * 2,
+        emu_launch(mma_grid((out + 15) / 16, rows), EmuDim3{32 * split_for(hidden), 1, 1}, 8 * hidden * 2,
                    [&] { gemv_norm_rows_mma(x.data(), norm_w.data(), w_norm.data(), yn.data(), rows, hidden, out, 1e-5f); });
-        emu_launch(grid((inter + 7) / 8, rows), EmuDim3{32 * split_for(hidden), 1, 1}, 8 * hidden * 2,
+        emu_launch(mma_grid((inter + 7) / 8, rows), EmuDim3{32 * split_for(hidden), 1, 1}, 8 * hidden * 2,
                    [&] { norm_gate_up_silu_mma(x.data(), norm_w.data(), w_gate_up.data(), act.data(), rows, hidden, inter, 1e-5f); });
         for (int r0 = 0; r0 < rows; r0 += 8) {
             const int n = std::min(8, rows - r0);
             std::vector<float> g(8 * out, NAN), gn(8 * out, NAN);
             std::vector<unsigned short> ga(8 * inter, 0xffff);
-            emu_launch(grid((out + 15) / 16, n), EmuDim3{32 * split_for(inter), 1, 1}, 0,
+            emu_launch(mma_grid((out + 15) / 16, n), EmuDim3{32 * split_for(inter), 1, 1}, 0,
                        [&] { gemv_rows_mma(xb.data() + r0 * inter, w_out.data(), g.data(), nullptr, n, inter, out, 0); });
-            emu_launch(grid((out + 15) / 16, n), EmuDim3{32 * split_for(hidden), 1, 1}, n * hidden * 2,
+            emu_launch(mma_grid((out + 15) / 16, n), EmuDim3{32 * split_for(hidden), 1, 1}, n * hidden * 2,
                        [&] { gemv_norm_rows_mma(x.data() + r0 * hidden, norm_w.data(), w_norm.data(), gn.data(), n, hidden, out, 1e-5f); });
-            emu_launch(grid((inter + 7) / 8, n), EmuDim3{32 * split_for(hidden), 1, 1}, n * hidden * 2,
+            emu_launch(mma_grid((inter + 7) / 8, n), EmuDim3{32 * split_for(hidden), 1, 1}, n * hidden * 2,
                        [&] { norm_gate_up_silu_mma(x.data() + r0 * hidden, norm_w.data(), w_gate_up.data(), ga.data(), n, hidden, inter, 1e-5f); });
             gemv_ok &= std::memcmp(g.data(), y.data() + r0 * out, n * out * sizeof(float)) == 0;
             gemv_ok &= std::memcmp(g.data(), tap.data() + r0 * out, n * out * sizeof(float)) == 0;
@@ -296,7 +298,7 @@ static bool check_row_groups(std::mt19937& rng) {
     for (int j = 0; j < half; ++j) inv_freq[j] = std::pow(10000.0f, -2.0f * j / head_dim);
     const size_t seq = static_cast<size_t>(kv_heads) * capacity * head_dim;
     auto qkv = [&](int r0, int n, float* q, unsigned short* k, unsigned short* v) {
-        emu_launch(grid((pairs + 7) / 8, n), EmuDim3{32 * split_for(hidden), 1, 1}, std::min(n, 8) * hidden * 2, [&] {
+        emu_launch(mma_grid((pairs + 7) / 8, n), EmuDim3{32 * split_for(hidden), 1, 1}, std::min(n, 8) * hidden * 2, [&] {
             norm_qkv_rope_mma(x.data() + r0 * hidden, norm_w.data(), w.data(), nullptr, nullptr, nullptr,
                               bias.data(), positions.data() + r0, inv_freq.data(), q, k, v, n, hidden,
                               width, heads, kv_heads, head_dim, capacity, col0, nullptr, 1e-5f, nullptr,
