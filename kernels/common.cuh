@@ -26,7 +26,20 @@
 // and PDL_WAIT blocks until the previous kernel has finished and its writes are visible. A
 // kernel may do anything that does not read its predecessor's outputs (load weights) before
 // PDL_WAIT. Without the attribute or the define both are no-ops.
-#if defined(TANDEM_PDL) && TANDEM_PDL
+//
+// TANDEM_PDL_LATE (TANDEM_CUDA_PDL_LATE=1): a kernel lets the next one launch only once it has
+// passed its own wait (the trigger moves into PDL_WAIT), so at most one kernel runs ahead of
+// the one at work, loading its weights during that one's product. With the trigger at the
+// start, a kernel's start launches the next, whose start launches the next: every launch up to
+// the first without the attribute (the attention, by default) is resident and loading its
+// weights at once, competing with the reads the kernel at work waits for. That may be why
+// the attention in the chain measured slower (session 42); the late trigger is the switch
+// that tests it.
+#if defined(TANDEM_PDL) && TANDEM_PDL && defined(TANDEM_PDL_LATE) && TANDEM_PDL_LATE
+#define PDL_WAIT() \
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_LAUNCH_DEPENDENTS()
+#elif defined(TANDEM_PDL) && TANDEM_PDL
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define PDL_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #else

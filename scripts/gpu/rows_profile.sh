@@ -25,7 +25,7 @@
 # TESTS_AB_ENV="VAR=value ..": the tandem-infer GPU tests again with these exported.
 # LAUNCH_FLOOR=1: a CUDA graph of N dependent tiny kernels (and 576x576 gemvs) timed, N = 158 ..
 # 32 (scripts/gpu/launch_floor.py). NCU_WARM=1: ncu keeps the caches between kernels.
-# Knobs: TESTS=0, NCU=0 (2: also batch 8), NCU_HEAD=1, BENCH=0, FAST_AB, MMA_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
+# Knobs: TESTS=0, NCU=0 (2: also batch 8; 32: batch 8's 8- and 32-row steps only), NCU_HEAD=1, BENCH=0, FAST_AB, MMA_AB, SHAPES, SERVE, SERVE_LONG, QWEN, GEMV_SWEEP, HF, NSYS,
 # INTERLEAVE=1 (benches alternate target-only and speculative prompt by prompt; every bench prints
 # its speedup's standard error).
 #   here:     cargo build --release && bash scripts/gpu/rows_profile.sh pack
@@ -52,9 +52,9 @@ ncu_rows() {
   # a kernel reads the rows the previous one just wrote from L2.
   local warm=()
   [[ "${NCU_WARM:-0}" == 1 ]] && warm=(--cache-control none)
-  TANDEM_CUDA_GRAPHS=0 TANDEM_CUDA_FUSED=8 timeout 280 "$ncu" --clock-control none "${warm[@]}" \
+  TANDEM_CUDA_GRAPHS=0 TANDEM_CUDA_FUSED=${NCU_FUSED:-8} timeout 280 "$ncu" --clock-control none "${warm[@]}" \
     --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum \
-    --csv --launch-count 5000 "$T" fast-bench --model "$M" --prompt-tokens 128 --new-tokens 8 \
+    --csv --launch-count 5000 "$T" fast-bench --model "$M" --prompt-tokens 128 --new-tokens "${NCU_NEW_TOKENS:-8}" \
     --repeats 1 --fused on "$@" > "$R/$name.csv" 2> "$R/$name.err"
   echo "ncu $name: exit $?" | tee -a "$R/summary.txt"
   python3 - "$R/$name.csv" "$name" > "$R/${name}_summary.txt" 2>&1 <<'PY'
@@ -274,11 +274,14 @@ PY
     fi
   done
   mark "spec bench done"
-  if [[ "${NCU:-1}" == 1 ]]; then
-    ncu_rows ncu-b1 --batch 1 --verify-widths 4,8
-    [[ "${NCU:-1}" == 2 ]] && ncu_rows ncu-b8 --batch 8 --verify-widths 1
-    mark "ncu done"
-  fi
+  # NCU=1: one-row decode and 4/8-token verifications; 2: also batch-8 decode; 32: only batch-8
+  # decode (8 rows) and 3/1/4-shaped verification at batch 8 (32 rows), four steps each.
+  case "${NCU:-1}" in
+    1|2) ncu_rows ncu-b1 --batch 1 --verify-widths 4,8 ;;&
+    2) ncu_rows ncu-b8 --batch 8 --verify-widths 1 ;;
+    32) NCU_NEW_TOKENS=4 NCU_FUSED=32 ncu_rows ncu-b8v4 --batch 8 --verify-widths 4 ;;
+  esac
+  [[ "${NCU:-1}" != 0 ]] && mark "ncu done"
   # NSYS=1: an nsys timeline of speculative rounds (3/1/4, 8 MT-Bench prompts): where a round's
   # draft and extend go between kernels (host step building, copies, syncs). The raw traces come
   # back (nsys-*.csv); the API and kernel summaries are printed.

@@ -207,7 +207,27 @@ struct FastBenchRow {
     ttft_ms_median: f64,
     step_ms_median: f64,
     tokens_per_second: f64,
+    /// The step's graph replayed back to back (no host work between replays), ms a replay:
+    /// its device time, so `step_ms_median` minus this is what the host adds a step (input
+    /// uploads, the launch, the logits' copy, argmax and read-back). One GPU with graphs only.
+    graph_replay_ms: Option<f64>,
 }
+
+/// Replays of the last step's graph timed back to back ([`CudaTarget::time_last_replay`]),
+/// ms a replay; `None` without graphs or on a split target (rank 0's graph alone would wait
+/// for ever at its all-reduces).
+fn device_step_ms(model: &CudaTarget, graphs: bool) -> anyhow::Result<Option<f64>> {
+    if !graphs || model.tensor_parallel() > 1 {
+        return Ok(None);
+    }
+    Ok(model
+        .time_last_replay(DEVICE_STEP_REPLAYS)?
+        .map(|s| s * 1e3))
+}
+
+/// Back-to-back replays behind [`device_step_ms`]: enough that the first launch's latency and
+/// the final synchronisation are ~1% of the time.
+const DEVICE_STEP_REPLAYS: usize = 100;
 
 pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
@@ -351,6 +371,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                     ttft_ms_median: ttft * 1e3,
                     step_ms_median: step * 1e3,
                     tokens_per_second: batch as f64 / step,
+                    graph_replay_ms: device_step_ms(&model, graphs)?,
                 };
                 eprintln!("{row:?}");
                 rows.push(row);
@@ -400,6 +421,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
                     ttft_ms_median: ttft * 1e3,
                     step_ms_median: step * 1e3,
                     tokens_per_second: batch as f64 / step,
+                    graph_replay_ms: device_step_ms(&model, graphs)?,
                 };
                 eprintln!("{row:?}");
                 rows.push(row);
@@ -416,9 +438,9 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
         stats.replays
     );
     println!(
-        "| path | step | batch | taps | TTFT ms (median) | step ms (median) | tokens/s (decode) | step / decode step |"
+        "| path | step | batch | taps | TTFT ms (median) | step ms (median) | tokens/s (decode) | step / decode step | graph replayed back to back, ms |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let decode = rows
             .iter()
@@ -449,7 +471,7 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
             format!("verify {}", r.width)
         };
         println!(
-            "| {path} | {step} | {} | {} | {:.2} | {:.3} | {} | {:.2} |",
+            "| {path} | {step} | {} | {} | {:.2} | {:.3} | {} | {:.2} | {} |",
             r.batch,
             r.taps,
             r.ttft_ms_median,
@@ -459,7 +481,9 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
             } else {
                 "-".into()
             },
-            r.step_ms_median / decode
+            r.step_ms_median / decode,
+            r.graph_replay_ms
+                .map_or_else(|| "-".into(), |ms| format!("{ms:.3}"))
         );
     }
     if let Some(path) = &args.json {

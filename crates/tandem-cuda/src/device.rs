@@ -58,19 +58,35 @@ fn compile_source_for(
     programmatic: bool,
     defines: &str,
 ) -> Result<Ptx, CudaError> {
-    let pdl = if programmatic {
-        "#define TANDEM_PDL 1\n"
-    } else {
-        ""
-    };
     Ok(compile_ptx_with_opts(
-        full_source(source, name, &format!("{pdl}{defines}")),
+        full_source(
+            source,
+            name,
+            &format!("{}{defines}", pdl_defines(programmatic, pdl_late())),
+        ),
         CompileOptions {
             name: Some(name.into()),
             arch: programmatic.then_some("compute_90"),
             ..Default::default()
         },
     )?)
+}
+
+/// The defines of a programmatic-launch build: `TANDEM_PDL`, and with `late` also
+/// `TANDEM_PDL_LATE` (each kernel lets the next launch once it has passed its own wait; see
+/// kernels/common.cuh). Nothing without `programmatic`.
+pub(crate) fn pdl_defines(programmatic: bool, late: bool) -> &'static str {
+    match (programmatic, late) {
+        (false, _) => "",
+        (true, false) => "#define TANDEM_PDL 1\n",
+        (true, true) => "#define TANDEM_PDL 1\n#define TANDEM_PDL_LATE 1\n",
+    }
+}
+
+/// `TANDEM_CUDA_PDL_LATE=1`: the late trigger of [`pdl_defines`] (off by default), read
+/// where the kernels are compiled.
+pub(crate) fn pdl_late() -> bool {
+    std::env::var("TANDEM_CUDA_PDL_LATE").as_deref() == Ok("1")
 }
 
 /// What NVRTC compiles for `source`: the launch shapes the kernels assume, from the constants
@@ -113,6 +129,14 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     }
     compile_source(KERNEL_SOURCE, "llama.cu")?;
     compile_source_for(KERNEL_SOURCE, "llama.cu", true, "")?;
+    compile_ptx_with_opts(
+        full_source(KERNEL_SOURCE, "llama.cu", pdl_defines(true, true)),
+        CompileOptions {
+            name: Some("llama.cu".into()),
+            arch: Some("compute_90"),
+            ..Default::default()
+        },
+    )?;
     compile_source_for(
         KERNEL_SOURCE,
         "llama.cu",
@@ -121,9 +145,10 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     )?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
     mma_attention::compile()?;
-    mma_rows::compile(false, false)?;
-    mma_rows::compile(true, false)?;
-    mma_rows::compile(true, true)?;
+    mma_rows::compile(false, false, false)?;
+    mma_rows::compile(true, false, false)?;
+    mma_rows::compile(true, true, false)?;
+    mma_rows::compile(true, false, true)?;
     Ok(vec![
         "kernels/llama.cu",
         "kernels/train.cu",

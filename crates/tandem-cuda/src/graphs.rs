@@ -140,6 +140,8 @@ pub(crate) struct GraphCache<B> {
     pub captured: HashMap<GraphKey, CapturedStep<B>>,
     order: VecDeque<GraphKey>,
     pub stats: GraphStats,
+    /// The graph replayed last (`CudaTarget::time_last_replay` replays it again).
+    pub last: Option<GraphKey>,
 }
 
 impl<B> Default for GraphCache<B> {
@@ -149,6 +151,7 @@ impl<B> Default for GraphCache<B> {
             captured: HashMap::new(),
             order: VecDeque::new(),
             stats: GraphStats::default(),
+            last: None,
         }
     }
 }

@@ -1036,6 +1036,27 @@ impl CudaTarget {
             .copy_pairs_to_offset(&mut pairs, at * h, kept.rows * h)
     }
 
+    /// Seconds one replay of the step graph replayed last takes when `replays` of them are
+    /// queued back to back, with no host work between them (no input uploads, no read-back):
+    /// the step's device time, against which a decode loop's wall time a step shows what the
+    /// host adds. The replays recompute that step from the inputs it was given (its cache
+    /// columns are written again with the same values). `None` when no graph has replayed.
+    pub fn time_last_replay(&self, replays: usize) -> Result<Option<f64>, CudaError> {
+        let graphs = self.graphs.lock();
+        let Some(entry) = graphs.last.as_ref().and_then(|k| graphs.captured.get(k)) else {
+            return Ok(None);
+        };
+        self.gpu.synchronize()?;
+        let started = std::time::Instant::now();
+        for _ in 0..replays.max(1) {
+            self.gpu.replay(&entry.graph)?;
+        }
+        self.gpu.synchronize()?;
+        Ok(Some(
+            started.elapsed().as_secs_f64() / replays.max(1) as f64,
+        ))
+    }
+
     fn forward_with(
         &self,
         step: &StepInput,
@@ -1404,6 +1425,7 @@ impl CudaTarget {
                 },
             );
         }
+        graphs.last = Some(key.clone());
         let entry = graphs.captured.get_mut(&key).expect("captured above");
         entry.buffers.load(gpu, host, last, chain)?;
         gpu.replay(&entry.graph)?;

@@ -46,16 +46,14 @@ pub(super) fn groups_in_y(value: Option<&str>) -> bool {
 }
 
 /// `kernels/rows_mma.cu` as PTX: compute_80, or compute_90 with `TANDEM_PDL` when the other
-/// kernels launch with programmatic dependent launch; `groups_in_y`: [`groups_in_y`].
+/// kernels launch with programmatic dependent launch (and `late`: the trigger after the wait,
+/// [`super::pdl_defines`]); `groups_in_y`: [`groups_in_y`].
 pub(super) fn compile(
     programmatic: bool,
     groups_in_y: bool,
+    late: bool,
 ) -> Result<cudarc::nvrtc::Ptx, CudaError> {
-    let pdl = if programmatic {
-        "#define TANDEM_PDL 1\n"
-    } else {
-        ""
-    };
+    let pdl = super::pdl_defines(programmatic, late);
     let order = if groups_in_y {
         "#define MMA_GROUPS_IN_Y 1\n"
     } else {
@@ -81,7 +79,7 @@ impl MmaRows {
         programmatic: bool,
     ) -> Result<Self, CudaError> {
         let groups_in_y = groups_in_y(std::env::var("TANDEM_CUDA_MMA_GROUPS_IN_Y").ok().as_deref());
-        let module = ctx.load_module(compile(programmatic, groups_in_y)?)?;
+        let module = ctx.load_module(compile(programmatic, groups_in_y, super::pdl_late())?)?;
         Ok(Self {
             gemv_rows: module.load_function("gemv_rows_mma")?,
             gemv_norm_rows: module.load_function("gemv_norm_rows_mma")?,
