@@ -46,23 +46,25 @@ const MMA_HELPERS: &str = include_str!("../../../kernels/mma.cuh");
 /// start-up: `kernels/common.cuh` first (NVRTC gets no include path), then a `#line` directive
 /// so that messages give the line numbers of the source itself.
 pub(crate) fn compile_source(source: &str, name: &str) -> Result<Ptx, CudaError> {
-    compile_source_for(source, name, false, "")
+    compile_source_for(source, name, false, false, "")
 }
 
 /// [`compile_source`], with `programmatic` for a GPU that has programmatic dependent launch
-/// (sm_90 and later): `TANDEM_PDL` defined (see kernels/common.cuh) and PTX for compute_90.
-/// `defines`: more `#define` lines in front of the source.
+/// (sm_90 and later): `TANDEM_PDL` defined (see kernels/common.cuh, and `late`:
+/// [`pdl_defines`]) and PTX for compute_90. `defines`: more `#define` lines in front of the
+/// source.
 fn compile_source_for(
     source: &str,
     name: &str,
     programmatic: bool,
+    late: bool,
     defines: &str,
 ) -> Result<Ptx, CudaError> {
     Ok(compile_ptx_with_opts(
         full_source(
             source,
             name,
-            &format!("{}{defines}", pdl_defines(programmatic, pdl_late())),
+            &format!("{}{defines}", pdl_defines(programmatic, late)),
         ),
         CompileOptions {
             name: Some(name.into()),
@@ -83,9 +85,9 @@ pub(crate) fn pdl_defines(programmatic: bool, late: bool) -> &'static str {
     }
 }
 
-/// `TANDEM_CUDA_PDL_LATE=1`: the late trigger of [`pdl_defines`] (off by default), read
-/// where the kernels are compiled.
-pub(crate) fn pdl_late() -> bool {
+/// `TANDEM_CUDA_PDL_LATE=1`: the late trigger of [`pdl_defines`] (off by default), read once
+/// when a GPU is opened (`Gpu`'s `pdl_late`), so that every module it compiles agrees.
+fn pdl_late() -> bool {
     std::env::var("TANDEM_CUDA_PDL_LATE").as_deref() == Ok("1")
 }
 
@@ -128,18 +130,12 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
         ));
     }
     compile_source(KERNEL_SOURCE, "llama.cu")?;
-    compile_source_for(KERNEL_SOURCE, "llama.cu", true, "")?;
-    compile_ptx_with_opts(
-        full_source(KERNEL_SOURCE, "llama.cu", pdl_defines(true, true)),
-        CompileOptions {
-            name: Some("llama.cu".into()),
-            arch: Some("compute_90"),
-            ..Default::default()
-        },
-    )?;
+    compile_source_for(KERNEL_SOURCE, "llama.cu", true, false, "")?;
+    compile_source_for(KERNEL_SOURCE, "llama.cu", true, true, "")?;
     compile_source_for(
         KERNEL_SOURCE,
         "llama.cu",
+        false,
         false,
         "#define PERSIST_THREADS 256\n",
     )?;
@@ -376,6 +372,9 @@ pub struct Gpu {
     /// Whether the kernels were compiled for programmatic dependent launch: an sm_90+ GPU and
     /// [`pdl_rows_from_env`] above 0.
     programmatic: bool,
+    /// Whether they were compiled with the late trigger (`TANDEM_CUDA_PDL_LATE=1`,
+    /// [`pdl_defines`]); the tensor-core small steps, compiled later, take the same.
+    pdl_late: bool,
     /// The most rows a step may have for its kernels to launch with programmatic dependent
     /// launch ([`pdl_rows_from_env`]; 0 when `programmatic` is off).
     pdl_rows: usize,
@@ -557,6 +556,7 @@ impl Gpu {
             0
         };
         let programmatic = pdl_rows > 0;
+        let pdl_late = programmatic && pdl_late();
         // The persistent step's block: 16 warps, or 8 with TANDEM_CUDA_PERSISTENT_WARPS=8
         // (twice the registers per thread).
         let persistent_warps = match std::env::var("TANDEM_CUDA_PERSISTENT_WARPS").as_deref() {
@@ -567,6 +567,7 @@ impl Gpu {
             KERNEL_SOURCE,
             "llama.cu",
             programmatic,
+            pdl_late,
             &format!("#define PERSIST_THREADS {}\n", persistent_warps * 32),
         )?;
         let module = ctx.load_module(ptx)?;
@@ -610,6 +611,7 @@ impl Gpu {
             kernels,
             graphs_default: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             programmatic,
+            pdl_late,
             pdl_rows,
             attention_pdl: std::env::var("TANDEM_CUDA_PDL_ATTENTION").as_deref() == Ok("1"),
             sm_count,

@@ -1046,15 +1046,14 @@ impl CudaTarget {
         let Some(entry) = graphs.last.as_ref().and_then(|k| graphs.captured.get(k)) else {
             return Ok(None);
         };
+        let replays = replays.max(1);
         self.gpu.synchronize()?;
         let started = std::time::Instant::now();
-        for _ in 0..replays.max(1) {
+        for _ in 0..replays {
             self.gpu.replay(&entry.graph)?;
         }
         self.gpu.synchronize()?;
-        Ok(Some(
-            started.elapsed().as_secs_f64() / replays.max(1) as f64,
-        ))
+        Ok(Some(started.elapsed().as_secs_f64() / replays as f64))
     }
 
     fn forward_with(

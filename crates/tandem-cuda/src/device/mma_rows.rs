@@ -74,12 +74,15 @@ pub(super) fn compile(
 }
 
 impl MmaRows {
+    /// The kernels compiled for this GPU: `programmatic` and `late` as the GPU's other
+    /// kernels were ([`compile`]).
     pub(super) fn load(
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
         programmatic: bool,
+        late: bool,
     ) -> Result<Self, CudaError> {
         let groups_in_y = groups_in_y(std::env::var("TANDEM_CUDA_MMA_GROUPS_IN_Y").ok().as_deref());
-        let module = ctx.load_module(compile(programmatic, groups_in_y, super::pdl_late())?)?;
+        let module = ctx.load_module(compile(programmatic, groups_in_y, late)?)?;
         Ok(Self {
             gemv_rows: module.load_function("gemv_rows_mma")?,
             gemv_norm_rows: module.load_function("gemv_norm_rows_mma")?,
@@ -167,7 +170,7 @@ impl Gpu {
                     "the tensor-core small steps need an sm_80 or later GPU; this one is sm_{major}x"
                 )));
             }
-            let kernels = MmaRows::load(&self.ctx, self.programmatic)?;
+            let kernels = MmaRows::load(&self.ctx, self.programmatic, self.pdl_late)?;
             let _ = self.mma_rows.set(kernels);
         }
         self.mma_rows_on.store(on, Ordering::Relaxed);
