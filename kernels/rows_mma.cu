@@ -93,17 +93,14 @@ __device__ __forceinline__ void mma_pair(float (&c)[4], const uint4& lo, const u
 // barrier when it writes shared memory), then its inputs, and multiplies. Returns true in warp
 // 0, whose c then holds the tile: c[0], c[1] = A row g at step rows 2t, 2t + 1; c[2], c[3] = A
 // row g + 8 at the same rows.
-// `slice` and `split`: this warp's slice and the warps sharing the tile (the block's warps in
-// mma_rows_tile; a group of them in qkv_attention_mma, each group a tile), `partial` shared
-// room for `split` warps' partial tiles. Every warp of the block calls it once (it ends in a
-// barrier when `split` > 1).
 template <typename Stage>
-__device__ __forceinline__ bool mma_rows_tile_of(const MmaOperand& first,
-                                                 const MmaOperand& second, size_t row_lo,
-                                                 size_t row_hi, int rows, Stage stage,
-                                                 float (&c)[4], int slice, int split,
-                                                 float (*partial)[4][32]) {
+__device__ __forceinline__ bool mma_rows_tile(const MmaOperand& first, const MmaOperand& second,
+                                              size_t row_lo, size_t row_hi, int rows,
+                                              Stage stage, float (&c)[4]) {
+    __shared__ float partial[MMA_ROWS_MAX_SPLIT][4][32];
     const int lane = threadIdx.x & 31;
+    const int slice = threadIdx.x >> 5;
+    const int split = blockDim.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
     const int chunks = first.chunks + second.chunks;
@@ -183,15 +180,6 @@ __device__ __forceinline__ bool mma_rows_tile_of(const MmaOperand& first,
         }
     }
     return slice == 0;
-}
-
-template <typename Stage>
-__device__ __forceinline__ bool mma_rows_tile(const MmaOperand& first, const MmaOperand& second,
-                                              size_t row_lo, size_t row_hi, int rows,
-                                              Stage stage, float (&c)[4]) {
-    __shared__ float partial[MMA_ROWS_MAX_SPLIT][4][32];
-    return mma_rows_tile_of(first, second, row_lo, row_hi, rows, stage, c, threadIdx.x >> 5,
-                            blockDim.x >> 5, partial);
 }
 
 // No input to stage (it is in global memory, written by an earlier launch): wait for it.
@@ -430,159 +418,4 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
                               width, heads, kv_heads, head_dim, capacity, col0);
         }
     }
-}
-
-// ---- A decode step's q|k|v and attention in one launch ----
-//
-// Why: at batch 1 a fused layer is five dependent launches (norm_qkv_rope_mma, attention, o_proj,
-// gate|up, down), ~21 us a layer on an H100 against ~2 us of weights, and the attention is the
-// one launch outside the programmatic chain: it starts only once q|k|v has finished, with nothing
-// of its own loaded. In a decode step (one new token a sequence) a row's attention needs no other
-// row's keys, only its cache and its own new key and value, so one block per (row, query head)
-// can compute that head's q, its key-value head's k and v (4 + 4 + 4 tiles of 8 rotation pairs
-// at head_dim 64), write them where norm_qkv_rope_mma does, and attend: four launches a layer,
-// the q|k|v weights loaded before the wait.
-//
-// Bits: each tile is mma_rows_tile_of over the same k slices, summed in the same order, of the
-// same staged row as norm_qkv_rope_mma's tile (the row alone as the mma's only column: an entry
-// of the product does not depend on the other columns), and the epilogue is the same
-// qkv_pair_out_with; the attention is attention_block over the row's visible keys, whose fold
-// order does not depend on the block's warps. So a decode row gets the bits it gets from the
-// two launches (and from a verification step of any width): greedy speculative output stays
-// equal to target-only output. The query heads of one key-value head each write that head's
-// key and value (the same bits) before reading them back.
-//
-// Block: `groups` groups of split(hidden) warps (at most QKV_ATTENTION_MAX_THREADS threads), one
-// tile a group per pass, 3 * head_dim / 16 tiles in ceil(tiles / groups) passes (SmolLM2: 3
-// groups of 5 warps, 4 passes); a later pass's weights are fetched into L2 before the wait.
-// Grid: rows * heads (block r * heads + h, as attention_invariant). Dynamic shared: each pass's
-// pair inputs, the staged row (hidden bf16), the groups' partial tiles (512 bytes a warp), then
-// the attention's warps * (head_dim + 2) + head_dim f32. One input only (the EAGLE-3 head's two-input
-// q|k|v keeps the two launches), and no q/k norm (Qwen3 keeps them too).
-#define QKV_ATTENTION_MAX_PASSES 4
-// Threads a block may have (defined by the compiling code: mma_rows::QKV_ATTENTION_THREADS):
-// 512 leave each thread 128 registers; the products hold four chunks of two weight rows and of
-// the input in flight, as norm_qkv_rope_mma does with ~108.
-#ifndef QKV_ATTENTION_MAX_THREADS
-#define QKV_ATTENTION_MAX_THREADS 512
-#endif
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#ifdef TANDEM_EMULATE
-    (void)p;
-#else
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
-// attention_block as a call of its own: inlined, its value loads and the products' live values
-// together spilled a few bytes a thread at 128 registers (sm_90).
-__device__ __noinline__ void qkv_attention_attend(const float* q, float scale,
-                                                 const unsigned short* k_cache,
-                                                 const unsigned short* v_cache, size_t base,
-                                                 const int* list, int count, const float* mask_row,
-                                                 int head_dim, float* shared_partials,
-                                                 float* q_shared, unsigned short* dst) {
-    attention_block(q, scale, k_cache, v_cache, base, list, count, mask_row, head_dim,
-                    shared_partials, q_shared, dst);
-}
-
-extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
-    qkv_attention_mma(const float* __restrict__ x, const unsigned short* __restrict__ norm_w,
-                      const unsigned short* __restrict__ w, const float* __restrict__ bias,
-                      const int* __restrict__ positions, const float* __restrict__ inv_freq,
-                      float* q_out, unsigned short* k_cache, unsigned short* v_cache,
-                      const float* __restrict__ mask, const int* __restrict__ list,
-                      const int* __restrict__ counts, unsigned short* __restrict__ out,
-                      int hidden, int heads, int kv_heads, int head_dim, int capacity, int col0,
-                      int total, float scale, const int* step_scalars, float eps, int groups) {
-    const int r = blockIdx.x / heads;
-    const int h = blockIdx.x % heads;
-    const int kvh = h / (heads / kv_heads);
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
-    const int split = warps / groups;
-    const int group = warp / split;
-    const int slice = warp % split;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    const int half = head_dim / 2;
-    const int head_tiles = half / 8;
-    const int tiles = 3 * head_tiles;
-    const int passes = (tiles + groups - 1) / groups;
-    x += (size_t)r * hidden;
-    // Dynamic shared memory: each pass's pair inputs (8 a group), the staged row, the groups'
-    // partial tiles, the attention's partials and query (sizes: qkv_attention_shared_bytes).
-    DYNAMIC_SHARED(uint4, mma_shared);
-    QkvPairInputs* pair_shared = reinterpret_cast<QkvPairInputs*>(mma_shared);
-    unsigned short* xs = reinterpret_cast<unsigned short*>(
-        mma_shared + (passes * groups * 8 * sizeof(QkvPairInputs) + 15) / 16);
-    float(*all_partials)[4][32] = reinterpret_cast<float(*)[4][32]>(xs + ((hidden + 7) & ~7));
-    float(*partials)[4][32] = all_partials + group * split;
-    // Tile i of this block (clamped: a group without a tile in the last pass repeats the last
-    // one and writes nothing): its first pair's (q|k|v) head and index in that head.
-    auto tile_head = [&](int i, int& ph, int& jj0) {
-        i = min(i, tiles - 1);
-        const int section = i / head_tiles;
-        ph = section == 0 ? h : (section == 1 ? heads + kvh : heads + kv_heads + kvh);
-        jj0 = (i % head_tiles) * 8;
-    };
-    // Later passes' weight rows (two runs of 8 rows of `hidden` values) into L2 now.
-    for (int pass = 1; pass < passes; ++pass) {
-        int ph, jj0;
-        tile_head(pass * groups + group, ph, jj0);
-        const int lines = hidden * 2 * 8 / 128;  // 128-byte lines of a run of 8 rows
-        for (int i = slice * 32 + lane; i < 2 * lines; i += split * 32) {
-            const size_t row = (size_t)ph * head_dim + jj0 + (i >= lines ? half : 0);
-            prefetch_l2(reinterpret_cast<const char*>(w + row * hidden) + (i % lines) * 128);
-        }
-    }
-    const MmaOperand a{w, xs, hidden >> 5};
-    const MmaOperand none{w, xs, 0};
-#pragma unroll 1
-    for (int pass = 0; pass < passes; ++pass) {
-        int ph, jj0;
-        tile_head(pass * groups + group, ph, jj0);
-        const size_t row1 = (size_t)ph * head_dim + jj0 + g;
-        auto stage = [&]() {
-            if (pass > 0) {
-                return;
-            }
-            PDL_WAIT();
-            if (step_scalars != nullptr) {
-                col0 = step_scalars[0];
-                total = step_scalars[1];
-            }
-            // Every pass's pair inputs (row r's), by the first warp of each group.
-            if (slice == 0 && t == 0) {
-                for (int p = 0; p < passes; ++p) {
-                    int php, jjp;
-                    tile_head(p * groups + group, php, jjp);
-                    pair_shared[(p * groups + group) * 8 + g] = qkv_pair_inputs(
-                        bias, php * head_dim + jjp + g, jjp + g, r, head_dim, positions, inv_freq);
-                }
-            }
-            if (warp == 0) {
-                stage_rms_normed_row(F32Rows{x}, norm_w, xs, 0, hidden, eps);
-            }
-            __syncthreads();
-        };
-        float c[4];
-        const bool leader = mma_rows_tile_of(a, none, row1, row1 + half, 1, stage, c, slice,
-                                             split, partials);
-        if (leader && t == 0 && pass * groups + group < tiles) {
-            qkv_pair_out_with(c[0], c[2], pair_shared[(pass * groups + group) * 8 + g], ph,
-                              jj0 + g, r, q_out, k_cache, v_cache, 1, heads, kv_heads, head_dim,
-                              capacity, col0);
-        }
-        // The partial tiles are reused by the next pass; q, k and v are read back below.
-        __syncthreads();
-    }
-    float* attention_partials = reinterpret_cast<float*>(all_partials + groups * split);
-    float* q_shared = attention_partials + warps * (head_dim + 2);
-    qkv_attention_attend(q_out + ((size_t)r * heads + h) * head_dim, scale, k_cache, v_cache,
-                    ((size_t)r * kv_heads + kvh) * capacity * head_dim,
-                    list + (size_t)r * capacity, counts[r], mask + (size_t)r * total, head_dim,
-                    attention_partials, q_shared, out + ((size_t)r * heads + h) * head_dim);
 }
