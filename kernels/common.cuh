@@ -27,14 +27,15 @@
 // kernel may do anything that does not read its predecessor's outputs (load weights) before
 // PDL_WAIT. Without the attribute or the define both are no-ops.
 //
-// TANDEM_PDL_LATE (TANDEM_CUDA_PDL_LATE=1): a kernel lets the next one launch only once it has
-// passed its own wait (the trigger moves into PDL_WAIT), so at most one kernel runs ahead of
-// the one at work, loading its weights during that one's product. With the trigger at the
-// start, a kernel's start launches the next, whose start launches the next: every launch up to
-// the first without the attribute (the attention, by default) is resident and loading its
-// weights at once, competing with the reads the kernel at work waits for. That may be why
-// the attention in the chain measured slower (session 42); the late trigger is the switch
-// that tests it.
+// TANDEM_PDL_LATE (the default since session 47; TANDEM_CUDA_PDL_LATE=0 for the early trigger):
+// a kernel lets the next one launch only once it has passed its own wait (the trigger moves
+// into PDL_WAIT), so at most one kernel runs ahead of the one at work, loading its weights
+// during that one's product. With the trigger at the start, a kernel's start launches the
+// next, whose start launches the next: every launch up to the first without the attribute is
+// resident and loading its weights at once, competing with the reads the kernel at work waits
+// for, which is why the attention in the chain measured slower in session 42. With the late
+// trigger it joins the chain by default and pays (session 47: a batch-8 decode 5% less device
+// time, an 8-token verification 6-7%; BENCHMARKS.md).
 #if defined(TANDEM_PDL) && TANDEM_PDL && defined(TANDEM_PDL_LATE) && TANDEM_PDL_LATE
 #define PDL_WAIT() \
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")

@@ -1947,8 +1947,9 @@ extern "C" __global__ void attention_invariant(const float* q, const unsigned sh
                                                int width, int heads, int kv_heads, int head_dim,
                                                int capacity, int total, float scale,
                                                const int* step_scalars) {
-    // With TANDEM_CUDA_PDL_ATTENTION=1 launched with programmatic dependent launch in fused
-    // steps: the next launch (o_proj) starts loading its weights while this one runs;
+    // Launched with programmatic dependent launch in fused steps (unless
+    // TANDEM_CUDA_PDL_ATTENTION=0): the next launch (o_proj) starts loading its weights while
+    // this one runs;
     // everything here is read after the wait (without the attribute both are no-ops).
     PDL_LAUNCH_DEPENDENTS();
     PDL_WAIT();

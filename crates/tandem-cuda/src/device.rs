@@ -85,10 +85,28 @@ pub(crate) fn pdl_defines(programmatic: bool, late: bool) -> &'static str {
     }
 }
 
-/// `TANDEM_CUDA_PDL_LATE=1`: the late trigger of [`pdl_defines`] (off by default), read once
-/// when a GPU is opened (`Gpu`'s `pdl_late`), so that every module it compiles agrees.
+/// The late trigger of [`pdl_defines`]: on unless `TANDEM_CUDA_PDL_LATE=0` (the default since
+/// session 47, with the attention in the chain: [`attention_pdl`]), read once when a GPU is
+/// opened (`Gpu`'s `pdl_late`), so that every module it compiles agrees.
 fn pdl_late() -> bool {
-    std::env::var("TANDEM_CUDA_PDL_LATE").as_deref() == Ok("1")
+    switch_on_unless_zero(std::env::var("TANDEM_CUDA_PDL_LATE").ok().as_deref())
+}
+
+/// Whether the fused steps' attention joins the programmatic launch chain: on unless
+/// `TANDEM_CUDA_PDL_ATTENTION=0`. With the late trigger (session 47, H100, one binary and run,
+/// each step's graph replayed back to back, defaults measured before and after): a batch-8
+/// decode 0.706 ms against 0.745 / 0.752, an 8-token verification at batch 1 0.700 against
+/// 0.756 / 0.745, a 4-token one 0.613 against 0.633 / 0.634, batch-1 and batch-32 decodes the
+/// same (0.579 against 0.580 / 0.596; 1.103 against 1.100 / 1.107); the late trigger alone
+/// 0.716 and 0.716. Without the late trigger the attention in the chain was slower (session 42:
+/// batch-1 decode 0.662 ms against 0.635), every launch up to it resident at once.
+fn attention_pdl() -> bool {
+    switch_on_unless_zero(std::env::var("TANDEM_CUDA_PDL_ATTENTION").ok().as_deref())
+}
+
+/// A default-on switch's value: off only for `0` (surrounding blanks ignored).
+fn switch_on_unless_zero(value: Option<&str>) -> bool {
+    value.map(str::trim) != Some("0")
 }
 
 /// What NVRTC compiles for `source`: the launch shapes the kernels assume, from the constants
@@ -372,16 +390,14 @@ pub struct Gpu {
     /// Whether the kernels were compiled for programmatic dependent launch: an sm_90+ GPU and
     /// [`pdl_rows_from_env`] above 0.
     programmatic: bool,
-    /// Whether they were compiled with the late trigger (`TANDEM_CUDA_PDL_LATE=1`,
+    /// Whether they were compiled with the late trigger (on unless `TANDEM_CUDA_PDL_LATE=0`,
     /// [`pdl_defines`]); the tensor-core small steps, compiled later, take the same.
     pdl_late: bool,
     /// The most rows a step may have for its kernels to launch with programmatic dependent
     /// launch ([`pdl_rows_from_env`]; 0 when `programmatic` is off).
     pdl_rows: usize,
     /// Whether the fused steps' attention (`attention_invariant`) joins the programmatic launch
-    /// chain (`TANDEM_CUDA_PDL_ATTENTION=1`). Off by default: on an H100 it did not pay
-    /// (session 42: batch-1 decode 0.662 ms with it, 0.635 without, same run), the o_proj
-    /// blocks it lets in early waiting beside nine attention blocks that gain nothing.
+    /// chain ([`attention_pdl`]: on unless `TANDEM_CUDA_PDL_ATTENTION=0`, since session 47).
     attention_pdl: bool,
     /// Streaming multiprocessors: the persistent step runs one block on each.
     sm_count: usize,
@@ -613,7 +629,7 @@ impl Gpu {
             programmatic,
             pdl_late,
             pdl_rows,
-            attention_pdl: std::env::var("TANDEM_CUDA_PDL_ATTENTION").as_deref() == Ok("1"),
+            attention_pdl: attention_pdl(),
             sm_count,
             persistent_warps,
             cooperative: std::env::var("TANDEM_CUDA_COOPERATIVE").map_or(true, |v| v != "0"),
@@ -2708,6 +2724,19 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn the_late_trigger_and_the_chained_attention_are_on_unless_set_to_zero() {
+        assert!(switch_on_unless_zero(None));
+        assert!(switch_on_unless_zero(Some("1")));
+        assert!(switch_on_unless_zero(Some("")));
+        assert!(!switch_on_unless_zero(Some("0")));
+        assert!(!switch_on_unless_zero(Some(" 0\n")));
+        // The late build defines both macros, the early one only TANDEM_PDL; no PDL, none.
+        assert!(pdl_defines(true, true).contains("TANDEM_PDL_LATE 1"));
+        assert!(!pdl_defines(true, false).contains("LATE"));
+        assert_eq!(pdl_defines(false, true), "");
+    }
 
     #[test]
     fn gemv_buckets_splits_and_outputs_parse_as_documented() {
