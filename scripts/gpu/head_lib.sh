@@ -422,6 +422,12 @@ run_phases() {
   a) phase_a ;;
   piece) phase_piece "$arg" ;;
   start)
+    # A second start on a warm machine: the previous run's results go aside first, or its
+    # `done` would answer this run's wait at once with the old report (session 47) and the new
+    # run's lines would be appended to the old summary.
+    if [[ -f "$R/done" ]]; then
+      mv "$R" "$W/results-before-$(date +%s)" && mkdir -p "$R"
+    fi
     if declare -F prepare_start > /dev/null; then prepare_start || return; else phase_import; fi
     cp "$script" "$W/$name"
     for f in ${EXTRA_FILES:-}; do cp "$f" "$W/"; done
