@@ -93,14 +93,17 @@ __device__ __forceinline__ void mma_pair(float (&c)[4], const uint4& lo, const u
 // barrier when it writes shared memory), then its inputs, and multiplies. Returns true in warp
 // 0, whose c then holds the tile: c[0], c[1] = A row g at step rows 2t, 2t + 1; c[2], c[3] = A
 // row g + 8 at the same rows.
+// `slice` and `split`: this warp's slice and the warps sharing the tile (the block's warps in
+// mma_rows_tile; a group of them in qkv_attention_mma, each group a tile), `partial` shared
+// room for `split` warps' partial tiles. Every warp of the block calls it once (it ends in a
+// barrier when `split` > 1).
 template <typename Stage>
-__device__ __forceinline__ bool mma_rows_tile(const MmaOperand& first, const MmaOperand& second,
-                                              size_t row_lo, size_t row_hi, int rows,
-                                              Stage stage, float (&c)[4]) {
-    __shared__ float partial[MMA_ROWS_MAX_SPLIT][4][32];
+__device__ __forceinline__ bool mma_rows_tile_of(const MmaOperand& first,
+                                                 const MmaOperand& second, size_t row_lo,
+                                                 size_t row_hi, int rows, Stage stage,
+                                                 float (&c)[4], int slice, int split,
+                                                 float (*partial)[4][32]) {
     const int lane = threadIdx.x & 31;
-    const int slice = threadIdx.x >> 5;
-    const int split = blockDim.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
     const int chunks = first.chunks + second.chunks;
@@ -180,6 +183,15 @@ __device__ __forceinline__ bool mma_rows_tile(const MmaOperand& first, const Mma
         }
     }
     return slice == 0;
+}
+
+template <typename Stage>
+__device__ __forceinline__ bool mma_rows_tile(const MmaOperand& first, const MmaOperand& second,
+                                              size_t row_lo, size_t row_hi, int rows,
+                                              Stage stage, float (&c)[4]) {
+    __shared__ float partial[MMA_ROWS_MAX_SPLIT][4][32];
+    return mma_rows_tile_of(first, second, row_lo, row_hi, rows, stage, c, threadIdx.x >> 5,
+                            blockDim.x >> 5, partial);
 }
 
 // No input to stage (it is in global memory, written by an earlier launch): wait for it.
@@ -418,4 +430,205 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
                               width, heads, kv_heads, head_dim, capacity, col0);
         }
     }
+}
+
+// ---- A decode step's q|k|v and attention in one launch ----
+//
+// Why: at batch 1 a fused layer is five dependent launches (norm_qkv_rope_mma, attention, o_proj,
+// gate|up, down), ~19 us a layer on an H100 against ~2 us of weights. In a decode step (one new
+// token a sequence) a row's attention needs no other row's keys, only its cache and its own new
+// key and value, so the blocks of one (row, query head) can compute that head's q, its
+// key-value head's k and v (4 + 4 + 4 tiles of 8 rotation pairs at head_dim 64), write them
+// where norm_qkv_rope_mma does, and attend: four launches a layer.
+//
+// A cluster a (row, head): session 47 measured this kernel with one block a (row, head)
+// (`cluster` 1): a head's 221 KB of q|k|v weights through one block in four passes, the later
+// ones after the wait, cost more than the launch saved (batch-1 decode 0.717 ms of device time
+// against 0.580). With a cluster of `cluster` blocks (sm_90 thread-block clusters) block rank c
+// takes passes c, c + cluster, ...: with as many ranks as passes every block loads its one
+// pass's weights before the wait, as norm_qkv_rope_mma's blocks do, and the head's tiles are
+// spread over as many blocks (SmolLM2, cluster 4: 36 blocks of 3 tiles at batch 1, against 60
+// of one). The cluster's barrier (release / acquire at cluster scope) then makes every rank's
+// q, k and v writes visible to the last rank, which attends; the others leave.
+//
+// Bits: each tile is mma_rows_tile_of over the same k slices, summed in the same order, of the
+// same staged row as norm_qkv_rope_mma's tile (the row alone as the mma's only column: an entry
+// of the product does not depend on the other columns), and the epilogue is the same
+// qkv_pair_out_with; the attention is attention_block over the row's visible keys, whose fold
+// order does not depend on the block's warps. So a decode row gets the bits it gets from the
+// two launches (and from a verification step of any width): greedy speculative output stays
+// equal to target-only output, whichever rank computes a tile. The query heads of one key-value
+// head each write that head's key and value (the same bits) before reading them back.
+//
+// Block: `groups` groups of split(hidden) warps (at most QKV_ATTENTION_MAX_THREADS threads), one
+// tile a group per pass, 3 * head_dim / 16 tiles in ceil(tiles / groups) passes; a block's later
+// passes' weights are fetched into L2 before the wait. Grid: rows * heads * cluster (blocks
+// (r * heads + h) * cluster + rank, as attention_invariant's with each block a cluster).
+// Dynamic shared: each pass's pair inputs, the staged row (hidden bf16), the groups' partial
+// tiles (512 bytes a warp), then the attention's warps * (head_dim + 2) + head_dim f32. One
+// input only (the EAGLE-3 head's two-input q|k|v keeps the two launches), and no q/k norm
+// (Qwen3 keeps them too).
+#define QKV_ATTENTION_MAX_PASSES 4
+// Threads a block may have (defined by the compiling code: mma_rows::QKV_ATTENTION_THREADS):
+// 512 leave each thread 128 registers; the products hold four chunks of two weight rows and of
+// the input in flight, as norm_qkv_rope_mma does with ~108.
+#ifndef QKV_ATTENTION_MAX_THREADS
+#define QKV_ATTENTION_MAX_THREADS 512
+#endif
+
+// The barrier of a thread-block cluster, with release / acquire at cluster scope: every
+// rank's writes before it (global memory included) are visible to every rank after it. sm_90
+// only, which is what TANDEM_PDL compiles for (compute_90); launches without it use clusters of
+// one block, where a block barrier is the same. The emulator runs a cluster's blocks one after
+// another in rank order, so the last rank, the one that reads, runs after every writer.
+__device__ __forceinline__ void cluster_barrier(int cluster) {
+#if defined(TANDEM_EMULATE)
+    (void)cluster;
+    __syncthreads();
+#elif defined(TANDEM_PDL) && TANDEM_PDL
+    if (cluster > 1) {
+        asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                     "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    } else {
+        __syncthreads();
+    }
+#else
+    (void)cluster;
+    __syncthreads();
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef TANDEM_EMULATE
+    (void)p;
+#else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+// attention_block as a call of its own: inlined, its value loads and the products' live values
+// together spilled a few bytes a thread at 128 registers (sm_90).
+__device__ __noinline__ void qkv_attention_attend(const float* q, float scale,
+                                                 const unsigned short* k_cache,
+                                                 const unsigned short* v_cache, size_t base,
+                                                 const int* list, int count, const float* mask_row,
+                                                 int head_dim, float* shared_partials,
+                                                 float* q_shared, unsigned short* dst) {
+    attention_block(q, scale, k_cache, v_cache, base, list, count, mask_row, head_dim,
+                    shared_partials, q_shared, dst);
+}
+
+extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
+    qkv_attention_mma(const float* __restrict__ x, const unsigned short* __restrict__ norm_w,
+                      const unsigned short* __restrict__ w, const float* __restrict__ bias,
+                      const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                      float* q_out, unsigned short* k_cache, unsigned short* v_cache,
+                      const float* __restrict__ mask, const int* __restrict__ list,
+                      const int* __restrict__ counts, unsigned short* __restrict__ out,
+                      int hidden, int heads, int kv_heads, int head_dim, int capacity, int col0,
+                      int total, float scale, const int* step_scalars, float eps, int groups,
+                      int cluster) {
+    const int rank = blockIdx.x % cluster;
+    const int r = blockIdx.x / cluster / heads;
+    const int h = blockIdx.x / cluster % heads;
+    const int kvh = h / (heads / kv_heads);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const int split = warps / groups;
+    const int group = warp / split;
+    const int slice = warp % split;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int half = head_dim / 2;
+    const int head_tiles = half / 8;
+    const int tiles = 3 * head_tiles;
+    const int passes = (tiles + groups - 1) / groups;
+    x += (size_t)r * hidden;
+    // Dynamic shared memory: each pass's pair inputs (8 a group), the staged row, the groups'
+    // partial tiles, the attention's partials and query (sizes: qkv_attention_shared_bytes).
+    DYNAMIC_SHARED(uint4, mma_shared);
+    QkvPairInputs* pair_shared = reinterpret_cast<QkvPairInputs*>(mma_shared);
+    unsigned short* xs = reinterpret_cast<unsigned short*>(
+        mma_shared + (passes * groups * 8 * sizeof(QkvPairInputs) + 15) / 16);
+    float(*all_partials)[4][32] = reinterpret_cast<float(*)[4][32]>(xs + ((hidden + 7) & ~7));
+    float(*partials)[4][32] = all_partials + group * split;
+    // Tile i of this block (clamped: a group without a tile in the last pass repeats the last
+    // one and writes nothing): its first pair's (q|k|v) head and index in that head.
+    auto tile_head = [&](int i, int& ph, int& jj0) {
+        i = min(i, tiles - 1);
+        const int section = i / head_tiles;
+        ph = section == 0 ? h : (section == 1 ? heads + kvh : heads + kv_heads + kvh);
+        jj0 = (i % head_tiles) * 8;
+    };
+    // This rank's later passes' weight rows (two runs of 8 rows of `hidden` values) into L2 now.
+    for (int pass = rank + cluster; pass < passes; pass += cluster) {
+        int ph, jj0;
+        tile_head(pass * groups + group, ph, jj0);
+        const int lines = hidden * 2 * 8 / 128;  // 128-byte lines of a run of 8 rows
+        for (int i = slice * 32 + lane; i < 2 * lines; i += split * 32) {
+            const size_t row = (size_t)ph * head_dim + jj0 + (i >= lines ? half : 0);
+            prefetch_l2(reinterpret_cast<const char*>(w + row * hidden) + (i % lines) * 128);
+        }
+    }
+    const MmaOperand a{w, xs, hidden >> 5};
+    const MmaOperand none{w, xs, 0};
+#pragma unroll 1
+    for (int pass = rank; pass < passes; pass += cluster) {
+        int ph, jj0;
+        tile_head(pass * groups + group, ph, jj0);
+        const size_t row1 = (size_t)ph * head_dim + jj0 + g;
+        auto stage = [&]() {
+            if (pass > rank) {
+                return;
+            }
+            PDL_WAIT();
+            if (step_scalars != nullptr) {
+                col0 = step_scalars[0];
+                total = step_scalars[1];
+            }
+            // This rank's passes' pair inputs (row r's), by the first warp of each group.
+            if (slice == 0 && t == 0) {
+                for (int p = rank; p < passes; p += cluster) {
+                    int php, jjp;
+                    tile_head(p * groups + group, php, jjp);
+                    pair_shared[(p * groups + group) * 8 + g] = qkv_pair_inputs(
+                        bias, php * head_dim + jjp + g, jjp + g, r, head_dim, positions, inv_freq);
+                }
+            }
+            if (warp == 0) {
+                stage_rms_normed_row(F32Rows{x}, norm_w, xs, 0, hidden, eps);
+            }
+            __syncthreads();
+        };
+        float c[4];
+        const bool leader = mma_rows_tile_of(a, none, row1, row1 + half, 1, stage, c, slice,
+                                             split, partials);
+        if (leader && t == 0 && pass * groups + group < tiles) {
+            qkv_pair_out_with(c[0], c[2], pair_shared[(pass * groups + group) * 8 + g], ph,
+                              jj0 + g, r, q_out, k_cache, v_cache, 1, heads, kv_heads, head_dim,
+                              capacity, col0);
+        }
+        // The partial tiles are reused by the next pass; q, k and v are read back below.
+        __syncthreads();
+    }
+    // A rank without a pass (more ranks than passes) still waits for its predecessor before
+    // the barrier: the last rank reads step_scalars and the caches after it.
+    if (rank >= passes) {
+        PDL_WAIT();
+        if (step_scalars != nullptr) {
+            total = step_scalars[1];
+        }
+    }
+    cluster_barrier(cluster);
+    if (rank != cluster - 1) {
+        return;
+    }
+    float* attention_partials = reinterpret_cast<float*>(all_partials + groups * split);
+    float* q_shared = attention_partials + warps * (head_dim + 2);
+    qkv_attention_attend(q_out + ((size_t)r * heads + h) * head_dim, scale, k_cache, v_cache,
+                         ((size_t)r * kv_heads + kvh) * capacity * head_dim,
+                         list + (size_t)r * capacity, counts[r], mask + (size_t)r * total,
+                         head_dim, attention_partials, q_shared,
+                         out + ((size_t)r * heads + h) * head_dim);
 }

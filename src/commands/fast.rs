@@ -301,6 +301,12 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     }
     // Graph modes as they run: a split target with host sums replays none.
     let mut measured = Vec::new();
+    if let Some((regs, spilled, threads, cluster)) = gpu.qkv_attention_resources()? {
+        eprintln!(
+            "one-launch q|k|v and attention: {regs} registers and {spilled} spilled bytes per thread, blocks of up to {threads} threads in clusters of {cluster} (TANDEM_CUDA_QKV_ATTENTION_CLUSTER); decode steps of up to {} rows take it (TANDEM_CUDA_QKV_ATTENTION)",
+            model.qkv_attention_rows()
+        );
+    }
     let (regs, spilled, sms, warps) = gpu.persistent_resources()?;
     eprintln!(
         "persistent step: {regs} registers and {spilled} spilled bytes per thread, one block of {warps} warps on each of {sms} SMs"

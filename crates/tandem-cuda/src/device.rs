@@ -159,10 +159,12 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     )?;
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
     mma_attention::compile()?;
-    mma_rows::compile(false, false, false)?;
-    mma_rows::compile(true, false, false)?;
-    mma_rows::compile(true, true, false)?;
-    mma_rows::compile(true, false, true)?;
+    let threads = mma_rows::QKV_ATTENTION_THREADS;
+    mma_rows::compile(false, false, false, threads)?;
+    mma_rows::compile(true, false, false, threads)?;
+    mma_rows::compile(true, true, false, threads)?;
+    mma_rows::compile(true, false, true, threads)?;
+    mma_rows::compile(true, false, false, 640)?;
     Ok(vec![
         "kernels/llama.cu",
         "kernels/train.cu",
@@ -1494,6 +1496,44 @@ impl Gpu {
         unsafe { self.launch_ex(func, cfg, args, attribute) }
     }
 
+    /// [`Gpu::launch_programmatic`] for a grid of thread-block clusters of `cluster` blocks
+    /// along x (sm_90; `cluster` 1 is a plain launch).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch_programmatic`]; the grid's x a multiple of `cluster`, and a cluster's
+    /// blocks fit the GPU at once (at most 8, the portable size, with the block's resources).
+    unsafe fn launch_programmatic_clusters(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: KernelArgs,
+        rows: usize,
+        cluster: u32,
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        assert!(cluster >= 1 && cfg.grid_dim.0.is_multiple_of(cluster));
+        let mut attributes = Vec::with_capacity(2);
+        if self.programmatic && rows <= self.pdl_rows {
+            // SAFETY: a plain C struct for which all-zero bytes are a valid value.
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attribute.value.programmaticStreamSerializationAllowed = 1;
+            attributes.push(attribute);
+        }
+        if cluster > 1 {
+            // SAFETY: as above.
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attribute.value.clusterDim.x = cluster;
+            attribute.value.clusterDim.y = 1;
+            attribute.value.clusterDim.z = 1;
+            attributes.push(attribute);
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_with_attributes(func, cfg, args, &mut attributes) }
+    }
+
     /// Launches `func` on the stream through `cuLaunchKernelEx` with one optional launch
     /// attribute.
     ///
@@ -1506,15 +1546,29 @@ impl Gpu {
         args: KernelArgs,
         attribute: Option<cudarc::driver::sys::CUlaunchAttribute>,
     ) -> Result<(), CudaError> {
+        let mut attributes: Vec<_> = attribute.into_iter().collect();
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_with_attributes(func, cfg, args, &mut attributes) }
+    }
+
+    /// Launches `func` on the stream through `cuLaunchKernelEx` with `attributes`.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list (types, order, buffer sizes), and the
+    /// attributes be ones the kernel and the GPU take.
+    unsafe fn launch_with_attributes(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: KernelArgs,
+        attributes: &mut [cudarc::driver::sys::CUlaunchAttribute],
+    ) -> Result<(), CudaError> {
         use cudarc::driver::sys;
         let mut slots = args.0;
         let mut params: Vec<*mut std::ffi::c_void> = slots
             .iter_mut()
             .map(|slot| (slot as *mut u64).cast())
             .collect();
-        // SAFETY: a plain C struct for which all-zero bytes are a valid value.
-        let mut attribute_slot: sys::CUlaunchAttribute =
-            attribute.unwrap_or_else(|| unsafe { std::mem::zeroed() });
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -1524,13 +1578,17 @@ impl Gpu {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute_slot,
-            numAttrs: u32::from(attribute.is_some()),
+            attrs: if attributes.is_empty() {
+                std::ptr::null_mut()
+            } else {
+                attributes.as_mut_ptr()
+            },
+            numAttrs: u32::try_from(attributes.len()).expect("a few attributes"),
         };
         self.ctx.bind_to_thread()?;
         // SAFETY: `params` points at one 8-byte slot per kernel parameter (the caller matched
-        // them to the signature), alive until the call returns; the function belongs to this
-        // context and the stream to this GPU.
+        // them to the signature) and `attrs` at `numAttrs` attributes, alive until the call
+        // returns; the function belongs to this context and the stream to this GPU.
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,

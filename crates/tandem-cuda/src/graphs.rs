@@ -42,6 +42,8 @@ pub(crate) struct GraphKey {
     pub fused: bool,
     /// Whether the step ran the persistent one-launch step.
     pub persistent: bool,
+    /// Whether the step's q|k|v and attention ran as one launch a layer.
+    pub qkv_attention: bool,
     /// Whether the step took the injected partial-sum tap (its graph copies another buffer
     /// into the tap).
     pub partial_fault: bool,
@@ -66,6 +68,7 @@ impl GraphKey {
             cache: cache.addresses(gpu),
             fused: false,
             persistent: false,
+            qkv_attention: false,
             partial_fault: false,
         }
     }
@@ -78,6 +81,14 @@ impl GraphKey {
     /// The key of a step that ran (or did not run) the persistent step.
     pub fn with_persistent(self, persistent: bool) -> Self {
         Self { persistent, ..self }
+    }
+
+    /// The key of a step whose q|k|v and attention ran (or did not run) as one launch a layer.
+    pub fn with_qkv_attention(self, qkv_attention: bool) -> Self {
+        Self {
+            qkv_attention,
+            ..self
+        }
     }
 
     /// The key of a step that took (or did not take) the injected partial-sum tap.

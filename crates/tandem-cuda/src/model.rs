@@ -52,6 +52,9 @@ pub struct CudaTarget {
     /// Steps of at most this many rows run the persistent one-launch step (0: none); it takes
     /// precedence over the fused kernels.
     persistent_rows: AtomicUsize,
+    /// Fused decode steps of at most this many rows take each layer's q|k|v and attention in
+    /// one launch (0: none; [`CudaTarget::set_qkv_attention_rows`]).
+    qkv_attention_rows: AtomicUsize,
     /// The persistent step's grid-barrier counter.
     barrier: CudaSlice<u32>,
     /// Where the persistent step records block 0's clock at each barrier
@@ -451,6 +454,12 @@ pub(crate) fn fused_rows_default(hidden: usize) -> usize {
     }
 }
 
+/// `TANDEM_CUDA_QKV_ATTENTION=N`: fused decode steps of at most N rows take q|k|v and attention
+/// in one launch a layer; 0 (off) without it.
+pub(crate) fn qkv_attention_rows_default() -> usize {
+    rows_from_env("TANDEM_CUDA_QKV_ATTENTION").min(FUSED_MAX_ROWS)
+}
+
 /// `TANDEM_CUDA_PERSISTENT=N`: steps of at most N rows (capped at [`GEMV_MAX_ROWS`]) run the
 /// persistent one-launch step; 0 (off) without it.
 pub(crate) fn persistent_rows_default() -> usize {
@@ -702,6 +711,7 @@ impl CudaTarget {
             graphs: Graphs::new(gpu.graphs_default()),
             fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             persistent_rows: AtomicUsize::new(persistent_rows_default()),
+            qkv_attention_rows: AtomicUsize::new(qkv_attention_rows_default()),
             barrier: gpu.zeros::<u32>(1)?,
             profile: if std::env::var("TANDEM_CUDA_PERSISTENT_PROFILE").is_ok_and(|v| v == "1") {
                 Some(gpu.zeros::<u64>(Gpu::persistent_profile_len(spec.num_layers))?)
@@ -741,6 +751,29 @@ impl CudaTarget {
 
     pub fn persistent_rows(&self) -> usize {
         self.persistent_rows.load(Ordering::Relaxed)
+    }
+
+    /// Fused decode steps (one new token a sequence) of at most `rows` rows (capped at
+    /// [`FUSED_MAX_ROWS`]) take each layer's q|k|v and attention in one launch
+    /// (`Gpu::qkv_attention`: four launches a layer instead of five), with the same bits as the
+    /// two launches; 0 turns it off. Default `TANDEM_CUDA_QKV_ATTENTION=N`, else 0.
+    pub fn set_qkv_attention_rows(&self, rows: usize) {
+        self.qkv_attention_rows
+            .store(rows.min(FUSED_MAX_ROWS), Ordering::Relaxed);
+    }
+
+    pub fn qkv_attention_rows(&self) -> usize {
+        self.qkv_attention_rows.load(Ordering::Relaxed)
+    }
+
+    /// Whether a fused step of `shape` takes its q|k|v and attention in one launch a layer.
+    fn one_launch_attention(&self, shape: AttentionShape) -> bool {
+        shape.width == 1
+            && shape.rows() <= self.qkv_attention_rows()
+            && self.fuses(shape.rows())
+            && self
+                .gpu
+                .qkv_attention_fits(self.rank_spec.hidden_size, self.rank_spec.head_dim)
     }
 
     /// Where the last persistent step spent block 0's clock cycles, by phase (with
@@ -1258,6 +1291,7 @@ impl CudaTarget {
         GraphKey::new(&self.gpu, shape, cache, logits_for as u8, &taps.taps)
             .with_fused(self.fuses(shape.rows()))
             .with_persistent(self.persists(shape.rows(), taps.taps.len()))
+            .with_qkv_attention(self.one_launch_attention(shape))
             .with_partial_fault(self.partial_sum_fault())
     }
 
@@ -1586,9 +1620,32 @@ impl CudaTarget {
                 eps,
             )?;
         }
+        let one_launch_attention = fused && self.one_launch_attention(shape);
         for (k, layer) in layers.iter().enumerate() {
             let mut written = None;
-            if fused {
+            if one_launch_attention {
+                let (list, counts) = visible.as_ref().expect("fused steps build visible lists");
+                gpu.qkv_attention(
+                    hidden,
+                    &layer.input_norm,
+                    &layer.qkv,
+                    layer.qkv_bias.as_ref(),
+                    &positions,
+                    &self.inv_freq,
+                    q,
+                    &mut cache.keys[k],
+                    &mut cache.values[k],
+                    &inputs.mask,
+                    (list, counts),
+                    attn,
+                    shape,
+                    h,
+                    col0,
+                    total,
+                    scalars,
+                    eps,
+                )?;
+            } else if fused {
                 gpu.norm_qkv_rope(
                     QkvInput::Rows(hidden),
                     &layer.input_norm,
@@ -1633,17 +1690,19 @@ impl CudaTarget {
                     scalars,
                 )?;
             }
-            gpu.attention(
-                q,
-                &cache.keys[k],
-                &cache.values[k],
-                &inputs.mask,
-                visible.as_ref().map(|(list, counts)| (list, counts)),
-                attn,
-                shape,
-                total,
-                scalars,
-            )?;
+            if !one_launch_attention {
+                gpu.attention(
+                    q,
+                    &cache.keys[k],
+                    &cache.values[k],
+                    &inputs.mask,
+                    visible.as_ref().map(|(list, counts)| (list, counts)),
+                    attn,
+                    shape,
+                    total,
+                    scalars,
+                )?;
+            }
             if fused {
                 gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
                 gpu.norm_gate_up_silu(

@@ -1032,7 +1032,9 @@ fn small_step_rows_are_batch_invariant() {
     // [t0, x, t1, t2] (x a rejected sibling of t1), keeps t0 t1 t2 (x stays behind as a hidden
     // column, as a speculative round leaves it) and then decodes t3. The prompt (62 tokens,
     // prefilled the same way everywhere) puts the new columns across the attention chunk
-    // boundary at 64. Graphs off and on (C's steps replay after two eager ones).
+    // boundary at 64. Graphs off and on (C's steps replay after two eager ones). With the
+    // one-launch q|k|v and attention (`CudaTarget::set_qkv_attention_rows`), A's and C's decode
+    // steps take it and B's and D's verifications do not: the same bits either way.
     let gpu = gpu();
     for (architecture, tied, head_dim) in [
         ("LlamaForCausalLM", true, 32),
@@ -1045,6 +1047,16 @@ fn small_step_rows_are_batch_invariant() {
             (true, "fused"),
             (false, "fused on tensor cores"),
             (true, "fused on tensor cores"),
+            // Decode steps (A, C) take q|k|v and attention in one launch a layer, the
+            // verifications (B, D) the two launches.
+            (
+                false,
+                "fused, one-launch q|k|v and attention, on tensor cores",
+            ),
+            (
+                true,
+                "fused, one-launch q|k|v and attention, on tensor cores",
+            ),
         ] {
             let dir = tiny_model_with(architecture, tied, 31, head_dim);
             gpu.set_mma_rows(mode.ends_with("tensor cores"))
@@ -1064,6 +1076,14 @@ fn small_step_rows_are_batch_invariant() {
                 0
             });
             target.set_persistent_rows(if mode == "persistent" { all } else { 0 });
+            let one_launch = mode.contains("one-launch");
+            target.set_qkv_attention_rows(if one_launch { fused_rows } else { 0 });
+            if one_launch {
+                assert!(
+                    gpu.qkv_attention_fits(target.spec.hidden_size, head_dim),
+                    "the one-launch q|k|v and attention takes head_dim {head_dim}"
+                );
+            }
             let label = format!("{architecture} {mode} head_dim {head_dim} graphs {graphs}");
             let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final]);
             let prompt: Vec<u32> = (0..62u32).map(|i| (i * 7 + 3) % 300).collect();

@@ -14,9 +14,12 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
 
-use super::{GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, mma_attention, mma_source};
+use super::{
+    AttentionShape, GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, KernelArgs, mma_attention,
+    mma_source,
+};
 use crate::error::CudaError;
 
 pub(super) const MMA_ROWS_SOURCE: &str = include_str!("../../../../kernels/rows_mma.cu");
@@ -29,12 +32,18 @@ const MAX_SPLIT: usize = 16;
 /// Static shared memory of a block: one f32 partial tile (4 values a lane) per warp.
 const PARTIAL_BYTES: usize = MAX_SPLIT * 4 * 32 * 4;
 
-/// The four kernels, and the grid order they were compiled for.
+/// The kernels, and the grid order they were compiled for.
 pub(super) struct MmaRows {
     pub(super) gemv_rows: CudaFunction,
     pub(super) gemv_norm_rows: CudaFunction,
     pub(super) norm_gate_up_silu: CudaFunction,
     pub(super) norm_qkv_rope: CudaFunction,
+    /// A decode step's q|k|v and attention in one launch ([`Gpu::qkv_attention`]), and the
+    /// most threads its block was compiled for.
+    pub(super) qkv_attention: CudaFunction,
+    qkv_attention_threads: usize,
+    /// Blocks a (row, head) cluster of `qkv_attention_mma` ([`qkv_attention_cluster`]).
+    qkv_attention_cluster: usize,
     groups_in_y: bool,
 }
 
@@ -52,6 +61,7 @@ pub(super) fn compile(
     programmatic: bool,
     groups_in_y: bool,
     late: bool,
+    qkv_attention_threads: usize,
 ) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     let pdl = super::pdl_defines(programmatic, late);
     let order = if groups_in_y {
@@ -59,6 +69,7 @@ pub(super) fn compile(
     } else {
         ""
     };
+    let order = format!("{order}#define QKV_ATTENTION_MAX_THREADS {qkv_attention_threads}\n");
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
         mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", &format!("{pdl}{order}")),
         cudarc::nvrtc::CompileOptions {
@@ -82,12 +93,30 @@ impl MmaRows {
         late: bool,
     ) -> Result<Self, CudaError> {
         let groups_in_y = groups_in_y(std::env::var("TANDEM_CUDA_MMA_GROUPS_IN_Y").ok().as_deref());
-        let module = ctx.load_module(compile(programmatic, groups_in_y, late)?)?;
+        let qkv_attention_threads = qkv_attention_threads(
+            std::env::var("TANDEM_CUDA_QKV_ATTENTION_THREADS")
+                .ok()
+                .as_deref(),
+        );
+        let module = ctx.load_module(compile(
+            programmatic,
+            groups_in_y,
+            late,
+            qkv_attention_threads,
+        )?)?;
         Ok(Self {
             gemv_rows: module.load_function("gemv_rows_mma")?,
             gemv_norm_rows: module.load_function("gemv_norm_rows_mma")?,
             norm_gate_up_silu: module.load_function("norm_gate_up_silu_mma")?,
             norm_qkv_rope: module.load_function("norm_qkv_rope_mma")?,
+            qkv_attention: module.load_function("qkv_attention_mma")?,
+            qkv_attention_threads,
+            qkv_attention_cluster: qkv_attention_cluster(
+                programmatic,
+                std::env::var("TANDEM_CUDA_QKV_ATTENTION_CLUSTER")
+                    .ok()
+                    .as_deref(),
+            ),
             groups_in_y,
         })
     }
@@ -138,7 +167,7 @@ pub(super) fn config(
 /// 1 0.905 ms instead of 1.068, a one-row decode 3% slower; BENCHMARKS.md); `TANDEM_CUDA_MMA_ROWS=0`
 /// keeps the CUDA-core kernels.
 pub(super) fn enabled(value: Option<&str>, compute_major: i32) -> bool {
-    compute_major >= 8 && value.map(str::trim) != Some("0")
+    compute_major >= 8 && super::switch_on_unless_zero(value)
 }
 
 /// Whether the kernels take a product whose k range is `inputs` inputs of `width` values each:
@@ -155,6 +184,84 @@ pub(super) fn takes(width: usize, inputs: usize) -> bool {
 /// [`CHUNKS_A_WARP`] chunks at once, at most [`MAX_SPLIT`] (wider ranges loop).
 pub(super) fn split(width: usize) -> usize {
     (width / 32).div_ceil(CHUNKS_A_WARP).clamp(1, MAX_SPLIT)
+}
+
+/// Passes `qkv_attention_mma` may take (`QKV_ATTENTION_MAX_PASSES`).
+const QKV_ATTENTION_MAX_PASSES: usize = 4;
+
+/// Threads `qkv_attention_mma`'s block may have (`QKV_ATTENTION_MAX_THREADS`): 512 leave each
+/// thread 128 registers, what its products need without spilling (`tests/nvrtc.rs` assembles
+/// it; at 640, 96 registers, ptxas spilled 20 bytes a thread). SmolLM2 then runs its 12 tiles as
+/// 3 groups in 4 passes; `TANDEM_CUDA_QKV_ATTENTION_THREADS=640` compiles 4 groups in 3 passes.
+pub const QKV_ATTENTION_THREADS: usize = 512;
+
+/// [`QKV_ATTENTION_THREADS`], or `TANDEM_CUDA_QKV_ATTENTION_THREADS` (whole warps from 64 to
+/// 1,024).
+fn qkv_attention_threads(value: Option<&str>) -> usize {
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| (64..=1024).contains(&n) && n.is_multiple_of(32))
+        .unwrap_or(QKV_ATTENTION_THREADS)
+}
+
+/// Bytes of the pair inputs `qkv_attention_mma` keeps a tile row (`QkvPairInputs`).
+const PAIR_INPUT_BYTES: usize = 20;
+
+/// Blocks a (row, head) cluster of `qkv_attention_mma` takes: `TANDEM_CUDA_QKV_ATTENTION_CLUSTER`
+/// (1 to 8, the portable cluster size), default 4 (SmolLM2's 12 tiles as 4 ranks of 3 groups,
+/// one pass each); always 1 where the kernels are not compiled for sm_90 (`programmatic`),
+/// the only GPUs with thread-block clusters.
+pub const QKV_ATTENTION_CLUSTER: usize = 4;
+
+fn qkv_attention_cluster(programmatic: bool, value: Option<&str>) -> usize {
+    if !programmatic {
+        return 1;
+    }
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=8).contains(n))
+        .unwrap_or(QKV_ATTENTION_CLUSTER)
+}
+
+/// The block of `qkv_attention_mma` for a model of hidden size `hidden` and head size
+/// `head_dim`, compiled for at most `max_threads` threads, in clusters of `cluster` blocks:
+/// (groups, split), `groups` tiles of `split` warps each at once. With one block a cluster,
+/// as many groups as `max_threads` hold (at most the 3 * head_dim / 16 tiles of a head's q, k
+/// and v); with more, enough that each rank takes one pass where the threads allow it.
+/// `None` where a rank would take more than [`QKV_ATTENTION_MAX_PASSES`] passes or the
+/// attention does not take the head size. SmolLM2 (576, 64) at 512 threads: 3 groups of 5
+/// warps, four passes over 12 tiles, one a rank in clusters of 4.
+pub(super) fn qkv_attention_block(
+    hidden: usize,
+    head_dim: usize,
+    max_threads: usize,
+    cluster: usize,
+) -> Option<(usize, usize)> {
+    let split = split(hidden);
+    let tiles = 3 * head_dim / 16;
+    let most = (max_threads / 32 / split).min(tiles);
+    let groups = most.min(tiles.div_ceil(cluster.max(1)));
+    let fits = [32, 64, 128, 256].contains(&head_dim)
+        && groups > 0
+        && tiles.div_ceil(groups).div_ceil(cluster.max(1)) <= QKV_ATTENTION_MAX_PASSES;
+    fits.then_some((groups, split))
+}
+
+/// Dynamic shared memory of `qkv_attention_mma` with `groups` groups of `split` warps: each
+/// pass's pair inputs (8 a group, rounded to 16 bytes), the staged row (bf16, rounded to 16
+/// bytes), a partial tile a warp, then the attention's partial a warp and the query (f32).
+pub(super) fn qkv_attention_shared_bytes(
+    hidden: usize,
+    head_dim: usize,
+    groups: usize,
+    split: usize,
+) -> usize {
+    let passes = (3 * head_dim / 16).div_ceil(groups);
+    let warps = groups * split;
+    (passes * groups * 8 * PAIR_INPUT_BYTES).next_multiple_of(16)
+        + hidden.next_multiple_of(8) * 2
+        + warps * 4 * 32 * 4
+        + (warps * (head_dim + 2) + head_dim) * 4
 }
 
 impl Gpu {
@@ -190,13 +297,156 @@ impl Gpu {
         }
         self.mma_rows.get().filter(|_| takes(width, inputs))
     }
+
+    /// Registers and local (spilled) bytes per thread of `qkv_attention_mma` as the driver
+    /// compiled it, the threads its block was compiled for ([`QKV_ATTENTION_THREADS`]) and the
+    /// blocks of its clusters ([`QKV_ATTENTION_CLUSTER`]), when the tensor-core kernels are
+    /// loaded: what `fast-bench` prints.
+    pub fn qkv_attention_resources(&self) -> Result<Option<(i32, i32, usize, usize)>, CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+        let Some(kernels) = self.mma_rows.get() else {
+            return Ok(None);
+        };
+        let f = &kernels.qkv_attention;
+        Ok(Some((
+            f.num_regs()?,
+            f.get_attribute(Attr::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+            kernels.qkv_attention_threads,
+            kernels.qkv_attention_cluster,
+        )))
+    }
+
+    /// Whether [`Gpu::qkv_attention`] takes a model of these sizes now: the tensor-core kernels
+    /// are on and take its q|k|v, and a head's tiles and attention fit one block.
+    pub fn qkv_attention_fits(&self, hidden: usize, head_dim: usize) -> bool {
+        self.mma_rows_for(hidden, 1).is_some_and(|mma| {
+            qkv_attention_block(
+                hidden,
+                head_dim,
+                mma.qkv_attention_threads,
+                mma.qkv_attention_cluster,
+            )
+            .is_some_and(|(groups, split)| {
+                qkv_attention_shared_bytes(hidden, head_dim, groups, split) <= GEMV_MAX_SHARED_BYTES
+            })
+        })
+    }
+
+    /// A decode step's (one new token a sequence) q|k|v, bias, RoPE, cache write and attention
+    /// in one launch: what [`Gpu::norm_qkv_rope`] then [`Gpu::attention`] with visible lists
+    /// do, with the same bits (see `qkv_attention_mma` in kernels/rows_mma.cu). Only where
+    /// [`Gpu::qkv_attention_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_attention(
+        &self,
+        x: &CudaSlice<f32>,
+        norm_w: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        bias: Option<&CudaSlice<f32>>,
+        positions: &CudaView<'_, i32>,
+        inv_freq: &CudaSlice<f32>,
+        q_out: &mut CudaSlice<f32>,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
+        mask: &CudaSlice<f32>,
+        (list, counts): (&CudaView<'_, i32>, &CudaView<'_, i32>),
+        out: &mut CudaSlice<u16>,
+        shape: AttentionShape,
+        hidden: usize,
+        col0: usize,
+        total: usize,
+        step_scalars: Option<&CudaView<'_, i32>>,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let s = shape;
+        let rows = s.rows();
+        let (q_dim, kv_dim) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        let mma = self
+            .mma_rows_for(hidden, 1)
+            .expect("qkv_attention_fits before qkv_attention");
+        let cluster = mma.qkv_attention_cluster;
+        let (groups, split) =
+            qkv_attention_block(hidden, s.head_dim, mma.qkv_attention_threads, cluster)
+                .expect("qkv_attention_fits");
+        assert!(s.width == 1 && s.heads.is_multiple_of(s.kv_heads));
+        assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
+        assert!(w.len() >= (q_dim + 2 * kv_dim) * hidden);
+        assert!(bias.is_none_or(|b| b.len() >= q_dim + 2 * kv_dim));
+        assert!(positions.len() >= rows && inv_freq.len() >= s.head_dim / 2);
+        assert!(q_out.len() >= rows * q_dim && out.len() >= rows * q_dim);
+        assert!(col0 < s.capacity && total <= s.capacity && mask.len() >= rows * total);
+        assert!(k_cache.len() >= s.batch * kv_dim * s.capacity && v_cache.len() == k_cache.len());
+        assert!(list.len() >= rows * s.capacity && counts.len() >= rows);
+        let warps = groups * split;
+        let shared = qkv_attention_shared_bytes(hidden, s.head_dim, groups, split);
+        assert!(shared <= GEMV_MAX_SHARED_BYTES);
+        let args = KernelArgs::default()
+            .buffer(self, x)
+            .buffer(self, norm_w)
+            .buffer(self, w)
+            .optional(self, bias)
+            .view(self, positions)
+            .buffer(self, inv_freq)
+            .buffer(self, q_out)
+            .buffer(self, k_cache)
+            .buffer(self, v_cache)
+            .buffer(self, mask)
+            .view(self, list)
+            .view(self, counts)
+            .buffer(self, out)
+            .int(hidden)
+            .int(s.heads)
+            .int(s.kv_heads)
+            .int(s.head_dim)
+            .int(s.capacity)
+            .int(col0)
+            .int(total)
+            .float(1.0 / (s.head_dim as f32).sqrt())
+            .optional_view(self, step_scalars)
+            .float(eps)
+            .int(groups)
+            .int(cluster);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(rows * s.heads * cluster)
+                    .expect("rows x heads x cluster fit a grid dimension"),
+                1,
+                1,
+            ),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        // SAFETY: the argument list matches `qkv_attention_mma`'s signature (13 pointers, seven
+        // ints, the scale, step scalars, eps, groups, cluster); sizes asserted above; dynamic
+        // shared memory as `qkv_attention_shared_bytes`, at most 48 KiB; one new column a
+        // sequence at `col0` (with `step_scalars`, the caller checks each step's); lists hold
+        // columns below `total`; PDL_WAIT before reading anything but the weights; the grid a
+        // whole number of clusters of at most 8 blocks of at most 512 threads and 48 KiB, and
+        // clusters of more than one block only where the kernels were compiled for sm_90.
+        unsafe {
+            self.launch_programmatic_clusters(
+                &mma.qkv_attention,
+                cfg,
+                args,
+                rows,
+                u32::try_from(cluster).expect("at most 8"),
+            )
+        }
+    }
 }
 
 /// Assembles `kernels/rows_mma.cu` to machine code for `arch` (e.g. `sm_90`): its `mma.sync`
 /// is inline PTX, which only ptxas checks (see [`mma_attention::assemble_mma_attention`]).
 pub fn assemble_mma_rows(arch: &str) -> Result<mma_attention::Assembly, CudaError> {
+    // sm_90 as the GPU compiles it by default: with programmatic launch and the late trigger,
+    // so the cluster barrier's PTX is assembled too.
+    let defines = if arch == "sm_90" {
+        super::pdl_defines(true, true)
+    } else {
+        ""
+    };
     mma_attention::assemble(
-        &mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", ""),
+        &mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", defines),
         "rows_mma.cu",
         arch,
     )
@@ -273,5 +523,62 @@ mod tests {
         assert_eq!(config(36, 576, 1152, 32, true).grid_dim, (36, 4, 1));
         // Qwen2.5's 151,936-token vocabulary is 9,496 tiles of 16: within a grid's y.
         assert_eq!(config(9_496, 1536, 0, 32, false).grid_dim, (4, 9_496, 1));
+    }
+
+    #[test]
+    fn a_decode_layers_qkv_and_attention_block_holds_a_heads_tiles_in_at_most_four_passes() {
+        let block = |hidden, head_dim| qkv_attention_block(hidden, head_dim, 512, 1);
+        // SmolLM2 (576, 64): 12 tiles, 3 groups of 5 warps (480 threads), four passes; at 640
+        // threads 4 groups, three passes. The emulator's shapes (320, 32) and (160, 64): 5
+        // groups of 3 warps, 8 of 2.
+        assert_eq!(block(576, 64), Some((3, 5)));
+        assert_eq!(qkv_attention_block(576, 64, 640, 1), Some((4, 5)));
+        assert_eq!(block(320, 32), Some((5, 3)));
+        assert_eq!(block(160, 64), Some((8, 2)));
+        // Pair inputs of 3 passes x 4 groups x 8 (1,920 bytes), the row, 20 partial tiles, the
+        // attention's 20 partials and query.
+        assert_eq!(
+            qkv_attention_shared_bytes(576, 64, 4, 5),
+            1920 + 1152 + 20 * 512 + (20 * 66 + 64) * 4
+        );
+        // Qwen2.5-1.5B (1,536, 128): 12 warps a tile, one group, 24 passes: the two launches.
+        assert_eq!(block(1536, 128), None);
+        // Llama-3.2-1B-like (2,048, 64): 16 warps a tile, one group, 12 passes.
+        assert_eq!(block(2048, 64), None);
+        // A head size the attention does not take.
+        assert_eq!(block(576, 48), None);
+        for (hidden, head_dim) in [(576, 64), (320, 32), (160, 64)] {
+            let (groups, split) = block(hidden, head_dim).expect("fits");
+            assert!(groups * split * 32 <= QKV_ATTENTION_THREADS);
+            assert!((3 * head_dim / 16).div_ceil(groups) <= QKV_ATTENTION_MAX_PASSES);
+        }
+        // Clusters: SmolLM2 in 4 ranks of 3 groups (one pass each), 6 of 2 (one pass each), 2
+        // of 3 (two passes each); Qwen2.5-1.5B and the 2,048-wide model in clusters of 8, one
+        // group of 12 or 16 warps a rank, 3 and 2 passes a rank.
+        let clustered =
+            |hidden, head_dim, cluster| qkv_attention_block(hidden, head_dim, 512, cluster);
+        assert_eq!(clustered(576, 64, 4), Some((3, 5)));
+        assert_eq!(clustered(576, 64, 6), Some((2, 5)));
+        assert_eq!(clustered(576, 64, 2), Some((3, 5)));
+        assert_eq!(clustered(1536, 128, 8), Some((1, 12)));
+        assert_eq!(clustered(2048, 64, 8), Some((1, 16)));
+        assert_eq!(clustered(576, 48, 4), None);
+        // The cluster switch: 1 to 8 blocks, 4 by default, always 1 off sm_90.
+        assert_eq!(qkv_attention_cluster(true, None), QKV_ATTENTION_CLUSTER);
+        assert_eq!(qkv_attention_cluster(true, Some(" 6\n")), 6);
+        assert_eq!(
+            qkv_attention_cluster(true, Some("9")),
+            QKV_ATTENTION_CLUSTER
+        );
+        assert_eq!(
+            qkv_attention_cluster(true, Some("0")),
+            QKV_ATTENTION_CLUSTER
+        );
+        assert_eq!(qkv_attention_cluster(false, Some("4")), 1);
+        // The switch takes whole warps up to a block's 1,024 threads.
+        assert_eq!(qkv_attention_threads(None), 512);
+        assert_eq!(qkv_attention_threads(Some(" 640\n")), 640);
+        assert_eq!(qkv_attention_threads(Some("650")), 512);
+        assert_eq!(qkv_attention_threads(Some("2048")), 512);
     }
 }

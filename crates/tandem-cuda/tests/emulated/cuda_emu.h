@@ -90,6 +90,7 @@ inline thread_local EmuBlock* emu_block = nullptr;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __launch_bounds__(...)
 // Static shared arrays: one per program, which is one per block since blocks run one at a time.
 #define __shared__ static

@@ -330,6 +330,99 @@ static bool check_row_groups(std::mt19937& rng) {
     return ok;
 }
 
+// qkv_attention_mma (a decode step's q|k|v and attention in one launch) against the two launches
+// it replaces, norm_qkv_rope_mma then attention_invariant (after visible_columns), on the same
+// decode step: q, the key and value caches and the attention output must be the same bits.
+// Three rows (sequences) with different positions, rejected drafts hidden among their cached
+// keys, a q|k|v bias; each shape splits the k range over several warps; `groups` tiles a pass:
+// one pass, several with a ragged last one (groups idle), and head_dim 64 with GQA 3:1.
+static bool check_qkv_attention(std::mt19937& rng, int hidden, int heads, int kv_heads, int head_dim,
+                                int groups, int cluster) {
+    const int rows = 3, capacity = 48, col0 = 37, total = col0 + 1;
+    const int half = head_dim / 2, pairs = (heads + 2 * kv_heads) * half;
+    const int qkv_dim = (heads + 2 * kv_heads) * head_dim, q_dim = heads * head_dim;
+    const auto w = random_bf16(rng, qkv_dim * hidden, 0.2f);
+    const auto norm_w = random_bf16(rng, hidden);
+    const auto x = random_f32(rng, rows * hidden);
+    const auto bias = random_f32(rng, qkv_dim);
+    const std::vector<int> positions = {30, 12, 36};
+    std::vector<float> inv_freq(half);
+    for (int j = 0; j < half; ++j) inv_freq[j] = std::pow(10000.0f, -2.0f * j / head_dim);
+    const size_t cache = static_cast<size_t>(rows) * kv_heads * capacity * head_dim;
+    const auto k0 = random_bf16(rng, cache), v0 = random_bf16(rng, cache);
+    // Row r sees its first positions[r] cached columns in order, some columns between them
+    // hidden (rejected drafts), and its own new column col0.
+    std::vector<float> mask(rows * total, NEG_INF);
+    for (int r = 0; r < rows; ++r) {
+        int seen = 0;
+        for (int j = 0; j < col0 && seen < positions[r]; ++j) {
+            if ((j * 7 + r) % 5 == 3) continue;
+            mask[r * total + j] = 0.0f;
+            ++seen;
+        }
+        mask[r * total + col0] = 0.0f;
+    }
+    std::vector<int> list(rows * capacity), counts(rows);
+    emu_launch(EmuDim3{static_cast<unsigned int>(rows), 1, 1}, EmuDim3{32, 1, 1}, 0, [&] {
+        visible_columns(mask.data(), list.data(), counts.data(), total, capacity, nullptr);
+    });
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    struct Out {
+        std::vector<float> q;
+        std::vector<unsigned short> k, v, out;
+    };
+    auto fresh = [&] {
+        return Out{std::vector<float>(rows * q_dim, NAN), k0, v0,
+                   std::vector<unsigned short>(rows * q_dim, 0xffff)};
+    };
+    Out want = fresh(), got = fresh();
+    emu_launch(mma_grid((pairs + 7) / 8, rows), EmuDim3{32 * split_for(hidden), 1, 1},
+               rows * hidden * 2, [&] {
+                   norm_qkv_rope_mma(x.data(), norm_w.data(), w.data(), nullptr, nullptr, nullptr,
+                                     bias.data(), positions.data(), inv_freq.data(), want.q.data(),
+                                     want.k.data(), want.v.data(), rows, hidden, 1, heads, kv_heads,
+                                     head_dim, capacity, col0, nullptr, 1e-5f, nullptr, nullptr);
+               });
+    const unsigned int attention_warps = 8;
+    emu_launch(EmuDim3{static_cast<unsigned int>(rows * heads), 1, 1},
+               EmuDim3{32 * attention_warps, 1, 1}, (attention_warps * (head_dim + 2) + head_dim) * 4,
+               [&] {
+                   attention_invariant(want.q.data(), want.k.data(), want.v.data(), mask.data(),
+                                       list.data(), counts.data(), want.out.data(), 1, heads,
+                                       kv_heads, head_dim, capacity, total, scale, nullptr);
+               });
+    // Launched as Gpu::qkv_attention (qkv_attention_shared_bytes).
+    const unsigned int split = split_for(hidden), warps = groups * split;
+    const int passes = (3 * head_dim / 16 + groups - 1) / groups;
+    const size_t shared = (passes * groups * 8 * sizeof(QkvPairInputs) + 15) / 16 * 16 +
+                          ((hidden + 7) / 8 * 8) * 2 + warps * 4 * 32 * 4 +
+                          (warps * (head_dim + 2) + head_dim) * 4;
+    // A cluster's blocks run one after another here, in rank order: the last rank attends after
+    // every rank has written its tiles, as the cluster barrier orders them on the GPU.
+    emu_launch(EmuDim3{static_cast<unsigned int>(rows * heads * cluster), 1, 1},
+               EmuDim3{32 * warps, 1, 1}, shared, [&] {
+                   qkv_attention_mma(x.data(), norm_w.data(), w.data(), bias.data(),
+                                     positions.data(), inv_freq.data(), got.q.data(), got.k.data(),
+                                     got.v.data(), mask.data(), list.data(), counts.data(),
+                                     got.out.data(), hidden, heads, kv_heads, head_dim, capacity,
+                                     col0, total, scale, nullptr, 1e-5f, groups, cluster);
+               });
+    const bool q_same = std::memcmp(got.q.data(), want.q.data(), got.q.size() * 4) == 0;
+    const bool kv_same = got.k == want.k && got.v == want.v && got.k != k0 && got.v != v0;
+    const bool out_same = got.out == want.out;
+    // Not vacuous: every output was written (no 0xffff left) and the new columns changed.
+    bool written = true;
+    for (auto o : got.out) written &= o != 0xffff;
+    const int tiles = 3 * head_dim / 16;
+    char what[128], detail[160];
+    std::snprintf(what, sizeof what,
+                  "qkv_attention_mma against the two launches (hd %d, %d tiles, %d a pass, clusters of %d)",
+                  head_dim, tiles, groups, cluster);
+    std::snprintf(detail, sizeof detail, "(q %s, k|v %s, attention %s: bit for bit)",
+                  q_same ? "same" : "DIFFER", kv_same ? "same" : "DIFFER", out_same ? "same" : "DIFFER");
+    return report(what, q_same && kv_same && out_same && written, detail);
+}
+
 int main() {
     std::mt19937 rng(38);
     bool ok = check_gemv(rng);
@@ -338,5 +431,13 @@ int main() {
     ok = check_qkv_rope(rng, false) && ok;
     ok = check_qkv_rope(rng, true) && ok;
     ok = check_row_groups(rng) && ok;
+    ok = check_qkv_attention(rng, 160, 4, 2, 32, 6, 1) && ok;  // 6 tiles, split 2: one pass
+    ok = check_qkv_attention(rng, 320, 4, 2, 32, 4, 1) && ok;  // two passes, the second half-empty
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 5, 1) && ok;  // 12 tiles, split 2: three passes
+    // Clusters: four ranks of one pass each (SmolLM2's layout), two ranks of two passes each,
+    // and five ranks for four passes (the attending rank has no tile of its own).
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4) && ok;
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 2) && ok;
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 5) && ok;
     return ok ? 0 : 1;
 }
