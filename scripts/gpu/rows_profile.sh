@@ -36,7 +36,7 @@
 set -uo pipefail
 source "$(dirname "$0")/head_lib.sh"
 use_cublas_libraries
-EXTRA_FILES="scripts/reference/make_random_llama.py scripts/gpu/mma_ab.py scripts/gpu/launch_floor.py"
+EXTRA_FILES="scripts/reference/make_random_llama.py scripts/reference/hf_decode_bench.py scripts/gpu/mma_ab.py scripts/gpu/launch_floor.py"
 # A baseline binary (e.g. the build before a kernel change that has no switch) travels split as
 # .device/{c,d}/tandem-base.xz.{1,2} (no one piece has room for it beside the tree; phase_piece
 # copies them into $W): fast-bench and the 3/1/4 bench run with it too, between two runs of the
