@@ -447,9 +447,12 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
 // against 0.580). With a cluster of `cluster` blocks (sm_90 thread-block clusters) block rank c
 // takes passes c, c + cluster, ...: with as many ranks as passes every block loads its one
 // pass's weights before the wait, as norm_qkv_rope_mma's blocks do, and the head's tiles are
-// spread over as many blocks (SmolLM2, cluster 4: 36 blocks of 3 tiles at batch 1, against 60
-// of one). The cluster's barrier (release / acquire at cluster scope) then makes every rank's
-// q, k and v writes visible to the last rank, which attends; the others leave.
+// spread over as many blocks (SmolLM2 in clusters of 6, the default: 54 blocks of 2 tiles at
+// batch 1, against 60 of one). The cluster's barrier (release / acquire at cluster scope) then
+// makes every rank's q, k and v writes visible to the last rank, which attends; the others
+// leave. Session 48 (H100): a batch-1 decode 0.533 ms of device time against 0.580 with the two
+// launches (clusters of 4: 0.544); from two rows on each row's blocks load the head's weights
+// again and it loses (eight rows 1.10 ms against 0.70), so only one-row decode steps take it.
 //
 // Bits: each tile is mma_rows_tile_of over the same k slices, summed in the same order, of the
 // same staged row as norm_qkv_rope_mma's tile (the row alone as the mma's only column: an entry

@@ -454,10 +454,20 @@ pub(crate) fn fused_rows_default(hidden: usize) -> usize {
     }
 }
 
-/// `TANDEM_CUDA_QKV_ATTENTION=N`: fused decode steps of at most N rows take q|k|v and attention
-/// in one launch a layer; 0 (off) without it.
+/// Fused decode steps of at most this many rows take q|k|v and attention in one launch a layer
+/// by default: one (session 48, H100, clusters of 6: a batch-1 decode 0.568 ms against 0.619,
+/// target-only `tandem bench` at batch 1 +11%; two rows 0.676 against 0.638, four 0.821
+/// against 0.643, eight 1.10 ms of device time against 0.70: each row's blocks load the head's
+/// weights again).
+pub(crate) const QKV_ATTENTION_DEFAULT_ROWS: usize = 1;
+
+/// `TANDEM_CUDA_QKV_ATTENTION=N` (0 turns it off), else [`QKV_ATTENTION_DEFAULT_ROWS`].
 pub(crate) fn qkv_attention_rows_default() -> usize {
-    rows_from_env("TANDEM_CUDA_QKV_ATTENTION").min(FUSED_MAX_ROWS)
+    std::env::var("TANDEM_CUDA_QKV_ATTENTION")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(QKV_ATTENTION_DEFAULT_ROWS)
+        .min(FUSED_MAX_ROWS)
 }
 
 /// `TANDEM_CUDA_PERSISTENT=N`: steps of at most N rows (capped at [`GEMV_MAX_ROWS`]) run the
@@ -756,7 +766,9 @@ impl CudaTarget {
     /// Fused decode steps (one new token a sequence) of at most `rows` rows (capped at
     /// [`FUSED_MAX_ROWS`]) take each layer's q|k|v and attention in one launch
     /// (`Gpu::qkv_attention`: four launches a layer instead of five), with the same bits as the
-    /// two launches; 0 turns it off. Default `TANDEM_CUDA_QKV_ATTENTION=N`, else 0.
+    /// two launches; 0 turns it off. Default `TANDEM_CUDA_QKV_ATTENTION=N`, else
+    /// [`QKV_ATTENTION_DEFAULT_ROWS`]; only where the GPU runs it in clusters
+    /// (`Gpu::qkv_attention_fits`).
     pub fn set_qkv_attention_rows(&self, rows: usize) {
         self.qkv_attention_rows
             .store(rows.min(FUSED_MAX_ROWS), Ordering::Relaxed);

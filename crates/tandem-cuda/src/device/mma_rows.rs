@@ -208,10 +208,14 @@ fn qkv_attention_threads(value: Option<&str>) -> usize {
 const PAIR_INPUT_BYTES: usize = 20;
 
 /// Blocks a (row, head) cluster of `qkv_attention_mma` takes: `TANDEM_CUDA_QKV_ATTENTION_CLUSTER`
-/// (1 to 8, the portable cluster size), default 4 (SmolLM2's 12 tiles as 4 ranks of 3 groups,
-/// one pass each); always 1 where the kernels are not compiled for sm_90 (`programmatic`),
-/// the only GPUs with thread-block clusters.
-pub const QKV_ATTENTION_CLUSTER: usize = 4;
+/// (1 to 8, the portable cluster size), default 6 (SmolLM2's 12 tiles as 6 ranks of 2 groups,
+/// one pass each: a batch-1 decode 0.533 ms of device time on an H100, against 0.544 with 4
+/// ranks of 3 and 0.580 with the two launches; session 48, BENCHMARKS.md); always 1 where the
+/// kernels are not compiled for sm_90 (`programmatic`), the only GPUs with thread-block
+/// clusters. A cluster of one block is the one-block kernel session 47 measured slower than the
+/// two launches, so it never runs by itself ([`Gpu::qkv_attention_fits`]): `=1` turns the one
+/// launch off.
+pub const QKV_ATTENTION_CLUSTER: usize = 6;
 
 fn qkv_attention_cluster(programmatic: bool, value: Option<&str>) -> usize {
     if !programmatic {
@@ -230,7 +234,7 @@ fn qkv_attention_cluster(programmatic: bool, value: Option<&str>) -> usize {
 /// and v); with more, enough that each rank takes one pass where the threads allow it.
 /// `None` where a rank would take more than [`QKV_ATTENTION_MAX_PASSES`] passes or the
 /// attention does not take the head size. SmolLM2 (576, 64) at 512 threads: 3 groups of 5
-/// warps, four passes over 12 tiles, one a rank in clusters of 4.
+/// warps, four passes over 12 tiles; in clusters of 6 (the default), 2 groups, one pass a rank.
 pub(super) fn qkv_attention_block(
     hidden: usize,
     head_dim: usize,
@@ -317,18 +321,21 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::qkv_attention`] takes a model of these sizes now: the tensor-core kernels
-    /// are on and take its q|k|v, and a head's tiles and attention fit one block.
+    /// are on and take its q|k|v, it runs in clusters of more than one block (sm_90), and a
+    /// rank's tiles and the attention fit one block.
     pub fn qkv_attention_fits(&self, hidden: usize, head_dim: usize) -> bool {
         self.mma_rows_for(hidden, 1).is_some_and(|mma| {
-            qkv_attention_block(
-                hidden,
-                head_dim,
-                mma.qkv_attention_threads,
-                mma.qkv_attention_cluster,
-            )
-            .is_some_and(|(groups, split)| {
-                qkv_attention_shared_bytes(hidden, head_dim, groups, split) <= GEMV_MAX_SHARED_BYTES
-            })
+            mma.qkv_attention_cluster > 1
+                && qkv_attention_block(
+                    hidden,
+                    head_dim,
+                    mma.qkv_attention_threads,
+                    mma.qkv_attention_cluster,
+                )
+                .is_some_and(|(groups, split)| {
+                    qkv_attention_shared_bytes(hidden, head_dim, groups, split)
+                        <= GEMV_MAX_SHARED_BYTES
+                })
         })
     }
 
@@ -563,7 +570,7 @@ mod tests {
         assert_eq!(clustered(1536, 128, 8), Some((1, 12)));
         assert_eq!(clustered(2048, 64, 8), Some((1, 16)));
         assert_eq!(clustered(576, 48, 4), None);
-        // The cluster switch: 1 to 8 blocks, 4 by default, always 1 off sm_90.
+        // The cluster switch: 1 to 8 blocks, 6 by default, always 1 off sm_90.
         assert_eq!(qkv_attention_cluster(true, None), QKV_ATTENTION_CLUSTER);
         assert_eq!(qkv_attention_cluster(true, Some(" 6\n")), 6);
         assert_eq!(
