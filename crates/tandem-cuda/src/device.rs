@@ -1483,17 +1483,8 @@ impl Gpu {
         args: KernelArgs,
         rows: usize,
     ) -> Result<(), CudaError> {
-        use cudarc::driver::sys;
-        let attribute = (self.programmatic && rows <= self.pdl_rows).then(|| {
-            // SAFETY: a plain C struct for which all-zero bytes are a valid value.
-            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attribute.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attribute.value.programmaticStreamSerializationAllowed = 1;
-            attribute
-        });
-        // SAFETY: forwarded from the caller.
-        unsafe { self.launch_ex(func, cfg, args, attribute) }
+        // SAFETY: forwarded from the caller; a cluster of one block is a plain launch.
+        unsafe { self.launch_programmatic_clusters(func, cfg, args, rows, 1) }
     }
 
     /// [`Gpu::launch_programmatic`] for a grid of thread-block clusters of `cluster` blocks
