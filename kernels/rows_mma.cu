@@ -470,8 +470,8 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
 // Dynamic shared: each pass's pair inputs, the staged row (hidden bf16), the groups' partial
 // tiles (512 bytes a warp), then the attention's warps * (head_dim + 2) + head_dim f32. One
 // input only (the EAGLE-3 head's two-input q|k|v keeps the two launches), and no q/k norm
-// (Qwen3 keeps them too).
-#define QKV_ATTENTION_MAX_PASSES 4
+// (Qwen3 keeps them too). A rank takes at most mma_rows::QKV_ATTENTION_MAX_PASSES passes (the
+// launcher's limit; the kernel itself takes any number).
 // Threads a block may have (defined by the compiling code: mma_rows::QKV_ATTENTION_THREADS):
 // 512 leave each thread 128 registers; the products hold four chunks of two weight rows and of
 // the input in flight, as norm_qkv_rope_mma does with ~108.

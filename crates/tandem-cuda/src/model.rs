@@ -463,11 +463,7 @@ pub(crate) const QKV_ATTENTION_DEFAULT_ROWS: usize = 1;
 
 /// `TANDEM_CUDA_QKV_ATTENTION=N` (0 turns it off), else [`QKV_ATTENTION_DEFAULT_ROWS`].
 pub(crate) fn qkv_attention_rows_default() -> usize {
-    std::env::var("TANDEM_CUDA_QKV_ATTENTION")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(QKV_ATTENTION_DEFAULT_ROWS)
-        .min(FUSED_MAX_ROWS)
+    rows_from_env_or("TANDEM_CUDA_QKV_ATTENTION", QKV_ATTENTION_DEFAULT_ROWS).min(FUSED_MAX_ROWS)
 }
 
 /// `TANDEM_CUDA_PERSISTENT=N`: steps of at most N rows (capped at [`GEMV_MAX_ROWS`]) run the
@@ -477,10 +473,16 @@ pub(crate) fn persistent_rows_default() -> usize {
 }
 
 fn rows_from_env(name: &str) -> usize {
+    rows_from_env_or(name, 0)
+}
+
+/// A row count from the environment variable `name`, `default` where it is unset or not a
+/// number.
+fn rows_from_env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0)
+        .unwrap_or(default)
 }
 
 /// [`CudaTarget::persistent_profile`]: block 0's cycles by phase of one persistent step.

@@ -186,7 +186,8 @@ pub(super) fn split(width: usize) -> usize {
     (width / 32).div_ceil(CHUNKS_A_WARP).clamp(1, MAX_SPLIT)
 }
 
-/// Passes `qkv_attention_mma` may take (`QKV_ATTENTION_MAX_PASSES`).
+/// Passes a rank of `qkv_attention_mma` may take: more would stream a head's weights through
+/// one block after the wait, which session 47 measured slower than the two launches.
 const QKV_ATTENTION_MAX_PASSES: usize = 4;
 
 /// Threads `qkv_attention_mma`'s block may have (`QKV_ATTENTION_MAX_THREADS`): 512 leave each
