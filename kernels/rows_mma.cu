@@ -432,7 +432,7 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
     }
 }
 
-// ---- A decode step's q|k|v and attention in one launch ----
+// ---- A step's q|k|v and attention in one launch (decode steps and small verifications) ----
 //
 // Why: at batch 1 a fused layer is five dependent launches (norm_qkv_rope_mma, attention, o_proj,
 // gate|up, down), ~19 us a layer on an H100 against ~2 us of weights. In a decode step (one new
@@ -454,6 +454,15 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
 // launches (clusters of 4: 0.544); from two rows on each row's blocks load the head's weights
 // again and it loses (eight rows 1.10 ms against 0.70), so only one-row decode steps take it.
 //
+// Verifications (`width` > 1 tokens a sequence, at most 8: one mma's columns): a cluster a
+// (sequence, head) computes the q|k|v of all the sequence's tokens (the tile's mma takes them as
+// its columns, as norm_qkv_rope_mma takes a row group's rows), writes every token's k and v to
+// its cache column col0 + token, and after the cluster barrier token j is attended by rank
+// cluster - 1 - j (j + cluster, ... by the same rank): a token's attention reads the keys its
+// earlier tokens wrote in this launch, which the barrier makes visible. The weights are loaded
+// once for the sequence's tokens, so a one-sequence verification costs what a decode step does
+// plus its tokens' attention.
+//
 // Bits: each tile is mma_rows_tile_of over the same k slices, summed in the same order, of the
 // same staged row as norm_qkv_rope_mma's tile (the row alone as the mma's only column: an entry
 // of the product does not depend on the other columns), and the epilogue is the same
@@ -465,10 +474,11 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
 //
 // Block: `groups` groups of split(hidden) warps (at most QKV_ATTENTION_MAX_THREADS threads), one
 // tile a group per pass, 3 * head_dim / 16 tiles in ceil(tiles / groups) passes; a block's later
-// passes' weights are fetched into L2 before the wait. Grid: rows * heads * cluster (blocks
-// (r * heads + h) * cluster + rank, as attention_invariant's with each block a cluster).
-// Dynamic shared: each pass's pair inputs, the staged row (hidden bf16), the groups' partial
-// tiles (512 bytes a warp), then the attention's warps * (head_dim + 2) + head_dim f32. One
+// passes' weights are fetched into L2 before the wait. Grid: sequences * heads * cluster (blocks
+// (b * heads + h) * cluster + rank, as attention_invariant's with each block a cluster).
+// Dynamic shared: each pass's pair inputs (a token each), the staged rows (width * hidden bf16),
+// the groups' partial tiles (512 bytes a warp), then the attention's warps * (head_dim + 2) +
+// head_dim f32. One
 // input only (the EAGLE-3 head's two-input q|k|v keeps the two launches), and no q/k norm
 // (Qwen3 keeps them too). A rank takes at most mma_rows::QKV_ATTENTION_MAX_PASSES passes (the
 // launcher's limit; the kernel itself takes any number).
@@ -530,9 +540,10 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                       const int* __restrict__ counts, unsigned short* __restrict__ out,
                       int hidden, int heads, int kv_heads, int head_dim, int capacity, int col0,
                       int total, float scale, const int* step_scalars, float eps, int groups,
-                      int cluster) {
+                      int cluster, int width) {
     const int rank = blockIdx.x % cluster;
-    const int r = blockIdx.x / cluster / heads;
+    const int b = blockIdx.x / cluster / heads;  // the sequence; its tokens are step rows
+    const int r = b * width;                     // b * width .. + width - 1
     const int h = blockIdx.x / cluster % heads;
     const int kvh = h / (heads / kv_heads);
     const int lane = threadIdx.x & 31;
@@ -548,13 +559,15 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
     const int tiles = 3 * head_tiles;
     const int passes = (tiles + groups - 1) / groups;
     x += (size_t)r * hidden;
-    // Dynamic shared memory: each pass's pair inputs (8 a group), the staged row, the groups'
-    // partial tiles, the attention's partials and query (sizes: qkv_attention_shared_bytes).
+    // Dynamic shared memory: each pass's pair inputs (8 a group, a token each), the staged
+    // rows, the groups' partial tiles, the attention's partials and query (sizes:
+    // qkv_attention_shared_bytes).
     DYNAMIC_SHARED(uint4, mma_shared);
     QkvPairInputs* pair_shared = reinterpret_cast<QkvPairInputs*>(mma_shared);
     unsigned short* xs = reinterpret_cast<unsigned short*>(
-        mma_shared + (passes * groups * 8 * sizeof(QkvPairInputs) + 15) / 16);
-    float(*all_partials)[4][32] = reinterpret_cast<float(*)[4][32]>(xs + ((hidden + 7) & ~7));
+        mma_shared + (passes * groups * 8 * width * sizeof(QkvPairInputs) + 15) / 16);
+    float(*all_partials)[4][32] =
+        reinterpret_cast<float(*)[4][32]>(xs + (((size_t)width * hidden + 7) & ~7));
     float(*partials)[4][32] = all_partials + group * split;
     // Tile i of this block (clamped: a group without a tile in the last pass repeats the last
     // one and writes nothing): its first pair's (q|k|v) head and index in that head.
@@ -590,27 +603,38 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                 col0 = step_scalars[0];
                 total = step_scalars[1];
             }
-            // This rank's passes' pair inputs (row r's), by the first warp of each group.
-            if (slice == 0 && t == 0) {
+            // This rank's passes' pair inputs (each token's), by the first warp of each group.
+            if (slice == 0) {
                 for (int p = rank; p < passes; p += cluster) {
                     int php, jjp;
                     tile_head(p * groups + group, php, jjp);
-                    pair_shared[(p * groups + group) * 8 + g] = qkv_pair_inputs(
-                        bias, php * head_dim + jjp + g, jjp + g, r, head_dim, positions, inv_freq);
+                    for (int tok = t; tok < width; tok += 4) {
+                        pair_shared[((p * groups + group) * 8 + g) * width + tok] =
+                            qkv_pair_inputs(bias, php * head_dim + jjp + g, jjp + g, r + tok,
+                                            head_dim, positions, inv_freq);
+                    }
                 }
             }
-            if (warp == 0) {
-                stage_rms_normed_row(F32Rows{x}, norm_w, xs, 0, hidden, eps);
+            for (int tok = warp; tok < width; tok += warps) {
+                stage_rms_normed_row(F32Rows{x}, norm_w, xs, tok, hidden, eps);
             }
             __syncthreads();
         };
         float c[4];
-        const bool leader = mma_rows_tile_of(a, none, row1, row1 + half, 1, stage, c, slice,
-                                             split, partials);
-        if (leader && t == 0 && pass * groups + group < tiles) {
-            qkv_pair_out_with(c[0], c[2], pair_shared[(pass * groups + group) * 8 + g], ph,
-                              jj0 + g, r, q_out, k_cache, v_cache, 1, heads, kv_heads, head_dim,
-                              capacity, col0);
+        const bool leader = mma_rows_tile_of(a, none, row1, row1 + half, width, stage, c,
+                                             slice, split, partials);
+        if (leader && pass * groups + group < tiles) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int tok = 2 * t + i;  // c[i], c[2 + i]: this lane's step rows
+                if (tok < width) {
+                    qkv_pair_out_with(
+                        c[i], c[2 + i],
+                        pair_shared[((pass * groups + group) * 8 + g) * width + tok], ph,
+                        jj0 + g, r + tok, q_out, k_cache, v_cache, width, heads, kv_heads,
+                        head_dim, capacity, col0);
+                }
+            }
         }
         // The partial tiles are reused by the next pass; q, k and v are read back below.
         __syncthreads();
@@ -624,14 +648,29 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
         }
     }
     cluster_barrier(cluster);
-    if (rank != cluster - 1) {
-        return;
-    }
+    // Token j is attended by rank cluster - 1 - j (then j + cluster, ...): the tokens of a
+    // verification in parallel, a decode's one token by the last rank. The emulator runs a
+    // cluster's ranks one after another, so there the last rank, which runs after every
+    // writer, attends every token (the same bits: attention_block does not depend on which
+    // block runs it).
+#ifdef TANDEM_EMULATE
+    const int first = rank == cluster - 1 ? 0 : width;
+    const int stride = 1;
+#else
+    const int first = cluster - 1 - rank;
+    const int stride = cluster;
+#endif
     float* attention_partials = reinterpret_cast<float*>(all_partials + groups * split);
     float* q_shared = attention_partials + warps * (head_dim + 2);
-    qkv_attention_attend(q_out + ((size_t)r * heads + h) * head_dim, scale, k_cache, v_cache,
-                         ((size_t)r * kv_heads + kvh) * capacity * head_dim,
-                         list + (size_t)r * capacity, counts[r], mask + (size_t)r * total,
-                         head_dim, attention_partials, q_shared,
-                         out + ((size_t)r * heads + h) * head_dim);
+    for (int tok = first; tok < width; tok += stride) {
+        if (tok > first) {
+            __syncthreads();  // the previous token's partials and query are read
+        }
+        const int row = r + tok;
+        qkv_attention_attend(q_out + ((size_t)row * heads + h) * head_dim, scale, k_cache,
+                             v_cache, ((size_t)b * kv_heads + kvh) * capacity * head_dim,
+                             list + (size_t)row * capacity, counts[row],
+                             mask + (size_t)row * total, head_dim, attention_partials, q_shared,
+                             out + ((size_t)row * heads + h) * head_dim);
+    }
 }

@@ -303,8 +303,9 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
     let mut measured = Vec::new();
     if let Some((regs, spilled, threads, cluster)) = gpu.qkv_attention_resources()? {
         eprintln!(
-            "one-launch q|k|v and attention: {regs} registers and {spilled} spilled bytes per thread, blocks of up to {threads} threads in clusters of {cluster} (TANDEM_CUDA_QKV_ATTENTION_CLUSTER); decode steps of up to {} rows take it (TANDEM_CUDA_QKV_ATTENTION)",
-            model.qkv_attention_rows()
+            "one-launch q|k|v and attention: {regs} registers and {spilled} spilled bytes per thread, blocks of up to {threads} threads in clusters of {cluster} (TANDEM_CUDA_QKV_ATTENTION_CLUSTER); steps of up to {} sequences (TANDEM_CUDA_QKV_ATTENTION) and {} tokens a sequence (TANDEM_CUDA_QKV_ATTENTION_WIDTH) take it",
+            model.qkv_attention_sequences(),
+            model.qkv_attention_width()
         );
     }
     let (regs, spilled, sms, warps) = gpu.persistent_resources()?;

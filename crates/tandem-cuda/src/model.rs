@@ -52,9 +52,12 @@ pub struct CudaTarget {
     /// Steps of at most this many rows run the persistent one-launch step (0: none); it takes
     /// precedence over the fused kernels.
     persistent_rows: AtomicUsize,
-    /// Fused decode steps of at most this many rows take each layer's q|k|v and attention in
-    /// one launch (0: none; [`CudaTarget::set_qkv_attention_rows`]).
-    qkv_attention_rows: AtomicUsize,
+    /// Fused steps of at most this many sequences take each layer's q|k|v and attention in
+    /// one launch (0: none; [`CudaTarget::set_qkv_attention_sequences`]).
+    qkv_attention_sequences: AtomicUsize,
+    /// ... when they have at most this many tokens a sequence
+    /// ([`CudaTarget::set_qkv_attention_width`]).
+    qkv_attention_width: AtomicUsize,
     /// The persistent step's grid-barrier counter.
     barrier: CudaSlice<u32>,
     /// Where the persistent step records block 0's clock at each barrier
@@ -454,16 +457,32 @@ pub(crate) fn fused_rows_default(hidden: usize) -> usize {
     }
 }
 
-/// Fused decode steps of at most this many rows take q|k|v and attention in one launch a layer
+/// Fused steps of at most this many sequences take q|k|v and attention in one launch a layer
 /// by default: one (session 48, H100, clusters of 6: a batch-1 decode 0.568 ms against 0.619,
 /// target-only `tandem bench` at batch 1 +11%; two rows 0.676 against 0.638, four 0.821
-/// against 0.643, eight 1.10 ms of device time against 0.70: each row's blocks load the head's
-/// weights again).
-pub(crate) const QKV_ATTENTION_DEFAULT_ROWS: usize = 1;
+/// against 0.643, eight 1.10 ms of device time against 0.70: each sequence's blocks load the
+/// head's weights again).
+pub(crate) const QKV_ATTENTION_DEFAULT_SEQUENCES: usize = 1;
 
-/// `TANDEM_CUDA_QKV_ATTENTION=N` (0 turns it off), else [`QKV_ATTENTION_DEFAULT_ROWS`].
-pub(crate) fn qkv_attention_rows_default() -> usize {
-    rows_from_env_or("TANDEM_CUDA_QKV_ATTENTION", QKV_ATTENTION_DEFAULT_ROWS).min(FUSED_MAX_ROWS)
+/// `TANDEM_CUDA_QKV_ATTENTION=N` (0 turns it off), else [`QKV_ATTENTION_DEFAULT_SEQUENCES`].
+pub(crate) fn qkv_attention_sequences_default() -> usize {
+    rows_from_env_or("TANDEM_CUDA_QKV_ATTENTION", QKV_ATTENTION_DEFAULT_SEQUENCES)
+        .min(FUSED_MAX_ROWS)
+}
+
+/// Steps of at most this many tokens a sequence take the one launch by default: decode steps
+/// only (1) until verification steps through it are measured on a GPU; up to
+/// [`GEMV_MAX_ROWS`] (a sequence's tokens are one mma's columns).
+pub(crate) const QKV_ATTENTION_DEFAULT_WIDTH: usize = 1;
+
+/// `TANDEM_CUDA_QKV_ATTENTION_WIDTH=N` (capped at [`GEMV_MAX_ROWS`]), else
+/// [`QKV_ATTENTION_DEFAULT_WIDTH`].
+pub(crate) fn qkv_attention_width_default() -> usize {
+    rows_from_env_or(
+        "TANDEM_CUDA_QKV_ATTENTION_WIDTH",
+        QKV_ATTENTION_DEFAULT_WIDTH,
+    )
+    .min(GEMV_MAX_ROWS)
 }
 
 /// `TANDEM_CUDA_PERSISTENT=N`: steps of at most N rows (capped at [`GEMV_MAX_ROWS`]) run the
@@ -723,7 +742,8 @@ impl CudaTarget {
             graphs: Graphs::new(gpu.graphs_default()),
             fused_rows: AtomicUsize::new(fused_rows_default(spec.hidden_size)),
             persistent_rows: AtomicUsize::new(persistent_rows_default()),
-            qkv_attention_rows: AtomicUsize::new(qkv_attention_rows_default()),
+            qkv_attention_sequences: AtomicUsize::new(qkv_attention_sequences_default()),
+            qkv_attention_width: AtomicUsize::new(qkv_attention_width_default()),
             barrier: gpu.zeros::<u32>(1)?,
             profile: if std::env::var("TANDEM_CUDA_PERSISTENT_PROFILE").is_ok_and(|v| v == "1") {
                 Some(gpu.zeros::<u64>(Gpu::persistent_profile_len(spec.num_layers))?)
@@ -765,29 +785,43 @@ impl CudaTarget {
         self.persistent_rows.load(Ordering::Relaxed)
     }
 
-    /// Fused decode steps (one new token a sequence) of at most `rows` rows (capped at
-    /// [`FUSED_MAX_ROWS`]) take each layer's q|k|v and attention in one launch
-    /// (`Gpu::qkv_attention`: four launches a layer instead of five), with the same bits as the
-    /// two launches; 0 turns it off. Default `TANDEM_CUDA_QKV_ATTENTION=N`, else
-    /// [`QKV_ATTENTION_DEFAULT_ROWS`]; only where the GPU runs it in clusters
-    /// (`Gpu::qkv_attention_fits`).
-    pub fn set_qkv_attention_rows(&self, rows: usize) {
-        self.qkv_attention_rows
-            .store(rows.min(FUSED_MAX_ROWS), Ordering::Relaxed);
+    /// Fused steps of at most `sequences` sequences (capped at [`FUSED_MAX_ROWS`]) and at most
+    /// [`CudaTarget::qkv_attention_width`] tokens a sequence take each layer's q|k|v and
+    /// attention in one launch (`Gpu::qkv_attention`: four launches a layer instead of five),
+    /// with the same bits as the two launches; 0 turns it off. Default
+    /// `TANDEM_CUDA_QKV_ATTENTION=N`, else [`QKV_ATTENTION_DEFAULT_SEQUENCES`]; only where the
+    /// GPU runs it in clusters (`Gpu::qkv_attention_fits`).
+    pub fn set_qkv_attention_sequences(&self, sequences: usize) {
+        self.qkv_attention_sequences
+            .store(sequences.min(FUSED_MAX_ROWS), Ordering::Relaxed);
     }
 
-    pub fn qkv_attention_rows(&self) -> usize {
-        self.qkv_attention_rows.load(Ordering::Relaxed)
+    pub fn qkv_attention_sequences(&self) -> usize {
+        self.qkv_attention_sequences.load(Ordering::Relaxed)
+    }
+
+    /// The most tokens a sequence a step may have to take the one launch (1: decode steps
+    /// only; up to [`GEMV_MAX_ROWS`]: verifications of up to that many tokens too). Default
+    /// `TANDEM_CUDA_QKV_ATTENTION_WIDTH=N`, else [`QKV_ATTENTION_DEFAULT_WIDTH`].
+    pub fn set_qkv_attention_width(&self, width: usize) {
+        self.qkv_attention_width
+            .store(width.min(GEMV_MAX_ROWS), Ordering::Relaxed);
+    }
+
+    pub fn qkv_attention_width(&self) -> usize {
+        self.qkv_attention_width.load(Ordering::Relaxed)
     }
 
     /// Whether a fused step of `shape` takes its q|k|v and attention in one launch a layer.
     fn one_launch_attention(&self, shape: AttentionShape) -> bool {
-        shape.width == 1
-            && shape.rows() <= self.qkv_attention_rows()
+        shape.batch <= self.qkv_attention_sequences()
+            && shape.width <= self.qkv_attention_width()
             && self.fuses(shape.rows())
-            && self
-                .gpu
-                .qkv_attention_fits(self.rank_spec.hidden_size, self.rank_spec.head_dim)
+            && self.gpu.qkv_attention_fits(
+                self.rank_spec.hidden_size,
+                self.rank_spec.head_dim,
+                shape.width,
+            )
     }
 
     /// Where the last persistent step spent block 0's clock cycles, by phase (with

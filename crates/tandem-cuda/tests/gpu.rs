@@ -1033,8 +1033,11 @@ fn small_step_rows_are_batch_invariant() {
     // column, as a speculative round leaves it) and then decodes t3. The prompt (62 tokens,
     // prefilled the same way everywhere) puts the new columns across the attention chunk
     // boundary at 64. Graphs off and on (C's steps replay after two eager ones). With the
-    // one-launch q|k|v and attention (`CudaTarget::set_qkv_attention_rows`), A's and C's decode
-    // steps take it and B's and D's verifications do not: the same bits either way.
+    // one-launch q|k|v and attention (`CudaTarget::set_qkv_attention_sequences`), A's and C's
+    // decode steps take it and B's and D's verifications do not: the same bits either way; with
+    // it for verifications too (`set_qkv_attention_width`), B's chain and D's tree take it as
+    // well (a cluster computes a sequence's four tokens and attends each after its barrier),
+    // so with the first mode a verification through the one launch has the two launches' bits.
     let gpu = gpu();
     for (architecture, tied, head_dim) in [
         ("LlamaForCausalLM", true, 32),
@@ -1057,6 +1060,15 @@ fn small_step_rows_are_batch_invariant() {
                 true,
                 "fused, one-launch q|k|v and attention, on tensor cores",
             ),
+            // Every step of up to 8 tokens a sequence takes it (B and D as well).
+            (
+                false,
+                "fused, one-launch q|k|v and attention for verifications too, on tensor cores",
+            ),
+            (
+                true,
+                "fused, one-launch q|k|v and attention for verifications too, on tensor cores",
+            ),
         ] {
             let dir = tiny_model_with(architecture, tied, 31, head_dim);
             gpu.set_mma_rows(mode.ends_with("tensor cores"))
@@ -1077,11 +1089,17 @@ fn small_step_rows_are_batch_invariant() {
             });
             target.set_persistent_rows(if mode == "persistent" { all } else { 0 });
             let one_launch = mode.contains("one-launch");
-            target.set_qkv_attention_rows(if one_launch { fused_rows } else { 0 });
+            target.set_qkv_attention_sequences(if one_launch { fused_rows } else { 0 });
+            let width = if mode.contains("verifications too") {
+                all
+            } else {
+                1
+            };
+            target.set_qkv_attention_width(width);
             if one_launch {
                 assert!(
-                    gpu.qkv_attention_fits(target.spec.hidden_size, head_dim),
-                    "the one-launch q|k|v and attention takes head_dim {head_dim}"
+                    gpu.qkv_attention_fits(target.spec.hidden_size, head_dim, width),
+                    "the one-launch q|k|v and attention takes head_dim {head_dim} at width {width}"
                 );
             }
             let label = format!("{architecture} {mode} head_dim {head_dim} graphs {graphs}");

@@ -252,19 +252,21 @@ pub(super) fn qkv_attention_block(
     fits.then_some((groups, split))
 }
 
-/// Dynamic shared memory of `qkv_attention_mma` with `groups` groups of `split` warps: each
-/// pass's pair inputs (8 a group, rounded to 16 bytes), the staged row (bf16, rounded to 16
-/// bytes), a partial tile a warp, then the attention's partial a warp and the query (f32).
+/// Dynamic shared memory of `qkv_attention_mma` with `groups` groups of `split` warps for a
+/// step of `width` tokens a sequence: each pass's pair inputs (8 a group and token, rounded to
+/// 16 bytes), the staged rows (bf16, rounded to 16 bytes), a partial tile a warp, then the
+/// attention's partial a warp and the query (f32).
 pub(super) fn qkv_attention_shared_bytes(
     hidden: usize,
     head_dim: usize,
     groups: usize,
     split: usize,
+    width: usize,
 ) -> usize {
     let passes = (3 * head_dim / 16).div_ceil(groups);
     let warps = groups * split;
-    (passes * groups * 8 * PAIR_INPUT_BYTES).next_multiple_of(16)
-        + hidden.next_multiple_of(8) * 2
+    (passes * groups * 8 * width * PAIR_INPUT_BYTES).next_multiple_of(16)
+        + (width * hidden).next_multiple_of(8) * 2
         + warps * 4 * 32 * 4
         + (warps * (head_dim + 2) + head_dim) * 4
 }
@@ -321,12 +323,14 @@ impl Gpu {
         )))
     }
 
-    /// Whether [`Gpu::qkv_attention`] takes a model of these sizes now: the tensor-core kernels
-    /// are on and take its q|k|v, it runs in clusters of more than one block (sm_90), and a
-    /// rank's tiles and the attention fit one block.
-    pub fn qkv_attention_fits(&self, hidden: usize, head_dim: usize) -> bool {
+    /// Whether [`Gpu::qkv_attention`] takes a model of these sizes now, for steps of `width`
+    /// tokens a sequence: the tensor-core kernels are on and take its q|k|v, it runs in
+    /// clusters of more than one block (sm_90), a sequence's tokens are one mma's columns (at
+    /// most [`GEMV_MAX_ROWS`]), and a rank's tiles and the attention fit one block.
+    pub fn qkv_attention_fits(&self, hidden: usize, head_dim: usize, width: usize) -> bool {
         self.mma_rows_for(hidden, 1).is_some_and(|mma| {
             mma.qkv_attention_cluster > 1
+                && (1..=GEMV_MAX_ROWS).contains(&width)
                 && qkv_attention_block(
                     hidden,
                     head_dim,
@@ -334,16 +338,18 @@ impl Gpu {
                     mma.qkv_attention_cluster,
                 )
                 .is_some_and(|(groups, split)| {
-                    qkv_attention_shared_bytes(hidden, head_dim, groups, split)
+                    qkv_attention_shared_bytes(hidden, head_dim, groups, split, width)
                         <= GEMV_MAX_SHARED_BYTES
                 })
         })
     }
 
-    /// A decode step's (one new token a sequence) q|k|v, bias, RoPE, cache write and attention
-    /// in one launch: what [`Gpu::norm_qkv_rope`] then [`Gpu::attention`] with visible lists
-    /// do, with the same bits (see `qkv_attention_mma` in kernels/rows_mma.cu). Only where
-    /// [`Gpu::qkv_attention_fits`].
+    /// A step's q|k|v, bias, RoPE, cache write and attention in one launch, for decode steps
+    /// (one new token a sequence) and verifications of up to [`GEMV_MAX_ROWS`] tokens a
+    /// sequence (a cluster per sequence and head computes all its tokens, then attends each
+    /// token after the cluster barrier): what [`Gpu::norm_qkv_rope`] then [`Gpu::attention`]
+    /// with visible lists do, with the same bits (see `qkv_attention_mma` in
+    /// kernels/rows_mma.cu). Only where [`Gpu::qkv_attention_fits`] for the step's width.
     #[allow(clippy::too_many_arguments)]
     pub fn qkv_attention(
         &self,
@@ -376,7 +382,7 @@ impl Gpu {
         let (groups, split) =
             qkv_attention_block(hidden, s.head_dim, mma.qkv_attention_threads, cluster)
                 .expect("qkv_attention_fits");
-        assert!(s.width == 1 && s.heads.is_multiple_of(s.kv_heads));
+        assert!((1..=GEMV_MAX_ROWS).contains(&s.width) && s.heads.is_multiple_of(s.kv_heads));
         assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
         assert!(w.len() >= (q_dim + 2 * kv_dim) * hidden);
         assert!(bias.is_none_or(|b| b.len() >= q_dim + 2 * kv_dim));
@@ -386,7 +392,7 @@ impl Gpu {
         assert!(k_cache.len() >= s.batch * kv_dim * s.capacity && v_cache.len() == k_cache.len());
         assert!(list.len() >= rows * s.capacity && counts.len() >= rows);
         let warps = groups * split;
-        let shared = qkv_attention_shared_bytes(hidden, s.head_dim, groups, split);
+        let shared = qkv_attention_shared_bytes(hidden, s.head_dim, groups, split, s.width);
         assert!(shared <= GEMV_MAX_SHARED_BYTES);
         let args = KernelArgs::default()
             .buffer(self, x)
@@ -413,11 +419,12 @@ impl Gpu {
             .optional_view(self, step_scalars)
             .float(eps)
             .int(groups)
-            .int(cluster);
+            .int(cluster)
+            .int(s.width);
         let cfg = LaunchConfig {
             grid_dim: (
-                u32::try_from(rows * s.heads * cluster)
-                    .expect("rows x heads x cluster fit a grid dimension"),
+                u32::try_from(s.batch * s.heads * cluster)
+                    .expect("sequences x heads x cluster fit a grid dimension"),
                 1,
                 1,
             ),
@@ -425,9 +432,9 @@ impl Gpu {
             shared_mem_bytes: shared as u32,
         };
         // SAFETY: the argument list matches `qkv_attention_mma`'s signature (13 pointers, seven
-        // ints, the scale, step scalars, eps, groups, cluster); sizes asserted above; dynamic
-        // shared memory as `qkv_attention_shared_bytes`, at most 48 KiB; one new column a
-        // sequence at `col0` (with `step_scalars`, the caller checks each step's); lists hold
+        // ints, the scale, step scalars, eps, groups, cluster, width); sizes asserted above;
+        // dynamic shared memory as `qkv_attention_shared_bytes`, at most 48 KiB; `width` new
+        // columns a sequence from `col0` (with `step_scalars`, the caller checks each step's); lists hold
         // columns below `total`; PDL_WAIT before reading anything but the weights; the grid a
         // whole number of clusters of at most 8 blocks of at most 512 threads and 48 KiB, and
         // clusters of more than one block only where the kernels were compiled for sm_90.
@@ -546,8 +553,14 @@ mod tests {
         // Pair inputs of 3 passes x 4 groups x 8 (1,920 bytes), the row, 20 partial tiles, the
         // attention's 20 partials and query.
         assert_eq!(
-            qkv_attention_shared_bytes(576, 64, 4, 5),
+            qkv_attention_shared_bytes(576, 64, 4, 5, 1),
             1920 + 1152 + 20 * 512 + (20 * 66 + 64) * 4
+        );
+        // Clusters of 6 (2 groups, 6 passes), an 8-token verification: 96 tile rows' pair
+        // inputs for each token, the eight rows, 10 partial tiles, the attention's: 31.8 KiB.
+        assert_eq!(
+            qkv_attention_shared_bytes(576, 64, 2, 5, 8),
+            96 * 8 * 20 + 8 * 1152 + 10 * 512 + (10 * 66 + 64) * 4
         );
         // Qwen2.5-1.5B (1,536, 128): 12 warps a tile, one group, 24 passes: the two launches.
         assert_eq!(block(1536, 128), None);

@@ -330,37 +330,45 @@ static bool check_row_groups(std::mt19937& rng) {
     return ok;
 }
 
-// qkv_attention_mma (a decode step's q|k|v and attention in one launch) against the two launches
-// it replaces, norm_qkv_rope_mma then attention_invariant (after visible_columns), on the same
-// decode step: q, the key and value caches and the attention output must be the same bits.
-// Three rows (sequences) with different positions, rejected drafts hidden among their cached
-// keys, a q|k|v bias; each shape splits the k range over several warps; `groups` tiles a pass:
-// one pass, several with a ragged last one (groups idle), and head_dim 64 with GQA 3:1.
+// qkv_attention_mma (a step's q|k|v and attention in one launch) against the two launches it
+// replaces, norm_qkv_rope_mma then attention_invariant (after visible_columns), on the same
+// step: q, the key and value caches and the attention output must be the same bits. Three
+// sequences with different positions, rejected drafts hidden among their cached keys, a q|k|v
+// bias; each shape splits the k range over several warps; `groups` tiles a pass: one pass,
+// several with a ragged last one (groups idle), and head_dim 64 with GQA 3:1. With `width` > 1
+// a verification: each sequence's `width` new tokens at consecutive positions and cache
+// columns, token i seeing the new columns up to its own except a sibling's (token 2 does not
+// see token 1, as in a tree), so a token reads keys other ranks wrote in the same launch.
 static bool check_qkv_attention(std::mt19937& rng, int hidden, int heads, int kv_heads, int head_dim,
-                                int groups, int cluster) {
-    const int rows = 3, capacity = 48, col0 = 37, total = col0 + 1;
+                                int groups, int cluster, int width = 1) {
+    const int batch = 3, rows = batch * width, capacity = 48, col0 = 37, total = col0 + width;
     const int half = head_dim / 2, pairs = (heads + 2 * kv_heads) * half;
     const int qkv_dim = (heads + 2 * kv_heads) * head_dim, q_dim = heads * head_dim;
     const auto w = random_bf16(rng, qkv_dim * hidden, 0.2f);
     const auto norm_w = random_bf16(rng, hidden);
     const auto x = random_f32(rng, rows * hidden);
     const auto bias = random_f32(rng, qkv_dim);
-    const std::vector<int> positions = {30, 12, 36};
+    const int first_position[batch] = {30, 12, 36 - width + 1};
+    std::vector<int> positions(rows);
+    for (int r = 0; r < rows; ++r) positions[r] = first_position[r / width] + r % width;
     std::vector<float> inv_freq(half);
     for (int j = 0; j < half; ++j) inv_freq[j] = std::pow(10000.0f, -2.0f * j / head_dim);
-    const size_t cache = static_cast<size_t>(rows) * kv_heads * capacity * head_dim;
+    const size_t cache = static_cast<size_t>(batch) * kv_heads * capacity * head_dim;
     const auto k0 = random_bf16(rng, cache), v0 = random_bf16(rng, cache);
-    // Row r sees its first positions[r] cached columns in order, some columns between them
-    // hidden (rejected drafts), and its own new column col0.
+    // Step row r (sequence b, token i) sees its sequence's first first_position[b] cached
+    // columns in order, some columns between them hidden (rejected drafts), and new columns.
     std::vector<float> mask(rows * total, NEG_INF);
     for (int r = 0; r < rows; ++r) {
+        const int b = r / width, i = r % width;
         int seen = 0;
-        for (int j = 0; j < col0 && seen < positions[r]; ++j) {
-            if ((j * 7 + r) % 5 == 3) continue;
+        for (int j = 0; j < col0 && seen < first_position[b]; ++j) {
+            if ((j * 7 + b) % 5 == 3) continue;
             mask[r * total + j] = 0.0f;
             ++seen;
         }
-        mask[r * total + col0] = 0.0f;
+        for (int j = 0; j <= i; ++j) {
+            if (!(i == 2 && j == 1)) mask[r * total + col0 + j] = 0.0f;
+        }
     }
     std::vector<int> list(rows * capacity), counts(rows);
     emu_launch(EmuDim3{static_cast<unsigned int>(rows), 1, 1}, EmuDim3{32, 1, 1}, 0, [&] {
@@ -380,32 +388,33 @@ static bool check_qkv_attention(std::mt19937& rng, int hidden, int heads, int kv
                rows * hidden * 2, [&] {
                    norm_qkv_rope_mma(x.data(), norm_w.data(), w.data(), nullptr, nullptr, nullptr,
                                      bias.data(), positions.data(), inv_freq.data(), want.q.data(),
-                                     want.k.data(), want.v.data(), rows, hidden, 1, heads, kv_heads,
-                                     head_dim, capacity, col0, nullptr, 1e-5f, nullptr, nullptr);
+                                     want.k.data(), want.v.data(), rows, hidden, width, heads,
+                                     kv_heads, head_dim, capacity, col0, nullptr, 1e-5f, nullptr,
+                                     nullptr);
                });
     const unsigned int attention_warps = 8;
     emu_launch(EmuDim3{static_cast<unsigned int>(rows * heads), 1, 1},
                EmuDim3{32 * attention_warps, 1, 1}, (attention_warps * (head_dim + 2) + head_dim) * 4,
                [&] {
                    attention_invariant(want.q.data(), want.k.data(), want.v.data(), mask.data(),
-                                       list.data(), counts.data(), want.out.data(), 1, heads,
+                                       list.data(), counts.data(), want.out.data(), width, heads,
                                        kv_heads, head_dim, capacity, total, scale, nullptr);
                });
     // Launched as Gpu::qkv_attention (qkv_attention_shared_bytes).
     const unsigned int split = split_for(hidden), warps = groups * split;
     const int passes = (3 * head_dim / 16 + groups - 1) / groups;
-    const size_t shared = (passes * groups * 8 * sizeof(QkvPairInputs) + 15) / 16 * 16 +
-                          ((hidden + 7) / 8 * 8) * 2 + warps * 4 * 32 * 4 +
+    const size_t shared = (passes * groups * 8 * width * sizeof(QkvPairInputs) + 15) / 16 * 16 +
+                          ((width * hidden + 7) / 8 * 8) * 2 + warps * 4 * 32 * 4 +
                           (warps * (head_dim + 2) + head_dim) * 4;
     // A cluster's blocks run one after another here, in rank order: the last rank attends after
     // every rank has written its tiles, as the cluster barrier orders them on the GPU.
-    emu_launch(EmuDim3{static_cast<unsigned int>(rows * heads * cluster), 1, 1},
+    emu_launch(EmuDim3{static_cast<unsigned int>(batch * heads * cluster), 1, 1},
                EmuDim3{32 * warps, 1, 1}, shared, [&] {
                    qkv_attention_mma(x.data(), norm_w.data(), w.data(), bias.data(),
                                      positions.data(), inv_freq.data(), got.q.data(), got.k.data(),
                                      got.v.data(), mask.data(), list.data(), counts.data(),
                                      got.out.data(), hidden, heads, kv_heads, head_dim, capacity,
-                                     col0, total, scale, nullptr, 1e-5f, groups, cluster);
+                                     col0, total, scale, nullptr, 1e-5f, groups, cluster, width);
                });
     const bool q_same = std::memcmp(got.q.data(), want.q.data(), got.q.size() * 4) == 0;
     const bool kv_same = got.k == want.k && got.v == want.v && got.k != k0 && got.v != v0;
@@ -414,10 +423,10 @@ static bool check_qkv_attention(std::mt19937& rng, int hidden, int heads, int kv
     bool written = true;
     for (auto o : got.out) written &= o != 0xffff;
     const int tiles = 3 * head_dim / 16;
-    char what[128], detail[160];
+    char what[160], detail[160];
     std::snprintf(what, sizeof what,
-                  "qkv_attention_mma against the two launches (hd %d, %d tiles, %d a pass, clusters of %d)",
-                  head_dim, tiles, groups, cluster);
+                  "qkv_attention_mma against the two launches (hd %d, %d tiles, %d a pass, clusters of %d, %d token%s a sequence)",
+                  head_dim, tiles, groups, cluster, width, width == 1 ? "" : "s");
     std::snprintf(detail, sizeof detail, "(q %s, k|v %s, attention %s: bit for bit)",
                   q_same ? "same" : "DIFFER", kv_same ? "same" : "DIFFER", out_same ? "same" : "DIFFER");
     return report(what, q_same && kv_same && out_same && written, detail);
@@ -439,5 +448,10 @@ int main() {
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4) && ok;
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 2) && ok;
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 5) && ok;
+    // Verifications: a chain of four in clusters of 4 (SmolLM2's 3/1/4), eight tokens (the
+    // mma's eight columns) in clusters of 2, three tokens with one pass a cluster.
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4, 4) && ok;
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 2, 8) && ok;
+    ok = check_qkv_attention(rng, 160, 4, 2, 32, 6, 1, 3) && ok;
     return ok ? 0 : 1;
 }
