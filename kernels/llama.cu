@@ -374,17 +374,18 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, const uns
 
 // The drafted tokens of greedy chains into a verification step's tokens: ids [steps, batch]
 // (step s of sequence b at s * batch + b, as the device chain drafts them) to tokens[b * width
-// + 1 + s], after each sequence's root. The verification then starts without the host having
-// seen the drafts (one wait a round, for the verification's own results). Grid:
-// ceil(batch * steps / 256).
+// + first + s]: first = 1, after each sequence's root. The verification then starts without
+// the host having seen the drafts (one wait a round, for the verification's own results).
+// With first = 0 and one step, the roots of a decode step: the previous step's greedy ids (a
+// plain round's lookahead). Grid: ceil(batch * steps / 256).
 extern "C" __global__ void scatter_chain_tokens(const unsigned int* __restrict__ ids, int batch,
-                                                int steps, unsigned int* __restrict__ tokens,
-                                                int width) {
+                                                int steps, int first,
+                                                unsigned int* __restrict__ tokens, int width) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < batch * steps) {
         const int s = i / batch;
         const int b = i % batch;
-        tokens[(size_t)b * width + 1 + s] = ids[i];
+        tokens[(size_t)b * width + first + s] = ids[i];
     }
 }
 

@@ -2478,26 +2478,30 @@ impl Gpu {
     }
 
     /// Greedy chains' drafted tokens into a verification step's tokens: `ids` `[steps,
-    /// batch]` (as [`crate::CudaDraft::draft_chain_ids`] leaves them) to `tokens[b * width + 1 +
-    /// s]`, after each sequence's root slot. `width` must exceed `steps`.
+    /// batch]` (as [`crate::CudaDraft::draft_chain_ids`] leaves them) to `tokens[b * width +
+    /// first + s]`: `first` 1 after each sequence's root slot, 0 for the roots themselves (one
+    /// step: a decode step's tokens from the previous step's greedy ids). `first + steps` must
+    /// not exceed `width`.
     pub fn scatter_chain_tokens(
         &self,
         ids: &CudaSlice<u32>,
         batch: usize,
-        steps: usize,
+        (steps, first): (usize, usize),
         tokens: &mut CudaViewMut<'_, u32>,
         width: usize,
     ) -> Result<(), CudaError> {
         assert!(
-            steps < width,
-            "a chain of {steps} drafts needs a step wider than {steps}"
+            first + steps <= width,
+            "{steps} tokens from slot {first} need a step wider than {}",
+            first + steps - 1
         );
         assert!(ids.len() >= batch * steps && tokens.len() >= batch * width);
         let n = batch * steps;
         if n == 0 {
             return Ok(());
         }
-        let (batch_i, steps_i, width_i) = (batch as i32, steps as i32, width as i32);
+        let (batch_i, steps_i, first_i, width_i) =
+            (batch as i32, steps as i32, first as i32, width as i32);
         let mut launch = self
             .stream
             .launch_builder(&self.kernels.scatter_chain_tokens);
@@ -2505,11 +2509,12 @@ impl Gpu {
             .arg(ids)
             .arg(&batch_i)
             .arg(&steps_i)
+            .arg(&first_i)
             .arg(tokens)
             .arg(&width_i);
-        // SAFETY: signature (const u32*, int, int, u32*, int); thread i < batch * steps reads
-        // ids[i] and writes tokens[b * width + 1 + s] with s < steps < width, b < batch; sizes
-        // asserted.
+        // SAFETY: signature (const u32*, int, int, int, u32*, int); thread i < batch * steps
+        // reads ids[i] and writes tokens[b * width + first + s] with first + s < width, b <
+        // batch; sizes asserted.
         unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }?;
         Ok(())
     }

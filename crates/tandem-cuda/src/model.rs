@@ -117,13 +117,15 @@ enum GraphPlan<'a> {
     },
 }
 
-/// Drafted chain tokens on the device for a verification step (see
-/// [`CudaTarget::forward_chains`]): `ids` `[steps, batch]`, `batch` the live sequences.
+/// Tokens on the device for a step (see [`CudaTarget::forward_chains`] and
+/// [`CudaTarget::forward_roots`]): `ids` `[steps, batch]` into each live sequence's slots
+/// `first ..= first + steps - 1` (`batch` the live sequences).
 #[derive(Clone, Copy)]
 struct ChainTokens<'a> {
     ids: &'a CudaSlice<u32>,
     batch: usize,
     steps: usize,
+    first: usize,
 }
 
 /// Every device buffer of one step: inputs, intermediates, outputs. A graph captured over them
@@ -232,7 +234,7 @@ impl StepBuffers {
             gpu.scatter_chain_tokens(
                 chain.ids,
                 chain.batch,
-                chain.steps,
+                (chain.steps, chain.first),
                 &mut self.inputs.tokens_mut(),
                 self.width,
             )?;
@@ -1068,8 +1070,42 @@ impl CudaTarget {
             ids,
             batch: step.batch,
             steps,
+            first: 1,
         };
         self.forward_with(step, cache, taps, logits_for, Some(chain), false)
+    }
+
+    /// [`CudaTarget::forward`] of a decode step (one token a sequence) whose tokens are still on
+    /// the device: `ids[b]` is sequence `b`'s (the previous step's greedy ids, as
+    /// `Gpu::argmax_rows_into` leaves them), so a plain round's next step is queued before the
+    /// host has read this one's ids. The step's own tokens are placeholders.
+    pub fn forward_roots(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        ids: &CudaSlice<u32>,
+    ) -> Result<CudaStepOutput, CudaError> {
+        if step.width != 1 || ids.len() < step.batch {
+            return Err(ModelError::InvalidStep {
+                reason: format!(
+                    "roots on the device take a decode step (width {}) of at most {} sequences \
+                     ({} sequences)",
+                    step.width,
+                    ids.len(),
+                    step.batch
+                ),
+            }
+            .into());
+        }
+        let roots = ChainTokens {
+            ids,
+            batch: step.batch,
+            steps: 1,
+            first: 0,
+        };
+        self.forward_with(step, cache, taps, logits_for, Some(roots), false)
     }
 
     /// [`CudaTarget::forward`] for a step whose taps the caller copies elsewhere after queuing
@@ -1211,7 +1247,8 @@ impl CudaTarget {
                 let mut with_chain = step.clone();
                 for b in 0..chain.batch {
                     for s in 0..chain.steps {
-                        with_chain.tokens[b * step.width + 1 + s] = ids[s * chain.batch + b];
+                        with_chain.tokens[b * step.width + chain.first + s] =
+                            ids[s * chain.batch + b];
                     }
                 }
                 filled = with_chain;

@@ -179,6 +179,24 @@ pub struct RunningBatch<T: SpecBackend> {
     /// c=32/64 from 0.939x/0.988x to 0.986x/1.003x target-only (20 repeats, totals). On by
     /// default; `TANDEM_LAZY_HEAD=0` turns it off (the A/B).
     pub lazy_head: bool,
+    /// Greedy plain rounds queue up to this many decode steps back to back, each taking the
+    /// previous step's greedy ids on the device as its tokens
+    /// ([`SpecBackend::forward_after_read`]), and read their ids once the last is queued: the
+    /// host's work between two steps (read-back, commit, the next step's inputs and launch)
+    /// overlaps the device's instead of leaving it idle, as an overlap scheduler does. A row that
+    /// stops inside the round has its later steps' tokens dropped (it leaves the batch); the
+    /// round never runs past a row's `max_new_tokens` or the cache. 1 (the default until
+    /// measured on a GPU) runs one step a plain round; `TANDEM_PLAIN_LOOKAHEAD=N` sets it.
+    pub plain_lookahead: usize,
+}
+
+/// [`RunningBatch::plain_lookahead`]'s default: `TANDEM_PLAIN_LOOKAHEAD=N` (at least 1), else 1.
+pub fn plain_lookahead_default() -> usize {
+    std::env::var("TANDEM_PLAIN_LOOKAHEAD")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// [`RunningBatch::lazy_head`]'s default: on unless `TANDEM_LAZY_HEAD=0`.
@@ -440,6 +458,7 @@ impl<T: SpecBackend> Engine<'_, T> {
             phase_timing: false,
             early_extend: early_extend_default(),
             lazy_head: lazy_head_default(),
+            plain_lookahead: plain_lookahead_default(),
             prefill_group_slots: crate::admission::prefill_group_slots(
                 std::env::var("TANDEM_PREFILL_GROUPS").ok().as_deref(),
             ),
@@ -1126,6 +1145,18 @@ impl<T: SpecBackend> Engine<'_, T> {
             (c.at(choice.index(), b, columns), c.at(0, b, columns))
         });
         let shape = batch.policy.shape(choice);
+        if shape.is_none() {
+            let steps = self.lookahead_steps(batch);
+            if steps > 1 {
+                return self.plain_lookahead(
+                    batch,
+                    chosen,
+                    (choice, predicted, columns),
+                    steps,
+                    progress,
+                );
+            }
+        }
         // The catch-up after plain rounds is what switching to drafting costs, paid once per
         // switch: the policy books it apart from the drafted round's own cost.
         if shape.is_some() && batch.backlog.steps > 0 {
@@ -1395,6 +1426,157 @@ impl<T: SpecBackend> Engine<'_, T> {
             committed_total,
             round_seconds,
         );
+        if batch.deferred_rounds() >= batch.max_deferred
+            || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS
+        {
+            self.forget_oldest_deferred(batch)?;
+        }
+        let t0 = Instant::now();
+        self.retire(batch, &mut progress)?;
+        batch.timings.housekeeping_s += t0.elapsed().as_secs_f64();
+        Ok(progress)
+    }
+
+    /// Decode steps the next plain round queues back to back ([`RunningBatch::plain_lookahead`]):
+    /// 1 unless every row is greedy and the batch is not phase-timed, and never more than the
+    /// cache's free columns, any row's room before its context limit, or the fewest tokens a
+    /// row has left to generate (so no row runs past `max_new_tokens`).
+    fn lookahead_steps(&self, batch: &RunningBatch<T>) -> usize {
+        let wanted = batch.plain_lookahead;
+        let Some(caches) = &batch.caches else {
+            return 1;
+        };
+        if wanted < 2
+            || batch.phase_timing
+            || batch.rows.iter().any(|r| !r.request.sampling.is_greedy())
+        {
+            return 1;
+        }
+        let layout = T::layout(&caches.target);
+        let limit = batch.capacity.min(self.target.max_positions());
+        let free = layout.capacity().saturating_sub(layout.used());
+        let context = (0..batch.rows.len())
+            .map(|b| limit.saturating_sub(layout.seq_len(b)))
+            .min()
+            .unwrap_or(0);
+        let left = batch
+            .rows
+            .iter()
+            .map(|r| {
+                r.request
+                    .max_new_tokens
+                    .saturating_sub(r.output.tokens.len())
+            })
+            .min()
+            .unwrap_or(0);
+        wanted.min(free).min(context).min(left).max(1)
+    }
+
+    /// A plain round of `steps` greedy decode steps ([`RunningBatch::plain_lookahead`]): step
+    /// 0 from the rows' last tokens, each later step from the previous step's greedy ids still
+    /// on the device, every step's ids read back once the last step is queued. Each step is
+    /// what a one-step plain round runs (the same tree step of the rows' roots, the same
+    /// logits and taps, its taps into the head's backlog), so the tokens are the same; a row
+    /// that stops at step i keeps none after it (the later columns leave with the row). The
+    /// policy sees `steps` plain rounds, each a `steps`-th of the round's time.
+    fn plain_lookahead(
+        &self,
+        batch: &mut RunningBatch<T>,
+        chosen: &mut Option<Chosen>,
+        (choice, predicted, columns): (Choice, (f64, f64), usize),
+        steps: usize,
+        mut progress: Vec<Progress>,
+    ) -> Result<Vec<Progress>, InferError> {
+        let round_start = Instant::now();
+        let captures_before = self.graphs_captured();
+        let caches = batch.caches.as_mut().expect("checked by round");
+        let rows = &mut batch.rows;
+        let n = rows.len();
+        let pushes_taps = self.draft.is_some() && caches.head.is_some();
+        let roots: Vec<DraftTree> = rows.iter().map(|r| DraftTree::chain(r.last, &[])).collect();
+        // Later steps' tokens come from the device; these only shape the step.
+        let placeholders: Vec<DraftTree> = (0..n).map(|_| DraftTree::chain(0, &[])).collect();
+        let mut reads = Vec::with_capacity(steps);
+        // The backlog row of each step's row 0.
+        let mut backlog_rows = Vec::with_capacity(steps);
+        for i in 0..steps {
+            let trees = if i == 0 { &roots } else { &placeholders };
+            let step = T::layout(&caches.target).tree_step(&tree_refs(trees))?;
+            let (logits, step_taps) = match reads.last() {
+                None => {
+                    self.target
+                        .forward(&step, &mut caches.target, &self.taps, LogitsFor::All)?
+                }
+                Some(previous) => self.target.forward_after_read(
+                    &step,
+                    &mut caches.target,
+                    &self.taps,
+                    LogitsFor::All,
+                    previous,
+                )?,
+            };
+            let layout = T::layout_mut(&mut caches.target);
+            for b in 0..n {
+                layout.keep_only(b, 1, &[0]);
+            }
+            reads.push(self.target.plain_read_back(&logits)?);
+            backlog_rows.push(batch.backlog.rows);
+            if pushes_taps {
+                // Copied out now: the next step replays the same graph buffers.
+                batch.backlog.push(self.target, &step_taps)?;
+            }
+        }
+        let mut ids = Vec::with_capacity(steps);
+        for read in reads {
+            ids.push(self.target.finish_read_back(read)?.0);
+        }
+        let label = "none";
+        let mut committed_by_step = vec![0usize; steps];
+        for (b, row) in rows.iter_mut().enumerate() {
+            let before = row.output.tokens.len();
+            for (i, step_ids) in ids.iter().enumerate() {
+                if row.done {
+                    break;
+                }
+                let token = step_ids[b];
+                if self.draft.is_some() {
+                    row.behind.push((token, backlog_rows[i] + b));
+                    match row.output.rounds_by_shape.get_mut(label) {
+                        Some(rounds) => *rounds += 1,
+                        None => {
+                            row.output.rounds_by_shape.insert(label.to_owned(), 1);
+                        }
+                    }
+                }
+                commit(row, &[token]);
+                row.last = token;
+                committed_by_step[i] += 1;
+            }
+            progress.push(Progress {
+                id: row.request.id,
+                tokens: row.output.tokens[before..].to_vec(),
+                accepted: None,
+                finished: None,
+            });
+        }
+        let elapsed = round_start.elapsed().as_secs_f64();
+        batch.timings.verify_s += elapsed;
+        let committed_total = committed_by_step.iter().sum();
+        *chosen = Some(Chosen {
+            rows: n,
+            label: label.to_owned(),
+            committed: committed_total,
+            predicted,
+        });
+        // A round that captured a CUDA graph paid a one-time cost: its time says nothing about
+        // the next rounds.
+        let step_seconds =
+            (self.graphs_captured() == captures_before).then_some(elapsed / steps as f64);
+        for (i, &committed) in committed_by_step.iter().enumerate() {
+            batch
+                .policy
+                .observe(choice, n, columns + i, committed, step_seconds);
+        }
         if batch.deferred_rounds() >= batch.max_deferred
             || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS
         {

@@ -920,3 +920,171 @@ fn a_ragged_join_prefilled_in_groups_keeps_greedy_output_exact() {
         assert_eq!(outputs[&(id as u64)], expected, "request {id}");
     }
 }
+
+/// Plain rounds with a lookahead ([`tandem_infer::RunningBatch::plain_lookahead`]): a round
+/// queues up to four decode steps, each later one fed the previous step's greedy ids, and
+/// streams what it committed at once. Against the same requests decoded one step a round: the
+/// same tokens and finishes for a request admitted alone, two that join it later, one that
+/// stops on a stop id inside a round (its later steps' tokens dropped) and one that fills the
+/// cache; no request runs past its `max_new_tokens`; and rounds did stream several tokens.
+#[test]
+fn plain_rounds_with_a_lookahead_stream_the_tokens_of_one_step_rounds() {
+    use tandem_infer::{Finish, Request};
+    let (target, _, _) = setup("lookahead");
+    let engine = SpecEngine {
+        target: &target,
+        draft: None,
+        taps: TapRequest::none(),
+        config: SpecConfig::chain(3),
+    };
+    let prompts = [
+        vec![3u32, 14, 15, 92, 65],
+        vec![2u32, 71, 82],
+        vec![7u32; 9],
+    ];
+    let greedy: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| target_greedy(&target, p, 40, &[]).unwrap())
+        .collect();
+    // Request 1 stops at the first token of its greedy output, from the fourth on, that it
+    // has not produced before: mid-round with a lookahead of four.
+    let stop_at = (3..greedy[1].len())
+        .find(|&i| !greedy[1][..i].contains(&greedy[1][i]))
+        .expect("a fresh token in the greedy output");
+    let stop = greedy[1][stop_at];
+    let request = |id: u64, max_new_tokens: usize, stop_ids: Vec<u32>| Request {
+        id,
+        prompt: prompts[id as usize].clone(),
+        max_new_tokens,
+        stop_ids,
+        sampling: SamplingParams::greedy(),
+        seed: id,
+    };
+    let run = |lookahead: usize| {
+        let mut batch = engine.new_batch(40);
+        batch.plain_lookahead = lookahead;
+        let mut finished = std::collections::BTreeMap::new();
+        let mut streamed: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+        let mut most = 0;
+        let mut record = |progress: Vec<tandem_infer::Progress>| {
+            for p in progress {
+                most = most.max(p.tokens.len());
+                streamed.entry(p.id).or_default().extend(&p.tokens);
+                if let Some(out) = p.finished {
+                    finished.insert(p.id, out);
+                }
+            }
+        };
+        record(
+            engine
+                .admit(&mut batch, vec![request(0, 10, Vec::new())])
+                .unwrap(),
+        );
+        for _ in 0..2 {
+            record(engine.step(&mut batch).unwrap());
+        }
+        record(
+            engine
+                .admit(
+                    &mut batch,
+                    vec![request(1, 30, vec![stop]), request(2, 100, Vec::new())],
+                )
+                .unwrap(),
+        );
+        while !batch.is_empty() {
+            record(engine.step(&mut batch).unwrap());
+        }
+        (finished, streamed, most)
+    };
+    let (one, one_streamed, one_most) = run(1);
+    let (four, four_streamed, four_most) = run(4);
+    assert_eq!(one_most, 1, "one step a round streams a token at a time");
+    assert_eq!(four_most, 4, "rounds of four steps stream four tokens");
+    for id in 0..3u64 {
+        assert_eq!(four[&id].tokens, one[&id].tokens, "request {id}");
+        assert_eq!(four[&id].finish, one[&id].finish, "request {id}");
+        assert_eq!(
+            four_streamed[&id], four[&id].tokens,
+            "request {id} streamed"
+        );
+        assert_eq!(one_streamed[&id], one[&id].tokens, "request {id} streamed");
+        let n = four[&id].tokens.len();
+        assert_eq!(four[&id].tokens, greedy[id as usize][..n], "request {id}");
+    }
+    assert_eq!(
+        (four[&0].tokens.len(), four[&0].finish),
+        (10, Finish::Length)
+    );
+    assert_eq!(four[&1].finish, Finish::Stop);
+    assert_eq!(four[&1].tokens, greedy[1][..stop_at]);
+    assert_eq!(four[&2].finish, Finish::ContextFull);
+}
+
+/// A head's engine with plain rounds of three steps (their taps into the backlog step by step)
+/// defers the head over the same tokens and taps as six one-step rounds: after the same six
+/// plain steps both batches have the same deferral, and the catch-up over it leaves the same
+/// head roots (the head's hidden state at each row's last token, which depends on every tap it
+/// read); drafted rounds after it still give exactly the target's greedy output.
+#[test]
+fn lookahead_plain_rounds_defer_the_heads_tokens_as_one_step_rounds_do() {
+    use tandem_infer::{Choice, Shape, SpeculationPolicy};
+
+    let (target, draft, taps) = setup("lookahead-head");
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    let shapes = vec![Shape::parse("3/1/4").unwrap()];
+    let prompts = [vec![3u32, 14, 15, 92, 65], vec![2u32, 71, 82]];
+    let mut batches = Vec::new();
+    let mut outputs = Vec::new();
+    for (lookahead, rounds) in [(1, 6), (3, 2)] {
+        let mut batch = engine.new_batch_with_policy(
+            256,
+            SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+        );
+        batch.catch_up_tail = None;
+        batch.plain_lookahead = lookahead;
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+        let mut most = 0;
+        let mut keep = |progress: Vec<tandem_infer::Progress>| {
+            for p in progress {
+                most = most.max(p.tokens.len());
+                tokens[p.id as usize].extend(&p.tokens);
+            }
+        };
+        keep(
+            engine
+                .admit(&mut batch, greedy_requests(&prompts, 30))
+                .unwrap(),
+        );
+        for _ in 0..rounds {
+            keep(engine.step(&mut batch).unwrap());
+        }
+        assert_eq!(most, lookahead, "tokens a plain round streamed");
+        outputs.push(tokens);
+        batches.push(batch);
+    }
+    assert_eq!(outputs[0], outputs[1], "six plain steps either way");
+    assert_eq!(batches[0].deferred_rounds(), batches[1].deferred_rounds());
+    for batch in &mut batches {
+        engine.catch_up(batch).unwrap();
+        assert_eq!(batch.deferred_rounds(), 0);
+    }
+    assert_eq!(batches[0].head_columns(), batches[1].head_columns());
+    assert_head_roots_agree(&engine, &batches[1], &batches[0], 6);
+    for (batch, tokens) in batches.iter_mut().zip(&mut outputs) {
+        batch.policy.force(Choice::Draft(0));
+        while !batch.is_empty() {
+            for p in engine.step(batch).unwrap() {
+                tokens[p.id as usize].extend(&p.tokens);
+            }
+        }
+        for (i, prompt) in prompts.iter().enumerate() {
+            let expected = target_greedy(&target, prompt, 30, &[]).unwrap();
+            assert_eq!(tokens[i], expected, "prompt {i}");
+        }
+    }
+}

@@ -998,7 +998,8 @@ fn fast_engine_ends_a_sequence_at_the_context_limit() {
 /// Continuous batching on the fast path: requests join mid-flight, one is cancelled, finished
 /// ones leave, and a small cache forces compactions; every sequence still equals the fast
 /// target-only greedy output of its prompt alone. The same holds for the target alone
-/// (`draft: None`, the serving baseline). Speculative: chain and tree.
+/// (`draft: None`, the serving baseline), also with plain rounds of four decode steps queued
+/// back to back. Speculative: chain and tree.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
@@ -1045,10 +1046,13 @@ fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
         sampling: SamplingParams::greedy(),
         seed: 0,
     };
-    for (draft, config) in [
-        (Some(&f.draft), SpecConfig::chain(3)),
-        (Some(&f.draft), tree),
-        (None, SpecConfig::chain(3)),
+    // The last run: target-only plain rounds of four decode steps, the later ones fed the
+    // previous step's greedy ids on the GPU (`RunningBatch::plain_lookahead`).
+    for (draft, config, lookahead) in [
+        (Some(&f.draft), SpecConfig::chain(3), 1),
+        (Some(&f.draft), tree, 1),
+        (None, SpecConfig::chain(3), 1),
+        (None, SpecConfig::chain(3), 4),
     ] {
         let engine = FastSpecEngine {
             target: &f.target,
@@ -1062,6 +1066,7 @@ fn fast_running_batch_joins_leaves_and_compacts_without_changing_outputs() {
         };
         // 48 columns: far less than the rounds need without compaction.
         let mut batch = engine.new_batch(48);
+        batch.plain_lookahead = lookahead;
         // The tree and target-only runs keep their caches in buffers reserved for 8 rows
         // (joins, leaves and compactions in place); the chain run reallocates at each join.
         if config.topk > 1 || draft.is_none() {

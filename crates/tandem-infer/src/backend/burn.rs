@@ -212,6 +212,17 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
     ) -> Result<(Vec<u32>, Vec<Vec<u32>>), InferError> {
         Ok(read)
     }
+    fn forward_after_read(
+        &self,
+        step: &StepInput,
+        cache: &mut KvCache<B>,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        previous: &Self::ReadBack,
+    ) -> Result<(Tensor<B, 3>, Taps<Tensor<B, 3>>), InferError> {
+        let step = super::with_greedy_tokens(step, &previous.0)?;
+        SpecBackend::forward(self, &step, cache, taps, logits_for)
+    }
     fn forward_chains(
         &self,
         step: &StepInput,

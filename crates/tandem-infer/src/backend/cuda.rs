@@ -324,6 +324,32 @@ impl SpecBackend for CudaTarget {
     fn plain_read_back(&self, logits: &DeviceLogits) -> Result<CudaReadBack, InferError> {
         self.greedy_read_back(logits, &CudaChains::Host(Vec::new()))
     }
+    fn forward_after_read(
+        &self,
+        step: &StepInput,
+        cache: &mut CudaKvCache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        previous: &CudaReadBack,
+    ) -> Result<(DeviceLogits, Taps<DeviceRows>), InferError> {
+        if previous.rows != step.batch {
+            return Err(InferError::Config {
+                field: "previous",
+                reason: format!(
+                    "{} greedy ids for a decode step of {} sequences",
+                    previous.rows, step.batch
+                ),
+            });
+        }
+        with_logits(CudaTarget::forward_roots(
+            self,
+            step,
+            cache,
+            taps,
+            logits_for,
+            &previous.ids,
+        )?)
+    }
     fn head_extend_greedy(
         &self,
         head: &CudaDraft,

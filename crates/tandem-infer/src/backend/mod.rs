@@ -190,6 +190,19 @@ pub trait SpecBackend {
     /// verification), for [`SpecBackend::finish_read_back`] (whose chains are then empty):
     /// work queued after it is not waited for.
     fn plain_read_back(&self, logits: &Self::Logits) -> Result<Self::ReadBack, InferError>;
+    /// [`SpecBackend::forward`] of a decode step (one token a sequence) whose tokens are the
+    /// greedy ids of `previous`, a [`SpecBackend::plain_read_back`] of the step before it (one
+    /// row a sequence) that the host has not waited for: a plain round's next step queued while
+    /// the device still runs this one (the lookahead of [`crate::Engine::step`]). The step's
+    /// own tokens are placeholders.
+    fn forward_after_read(
+        &self,
+        step: &StepInput,
+        cache: &mut Self::Cache,
+        taps: &TapRequest,
+        logits_for: LogitsFor,
+        previous: &Self::ReadBack,
+    ) -> Result<(Self::Logits, Taps<Self::Rows>), InferError>;
     /// [`SpecBackend::head_extend`] of every slot of `step` (a head step as wide as the
     /// verification `read` came from, one chunk per sequence), slot `s` reading tap row `s` and
     /// the target's greedy id of verified slot `s` as its token, before the host has read
