@@ -1358,14 +1358,7 @@ impl<T: SpecBackend> Engine<'_, T> {
                     row.behind
                         .push((committed[0], backlog_row + b * verify_width));
                 }
-                // Counted without a new key but for a row's first round of a shape: a plain
-                // round of 32 rows would otherwise allocate 32 label copies after its wait.
-                match row.output.rounds_by_shape.get_mut(label.as_str()) {
-                    Some(rounds) => *rounds += 1,
-                    None => {
-                        row.output.rounds_by_shape.insert(label.clone(), 1);
-                    }
-                }
+                count_round(row, &label);
             }
             let before = row.output.tokens.len();
             commit(row, &committed);
@@ -1426,6 +1419,16 @@ impl<T: SpecBackend> Engine<'_, T> {
             committed_total,
             round_seconds,
         );
+        self.end_round(batch, progress)
+    }
+
+    /// What every round ends with: the oldest deferred tokens forgotten once the deferral
+    /// reaches its bounds, then the finished rows retired (their outputs into `progress`).
+    fn end_round(
+        &self,
+        batch: &mut RunningBatch<T>,
+        mut progress: Vec<Progress>,
+    ) -> Result<Vec<Progress>, InferError> {
         if batch.deferred_rounds() >= batch.max_deferred
             || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS
         {
@@ -1541,12 +1544,7 @@ impl<T: SpecBackend> Engine<'_, T> {
                 let token = step_ids[b];
                 if self.draft.is_some() {
                     row.behind.push((token, backlog_rows[i] + b));
-                    match row.output.rounds_by_shape.get_mut(label) {
-                        Some(rounds) => *rounds += 1,
-                        None => {
-                            row.output.rounds_by_shape.insert(label.to_owned(), 1);
-                        }
-                    }
+                    count_round(row, label);
                 }
                 commit(row, &[token]);
                 row.last = token;
@@ -1577,15 +1575,7 @@ impl<T: SpecBackend> Engine<'_, T> {
                 .policy
                 .observe(choice, n, columns + i, committed, step_seconds);
         }
-        if batch.deferred_rounds() >= batch.max_deferred
-            || batch.backlog.rows >= MAX_DEFERRED_TAP_ROWS
-        {
-            self.forget_oldest_deferred(batch)?;
-        }
-        let t0 = Instant::now();
-        self.retire(batch, &mut progress)?;
-        batch.timings.housekeeping_s += t0.elapsed().as_secs_f64();
-        Ok(progress)
+        self.end_round(batch, progress)
     }
 
     /// Keeps each row's last [`RunningBatch::deferred_keep`] deferred tokens, their taps moved
@@ -1927,6 +1917,18 @@ fn mostly_waste(layout: &ColumnLayout) -> bool {
 /// eighth of its longest sequence, and at least 16 columns).
 fn some_waste(layout: &ColumnLayout) -> bool {
     waste_past(layout, 8, 16)
+}
+
+/// One more round of shape `label` for `row`'s statistics. Counted without a new key but for a
+/// row's first round of a shape: a plain round of 32 rows would otherwise allocate 32 label
+/// copies after its wait.
+fn count_round(row: &mut Row, label: &str) {
+    match row.output.rounds_by_shape.get_mut(label) {
+        Some(rounds) => *rounds += 1,
+        None => {
+            row.output.rounds_by_shape.insert(label.to_owned(), 1);
+        }
+    }
 }
 
 pub(crate) fn commit(row: &mut Row, tokens: &[u32]) {
