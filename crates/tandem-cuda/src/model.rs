@@ -472,10 +472,13 @@ pub(crate) fn qkv_attention_sequences_default() -> usize {
         .min(FUSED_MAX_ROWS)
 }
 
-/// Steps of at most this many tokens a sequence take the one launch by default: decode steps
-/// only (1) until verification steps through it are measured on a GPU; up to
-/// [`GEMV_MAX_ROWS`] (a sequence's tokens are one mma's columns).
-pub(crate) const QKV_ATTENTION_DEFAULT_WIDTH: usize = 1;
+/// Steps of at most this many tokens a sequence take the one launch by default (up to
+/// [`GEMV_MAX_ROWS`]: a sequence's tokens are one mma's columns). Four (session 50, H100,
+/// fast-bench at batch 1: verifying 4 tokens 0.608 ms against 0.648, 1.02 decode steps
+/// against 1.10; `tandem bench` 3/1/4 speculative 2,481 tok/s against 2,423), not eight:
+/// verifying 8 tokens took 0.769 ms through it against 0.733 (clusters of 8 ranks, each
+/// attending one token after the barrier, outlast the row kernels there).
+pub(crate) const QKV_ATTENTION_DEFAULT_WIDTH: usize = 4;
 
 /// `TANDEM_CUDA_QKV_ATTENTION_WIDTH=N` (capped at [`GEMV_MAX_ROWS`]), else
 /// [`QKV_ATTENTION_DEFAULT_WIDTH`].

@@ -600,10 +600,19 @@ impl<T: SpecBackend> Engine<'_, T> {
                 let mut used = 0.0;
                 for round in 0..CALIBRATION_WARM + CALIBRATION_TIMED {
                     let before = batch.columns().0;
+                    let tokens_before = batch.rows[0].output.tokens.len();
                     let t0 = Instant::now();
                     self.step(batch)?;
                     if round >= CALIBRATION_WARM {
-                        times.push(t0.elapsed().as_secs_f64());
+                        // The table prices one plain decode step: a plain round with a
+                        // lookahead runs several, and the policy observes it step by step.
+                        let steps = match choice {
+                            Choice::Plain => {
+                                (batch.rows[0].output.tokens.len() - tokens_before).max(1)
+                            }
+                            Choice::Draft(_) => 1,
+                        };
+                        times.push(t0.elapsed().as_secs_f64() / steps as f64);
                         used += before as f64 / CALIBRATION_TIMED as f64;
                     }
                 }

@@ -921,6 +921,40 @@ fn a_ragged_join_prefilled_in_groups_keeps_greedy_output_exact() {
     }
 }
 
+/// The calibration prices one plain decode step whatever the plain rounds' lookahead: a round
+/// of four steps timed as one priced a plain token four times too dear, and a server
+/// with `TANDEM_PLAIN_LOOKAHEAD=4` then drafted at every concurrency (session 50, H100: c=64
+/// 0.77x target-only). The plain price over the chain's, measured with lookahead 1 and 4 on
+/// the same engine, must agree within a factor of 2 (the chain's round is the same in both:
+/// it normalises the machine's speed; the bug gives about 4).
+#[test]
+fn calibration_prices_a_plain_step_whatever_the_lookahead() {
+    use tandem_infer::{Choice, Shape, SpeculationPolicy};
+    let (target, draft, taps) = setup("calibration-lookahead");
+    let engine = SpecEngine {
+        target: &target,
+        draft: Some(&draft),
+        taps,
+        config: SpecConfig::chain(3),
+    };
+    let shapes = vec![Shape::parse("3/1/4").unwrap()];
+    let plain_over_chain = |lookahead: usize| {
+        let mut batch = engine.new_batch_with_policy(
+            256,
+            SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
+        );
+        batch.plain_lookahead = lookahead;
+        let costs = engine.calibrate(&mut batch, &[1]).unwrap();
+        costs.at(0, 1, 32) / costs.at(1, 1, 32)
+    };
+    let one = plain_over_chain(1);
+    let four = plain_over_chain(4);
+    assert!(
+        four / one < 2.0 && four / one > 0.5,
+        "plain price over the chain's: {one:.3} one step a round, {four:.3} four"
+    );
+}
+
 /// Plain rounds with a lookahead ([`tandem_infer::RunningBatch::plain_lookahead`]): a round
 /// queues up to four decode steps, each later one fed the previous step's greedy ids, and
 /// streams what it committed at once. Against the same requests decoded one step a round: the

@@ -1238,11 +1238,13 @@ fn fast_policy_rounds_and_the_deferred_head_extension_are_exact() {
     }
 
     // 2. Deferred extension vs a prefill over the same tokens: rows 0 and 1 decode plainly
-    //    (row 1 joins two rounds later), then the head catches up.
+    //    (row 1 joins two rounds later), then the head catches up. One step a plain round (the
+    //    deferral counted below), whatever TANDEM_PLAIN_LOOKAHEAD says.
     let mut batch = engine.new_batch_with_policy(
         256,
         SpeculationPolicy::forced(shapes.clone(), Choice::Plain),
     );
+    batch.plain_lookahead = 1;
     let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut keep = |progress| streamed(&mut got, progress);
     keep(
