@@ -234,8 +234,9 @@ fn adaptive_shapes(
 /// `batches` (the adaptive policy's start-up table; the policy chooses each round from then on)
 /// and prints the table with the time it took. The policy's settings are the defaults, but for
 /// `TANDEM_POLICY_MARGIN=F`, the fraction a shape must beat plain rounds by, and
-/// `TANDEM_POLICY_PROBE_BUDGET=F|off`, what a probe may cost (A/B knobs for the serve load
-/// test).
+/// `TANDEM_POLICY_PROBE_BUDGET=F|off`, what a probe may cost, and `TANDEM_POLICY_MIN_MET=N`,
+/// the sequence-rounds at a batch class before they cap a shape's estimate there (A/B knobs
+/// for the serve load test).
 pub fn calibrate_policy<T: tandem_infer::SpecBackend>(
     decoder: &mut tandem_serve::EngineDecoder<T>,
     batches: &[usize],
@@ -251,6 +252,11 @@ pub fn calibrate_policy<T: tandem_infer::SpecBackend>(
         std::env::var("TANDEM_POLICY_PROBE_BUDGET").ok().as_deref(),
     ) {
         config.probe_budget = budget;
+    }
+    if let Some(weight) = tandem_infer::policy::min_met_override(
+        std::env::var("TANDEM_POLICY_MIN_MET").ok().as_deref(),
+    ) {
+        config.min_met_weight = weight;
     }
     let start = std::time::Instant::now();
     let costs = decoder

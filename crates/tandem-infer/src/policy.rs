@@ -432,6 +432,13 @@ pub struct PolicyConfig {
     pub revisit_plain_rounds: f64,
     /// How far one timed round moves the cost table.
     pub cost_rate: f64,
+    /// Sequence-rounds a shape must have met at a batch class before what it committed there
+    /// caps its judged estimate there ([`SpeculationPolicy::judged_commit`]). 4 by default:
+    /// one round of 4 or more rows caps. Session 50 (H100, c=8): the start-up's first drafted
+    /// rounds of 8 fresh rows commit 1.25-1.6 tokens a row where a running batch commits 2.1,
+    /// and one such round kept the chain judged under break-even there for the rest of the
+    /// load in one of two runs (`TANDEM_POLICY_MIN_MET=N` for an A/B).
+    pub min_met_weight: f64,
     /// Drafted rounds over which one switch from plain rounds (the head's catch-up) is
     /// amortised when deciding whether to switch, until drafted runs have been observed: then
     /// their mean length is the horizon (a policy that flips between drafting and plain rounds
@@ -450,6 +457,7 @@ impl Default for PolicyConfig {
             revisit: 1024.0,
             revisit_plain_rounds: 256.0,
             cost_rate: 0.2,
+            min_met_weight: MIN_MET_WEIGHT,
             switch_horizon: 16.0,
         }
     }
@@ -478,10 +486,16 @@ pub fn probe_budget_override(value: Option<&str>) -> Option<Option<f64>> {
         .map(Some)
 }
 
+/// `TANDEM_POLICY_MIN_MET`'s value as [`PolicyConfig::min_met_weight`]: a finite number of
+/// sequence-rounds of at least 0; unset or anything else keeps the default (`None`).
+pub fn min_met_override(value: Option<&str>) -> Option<f64> {
+    margin_override(value)
+}
+
 /// Batch sizes by class: 1, 2, 3-4, 5-8, 9-16, 17-32, 33-64, 65 and more.
 const BATCH_CLASSES: usize = 8;
 
-/// Sequence-rounds a shape must have met at a batch class before they cap its estimate there.
+/// [`PolicyConfig::min_met_weight`]'s default.
 const MIN_MET_WEIGHT: f64 = 4.0;
 
 /// The class of a batch of `batch` sequences: ceil(log2(batch)), at most the last class.
@@ -706,7 +720,11 @@ impl SpeculationPolicy {
     pub fn judged_commit(&self, i: usize, batch: usize) -> f64 {
         let judged = self.judged[i].value();
         let met = self.met[i][batch_class(batch)];
-        if met.weight >= MIN_MET_WEIGHT {
+        let min_weight = match &self.mode {
+            Mode::Adaptive { config, .. } => config.min_met_weight,
+            _ => MIN_MET_WEIGHT,
+        };
+        if met.weight >= min_weight {
             judged.min(met.value())
         } else {
             judged
@@ -1335,7 +1353,7 @@ mod tests {
     #[test]
     fn a_shape_that_fell_short_at_a_large_batch_is_not_chosen_there_on_merit() {
         // Batch 1: plain 1.0 ms, the chain 1.3 ms; batch 32: plain 1.2 ms, the chain 2.0 ms
-        // (worth it from 2.0 tokens per round with the 20% margin).
+        // (worth it from 1.83 tokens per round with the 10% margin).
         let costs = CostTable::flat(
             vec![1, 32],
             vec![vec![1.0e-3, 1.2e-3], vec![1.3e-3, 2.0e-3]],
@@ -1371,6 +1389,32 @@ mod tests {
             assert!(plain < 1000, "never revisited");
         }
         assert!((66..=68).contains(&plain), "{plain}");
+    }
+
+    #[test]
+    fn a_shape_met_on_fewer_rows_than_the_minimum_is_judged_by_all_its_rounds() {
+        // The chain: 3.0 tokens per round at batch 1 over 200 rounds, then one round of 8
+        // rows committing 1.25 each (session 50's start-up round at c=8).
+        let judged_at_8 = |min_met_weight: f64| {
+            let config = PolicyConfig {
+                min_met_weight,
+                ..PolicyConfig::default()
+            };
+            let mut p =
+                SpeculationPolicy::adaptive(vec![shape("3/1/4")], table_for(1), config).unwrap();
+            for _ in 0..200 {
+                p.observe(Choice::Draft(0), 1, 0, 3, None);
+            }
+            p.observe(Choice::Draft(0), 8, 0, 10, None);
+            p.judged_commit(0, 8)
+        };
+        // By default one round of 8 rows caps the estimate at 5-8 rows...
+        assert_eq!(judged_at_8(4.0), 1.25);
+        // ...with a minimum of 32 sequence-rounds it does not: every round judges it
+        // (hand-worked: the prior 4 of weight 2, 200 rounds of 3 and one of 8 rows at 1.25,
+        // each addition decaying the older ones by exp(-rows / 512): 2.927).
+        let judged = judged_at_8(32.0);
+        assert!((judged - 2.927).abs() < 0.005, "{judged}");
     }
 
     #[test]
