@@ -519,6 +519,37 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// The layer's output from its residual and the MLP's cluster sums (what mlp_partials_mma
+// wrote), one float4 of row r at i: x + (((s_0 + s_1) + s_2) + ...), the clusters in order.
+// Every reader of a layer's output takes it from here, so it has the same bits everywhere.
+__device__ __forceinline__ float4 sum_mlp_partials(const float* __restrict__ x,
+                                                   const float* __restrict__ sums, int parts,
+                                                   int step_rows, int r, int hidden, int i) {
+    const float4* s = reinterpret_cast<const float4*>(sums) + ((size_t)r * hidden >> 2) + i;
+    const size_t stride = (size_t)step_rows * hidden >> 2;
+    float4 acc = s[0];
+    for (int p = 1; p < parts; ++p) {
+        const float4 v = s[p * stride];
+        acc.x += v.x;
+        acc.y += v.y;
+        acc.z += v.z;
+        acc.w += v.w;
+    }
+    const float4 v = reinterpret_cast<const float4*>(x + (size_t)r * hidden)[i];
+    return make_float4(v.x + acc.x, v.y + acc.y, v.z + acc.z, v.w + acc.w);
+}
+
+// Where qkv_attention_mma keeps the summed input rows (width * hidden f32) when it adds the
+// MLP's partial sums: after the attention's partials and query, at a 16-byte boundary
+// (`qkv_attention_shared_bytes` with the sums in Rust).
+__device__ __forceinline__ float* qkv_attention_sum_rows(float (*all_partials)[4][32],
+                                                         int partial_warps, int warps,
+                                                         int head_dim) {
+    float* end = reinterpret_cast<float*>(all_partials + partial_warps) +
+                 warps * (head_dim + 2) + head_dim;
+    return reinterpret_cast<float*>((reinterpret_cast<size_t>(end) + 15) & ~(size_t)15);
+}
+
 // attention_block as a call of its own: inlined, its value loads and the products' live values
 // together spilled a few bytes a thread at 128 registers (sm_90).
 __device__ __noinline__ void qkv_attention_attend(const float* q, float scale,
@@ -540,7 +571,8 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                       const int* __restrict__ counts, unsigned short* __restrict__ out,
                       int hidden, int heads, int kv_heads, int head_dim, int capacity, int col0,
                       int total, float scale, const int* step_scalars, float eps, int groups,
-                      int cluster, int width) {
+                      int cluster, int width, const float* __restrict__ mlp_sums, int mlp_parts,
+                      float* __restrict__ x_out, float* __restrict__ tap) {
     const int rank = blockIdx.x % cluster;
     const int b = blockIdx.x / cluster / heads;  // the sequence; its tokens are step rows
     const int r = b * width;                     // b * width .. + width - 1
@@ -558,6 +590,7 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
     const int head_tiles = half / 8;
     const int tiles = 3 * head_tiles;
     const int passes = (tiles + groups - 1) / groups;
+    const float* x_rows = x;  // the step's rows (mlp_sums: the previous layer's residual)
     x += (size_t)r * hidden;
     // Dynamic shared memory: each pass's pair inputs (8 a group, a token each), the staged
     // rows, the groups' partial tiles, the attention's partials and query (sizes:
@@ -615,8 +648,37 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                     }
                 }
             }
-            for (int tok = warp; tok < width; tok += warps) {
-                stage_rms_normed_row(F32Rows{x}, norm_w, xs, tok, hidden, eps);
+            if (mlp_sums != nullptr) {
+                // The input is the previous layer's output, its residual plus its MLP's
+                // cluster sums (mlp_partials_mma), added here by every block of the
+                // sequence in the one order (sum_mlp_partials); the (head 0, rank 0) block
+                // also writes it as the new residual and into the previous layer's tap.
+                float* sum_rows = qkv_attention_sum_rows(all_partials, groups * split, warps,
+                                                         head_dim);
+                const int step_rows = (int)(gridDim.x / cluster / heads) * width;
+                const int n4 = hidden >> 2;
+                const bool writer = h == 0 && rank == 0;
+                for (int i = threadIdx.x; i < width * n4; i += blockDim.x) {
+                    const int tok = i / n4;
+                    const int k4 = i % n4;
+                    const float4 v = sum_mlp_partials(x_rows, mlp_sums, mlp_parts, step_rows,
+                                                      r + tok, hidden, k4);
+                    reinterpret_cast<float4*>(sum_rows + (size_t)tok * hidden)[k4] = v;
+                    if (writer) {
+                        reinterpret_cast<float4*>(x_out + (size_t)(r + tok) * hidden)[k4] = v;
+                        if (tap != nullptr) {
+                            reinterpret_cast<float4*>(tap + (size_t)(r + tok) * hidden)[k4] = v;
+                        }
+                    }
+                }
+                __syncthreads();
+                for (int tok = warp; tok < width; tok += warps) {
+                    stage_rms_normed_row(F32Rows{sum_rows}, norm_w, xs, tok, hidden, eps);
+                }
+            } else {
+                for (int tok = warp; tok < width; tok += warps) {
+                    stage_rms_normed_row(F32Rows{x}, norm_w, xs, tok, hidden, eps);
+                }
             }
             __syncthreads();
         };
@@ -672,5 +734,171 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                              list + (size_t)row * capacity, counts[row],
                              mask + (size_t)row * total, head_dim, attention_partials, q_shared,
                              out + ((size_t)row * heads + h) * head_dim);
+    }
+}
+
+// ---- A fused layer's MLP in one launch: gate|up, SwiGLU and down_proj's partial sums ----
+//
+// Why: at batch 1 a fused layer's MLP is two dependent launches (norm_gate_up_silu_mma, then
+// down_proj's gemv_rows_mma adding into the residual), and every launch boundary of the chain
+// is a grid's completion, a flush and the next grid's first trip to L2 (~4 us a launch at
+// batch 1 on an H100 against ~2 us of a layer's weights). Here the blocks that compute a slice
+// of the SwiGLU activations multiply that slice into down_proj's columns at once (split-k):
+// block s holds act[:, 16 s .. 16 s + 15] in shared memory and computes
+// down[:, 16 s ..] . act[:, 16 s ..]^T for every output, so no block needs another's
+// activations. The slices' products are summed in two fixed orders: inside a cluster of
+// `cluster` blocks after the cluster barrier (rank q sums outputs q * hidden / cluster ..
+// over the ranks in rank order), then across the clusters by whoever reads the layer's output
+// (`sum_mlp_partials`: the next layer's one-launch q|k|v and attention, or add_mlp_partials).
+//
+// Bits: act is computed exactly as norm_gate_up_silu_mma computes it (the same tiles, the same
+// k slices over split(hidden) warps, the same epilogue), and the rest depends on the weights'
+// shapes only, never on the step's rows: a row gets the same bits in every step of 1 to 32
+// rows (row groups of 8 as the grid's y, each block exactly what an 8-row step's block does).
+//
+// Grid: (inter / 16, row groups); clusters of `cluster` blocks along x (inter / 16 a multiple
+// of it). Block: two groups of split(hidden) warps, one gate|up tile (8 gate rows and their up
+// rows) each. Dynamic shared: GROUP_ROWS * hidden bf16 (the normed rows), the groups' partial
+// tiles (512 bytes a warp), GROUP_ROWS * 16 bf16 (the activations).
+// `scratch`: [inter / 16][rows][hidden] f32, each block's products; `sums`: [inter / 16 /
+// cluster][rows][hidden] f32, each cluster's. With `act_out` (tests), the activations too.
+#define MLP_SLICE 16
+extern "C" __global__ void mlp_partials_mma(const float* __restrict__ x,
+                                            const unsigned short* __restrict__ norm_w,
+                                            const unsigned short* __restrict__ gate_up_w,
+                                            const unsigned short* __restrict__ down_w,
+                                            float* __restrict__ scratch, float* __restrict__ sums,
+                                            unsigned short* __restrict__ act_out, int rows,
+                                            int hidden, int inter, float eps, int cluster) {
+    const int step_rows = rows;
+    const int r0 = blockIdx.y * GROUP_ROWS;
+    rows = min(rows - r0, GROUP_ROWS);
+    x += (size_t)r0 * hidden;
+    const int slice_block = blockIdx.x;
+    const int j0 = slice_block * MLP_SLICE;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const int split = warps / 2;
+    const int group = warp / split;
+    const int slice = warp % split;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    DYNAMIC_SHARED(uint4, mma_shared);
+    unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
+    float(*all_partials)[4][32] =
+        reinterpret_cast<float(*)[4][32]>(xs + (((size_t)GROUP_ROWS * hidden + 7) & ~7));
+    unsigned short* act_s = reinterpret_cast<unsigned short*>(all_partials + warps);
+    // down_proj's tiles of this warp (16 outputs each, warp w takes w, w + warps, ...), their
+    // weights for this block's 16 activations loaded before the wait: 4 values a lane of rows
+    // g and g + 8 at k = 4t .. 4t + 3 (the same permutation of k as mma_pair, in one mma).
+    constexpr int MLP_DOWN_TILES = 4;
+    const int down_tiles = hidden / 16;
+    uint2 dlo[MLP_DOWN_TILES], dhi[MLP_DOWN_TILES];
+#pragma unroll
+    for (int u = 0; u < MLP_DOWN_TILES; ++u) {
+        const int tile = warp + u * warps;
+        if (tile < down_tiles) {
+            const size_t o = (size_t)tile * 16 + g;
+            dlo[u] = __ldg(reinterpret_cast<const uint2*>(down_w + o * inter + j0 + 4 * t));
+            dhi[u] = __ldg(reinterpret_cast<const uint2*>(down_w + (o + 8) * inter + j0 + 4 * t));
+        }
+    }
+    // gate|up: the tile of norm_gate_up_silu_mma for activations j0 + 8 group .. + 7.
+    const int j = j0 + group * 8 + g;
+    const int jw = min(j, inter - 1);
+    const MmaOperand a{gate_up_w, xs, hidden >> 5};
+    const MmaOperand none{gate_up_w, xs, 0};
+    float c[4];
+    auto stage = [&]() {
+        PDL_WAIT();
+        stage_rms_normed_rows(F32Rows{x}, norm_w, xs, rows, hidden, eps);
+    };
+    const bool leader = mma_rows_tile_of(a, none, (size_t)jw, (size_t)(inter + jw), rows, stage,
+                                         c, slice, split, all_partials + group * split);
+    if (leader) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = 2 * t + i;
+            const float gate = c[i];
+            // Rows past the step's are zeros (their products are never written).
+            const unsigned short v =
+                r < rows ? f32_to_bf16(gate / (1.0f + expf(-gate)) * c[2 + i]) : 0;
+            act_s[r * MLP_SLICE + group * 8 + g] = v;
+            if (act_out != nullptr && r < rows && j < inter) {
+                act_out[(size_t)(r0 + r) * inter + j] = v;
+            }
+        }
+    }
+    __syncthreads();
+    // down_proj's products of this block's activations: c = W[o, j0 ..] . act[r, j0 ..].
+    const uint2 xv = *reinterpret_cast<const uint2*>(act_s + g * MLP_SLICE + 4 * t);
+    const unsigned int b[2] = {xv.x, xv.y};
+    float* own = scratch + ((size_t)slice_block * step_rows + r0) * hidden;
+#pragma unroll
+    for (int u = 0; u < MLP_DOWN_TILES; ++u) {
+        const int tile = warp + u * warps;
+        if (tile < down_tiles) {  // warp-uniform
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const unsigned int aw[4] = {dlo[u].x, dhi[u].x, dlo[u].y, dhi[u].y};
+            mma_bf16_16816(d, aw, b);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int o = tile * 16 + g + (i >= 2 ? 8 : 0);
+                const int r = 2 * t + (i & 1);
+                if (r < rows) {
+                    own[(size_t)r * hidden + o] = d[i];
+                }
+            }
+        }
+    }
+    // Every rank's products written and visible to the cluster: rank q adds its share of the
+    // outputs over the ranks in rank order (the emulator runs the ranks one after another, so
+    // there the last rank adds every output: the same sums).
+    cluster_barrier(cluster);
+    const int rank = slice_block % cluster;
+    const int first_block = slice_block - rank;
+#ifdef TANDEM_EMULATE
+    const int o_begin = rank == cluster - 1 ? 0 : hidden;
+    const int o_end = hidden;
+#else
+    const int share = (hidden + cluster - 1) / cluster;
+    const int o_begin = min(hidden, rank * share);
+    const int o_end = min(hidden, o_begin + share);
+#endif
+    const int span = o_end - o_begin;
+    float* out = sums + ((size_t)(slice_block / cluster) * step_rows + r0) * hidden;
+    for (int i = threadIdx.x; i < rows * span; i += blockDim.x) {
+        const int r = i / span;
+        const int o = o_begin + i % span;
+        const float* p = scratch + ((size_t)first_block * step_rows + r0 + r) * hidden + o;
+        float acc = p[0];
+        for (int k = 1; k < cluster; ++k) {
+            acc += p[(size_t)k * step_rows * hidden];
+        }
+        out[(size_t)r * hidden + o] = acc;
+    }
+}
+
+// out[r] = the layer's output (sum_mlp_partials), and tap[r] the same (null: none): for steps
+// whose next reader is not the one-launch q|k|v and attention (and after the last layer).
+// `out` may be `x` (each value is read and written by one thread). Grid: ceil(rows * hidden /
+// 4 / 256) blocks of 256 threads.
+extern "C" __global__ void add_mlp_partials(const float* x, const float* __restrict__ sums,
+                                            int parts, float* out, float* __restrict__ tap,
+                                            int rows, int hidden) {
+    PDL_LAUNCH_DEPENDENTS();
+    PDL_WAIT();
+    const int n = rows * (hidden >> 2);
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) {
+        return;
+    }
+    const int r = idx / (hidden >> 2);
+    const int i = idx % (hidden >> 2);
+    const float4 v = sum_mlp_partials(x, sums, parts, rows, r, hidden, i);
+    reinterpret_cast<float4*>(out + (size_t)r * hidden)[i] = v;
+    if (tap != nullptr) {
+        reinterpret_cast<float4*>(tap + (size_t)r * hidden)[i] = v;
     }
 }

@@ -47,6 +47,8 @@ pub(crate) struct GraphKey {
     /// Whether the step took the injected partial-sum tap (its graph copies another buffer
     /// into the tap).
     pub partial_fault: bool,
+    /// Whether the step's MLPs ran as one launch a layer (`Gpu::mlp_partials`).
+    pub mlp_partials: bool,
 }
 
 impl GraphKey {
@@ -70,6 +72,7 @@ impl GraphKey {
             persistent: false,
             qkv_attention: false,
             partial_fault: false,
+            mlp_partials: false,
         }
     }
 
@@ -87,6 +90,14 @@ impl GraphKey {
     pub fn with_qkv_attention(self, qkv_attention: bool) -> Self {
         Self {
             qkv_attention,
+            ..self
+        }
+    }
+
+    /// The key of a step whose MLPs ran (or did not run) as one launch a layer.
+    pub fn with_mlp_partials(self, mlp_partials: bool) -> Self {
+        Self {
+            mlp_partials,
             ..self
         }
     }

@@ -16,7 +16,7 @@ use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, PeerCache, StepInputs};
 use crate::device::{
-    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, MMA_MAX_ROWS, PERSISTENT_TABLE_WORDS,
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, MMA_MAX_ROWS, MlpSums, PERSISTENT_TABLE_WORDS,
     PersistentStep, QkvInput,
 };
 use crate::error::CudaError;
@@ -136,6 +136,12 @@ struct StepBuffers {
     /// `LogitsFor::Last`: the row of each sequence's last real token.
     last: CudaSlice<i32>,
     hidden: CudaSlice<f32>,
+    /// The residual's second buffer: a one-launch q|k|v and attention that adds the previous
+    /// layer's MLP sums writes the new residual here while its blocks read the old one.
+    hidden_alt: CudaSlice<f32>,
+    /// The one-launch MLP's per-slice products and cluster sums (`Gpu::mlp_partials`).
+    mlp_scratch: CudaSlice<f32>,
+    mlp_sums: CudaSlice<f32>,
     normed: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
     q: CudaSlice<f32>,
@@ -181,6 +187,7 @@ impl StepBuffers {
         };
         let persists = target.persists(rows, taps.taps.len());
         let fuses = target.fuses(rows);
+        let mlp_parts = target.mlp_parts(rows);
         let last_rows = if logits_for == LogitsFor::Last {
             shape.batch
         } else {
@@ -190,6 +197,12 @@ impl StepBuffers {
             inputs: StepInputs::new(gpu, shape, mask_columns)?,
             last: gpu.scratch(last_rows)?,
             hidden: gpu.scratch(rows * h)?,
+            hidden_alt: gpu.scratch(if mlp_parts.is_some() { rows * h } else { 1 })?,
+            mlp_scratch: gpu.scratch(match mlp_parts {
+                Some(_) => Gpu::mlp_scratch_len(rows, h, inter),
+                None => 1,
+            })?,
+            mlp_sums: gpu.scratch(mlp_parts.map_or(1, |parts| parts * rows * h))?,
             normed: gpu.scratch(rows * h)?,
             qkv: gpu.scratch(rows * qkv_dim)?,
             q: gpu.scratch(rows * q_dim)?,
@@ -826,7 +839,20 @@ impl CudaTarget {
                 self.rank_spec.hidden_size,
                 self.rank_spec.head_dim,
                 shape.width,
+                self.mlp_parts(shape.rows()).is_some(),
             )
+    }
+
+    /// The cluster sums each layer's MLP leaves when a fused step of `rows` rows takes it in
+    /// one launch (`Gpu::mlp_partials`: gate|up, SwiGLU and down_proj's split-k products, the
+    /// layer's output then added by its reader); `None`: two launches (gate|up, down_proj).
+    /// Every fused step of a process takes the same (the sums' order is part of a row's bits).
+    fn mlp_parts(&self, rows: usize) -> Option<usize> {
+        let spec = &self.rank_spec;
+        if !self.fuses(rows) || self.partial_sum_fault() {
+            return None;
+        }
+        self.gpu.mlp_parts(spec.hidden_size, spec.intermediate_size)
     }
 
     /// Where the last persistent step spent block 0's clock cycles, by phase (with
@@ -1380,6 +1406,7 @@ impl CudaTarget {
             .with_fused(self.fuses(shape.rows()))
             .with_persistent(self.persists(shape.rows(), taps.taps.len()))
             .with_qkv_attention(self.one_launch_attention(shape))
+            .with_mlp_partials(self.mlp_parts(shape.rows()).is_some())
             .with_partial_fault(self.partial_sum_fault())
     }
 
@@ -1631,6 +1658,9 @@ impl CudaTarget {
         let StepBuffers {
             inputs,
             hidden,
+            hidden_alt,
+            mlp_scratch,
+            mlp_sums,
             normed,
             qkv,
             q,
@@ -1709,12 +1739,41 @@ impl CudaTarget {
             )?;
         }
         let one_launch_attention = fused && self.one_launch_attention(shape);
+        // Fused steps may take each layer's MLP in one launch (`Gpu::mlp_partials`): the
+        // layer's output is then its residual plus the MLP's cluster sums until the next
+        // layer's reader adds them (the one-launch q|k|v and attention, or `add_mlp_partials`),
+        // and only then is its tap written: `pending` is that layer.
+        let mlp_parts = if fused { self.mlp_parts(rows) } else { None };
+        let mut pending: Option<usize> = None;
+        // The residual (`cur`) and the other buffer: a one-launch q|k|v and attention adding
+        // the sums writes the new residual into `other`, as its blocks read the old one, and
+        // the two swap. `alt`: whether `cur` is `hidden_alt` now.
+        let (mut cur, mut other) = (hidden, hidden_alt);
+        let mut alt = false;
         for (k, layer) in layers.iter().enumerate() {
             let mut written = None;
+            if let (Some(prev), Some(parts), false) = (pending, mlp_parts, one_launch_attention) {
+                // The previous layer's output in place, and its tap.
+                let slot = hook.first_slot(TapId::Block(prev));
+                let tap = slot.map(|slot| &mut taps[slot]);
+                gpu.add_mlp_partials(None, mlp_sums, parts, cur, tap, rows, h)?;
+                observe(hook, taps, TapId::Block(prev), cur, None, slot)?;
+                pending = None;
+            }
             if one_launch_attention {
                 let (list, counts) = visible.as_ref().expect("fused steps build visible lists");
+                let sums_slot = pending.and_then(|prev| hook.first_slot(TapId::Block(prev)));
+                let mlp = match (pending, mlp_parts) {
+                    (Some(_), Some(parts)) => Some(MlpSums {
+                        sums: mlp_sums,
+                        parts,
+                        out: &mut *other,
+                        tap: sums_slot.map(|slot| &mut taps[slot]),
+                    }),
+                    _ => None,
+                };
                 gpu.qkv_attention(
-                    hidden,
+                    cur,
                     &layer.input_norm,
                     &layer.qkv,
                     layer.qkv_bias.as_ref(),
@@ -1732,10 +1791,16 @@ impl CudaTarget {
                     total,
                     scalars,
                     eps,
+                    mlp,
                 )?;
+                if let Some(prev) = pending.take() {
+                    std::mem::swap(&mut cur, &mut other);
+                    alt = !alt;
+                    observe(hook, taps, TapId::Block(prev), cur, None, sums_slot)?;
+                }
             } else if fused {
                 gpu.norm_qkv_rope(
-                    QkvInput::Rows(hidden),
+                    QkvInput::Rows(cur),
                     &layer.input_norm,
                     &layer.qkv,
                     None,
@@ -1792,27 +1857,44 @@ impl CudaTarget {
                 )?;
             }
             if fused {
-                gpu.gemv_rows(attn, &layer.o, hidden, rows, q_dim, h, true)?;
-                gpu.norm_gate_up_silu(
-                    hidden,
-                    &layer.post_norm,
-                    &layer.gate_up,
-                    act,
-                    rows,
-                    h,
-                    inter,
-                    eps,
-                )?;
-                // The block's output goes into its tap slot from the same launch.
-                let slot = hook.first_slot(TapId::Block(k)).filter(|_| !partial_fault);
-                written = slot;
-                let tap = slot.map(|slot| &mut taps[slot]);
-                gpu.gemv_rows_tapped(act, &layer.down, hidden, tap, rows, inter, h, true)?;
+                gpu.gemv_rows(attn, &layer.o, cur, rows, q_dim, h, true)?;
+                if mlp_parts.is_some() {
+                    // The layer's output waits for its reader (see `pending` above).
+                    gpu.mlp_partials(
+                        cur,
+                        &layer.post_norm,
+                        &layer.gate_up,
+                        &layer.down,
+                        mlp_scratch,
+                        mlp_sums,
+                        rows,
+                        h,
+                        inter,
+                        eps,
+                    )?;
+                    pending = Some(k);
+                } else {
+                    gpu.norm_gate_up_silu(
+                        cur,
+                        &layer.post_norm,
+                        &layer.gate_up,
+                        act,
+                        rows,
+                        h,
+                        inter,
+                        eps,
+                    )?;
+                    // The block's output goes into its tap slot from the same launch.
+                    let slot = hook.first_slot(TapId::Block(k)).filter(|_| !partial_fault);
+                    written = slot;
+                    let tap = slot.map(|slot| &mut taps[slot]);
+                    gpu.gemv_rows_tapped(act, &layer.down, cur, tap, rows, inter, h, true)?;
+                }
             } else {
                 gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
                 self.reduce(delta, rows * h)?;
                 gpu.add_rms_norm(
-                    hidden,
+                    cur,
                     Some(delta),
                     &layer.post_norm,
                     normed,
@@ -1830,7 +1912,7 @@ impl CudaTarget {
                         hook,
                         taps,
                         TapId::Block(k),
-                        hidden,
+                        cur,
                         Some((act, &layer.down, inter)),
                         None,
                     )?;
@@ -1841,7 +1923,7 @@ impl CudaTarget {
                 // `final` tap).
                 match layers.get(k + 1) {
                     Some(next) => gpu.add_rms_norm(
-                        hidden,
+                        cur,
                         Some(delta),
                         &next.input_norm,
                         normed,
@@ -1851,7 +1933,7 @@ impl CudaTarget {
                         eps,
                     )?,
                     None => gpu.add_rms_norm(
-                        hidden,
+                        cur,
                         Some(delta),
                         &self.weights.final_norm,
                         normed,
@@ -1862,10 +1944,23 @@ impl CudaTarget {
                     )?,
                 }
             }
-            if !partial_fault {
-                observe(hook, taps, TapId::Block(k), hidden, None, written)?;
+            if !partial_fault && pending != Some(k) {
+                observe(hook, taps, TapId::Block(k), cur, None, written)?;
             }
         }
+        if let (Some(prev), Some(parts)) = (pending, mlp_parts) {
+            // The last layer's output, into `hidden` (where the step's residual ends).
+            let slot = hook.first_slot(TapId::Block(prev));
+            let tap = slot.map(|slot| &mut taps[slot]);
+            if alt {
+                gpu.add_mlp_partials(Some(cur), mlp_sums, parts, other, tap, rows, h)?;
+                std::mem::swap(&mut cur, &mut other);
+            } else {
+                gpu.add_mlp_partials(None, mlp_sums, parts, cur, tap, rows, h)?;
+            }
+            observe(hook, taps, TapId::Block(prev), cur, None, slot)?;
+        }
+        let hidden = cur;
         if fused {
             // The residual is complete: the final norm alone.
             gpu.add_rms_norm(

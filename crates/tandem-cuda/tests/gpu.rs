@@ -1098,11 +1098,28 @@ fn small_step_rows_are_batch_invariant() {
             target.set_qkv_attention_width(width);
             if one_launch {
                 assert!(
-                    gpu.qkv_attention_fits(target.spec.hidden_size, head_dim, width),
+                    gpu.qkv_attention_fits(
+                        target.spec.hidden_size,
+                        head_dim,
+                        width,
+                        gpu.mlp_parts(target.spec.hidden_size, target.spec.intermediate_size)
+                            .is_some()
+                    ),
                     "the one-launch q|k|v and attention takes head_dim {head_dim} at width {width}"
                 );
             }
-            let label = format!("{architecture} {mode} head_dim {head_dim} graphs {graphs}");
+            // On Hopper the tensor-core modes take each layer's MLP in one launch (12 slices
+            // in clusters of 6: 2 sums), its output added by the next layer's reader.
+            let mlp = gpu.mlp_parts(target.spec.hidden_size, target.spec.intermediate_size);
+            if mode.ends_with("tensor cores")
+                && ["H100", "H200"].iter().any(|h| gpu.name().contains(h))
+                && std::env::var_os("TANDEM_CUDA_MLP_CLUSTER").is_none()
+            {
+                assert_eq!(mlp, Some(2), "{mode}: the one-launch MLP on {}", gpu.name());
+            }
+            let label = format!(
+                "{architecture} {mode} head_dim {head_dim} graphs {graphs} mlp sums {mlp:?}"
+            );
             let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final]);
             let prompt: Vec<u32> = (0..62u32).map(|i| (i * 7 + 3) % 300).collect();
             let other: Vec<u32> = (0..62u32).map(|i| (i * 11 + 5) % 300).collect();

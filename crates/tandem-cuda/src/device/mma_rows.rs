@@ -17,8 +17,8 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
 
 use super::{
-    AttentionShape, GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, KernelArgs, mma_attention,
-    mma_source,
+    AttentionShape, GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, KernelArgs, group_rows,
+    mma_attention, mma_source,
 };
 use crate::error::CudaError;
 
@@ -44,6 +44,12 @@ pub(super) struct MmaRows {
     qkv_attention_threads: usize,
     /// Blocks a (row, head) cluster of `qkv_attention_mma` ([`qkv_attention_cluster`]).
     qkv_attention_cluster: usize,
+    /// A fused layer's MLP in one launch ([`Gpu::mlp_partials`]) and its sums added by a
+    /// launch of their own ([`Gpu::add_mlp_partials`]).
+    pub(super) mlp_partials: CudaFunction,
+    pub(super) add_mlp_partials: CudaFunction,
+    /// Blocks a cluster of `mlp_partials_mma` ([`mlp_cluster`]; 0: the MLP takes two launches).
+    mlp_cluster: usize,
     groups_in_y: bool,
 }
 
@@ -116,6 +122,12 @@ impl MmaRows {
                 std::env::var("TANDEM_CUDA_QKV_ATTENTION_CLUSTER")
                     .ok()
                     .as_deref(),
+            ),
+            mlp_partials: module.load_function("mlp_partials_mma")?,
+            add_mlp_partials: module.load_function("add_mlp_partials")?,
+            mlp_cluster: mlp_cluster(
+                programmatic,
+                std::env::var("TANDEM_CUDA_MLP_CLUSTER").ok().as_deref(),
             ),
             groups_in_y,
         })
@@ -228,6 +240,45 @@ fn qkv_attention_cluster(programmatic: bool, value: Option<&str>) -> usize {
         .unwrap_or(QKV_ATTENTION_CLUSTER)
 }
 
+/// Activations a block of `mlp_partials_mma` holds (`MLP_SLICE`): one mma's k.
+const MLP_SLICE: usize = 16;
+
+/// Blocks a cluster of `mlp_partials_mma` takes (its slices' down_proj products are summed
+/// inside the cluster, so a layer's output is the residual plus inter / 16 / cluster sums):
+/// `TANDEM_CUDA_MLP_CLUSTER` (the most blocks, 2 to 8, the portable size; 0 or 1 keep the two
+/// launches), default 8 (SmolLM2: 96 slices, 12 sums; [`mlp_cluster_for`]). Never where the kernels are not compiled for sm_90
+/// (`programmatic`): without clusters every slice would be a sum of its own.
+pub const MLP_CLUSTER: usize = 8;
+
+fn mlp_cluster(programmatic: bool, value: Option<&str>) -> usize {
+    if !programmatic {
+        return 0;
+    }
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n <= 8)
+        .unwrap_or(MLP_CLUSTER)
+}
+
+/// The cluster of `mlp_partials_mma` for `inter` activations (inter / 16 slices): the most
+/// blocks up to `most` that divide the slices, at least 2 (`None`: the two launches). A shape's
+/// cluster never changes within a process, so neither do its sums' order and a row's bits.
+/// SmolLM2 (96 slices): 8; a 192-wide tiny model (12): 6.
+fn mlp_cluster_for(most: usize, inter: usize) -> Option<usize> {
+    if !inter.is_multiple_of(MLP_SLICE) {
+        return None;
+    }
+    let slices = inter / MLP_SLICE;
+    (2..=most).rev().find(|c| slices.is_multiple_of(*c))
+}
+
+/// Dynamic shared memory of `mlp_partials_mma` for a model of hidden size `hidden` with
+/// `warps` warps a block: a row group's normed rows (bf16, rounded to 16 bytes), a partial tile
+/// a warp, the group's activations (8 rows of 16 bf16).
+fn mlp_shared_bytes(hidden: usize, warps: usize) -> usize {
+    (GEMV_MAX_ROWS * hidden).next_multiple_of(8) * 2 + warps * 4 * 32 * 4 + GEMV_MAX_ROWS * 16 * 2
+}
+
 /// The block of `qkv_attention_mma` for a model of hidden size `hidden` and head size
 /// `head_dim`, compiled for at most `max_threads` threads, in clusters of `cluster` blocks:
 /// (groups, split), `groups` tiles of `split` warps each at once. With one block a cluster,
@@ -262,13 +313,30 @@ pub(super) fn qkv_attention_shared_bytes(
     groups: usize,
     split: usize,
     width: usize,
+    with_sums: bool,
 ) -> usize {
     let passes = (3 * head_dim / 16).div_ceil(groups);
     let warps = groups * split;
-    (passes * groups * 8 * width * PAIR_INPUT_BYTES).next_multiple_of(16)
+    let bytes = (passes * groups * 8 * width * PAIR_INPUT_BYTES).next_multiple_of(16)
         + (width * hidden).next_multiple_of(8) * 2
         + warps * 4 * 32 * 4
-        + (warps * (head_dim + 2) + head_dim) * 4
+        + (warps * (head_dim + 2) + head_dim) * 4;
+    // With the MLP's sums: the summed rows (f32) at the next 16-byte boundary.
+    if with_sums {
+        bytes.next_multiple_of(16) + width * hidden * 4
+    } else {
+        bytes
+    }
+}
+
+/// The input of a one-launch q|k|v and attention when it is the previous layer's output as
+/// the one-launch MLP left it ([`Gpu::mlp_partials`]): `x` (the residual) plus `parts` cluster
+/// sums, added in the launch; the sum goes to `out` (the next residual, not `x`) and `tap`.
+pub struct MlpSums<'a> {
+    pub sums: &'a CudaSlice<f32>,
+    pub parts: usize,
+    pub out: &'a mut CudaSlice<f32>,
+    pub tap: Option<&'a mut CudaSlice<f32>>,
 }
 
 impl Gpu {
@@ -327,7 +395,15 @@ impl Gpu {
     /// tokens a sequence: the tensor-core kernels are on and take its q|k|v, it runs in
     /// clusters of more than one block (sm_90), a sequence's tokens are one mma's columns (at
     /// most [`GEMV_MAX_ROWS`]), and a rank's tiles and the attention fit one block.
-    pub fn qkv_attention_fits(&self, hidden: usize, head_dim: usize, width: usize) -> bool {
+    /// `with_sums`: the step's input is a layer's output left as the MLP's cluster sums
+    /// ([`MlpSums`]), which the launch adds into shared memory first.
+    pub fn qkv_attention_fits(
+        &self,
+        hidden: usize,
+        head_dim: usize,
+        width: usize,
+        with_sums: bool,
+    ) -> bool {
         self.mma_rows_for(hidden, 1).is_some_and(|mma| {
             mma.qkv_attention_cluster > 1
                 && (1..=GEMV_MAX_ROWS).contains(&width)
@@ -338,10 +414,144 @@ impl Gpu {
                     mma.qkv_attention_cluster,
                 )
                 .is_some_and(|(groups, split)| {
-                    qkv_attention_shared_bytes(hidden, head_dim, groups, split, width)
+                    qkv_attention_shared_bytes(hidden, head_dim, groups, split, width, with_sums)
                         <= GEMV_MAX_SHARED_BYTES
                 })
         })
+    }
+
+    /// The cluster sums a fused layer's MLP leaves when it runs in one launch
+    /// ([`Gpu::mlp_partials`]) for a model of these sizes: `inter / 16 / cluster`; `None` where
+    /// it does not (no tensor-core kernels, no clusters, or sizes the kernel does not take), and
+    /// the MLP takes gate|up and down_proj's two launches.
+    pub fn mlp_parts(&self, hidden: usize, inter: usize) -> Option<usize> {
+        let mma = self.mma_rows_for(hidden, 1)?;
+        let cluster = mlp_cluster_for(mma.mlp_cluster, inter)?;
+        let warps = 2 * split(hidden);
+        let fits = hidden.is_multiple_of(16)
+            && hidden / 16 <= 4 * warps
+            && warps * 32 <= 1024
+            && mlp_shared_bytes(hidden, warps) <= GEMV_MAX_SHARED_BYTES;
+        fits.then(|| inter / MLP_SLICE / cluster)
+    }
+
+    /// f32 values of the scratch [`Gpu::mlp_partials`] needs for a step of `rows` rows: each
+    /// slice's products.
+    pub fn mlp_scratch_len(rows: usize, hidden: usize, inter: usize) -> usize {
+        inter / MLP_SLICE * rows * hidden
+    }
+
+    /// A fused layer's MLP in one launch: `act = silu(gate) * up` of `rms_norm(x) * norm_w`
+    /// and down_proj's products of each 16-activation slice, summed inside clusters into
+    /// `sums` ([`Gpu::mlp_parts`] of them, `[parts, rows, hidden]`); the layer's output is
+    /// `x + the sums`, added by its reader (`qkv_attention` with `mlp`, or
+    /// [`Gpu::add_mlp_partials`]). See `mlp_partials_mma` in kernels/rows_mma.cu. Only where
+    /// [`Gpu::mlp_parts`] is `Some`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mlp_partials(
+        &self,
+        x: &CudaSlice<f32>,
+        norm_w: &CudaSlice<u16>,
+        gate_up: &CudaSlice<u16>,
+        down: &CudaSlice<u16>,
+        scratch: &mut CudaSlice<f32>,
+        sums: &mut CudaSlice<f32>,
+        rows: usize,
+        hidden: usize,
+        inter: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let parts = self
+            .mlp_parts(hidden, inter)
+            .expect("mlp_parts before mlp_partials");
+        let mma = self.mma_rows_for(hidden, 1).expect("mlp_parts");
+        let cluster = mlp_cluster_for(mma.mlp_cluster, inter).expect("mlp_parts");
+        let warps = 2 * split(hidden);
+        assert!((1..=super::MMA_MAX_ROWS).contains(&rows));
+        assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
+        assert!(gate_up.len() >= 2 * inter * hidden && down.len() >= hidden * inter);
+        assert!(scratch.len() >= Self::mlp_scratch_len(rows, hidden, inter));
+        assert!(sums.len() >= parts * rows * hidden);
+        let args = KernelArgs::default()
+            .buffer(self, x)
+            .buffer(self, norm_w)
+            .buffer(self, gate_up)
+            .buffer(self, down)
+            .buffer(self, scratch)
+            .buffer(self, sums)
+            .optional::<u16>(self, None)
+            .int(rows)
+            .int(hidden)
+            .int(inter)
+            .float(eps)
+            .int(cluster);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(inter / MLP_SLICE).expect("slices fit a grid"),
+                rows.div_ceil(GEMV_MAX_ROWS) as u32,
+                1,
+            ),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: mlp_shared_bytes(hidden, warps) as u32,
+        };
+        // SAFETY: signature (f32*, u16*, u16*, u16*, f32*, f32*, u16*, int, int, int, float,
+        // int) of `mlp_partials_mma`; sizes asserted; at most 1,024 threads and 48 KiB of
+        // dynamic shared memory as `mlp_shared_bytes` (mlp_parts); the grid's x a whole number
+        // of clusters of at most 8 blocks, clusters only where compiled for sm_90
+        // (mlp_cluster); hidden / 16 down_proj tiles at most 4 a warp; PDL_WAIT before x.
+        unsafe {
+            self.launch_programmatic_clusters(
+                &mma.mlp_partials,
+                cfg,
+                args,
+                group_rows(rows),
+                u32::try_from(cluster).expect("at most 8"),
+            )
+        }
+    }
+
+    /// `out = x + the MLP's cluster sums` ([`Gpu::mlp_partials`]; `x` `None`: `out` itself,
+    /// in place) and `tap` the same: a layer's output where its reader does not add the sums
+    /// itself (every step but one-sequence ones, and after the last layer), with the bits the
+    /// one-launch q|k|v and attention gives it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_mlp_partials(
+        &self,
+        x: Option<&CudaSlice<f32>>,
+        sums: &CudaSlice<f32>,
+        parts: usize,
+        out: &mut CudaSlice<f32>,
+        tap: Option<&mut CudaSlice<f32>>,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
+        let mma = self
+            .mma_rows_for(hidden, 1)
+            .expect("mlp_parts before add_mlp_partials");
+        assert!(hidden.is_multiple_of(4) && parts > 0);
+        assert!(x.is_none_or(|x| x.len() >= rows * hidden) && out.len() >= rows * hidden);
+        assert!(sums.len() >= parts * rows * hidden);
+        assert!(tap.as_ref().is_none_or(|t| t.len() >= rows * hidden));
+        let x_address = x.map_or_else(|| self.address(&*out), |x| self.address(x));
+        let mut args = KernelArgs::default();
+        args.0.push(x_address);
+        let args = args
+            .buffer(self, sums)
+            .int(parts)
+            .buffer(self, &*out)
+            .optional(self, tap.as_deref())
+            .int(rows)
+            .int(hidden);
+        let threads = 256;
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * hidden / 4).div_ceil(threads) as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: signature (f32*, f32*, int, f32*, f32*, int, int) of `add_mlp_partials`;
+        // sizes asserted; one thread a float4 (hidden a multiple of 4); in place when `x` is
+        // `out` (each value read and written by one thread); PDL_WAIT before reading.
+        unsafe { self.launch_programmatic(&mma.add_mlp_partials, cfg, args, rows) }
     }
 
     /// A step's q|k|v, bias, RoPE, cache write and attention in one launch, for decode steps
@@ -371,6 +581,7 @@ impl Gpu {
         total: usize,
         step_scalars: Option<&CudaView<'_, i32>>,
         eps: f32,
+        mlp: Option<MlpSums<'_>>,
     ) -> Result<(), CudaError> {
         let s = shape;
         let rows = s.rows();
@@ -392,8 +603,14 @@ impl Gpu {
         assert!(k_cache.len() >= s.batch * kv_dim * s.capacity && v_cache.len() == k_cache.len());
         assert!(list.len() >= rows * s.capacity && counts.len() >= rows);
         let warps = groups * split;
-        let shared = qkv_attention_shared_bytes(hidden, s.head_dim, groups, split, s.width);
+        let shared =
+            qkv_attention_shared_bytes(hidden, s.head_dim, groups, split, s.width, mlp.is_some());
         assert!(shared <= GEMV_MAX_SHARED_BYTES);
+        if let Some(m) = &mlp {
+            assert!(m.parts > 0 && m.sums.len() >= m.parts * rows * hidden);
+            assert!(m.out.len() >= rows * hidden);
+            assert!(m.tap.as_ref().is_none_or(|t| t.len() >= rows * hidden));
+        }
         let args = KernelArgs::default()
             .buffer(self, x)
             .buffer(self, norm_w)
@@ -420,7 +637,11 @@ impl Gpu {
             .float(eps)
             .int(groups)
             .int(cluster)
-            .int(s.width);
+            .int(s.width)
+            .optional(self, mlp.as_ref().map(|m| m.sums))
+            .int(mlp.as_ref().map_or(0, |m| m.parts))
+            .optional(self, mlp.as_ref().map(|m| &*m.out))
+            .optional(self, mlp.as_ref().and_then(|m| m.tap.as_deref()));
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(s.batch * s.heads * cluster)
@@ -432,7 +653,8 @@ impl Gpu {
             shared_mem_bytes: shared as u32,
         };
         // SAFETY: the argument list matches `qkv_attention_mma`'s signature (13 pointers, seven
-        // ints, the scale, step scalars, eps, groups, cluster, width); sizes asserted above;
+        // ints, the scale, step scalars, eps, groups, cluster, width, then the MLP's sums, their
+        // count, the new residual and the tap, null and 0 without); sizes asserted above;
         // dynamic shared memory as `qkv_attention_shared_bytes`, at most 48 KiB; `width` new
         // columns a sequence from `col0` (with `step_scalars`, the caller checks each step's); lists hold
         // columns below `total`; PDL_WAIT before reading anything but the weights; the grid a
@@ -541,6 +763,38 @@ mod tests {
     }
 
     #[test]
+    fn the_one_launch_mlp_takes_the_largest_cluster_dividing_its_slices() {
+        // SmolLM2 (1,536: 96 slices) in clusters of 8, 12 sums; the GPU tests' tiny model
+        // (192: 12 slices) in 6; Qwen2.5-1.5B (8,960: 560) in 8; 7 slices (112) have no
+        // divisor from 2 to 8 but 7; 13 (208) none: the two launches.
+        assert_eq!(mlp_cluster_for(8, 1536), Some(8));
+        assert_eq!(mlp_cluster_for(8, 192), Some(6));
+        assert_eq!(mlp_cluster_for(8, 8960), Some(8));
+        assert_eq!(mlp_cluster_for(8, 112), Some(7));
+        assert_eq!(mlp_cluster_for(8, 208), None);
+        assert_eq!(mlp_cluster_for(8, 1544), None);
+        assert_eq!(mlp_cluster_for(4, 1536), Some(4));
+        assert_eq!(mlp_cluster_for(1, 1536), None);
+        assert_eq!(mlp_cluster_for(0, 1536), None);
+        // The switch: 8 by default, 0 to 8 as asked, never off sm_90.
+        assert_eq!(mlp_cluster(true, None), MLP_CLUSTER);
+        assert_eq!(mlp_cluster(true, Some(" 4\n")), 4);
+        assert_eq!(mlp_cluster(true, Some("0")), 0);
+        assert_eq!(mlp_cluster(true, Some("9")), MLP_CLUSTER);
+        assert_eq!(mlp_cluster(false, Some("8")), 0);
+        // SmolLM2's block: two groups of 5 warps; the staged rows (9,216 bytes), 10 partial
+        // tiles, 8 x 16 activations.
+        assert_eq!(mlp_shared_bytes(576, 10), 9216 + 10 * 512 + 256);
+        // With the MLP's sums the one-launch q|k|v and attention keeps the summed rows (f32)
+        // after its own memory, at a 16-byte boundary: SmolLM2's chain of four.
+        let plain = qkv_attention_shared_bytes(576, 64, 2, 5, 4, false);
+        assert_eq!(
+            qkv_attention_shared_bytes(576, 64, 2, 5, 4, true),
+            plain.next_multiple_of(16) + 4 * 576 * 4
+        );
+    }
+
+    #[test]
     fn a_decode_layers_qkv_and_attention_block_holds_a_heads_tiles_in_at_most_four_passes() {
         let block = |hidden, head_dim| qkv_attention_block(hidden, head_dim, 512, 1);
         // SmolLM2 (576, 64): 12 tiles, 3 groups of 5 warps (480 threads), four passes; at 640
@@ -553,13 +807,13 @@ mod tests {
         // Pair inputs of 3 passes x 4 groups x 8 (1,920 bytes), the row, 20 partial tiles, the
         // attention's 20 partials and query.
         assert_eq!(
-            qkv_attention_shared_bytes(576, 64, 4, 5, 1),
+            qkv_attention_shared_bytes(576, 64, 4, 5, 1, false),
             1920 + 1152 + 20 * 512 + (20 * 66 + 64) * 4
         );
         // Clusters of 6 (2 groups, 6 passes), an 8-token verification: 96 tile rows' pair
         // inputs for each token, the eight rows, 10 partial tiles, the attention's: 31.8 KiB.
         assert_eq!(
-            qkv_attention_shared_bytes(576, 64, 2, 5, 8),
+            qkv_attention_shared_bytes(576, 64, 2, 5, 8, false),
             96 * 8 * 20 + 8 * 1152 + 10 * 512 + (10 * 66 + 64) * 4
         );
         // Qwen2.5-1.5B (1,536, 128): 12 warps a tile, one group, 24 passes: the two launches.

@@ -339,14 +339,27 @@ static bool check_row_groups(std::mt19937& rng) {
 // a verification: each sequence's `width` new tokens at consecutive positions and cache
 // columns, token i seeing the new columns up to its own except a sibling's (token 2 does not
 // see token 1, as in a tree), so a token reads keys other ranks wrote in the same launch.
+// With `parts` > 0 the step's input is a layer's output as mlp_partials_mma leaves it (a
+// residual and `parts` cluster sums): qkv_attention_mma adds them itself, and must give the bits
+// of add_mlp_partials then the two launches, and write that output as the new residual and tap.
 static bool check_qkv_attention(std::mt19937& rng, int hidden, int heads, int kv_heads, int head_dim,
-                                int groups, int cluster, int width = 1) {
+                                int groups, int cluster, int width = 1, int parts = 0) {
     const int batch = 3, rows = batch * width, capacity = 48, col0 = 37, total = col0 + width;
     const int half = head_dim / 2, pairs = (heads + 2 * kv_heads) * half;
     const int qkv_dim = (heads + 2 * kv_heads) * head_dim, q_dim = heads * head_dim;
     const auto w = random_bf16(rng, qkv_dim * hidden, 0.2f);
     const auto norm_w = random_bf16(rng, hidden);
-    const auto x = random_f32(rng, rows * hidden);
+    const auto residual = random_f32(rng, rows * hidden);
+    const auto sums = random_f32(rng, std::max(parts, 1) * rows * hidden);
+    // The input the two launches see: the residual, or the layer's output summed on its own.
+    std::vector<float> x = residual;
+    if (parts > 0) {
+        emu_launch(EmuDim3{static_cast<unsigned int>((rows * hidden / 4 + 255) / 256), 1, 1},
+                   EmuDim3{256, 1, 1}, 0, [&] {
+                       add_mlp_partials(residual.data(), sums.data(), parts, x.data(), nullptr,
+                                        rows, hidden);
+                   });
+    }
     const auto bias = random_f32(rng, qkv_dim);
     const int first_position[batch] = {30, 12, 36 - width + 1};
     std::vector<int> positions(rows);
@@ -403,19 +416,29 @@ static bool check_qkv_attention(std::mt19937& rng, int hidden, int heads, int kv
     // Launched as Gpu::qkv_attention (qkv_attention_shared_bytes).
     const unsigned int split = split_for(hidden), warps = groups * split;
     const int passes = (3 * head_dim / 16 + groups - 1) / groups;
-    const size_t shared = (passes * groups * 8 * width * sizeof(QkvPairInputs) + 15) / 16 * 16 +
-                          ((width * hidden + 7) / 8 * 8) * 2 + warps * 4 * 32 * 4 +
-                          (warps * (head_dim + 2) + head_dim) * 4;
+    size_t shared = (passes * groups * 8 * width * sizeof(QkvPairInputs) + 15) / 16 * 16 +
+                    ((width * hidden + 7) / 8 * 8) * 2 + warps * 4 * 32 * 4 +
+                    (warps * (head_dim + 2) + head_dim) * 4;
+    if (parts > 0) shared = (shared + 15) / 16 * 16 + width * hidden * 4;
+    std::vector<float> x_out(rows * hidden, NAN), tap(rows * hidden, NAN);
     // A cluster's blocks run one after another here, in rank order: the last rank attends after
     // every rank has written its tiles, as the cluster barrier orders them on the GPU.
     emu_launch(EmuDim3{static_cast<unsigned int>(batch * heads * cluster), 1, 1},
                EmuDim3{32 * warps, 1, 1}, shared, [&] {
-                   qkv_attention_mma(x.data(), norm_w.data(), w.data(), bias.data(),
-                                     positions.data(), inv_freq.data(), got.q.data(), got.k.data(),
-                                     got.v.data(), mask.data(), list.data(), counts.data(),
-                                     got.out.data(), hidden, heads, kv_heads, head_dim, capacity,
-                                     col0, total, scale, nullptr, 1e-5f, groups, cluster, width);
+                   qkv_attention_mma(parts > 0 ? residual.data() : x.data(), norm_w.data(),
+                                     w.data(), bias.data(), positions.data(), inv_freq.data(),
+                                     got.q.data(), got.k.data(), got.v.data(), mask.data(),
+                                     list.data(), counts.data(), got.out.data(), hidden, heads,
+                                     kv_heads, head_dim, capacity, col0, total, scale, nullptr,
+                                     1e-5f, groups, cluster, width,
+                                     parts > 0 ? sums.data() : nullptr, parts,
+                                     parts > 0 ? x_out.data() : nullptr,
+                                     parts > 0 ? tap.data() : nullptr);
                });
+    // The summed input written as the new residual and the tap, bit for bit.
+    const bool residual_same =
+        parts == 0 || (std::memcmp(x_out.data(), x.data(), x.size() * 4) == 0 &&
+                       std::memcmp(tap.data(), x.data(), x.size() * 4) == 0 && x != residual);
     const bool q_same = std::memcmp(got.q.data(), want.q.data(), got.q.size() * 4) == 0;
     const bool kv_same = got.k == want.k && got.v == want.v && got.k != k0 && got.v != v0;
     const bool out_same = got.out == want.out;
@@ -425,11 +448,85 @@ static bool check_qkv_attention(std::mt19937& rng, int hidden, int heads, int kv
     const int tiles = 3 * head_dim / 16;
     char what[160], detail[160];
     std::snprintf(what, sizeof what,
-                  "qkv_attention_mma against the two launches (hd %d, %d tiles, %d a pass, clusters of %d, %d token%s a sequence)",
-                  head_dim, tiles, groups, cluster, width, width == 1 ? "" : "s");
-    std::snprintf(detail, sizeof detail, "(q %s, k|v %s, attention %s: bit for bit)",
-                  q_same ? "same" : "DIFFER", kv_same ? "same" : "DIFFER", out_same ? "same" : "DIFFER");
-    return report(what, q_same && kv_same && out_same && written, detail);
+                  "qkv_attention_mma against the two launches (hd %d, %d tiles, %d a pass, clusters of %d, %d token%s a sequence%s)",
+                  head_dim, tiles, groups, cluster, width, width == 1 ? "" : "s",
+                  parts > 0 ? ", MLP sums added" : "");
+    std::snprintf(detail, sizeof detail, "(q %s, k|v %s, attention %s%s: bit for bit)",
+                  q_same ? "same" : "DIFFER", kv_same ? "same" : "DIFFER", out_same ? "same" : "DIFFER",
+                  parts == 0 ? "" : (residual_same ? ", residual same" : ", residual DIFFER"));
+    return report(what, q_same && kv_same && out_same && written && residual_same, detail);
+}
+
+// mlp_partials_mma then add_mlp_partials (a fused layer's MLP in one launch, summed by the
+// next reader) against the residual plus down . act in double precision, with act bit for bit
+// what norm_gate_up_silu_mma computes; a row's bits the same in steps of 1 to 32 rows (row
+// groups of 8 as the grid's y); the tap what the output gets. `inter / 16` slice blocks in
+// clusters of `cluster`: inter / 16 / cluster cluster sums.
+static bool check_mlp(std::mt19937& rng, int hidden, int inter, int cluster) {
+    const auto gate_up = random_bf16(rng, 2 * inter * hidden, 0.2f);
+    const auto down = random_bf16(rng, hidden * inter, 0.2f);
+    const auto norm_w = random_bf16(rng, hidden);
+    const auto x = random_f32(rng, 32 * hidden);
+    const int blocks = inter / 16, parts = blocks / cluster;
+    const unsigned int split = split_for(hidden), warps = 2 * split;
+    const size_t shared = (8 * hidden + 7) / 8 * 8 * 2 + warps * 4 * 32 * 4 + 8 * 16 * 2;
+    struct Out {
+        std::vector<float> y, tap;
+        std::vector<unsigned short> act;
+    };
+    auto run = [&](int rows) {
+        std::vector<float> scratch(blocks * rows * hidden, NAN), sums(parts * rows * hidden, NAN);
+        Out out{std::vector<float>(rows * hidden, NAN), std::vector<float>(rows * hidden, NAN),
+                std::vector<unsigned short>(rows * inter, 0xffff)};
+        emu_launch(EmuDim3{static_cast<unsigned int>(blocks), static_cast<unsigned int>((rows + 7) / 8), 1},
+                   EmuDim3{32 * warps, 1, 1}, shared, [&] {
+                       mlp_partials_mma(x.data(), norm_w.data(), gate_up.data(), down.data(),
+                                        scratch.data(), sums.data(), out.act.data(), rows, hidden,
+                                        inter, 1e-5f, cluster);
+                   });
+        emu_launch(EmuDim3{static_cast<unsigned int>((rows * hidden / 4 + 255) / 256), 1, 1},
+                   EmuDim3{256, 1, 1}, 0, [&] {
+                       add_mlp_partials(x.data(), sums.data(), parts, out.y.data(), out.tap.data(),
+                                        rows, hidden);
+                   });
+        return out;
+    };
+    // act against norm_gate_up_silu_mma on the same 8 rows.
+    std::vector<unsigned short> want_act(8 * inter, 0xffff);
+    emu_launch(mma_grid((inter + 7) / 8, 8), EmuDim3{32 * split, 1, 1}, 8 * hidden * 2, [&] {
+        norm_gate_up_silu_mma(x.data(), norm_w.data(), gate_up.data(), want_act.data(), 8, hidden,
+                              inter, 1e-5f);
+    });
+    const int widths[] = {1, 3, 8, 13, 32};
+    std::vector<Out> outs;
+    for (int rows : widths) outs.push_back(run(rows));
+    const bool act_same = std::memcmp(outs[2].act.data(), want_act.data(), 8 * inter * 2) == 0;
+    // y = x + down . act in double precision (act as the kernel computed it).
+    double worst = 0.0;
+    const Out& wide = outs.back();
+    for (int r = 0; r < 32; ++r)
+        for (int o = 0; o < hidden; ++o) {
+            double dot = x[r * hidden + o];
+            for (int j = 0; j < inter; ++j)
+                dot += static_cast<double>(from_bf16(down[o * inter + j])) * from_bf16(wide.act[r * inter + j]);
+            worst = std::max(worst, std::fabs(wide.y[r * hidden + o] - dot));
+        }
+    bool same_bits = true, tap_is_y = true;
+    for (size_t k = 0; k < outs.size(); ++k) {
+        const int rows = widths[k];
+        same_bits &= std::memcmp(outs[k].y.data(), wide.y.data(), rows * hidden * 4) == 0;
+        same_bits &= std::memcmp(outs[k].act.data(), wide.act.data(), rows * inter * 2) == 0;
+        tap_is_y &= std::memcmp(outs[k].tap.data(), outs[k].y.data(), rows * hidden * 4) == 0;
+    }
+    char what[160], detail[160];
+    std::snprintf(what, sizeof what, "mlp_partials_mma + add_mlp_partials (hidden %d, inter %d, clusters of %d)",
+                  hidden, inter, cluster);
+    std::snprintf(detail, sizeof detail, "(max |error| %.1e, tolerance 1e-4)", worst);
+    bool ok = report(what, worst <= 1e-4, detail);
+    ok &= report("mlp_partials_mma: act is norm_gate_up_silu_mma's", act_same, "(bit for bit)");
+    ok &= report("mlp_partials_mma: a row's bits the same in steps of 1 to 32 rows", same_bits, "");
+    ok &= report("add_mlp_partials: the tap gets what the output gets", tap_is_y, "(bit for bit)");
+    return ok;
 }
 
 int main() {
@@ -453,5 +550,13 @@ int main() {
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4, 4) && ok;
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 2, 8) && ok;
     ok = check_qkv_attention(rng, 160, 4, 2, 32, 6, 1, 3) && ok;
+    // A fused layer's MLP in one launch: SmolLM2's cluster sums (8 ranks), pairs, and one
+    // cluster; then the one-launch q|k|v and attention adding the sums itself (a decode step
+    // and a chain of four, three sums and one).
+    ok = check_mlp(rng, 160, 128, 8) && ok;
+    ok = check_mlp(rng, 160, 96, 2) && ok;
+    ok = check_mlp(rng, 320, 64, 4) && ok;
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4, 1, 3) && ok;
+    ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4, 4, 1) && ok;
     return ok ? 0 : 1;
 }
