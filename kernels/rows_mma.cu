@@ -550,6 +550,31 @@ __device__ __forceinline__ float* qkv_attention_sum_rows(float (*all_partials)[4
     return reinterpret_cast<float*>((reinterpret_cast<size_t>(end) + 15) & ~(size_t)15);
 }
 
+// The block's share of a one-launch q|k|v and attention's input when it is the previous
+// layer's output as mlp_partials_mma left it: rows r .. r + width - 1 summed
+// (sum_mlp_partials) into `sum_rows` (shared), and into `x_out` and `tap` (null: not this
+// block's to write). A call of its own, as qkv_attention_attend: inlined, its loads beside the
+// products' weights spilled at 128 registers (sm_80).
+__device__ __noinline__ void qkv_attention_sum_input(const float* x_rows, const float* mlp_sums,
+                                                     int mlp_parts, int step_rows, int r,
+                                                     int width, int hidden, float* sum_rows,
+                                                     float* x_out, float* tap) {
+    const int n4 = hidden >> 2;
+    for (int i = threadIdx.x; i < width * n4; i += blockDim.x) {
+        const int tok = i / n4;
+        const int k4 = i % n4;
+        const float4 v =
+            sum_mlp_partials(x_rows, mlp_sums, mlp_parts, step_rows, r + tok, hidden, k4);
+        reinterpret_cast<float4*>(sum_rows + (size_t)tok * hidden)[k4] = v;
+        if (x_out != nullptr) {
+            reinterpret_cast<float4*>(x_out + (size_t)(r + tok) * hidden)[k4] = v;
+            if (tap != nullptr) {
+                reinterpret_cast<float4*>(tap + (size_t)(r + tok) * hidden)[k4] = v;
+            }
+        }
+    }
+}
+
 // attention_block as a call of its own: inlined, its value loads and the products' live values
 // together spilled a few bytes a thread at 128 registers (sm_90).
 __device__ __noinline__ void qkv_attention_attend(const float* q, float scale,
@@ -655,22 +680,10 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                 // also writes it as the new residual and into the previous layer's tap.
                 float* sum_rows = qkv_attention_sum_rows(all_partials, groups * split, warps,
                                                          head_dim);
-                const int step_rows = (int)(gridDim.x / cluster / heads) * width;
-                const int n4 = hidden >> 2;
-                const bool writer = h == 0 && rank == 0;
-                for (int i = threadIdx.x; i < width * n4; i += blockDim.x) {
-                    const int tok = i / n4;
-                    const int k4 = i % n4;
-                    const float4 v = sum_mlp_partials(x_rows, mlp_sums, mlp_parts, step_rows,
-                                                      r + tok, hidden, k4);
-                    reinterpret_cast<float4*>(sum_rows + (size_t)tok * hidden)[k4] = v;
-                    if (writer) {
-                        reinterpret_cast<float4*>(x_out + (size_t)(r + tok) * hidden)[k4] = v;
-                        if (tap != nullptr) {
-                            reinterpret_cast<float4*>(tap + (size_t)(r + tok) * hidden)[k4] = v;
-                        }
-                    }
-                }
+                qkv_attention_sum_input(x_rows, mlp_sums, mlp_parts,
+                                        (int)(gridDim.x / cluster / heads) * width, r, width,
+                                        hidden, sum_rows, h == 0 && rank == 0 ? x_out : nullptr,
+                                        tap);
                 __syncthreads();
                 for (int tok = warp; tok < width; tok += warps) {
                     stage_rms_normed_row(F32Rows{sum_rows}, norm_w, xs, tok, hidden, eps);
