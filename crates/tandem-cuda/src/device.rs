@@ -33,7 +33,7 @@ pub use mma_attention::{
     Assembly, DEFAULT_MMA_MIN_WIDTH, MMA_MIN_QUERY_ROWS, assemble_mma_attention,
 };
 use mma_rows::MmaRows;
-pub use mma_rows::{MlpSums, assemble_mma_rows};
+pub use mma_rows::{MLP_CLUSTER, MlpSums, assemble_mma_rows};
 
 const KERNEL_SOURCE: &str = include_str!("../../../kernels/llama.cu");
 

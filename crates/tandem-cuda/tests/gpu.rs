@@ -1069,6 +1069,18 @@ fn small_step_rows_are_batch_invariant() {
                 true,
                 "fused, one-launch q|k|v and attention for verifications too, on tensor cores",
             ),
+            // Each layer's MLP in one launch (its output added by the next layer's reader:
+            // the one-launch q|k|v and attention in A and C's decode steps and B and D's
+            // verifications, `add_mlp_partials` before the two launches in batch C's steps).
+            (
+                false,
+                "fused, one-launch q|k|v and attention for verifications too, one-launch MLP, on tensor cores",
+            ),
+            (
+                true,
+                "fused, one-launch q|k|v and attention for verifications too, one-launch MLP, on tensor cores",
+            ),
+            (false, "fused, one-launch MLP, on tensor cores"),
         ] {
             let dir = tiny_model_with(architecture, tied, 31, head_dim);
             gpu.set_mma_rows(mode.ends_with("tensor cores"))
@@ -1108,13 +1120,16 @@ fn small_step_rows_are_batch_invariant() {
                     "the one-launch q|k|v and attention takes head_dim {head_dim} at width {width}"
                 );
             }
-            // On Hopper the tensor-core modes take each layer's MLP in one launch (12 slices
-            // in clusters of 6: 2 sums), its output added by the next layer's reader.
+            // The one-launch MLP modes (Hopper: thread-block clusters): 12 slices in clusters
+            // of 6, 2 sums.
+            let one_launch_mlp = mode.contains("one-launch MLP");
+            gpu.set_mlp_cluster(if one_launch_mlp {
+                tandem_cuda::MLP_CLUSTER
+            } else {
+                0
+            });
             let mlp = gpu.mlp_parts(target.spec.hidden_size, target.spec.intermediate_size);
-            if mode.ends_with("tensor cores")
-                && ["H100", "H200"].iter().any(|h| gpu.name().contains(h))
-                && std::env::var_os("TANDEM_CUDA_MLP_CLUSTER").is_none()
-            {
+            if one_launch_mlp && ["H100", "H200"].iter().any(|h| gpu.name().contains(h)) {
                 assert_eq!(mlp, Some(2), "{mode}: the one-launch MLP on {}", gpu.name());
             }
             let label = format!(

@@ -12,7 +12,7 @@
 //! launch), on GPUs that have `mma.sync` with bf16; checked on the CPU emulator
 //! (`tests/emulated_kernels.rs`) and assembled for sm_80 and sm_90 in CI ([`assemble_mma_rows`]).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
 
@@ -48,8 +48,10 @@ pub(super) struct MmaRows {
     /// launch of their own ([`Gpu::add_mlp_partials`]).
     pub(super) mlp_partials: CudaFunction,
     pub(super) add_mlp_partials: CudaFunction,
-    /// Blocks a cluster of `mlp_partials_mma` ([`mlp_cluster`]; 0: the MLP takes two launches).
-    mlp_cluster: usize,
+    /// The most blocks a cluster of `mlp_partials_mma` takes ([`mlp_cluster`]; 0: the MLP
+    /// takes two launches), and whether clusters exist (compiled for sm_90).
+    mlp_cluster: AtomicUsize,
+    programmatic: bool,
     groups_in_y: bool,
 }
 
@@ -125,10 +127,11 @@ impl MmaRows {
             ),
             mlp_partials: module.load_function("mlp_partials_mma")?,
             add_mlp_partials: module.load_function("add_mlp_partials")?,
-            mlp_cluster: mlp_cluster(
+            mlp_cluster: AtomicUsize::new(mlp_cluster(
                 programmatic,
                 std::env::var("TANDEM_CUDA_MLP_CLUSTER").ok().as_deref(),
-            ),
+            )),
+            programmatic,
             groups_in_y,
         })
     }
@@ -243,11 +246,13 @@ fn qkv_attention_cluster(programmatic: bool, value: Option<&str>) -> usize {
 /// Activations a block of `mlp_partials_mma` holds (`MLP_SLICE`): one mma's k.
 const MLP_SLICE: usize = 16;
 
-/// Blocks a cluster of `mlp_partials_mma` takes (its slices' down_proj products are summed
-/// inside the cluster, so a layer's output is the residual plus inter / 16 / cluster sums):
-/// `TANDEM_CUDA_MLP_CLUSTER` (the most blocks, 2 to 8, the portable size; 0 or 1 keep the two
-/// launches), default 8 (SmolLM2: 96 slices, 12 sums; [`mlp_cluster_for`]). Never where the kernels are not compiled for sm_90
-/// (`programmatic`): without clusters every slice would be a sum of its own.
+/// The most blocks a cluster of `mlp_partials_mma` takes when a fused layer's MLP runs in one
+/// launch (its slices' down_proj products are summed inside the cluster, so a layer's output
+/// is the residual plus inter / 16 / cluster sums; SmolLM2: 96 slices, clusters of 8, 12 sums,
+/// [`mlp_cluster_for`]): `TANDEM_CUDA_MLP_CLUSTER=8` turns it on (2 to 8, the portable size;
+/// 0 or 1, or unset: the two launches, the default until a GPU has measured it). Never where
+/// the kernels are not compiled for sm_90 (`programmatic`): without clusters every slice would
+/// be a sum of its own.
 pub const MLP_CLUSTER: usize = 8;
 
 fn mlp_cluster(programmatic: bool, value: Option<&str>) -> usize {
@@ -257,7 +262,7 @@ fn mlp_cluster(programmatic: bool, value: Option<&str>) -> usize {
     value
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|n| *n <= 8)
-        .unwrap_or(MLP_CLUSTER)
+        .unwrap_or(0)
 }
 
 /// The cluster of `mlp_partials_mma` for `inter` activations (inter / 16 slices): the most
@@ -420,13 +425,25 @@ impl Gpu {
         })
     }
 
+    /// Fused layers' MLPs in one launch from now on, in clusters of at most `most` blocks
+    /// ([`MLP_CLUSTER`]; 0: the two launches), where the tensor-core kernels are loaded and
+    /// compiled for sm_90 (elsewhere it stays off). A row's bits differ between the two, so a
+    /// process decides before its first step (tests switch it to compare them); graphs captured
+    /// before keep the launches they captured (their key says which).
+    pub fn set_mlp_cluster(&self, most: usize) {
+        if let Some(mma) = self.mma_rows.get() {
+            let most = if mma.programmatic { most.min(8) } else { 0 };
+            mma.mlp_cluster.store(most, Ordering::Relaxed);
+        }
+    }
+
     /// The cluster sums a fused layer's MLP leaves when it runs in one launch
     /// ([`Gpu::mlp_partials`]) for a model of these sizes: `inter / 16 / cluster`; `None` where
     /// it does not (no tensor-core kernels, no clusters, or sizes the kernel does not take), and
     /// the MLP takes gate|up and down_proj's two launches.
     pub fn mlp_parts(&self, hidden: usize, inter: usize) -> Option<usize> {
         let mma = self.mma_rows_for(hidden, 1)?;
-        let cluster = mlp_cluster_for(mma.mlp_cluster, inter)?;
+        let cluster = mlp_cluster_for(mma.mlp_cluster.load(Ordering::Relaxed), inter)?;
         let warps = 2 * split(hidden);
         let fits = hidden.is_multiple_of(16)
             && hidden / 16 <= 4 * warps
@@ -465,7 +482,8 @@ impl Gpu {
             .mlp_parts(hidden, inter)
             .expect("mlp_parts before mlp_partials");
         let mma = self.mma_rows_for(hidden, 1).expect("mlp_parts");
-        let cluster = mlp_cluster_for(mma.mlp_cluster, inter).expect("mlp_parts");
+        let cluster =
+            mlp_cluster_for(mma.mlp_cluster.load(Ordering::Relaxed), inter).expect("mlp_parts");
         let warps = 2 * split(hidden);
         assert!((1..=super::MMA_MAX_ROWS).contains(&rows));
         assert!(x.len() >= rows * hidden && norm_w.len() >= hidden);
@@ -776,11 +794,12 @@ mod tests {
         assert_eq!(mlp_cluster_for(4, 1536), Some(4));
         assert_eq!(mlp_cluster_for(1, 1536), None);
         assert_eq!(mlp_cluster_for(0, 1536), None);
-        // The switch: 8 by default, 0 to 8 as asked, never off sm_90.
-        assert_eq!(mlp_cluster(true, None), MLP_CLUSTER);
+        // The switch: off by default, 0 to 8 as asked, never off sm_90.
+        assert_eq!(mlp_cluster(true, None), 0);
+        assert_eq!(mlp_cluster(true, Some(" 8\n")), MLP_CLUSTER);
         assert_eq!(mlp_cluster(true, Some(" 4\n")), 4);
         assert_eq!(mlp_cluster(true, Some("0")), 0);
-        assert_eq!(mlp_cluster(true, Some("9")), MLP_CLUSTER);
+        assert_eq!(mlp_cluster(true, Some("9")), 0);
         assert_eq!(mlp_cluster(false, Some("8")), 0);
         // SmolLM2's block: two groups of 5 warps; the staged rows (9,216 bytes), 10 partial
         // tiles, 8 x 16 activations.
