@@ -764,6 +764,11 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
 // over the ranks in rank order), then across the clusters by whoever reads the layer's output
 // (`sum_mlp_partials`: the next layer's one-launch q|k|v and attention, or add_mlp_partials).
 //
+// Measured (session 51, H100): slower than the two launches (a batch-1 decode 0.639 ms of
+// device time against 0.555; a 32-row verification 1.633 against 1.092): the launch boundary
+// it removes costs less than the trips to L2 it adds (the slices' products, the cluster sums,
+// the reader's sum). Off by default (`TANDEM_CUDA_MLP_CLUSTER=8` in Rust turns it on).
+//
 // Bits: act is computed exactly as norm_gate_up_silu_mma computes it (the same tiles, the same
 // k slices over split(hidden) warps, the same epilogue), and the rest depends on the weights'
 // shapes only, never on the step's rows: a row gets the same bits in every step of 1 to 32

@@ -250,7 +250,8 @@ const MLP_SLICE: usize = 16;
 /// launch (its slices' down_proj products are summed inside the cluster, so a layer's output
 /// is the residual plus inter / 16 / cluster sums; SmolLM2: 96 slices, clusters of 8, 12 sums,
 /// [`mlp_cluster_for`]): `TANDEM_CUDA_MLP_CLUSTER=8` turns it on (2 to 8, the portable size;
-/// 0 or 1, or unset: the two launches, the default until a GPU has measured it). Never where
+/// 0 or 1, or unset: the two launches, the default: on an H100 the one launch made a batch-1
+/// decode 0.639 ms of device time against 0.555, session 51, BENCHMARKS.md). Never where
 /// the kernels are not compiled for sm_90 (`programmatic`): without clusters every slice would
 /// be a sum of its own.
 pub const MLP_CLUSTER: usize = 8;
