@@ -48,6 +48,77 @@
 #define PDL_LAUNCH_DEPENDENTS()
 #endif
 
+// Flow counters (TANDEM_CUDA_FLOW=1; `FlowLink` in crates/tandem-cuda/src/device.rs): within a
+// fused layer's chain of launches (the one-launch q|k|v and attention, o_proj, gate|up with
+// SwiGLU, down_proj), a launch waits for its predecessor's blocks to say they have written
+// their outputs instead of for the predecessor grid's end. PDL_WAIT (griddepcontrol.wait)
+// returns once the previous grid has finished and its memory is flushed; here each producer
+// block adds one to a counter with release semantics once its outputs are written, and each
+// warp of the consumer spins (one lane, acquire) until the counter holds every producer block.
+// Why: the grid's end, its flush and the wait's release are a fixed cost at every boundary of a
+// latency-bound step (a batch-1 decode is ~120 launches); a release-add seen by an acquire load
+// is two trips to L2.
+// Safe because: the consumer only launches once every producer block has passed its own wait
+// (the late trigger, or the launch after the producer's end), so producers are resident and
+// never wait on the consumer; release/acquire chains are transitive, so what the producer's
+// own producers wrote is visible too; the host links two launches only when nothing else was
+// launched between them, and the step's first launch (embed_rows) zeroes the step's counters
+// (the previous step's launches have all finished before it starts).
+// `counter` null: no link, PDL_WAIT as before.
+#if defined(TANDEM_EMULATE)
+// Launches run one after another in the emulator: the producer's blocks have all signalled.
+#define FLOW_SPIN(counter, producers) emu_flow_check(counter, producers)
+#define FLOW_RELEASE_ADD(counter) atomicAdd(counter, 1u)
+#else
+#define FLOW_SPIN(counter, producers)                                                    \
+    do {                                                                                 \
+        if ((threadIdx.x & 31) == 0) {                                                   \
+            unsigned int seen_;                                                          \
+            do {                                                                         \
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"                       \
+                             : "=r"(seen_)                                               \
+                             : "l"(counter)                                              \
+                             : "memory");                                                \
+            } while (seen_ < (producers));                                               \
+        }                                                                                \
+        __syncwarp();                                                                    \
+    } while (0)
+#define FLOW_RELEASE_ADD(counter) \
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory")
+#endif
+
+// Every thread of the block calls it once, where it would call PDL_WAIT.
+__device__ __forceinline__ void flow_wait(const unsigned int* counter, unsigned int producers) {
+    if (counter == nullptr) {
+        PDL_WAIT();
+        return;
+    }
+    FLOW_SPIN(counter, producers);
+#if defined(TANDEM_PDL) && TANDEM_PDL && defined(TANDEM_PDL_LATE) && TANDEM_PDL_LATE
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The block's outputs are written: one add to `counter` (null: no link). Called by every lane
+// of the one warp that wrote the block's outputs (`__syncwarp` orders their writes before lane
+// 0's release), or by every thread of the block with `whole_block` (a block barrier instead).
+__device__ __forceinline__ void flow_signal(unsigned int* counter, bool whole_block) {
+    if (counter == nullptr) {
+        return;
+    }
+    if (whole_block) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            FLOW_RELEASE_ADD(counter);
+        }
+    } else {
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) {
+            FLOW_RELEASE_ADD(counter);
+        }
+    }
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short v) {
     return __uint_as_float(((unsigned int)v) << 16);
 }

@@ -196,17 +196,28 @@ run_gpu_tests() {
   # communicators; two: the 2-rank cases too).
   [[ -f "$W/nccl_env.sh" ]] && source "$W/nccl_env.sh"
   export TANDEM_TEST_GPUS=$(nvidia-smi -L | wc -l)
-  # The tensor-parallel test first and alone, under a short limit: it is the one whose NCCL
-  # all-reduces could hang, and a hang must not eat the whole suite's time.
-  local tp_test=tensor_parallel_taps_and_logits_equal_one_gpu
-  NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 240 "$W/gpu-tests" --ignored --exact "$tp_test" \
-    --nocapture --test-threads 1 > "$R/tests-cuda-tp.log" 2>&1
-  echo "tandem-cuda tensor-parallel GPU test: exit $?" | tee -a "$R/summary.txt"
-  timeout "$1" "$W/gpu-tests" --ignored --test-threads 1 --skip "$tp_test" \
-    > "$R/tests-cuda.log" 2>&1
-  echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
-  timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
-  echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
+  if [[ -n "${CUDA_TESTS_FILTER:-}" ]]; then
+    # CUDA_TESTS_FILTER=NAME: only the tandem-cuda GPU tests whose names hold NAME (a short
+    # run checking one change), with their output.
+    timeout "$1" "$W/gpu-tests" --ignored --test-threads 1 --nocapture "$CUDA_TESTS_FILTER" \
+      > "$R/tests-cuda.log" 2>&1
+    echo "tandem-cuda GPU tests matching $CUDA_TESTS_FILTER: exit $?" | tee -a "$R/summary.txt"
+  else
+    # The tensor-parallel test first and alone, under a short limit: it is the one whose NCCL
+    # all-reduces could hang, and a hang must not eat the whole suite's time.
+    local tp_test=tensor_parallel_taps_and_logits_equal_one_gpu
+    NCCL_DEBUG=${NCCL_DEBUG:-WARN} timeout 240 "$W/gpu-tests" --ignored --exact "$tp_test" \
+      --nocapture --test-threads 1 > "$R/tests-cuda-tp.log" 2>&1
+    echo "tandem-cuda tensor-parallel GPU test: exit $?" | tee -a "$R/summary.txt"
+    timeout "$1" "$W/gpu-tests" --ignored --test-threads 1 --skip "$tp_test" \
+      > "$R/tests-cuda.log" 2>&1
+    echo "tandem-cuda GPU tests: exit $?" | tee -a "$R/summary.txt"
+  fi
+  # INFER_TESTS=0: the tandem-infer suite only with TESTS_AB_ENV (below).
+  if [[ "${INFER_TESTS:-1}" != 0 ]]; then
+    timeout "$1" "$W/gpu-fast-tests" --ignored --test-threads 1 > "$R/tests-infer.log" 2>&1
+    echo "tandem-infer GPU tests: exit $?" | tee -a "$R/summary.txt"
+  fi
   # TESTS_AB_ENV="VAR=value ..": the tandem-infer GPU tests (greedy equality, policy rounds,
   # the head's graphs) again with these exported, e.g. a kernel family that is not the default.
   if [[ -n "${TESTS_AB_ENV:-}" ]]; then
