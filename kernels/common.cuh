@@ -57,7 +57,7 @@
 // warp of the consumer spins (one lane, acquire) until the counter holds every producer block.
 // Why: the grid's end, its flush and the wait's release are a fixed cost at every boundary of a
 // latency-bound step (a batch-1 decode is ~120 launches); a release-add seen by an acquire load
-// is two trips to L2.
+// is two trips to L2. Generic addresses (no .global): the pointers are the kernels' own.
 // Safe because: the consumer only launches once every producer block has passed its own wait
 // (the late trigger, or the launch after the producer's end), so producers are resident and
 // never wait on the consumer; release/acquire chains are transitive, so what the producer's
@@ -75,7 +75,7 @@
         if ((threadIdx.x & 31) == 0) {                                                   \
             unsigned int seen_;                                                          \
             do {                                                                         \
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"                       \
+                asm volatile("ld.acquire.gpu.u32 %0, [%1];"                              \
                              : "=r"(seen_)                                               \
                              : "l"(counter)                                              \
                              : "memory");                                                \
@@ -84,7 +84,7 @@
         __syncwarp();                                                                    \
     } while (0)
 #define FLOW_RELEASE_ADD(counter) \
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory")
+    asm volatile("red.release.gpu.add.u32 [%0], 1;" ::"l"(counter) : "memory")
 #endif
 
 // Every thread of the block calls it once, where it would call PDL_WAIT.
