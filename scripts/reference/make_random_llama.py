@@ -5,6 +5,8 @@ speed tables of a target the size users train heads for (issue #16). Made on the
 The tokenizer files are copied from another model directory (token ids stay below its vocab).
 
 Usage: python3 make_random_llama.py OUT_DIR --tokenizer-from MODEL_DIR [--shape S] [--layers N]
+       [--config-from MODEL_DIR]  (another model's config.json as the shape, e.g. SmolLM2's for
+       its step times without carrying its weights)
 """
 import argparse
 import json
@@ -68,8 +70,12 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, help="default: the shape's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-from", help="a model directory whose config.json is the shape")
     args = ap.parse_args()
     base = SHAPES[args.shape]
+    if args.config_from:
+        with open(os.path.join(args.config_from, "config.json")) as f:
+            base = json.load(f)
     args.layers = args.layers or base["num_hidden_layers"]
     cfg = dict(base, num_hidden_layers=args.layers)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
@@ -104,7 +110,7 @@ def main():
             shards[-1].update({f"{p}.self_attn.{n}_proj.bias": rand(d)
                                for n, d in (("q", q), ("k", kv), ("v", kv))})
     last = {"model.norm.weight": ones(h)}
-    if not cfg["tie_word_embeddings"]:
+    if not cfg.get("tie_word_embeddings", False):
         last["lm_head.weight"] = rand(cfg["vocab_size"], h)
     shards.append(last)
     # About 4 GB per file, as HF shards.
