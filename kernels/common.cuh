@@ -70,15 +70,22 @@
 #define FLOW_SPIN(counter, producers) emu_flow_check(counter, producers)
 #define FLOW_RELEASE_ADD(counter) atomicAdd(counter, 1u)
 #else
+// The spin is bounded (FLOW_MAX_POLLS, seconds): a link naming more producers than will ever
+// signal (a host bug) ends the launch with a trap, an error the host reports, instead of a
+// GPU that never finishes the step.
+#define FLOW_MAX_POLLS (1u << 25)
 #define FLOW_SPIN(counter, producers)                                                    \
     do {                                                                                 \
         if ((threadIdx.x & 31) == 0) {                                                   \
-            unsigned int seen_;                                                          \
+            unsigned int seen_, polls_ = 0;                                              \
             do {                                                                         \
                 asm volatile("ld.acquire.gpu.u32 %0, [%1];"                              \
                              : "=r"(seen_)                                               \
                              : "l"(counter)                                              \
                              : "memory");                                                \
+                if (++polls_ == FLOW_MAX_POLLS) {                                        \
+                    asm volatile("trap;");                                               \
+                }                                                                        \
             } while (seen_ < (producers));                                               \
         }                                                                                \
         __syncwarp();                                                                    \

@@ -5,7 +5,8 @@
 # its flow modes. Here: `bash scripts/gpu/flow_ab.sh pack` (after `cargo build --release` and
 # the GPU test binary: `rows_profile.sh pack` leaves .device/b/gpu-tests.xz); there (carry
 # .device/x): `bash scripts/gpu/flow_ab.sh run`. Arms in order: defaults, flow, flow with the
-# early trigger, defaults again (a drift of the card shows between the two default arms).
+# early trigger, defaults again (a drift of the card shows between the two default arms);
+# ARMS="default flow default-again" for fewer.
 set -uo pipefail
 case "${1:-}" in
 pack)
@@ -29,7 +30,7 @@ run)
     > "$R/test.log" 2>&1
   echo "batch-invariance GPU test (with the flow modes): exit $?"
   grep -E "^test |test result|panicked" "$R/test.log" | head
-  for arm in default flow flow-early default-again; do
+  for arm in ${ARMS:-default flow flow-early default-again}; do
     case $arm in
       default*) envs=() ;;
       flow) envs=(TANDEM_CUDA_FLOW=1) ;;
@@ -40,7 +41,7 @@ run)
       --fused on --json "$R/fb-$arm.json" > "$R/fb-$arm.md" 2> "$R/fb-$arm.log"
     echo "fast-bench $arm (${envs[*]:-defaults}): exit $?; $(grep -h 'flow counters' "$R/fb-$arm.log")"
   done
-  for arm in default flow flow-early default-again; do
+  for arm in ${ARMS:-default flow flow-early default-again}; do
     grep -E "^\|" "$R/fb-$arm.md" | sed "s/^/$arm /"
   done
   ;;
