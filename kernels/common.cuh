@@ -36,14 +36,22 @@
 // for, which is why the attention in the chain measured slower in session 42. With the late
 // trigger it joins the chain by default and pays (session 47: a batch-8 decode 5% less device
 // time, an 8-token verification 6-7%; BENCHMARKS.md).
+// PDL_TRIGGER_AFTER_WAIT: what follows a kernel's wait, the trigger with TANDEM_PDL_LATE (also
+// after a flow counter's wait, `flow_wait` below), nothing otherwise.
 #if defined(TANDEM_PDL) && TANDEM_PDL && defined(TANDEM_PDL_LATE) && TANDEM_PDL_LATE
-#define PDL_WAIT() \
-    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_TRIGGER_AFTER_WAIT() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT()                                                \
+    do {                                                          \
+        asm volatile("griddepcontrol.wait;" ::: "memory");        \
+        PDL_TRIGGER_AFTER_WAIT();                                 \
+    } while (0)
 #define PDL_LAUNCH_DEPENDENTS()
 #elif defined(TANDEM_PDL) && TANDEM_PDL
+#define PDL_TRIGGER_AFTER_WAIT()
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define PDL_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #else
+#define PDL_TRIGGER_AFTER_WAIT()
 #define PDL_WAIT()
 #define PDL_LAUNCH_DEPENDENTS()
 #endif
@@ -101,9 +109,7 @@ __device__ __forceinline__ void flow_wait(const unsigned int* counter, unsigned 
         return;
     }
     FLOW_SPIN(counter, producers);
-#if defined(TANDEM_PDL) && TANDEM_PDL && defined(TANDEM_PDL_LATE) && TANDEM_PDL_LATE
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+    PDL_TRIGGER_AFTER_WAIT();
 }
 
 // The block's outputs are written: one add to `counter` (null: no link). Called by every lane

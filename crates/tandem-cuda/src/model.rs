@@ -1791,7 +1791,7 @@ impl CudaTarget {
         let (tokens, positions) = (inputs.tokens(), inputs.positions());
         let scalars = graphed.map(|()| inputs.scalars());
         let scalars = scalars.as_ref();
-        let links = self.fuses(rows) && self.links_flow(shape);
+        let links = self.links_flow(shape);
         let mut flow =
             FlowChain::new(links.then(|| (gpu.address(flow_counters), flow_counters.len())));
         gpu.embed_rows(

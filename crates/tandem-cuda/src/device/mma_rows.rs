@@ -680,8 +680,9 @@ impl Gpu {
         // dynamic shared memory as `qkv_attention_shared_bytes`, at most 48 KiB; `width` new
         // columns a sequence from `col0` (with `step_scalars`, the caller checks each step's);
         // lists hold columns below `total`; the wait (PDL_WAIT or the linked counter) before
-        // reading anything but the weights; the grid a whole number of clusters of at most 8 blocks of at most 512 threads and 48 KiB, and
-        // clusters of more than one block only where the kernels were compiled for sm_90.
+        // reading anything but the weights; the grid a whole number of clusters of at most 8
+        // blocks of at most 512 threads and 48 KiB, and clusters of more than one block only
+        // where the kernels were compiled for sm_90.
         unsafe {
             self.launch_programmatic_clusters(
                 &mma.qkv_attention,

@@ -551,21 +551,23 @@ static bool check_flow(std::mt19937& rng, int rows) {
     const auto residual = random_f32(rng, rows * hidden);
     const EmuDim3 o_grid = mma_grid((hidden + 15) / 16, rows), gate_grid = mma_grid((inter + 7) / 8, rows);
     const unsigned int o_blocks = o_grid.x * o_grid.y, gate_blocks = gate_grid.x * gate_grid.y;
+    // `c`: the three launches' counters (null: unlinked, the programmatic wait).
     auto layer = [&](std::vector<float>& y, std::vector<unsigned short>& act, std::vector<float>& tap,
                      unsigned int* c) {
+        unsigned int* const c1 = c == nullptr ? nullptr : c + 1;
+        unsigned int* const c2 = c == nullptr ? nullptr : c + 2;
+        const unsigned int linked = c == nullptr ? 0u : 1u;
         emu_launch(o_grid, EmuDim3{32 * split_for(hidden), 1, 1}, 0, [&] {
             gemv_rows_mma(attn.data(), w_o.data(), y.data(), nullptr, rows, hidden, hidden, 1,
                           nullptr, 0u, c);
         });
         emu_launch(gate_grid, EmuDim3{32 * split_for(hidden), 1, 1}, rows * hidden * 2, [&] {
             norm_gate_up_silu_mma(y.data(), norm_w.data(), gate_up.data(), act.data(), rows, hidden,
-                                  inter, 1e-5f, c, c == nullptr ? 0u : o_blocks,
-                                  c == nullptr ? nullptr : c + 1);
+                                  inter, 1e-5f, c, linked * o_blocks, c1);
         });
         emu_launch(o_grid, EmuDim3{32 * split_for(inter), 1, 1}, 0, [&] {
-            gemv_rows_mma(act.data(), down.data(), y.data(), tap.data(), rows, inter, hidden, 1,
-                          c == nullptr ? nullptr : c + 1, c == nullptr ? 0u : gate_blocks,
-                          c == nullptr ? nullptr : c + 2);
+            gemv_rows_mma(act.data(), down.data(), y.data(), tap.data(), rows, inter, hidden, 1, c1,
+                          linked * gate_blocks, c2);
         });
     };
     std::vector<float> want_y = residual, got_y = residual;
