@@ -61,8 +61,8 @@
 // SwiGLU, down_proj), a launch waits for its predecessor's blocks to say they have written
 // their outputs instead of for the predecessor grid's end. PDL_WAIT (griddepcontrol.wait)
 // returns once the previous grid has finished and its memory is flushed; here each producer
-// block adds one to a counter with release semantics once its outputs are written, and each
-// warp of the consumer spins (one lane, acquire) until the counter holds every producer block.
+// block adds one to a counter with release semantics once its outputs are written, and one
+// thread of each consumer block spins until the counter holds every producer block.
 // Why: the grid's end, its flush and the wait's release are a fixed cost at every boundary of a
 // latency-bound step (a batch-1 decode is ~120 launches); a release-add seen by an acquire load
 // is two trips to L2. Generic addresses (no .global): the pointers are the kernels' own.
@@ -82,6 +82,10 @@
 // signal (a host bug) ends the launch with a trap, an error the host reports, instead of a
 // GPU that never finishes the step.
 #define FLOW_MAX_POLLS (1u << 25)
+#if defined(TANDEM_FLOW_WARP_SPIN)
+// Session 52's spin: lane 0 of every warp polls with acquire loads. Measured slower (session
+// 53, H100: a batch-1 decode 0.678 ms against 0.604 without flow): a gate|up launch's 192
+// blocks of 8 warps put ~1,500 pollers on the one counter its producers add to.
 #define FLOW_SPIN(counter, producers)                                                    \
     do {                                                                                 \
         if ((threadIdx.x & 31) == 0) {                                                   \
@@ -98,6 +102,37 @@
         }                                                                                \
         __syncwarp();                                                                    \
     } while (0)
+#else
+// One poller a block (thread 0, relaxed loads, one acquire fence once the count is reached),
+// then a block barrier that orders the rest of the block after the fence: the pattern of
+// cooperative groups' grid sync. TANDEM_FLOW_SLEEP_NS: a pause between polls.
+#if defined(TANDEM_FLOW_SLEEP_NS) && __CUDA_ARCH__ >= 700
+#define FLOW_BACKOFF() __nanosleep(TANDEM_FLOW_SLEEP_NS)
+#else
+#define FLOW_BACKOFF()
+#endif
+#define FLOW_SPIN(counter, producers)                                                    \
+    do {                                                                                 \
+        if (threadIdx.x == 0) {                                                          \
+            unsigned int seen_, polls_ = 0;                                              \
+            while (true) {                                                               \
+                asm volatile("ld.relaxed.gpu.u32 %0, [%1];"                              \
+                             : "=r"(seen_)                                               \
+                             : "l"(counter)                                              \
+                             : "memory");                                                \
+                if (seen_ >= (producers)) {                                              \
+                    break;                                                               \
+                }                                                                        \
+                if (++polls_ == FLOW_MAX_POLLS) {                                        \
+                    asm volatile("trap;");                                               \
+                }                                                                        \
+                FLOW_BACKOFF();                                                          \
+            }                                                                            \
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");                             \
+        }                                                                                \
+        __syncthreads();                                                                 \
+    } while (0)
+#endif
 #define FLOW_RELEASE_ADD(counter) \
     asm volatile("red.release.gpu.add.u32 [%0], 1;" ::"l"(counter) : "memory")
 #endif

@@ -6,7 +6,8 @@
 # the GPU test binary: `rows_profile.sh pack` leaves .device/b/gpu-tests.xz); there (carry
 # .device/x): `bash scripts/gpu/flow_ab.sh run`. Arms in order: defaults, flow, flow with the
 # early trigger, defaults again (a drift of the card shows between the two default arms);
-# ARMS="default flow default-again" for fewer.
+# ARMS="default flow default-again" for fewer; also flow-warp (session 52's spin, a poller a
+# warp) and flow-sleep (a pause of FLOW_SLEEP_NS, default 100, between a block's polls).
 set -uo pipefail
 case "${1:-}" in
 pack)
@@ -34,6 +35,8 @@ run)
     case $arm in
       default*) envs=() ;;
       flow) envs=(TANDEM_CUDA_FLOW=1) ;;
+      flow-warp) envs=(TANDEM_CUDA_FLOW=1 TANDEM_CUDA_FLOW_SPIN=warp) ;;
+      flow-sleep) envs=(TANDEM_CUDA_FLOW=1 TANDEM_CUDA_FLOW_SPIN=${FLOW_SLEEP_NS:-100}) ;;
       flow-early) envs=(TANDEM_CUDA_FLOW=1 TANDEM_CUDA_PDL_LATE=0) ;;
     esac
     env "${envs[@]}" timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch "${FAST_BATCH:-1,8}" \

@@ -64,7 +64,11 @@ fn compile_source_for(
         full_source(
             source,
             name,
-            &format!("{}{defines}", pdl_defines(programmatic, late)),
+            &format!(
+                "{}{}{defines}",
+                pdl_defines(programmatic, late),
+                flow_spin_defines(std::env::var("TANDEM_CUDA_FLOW_SPIN").ok().as_deref())
+            ),
         ),
         CompileOptions {
             name: Some(name.into()),
@@ -82,6 +86,20 @@ pub(crate) fn pdl_defines(programmatic: bool, late: bool) -> &'static str {
         (false, _) => "",
         (true, false) => "#define TANDEM_PDL 1\n",
         (true, true) => "#define TANDEM_PDL 1\n#define TANDEM_PDL_LATE 1\n",
+    }
+}
+
+/// How a flow counter's consumer polls (kernels/common.cuh, `FLOW_SPIN`), from
+/// `TANDEM_CUDA_FLOW_SPIN`: unset, one thread a block; `warp`, lane 0 of every warp (session
+/// 52's spin, kept for A/B runs); a number of nanoseconds, one thread a block pausing that long
+/// between polls.
+pub(crate) fn flow_spin_defines(value: Option<&str>) -> String {
+    match value.map(str::trim) {
+        Some("warp") => "#define TANDEM_FLOW_WARP_SPIN 1\n".to_string(),
+        Some(ns) if ns.parse::<u32>().is_ok_and(|ns| ns > 0) => {
+            format!("#define TANDEM_FLOW_SLEEP_NS {ns}\n")
+        }
+        _ => String::new(),
     }
 }
 
@@ -2903,6 +2921,11 @@ mod tests {
         assert!(pdl_defines(true, true).contains("TANDEM_PDL_LATE 1"));
         assert!(!pdl_defines(true, false).contains("LATE"));
         assert_eq!(pdl_defines(false, true), "");
+        assert_eq!(flow_spin_defines(None), "");
+        assert_eq!(flow_spin_defines(Some("0")), "");
+        assert_eq!(flow_spin_defines(Some("warp")), "#define TANDEM_FLOW_WARP_SPIN 1\n");
+        assert_eq!(flow_spin_defines(Some(" 64")), "#define TANDEM_FLOW_SLEEP_NS 64\n");
+        assert_eq!(flow_spin_defines(Some("fast")), "");
     }
 
     #[test]
