@@ -36,136 +36,17 @@
 // for, which is why the attention in the chain measured slower in session 42. With the late
 // trigger it joins the chain by default and pays (session 47: a batch-8 decode 5% less device
 // time, an 8-token verification 6-7%; BENCHMARKS.md).
-// PDL_TRIGGER_AFTER_WAIT: what follows a kernel's wait, the trigger with TANDEM_PDL_LATE (also
-// after a flow counter's wait, `flow_wait` below), nothing otherwise.
 #if defined(TANDEM_PDL) && TANDEM_PDL && defined(TANDEM_PDL_LATE) && TANDEM_PDL_LATE
-#define PDL_TRIGGER_AFTER_WAIT() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#define PDL_WAIT()                                                \
-    do {                                                          \
-        asm volatile("griddepcontrol.wait;" ::: "memory");        \
-        PDL_TRIGGER_AFTER_WAIT();                                 \
-    } while (0)
+#define PDL_WAIT() \
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #define PDL_LAUNCH_DEPENDENTS()
 #elif defined(TANDEM_PDL) && TANDEM_PDL
-#define PDL_TRIGGER_AFTER_WAIT()
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define PDL_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #else
-#define PDL_TRIGGER_AFTER_WAIT()
 #define PDL_WAIT()
 #define PDL_LAUNCH_DEPENDENTS()
 #endif
-
-// Flow counters (TANDEM_CUDA_FLOW=1; `FlowLink` in crates/tandem-cuda/src/device.rs): within a
-// fused layer's chain of launches (the one-launch q|k|v and attention, o_proj, gate|up with
-// SwiGLU, down_proj), a launch waits for its predecessor's blocks to say they have written
-// their outputs instead of for the predecessor grid's end. PDL_WAIT (griddepcontrol.wait)
-// returns once the previous grid has finished and its memory is flushed; here each producer
-// block adds one to a counter with release semantics once its outputs are written, and one
-// thread of each consumer block spins until the counter holds every producer block.
-// Why: the grid's end, its flush and the wait's release are a fixed cost at every boundary of a
-// latency-bound step (a batch-1 decode is ~120 launches); a release-add seen by an acquire load
-// is two trips to L2. Generic addresses (no .global): the pointers are the kernels' own.
-// Safe because: the consumer only launches once every producer block has passed its own wait
-// (the late trigger, or the launch after the producer's end), so producers are resident and
-// never wait on the consumer; release/acquire chains are transitive, so what the producer's
-// own producers wrote is visible too; the host links two launches only when nothing else was
-// launched between them, and the step's first launch (embed_rows) zeroes the step's counters
-// (the previous step's launches have all finished before it starts).
-// `counter` null: no link, PDL_WAIT as before.
-#if defined(TANDEM_EMULATE)
-// Launches run one after another in the emulator: the producer's blocks have all signalled.
-#define FLOW_SPIN(counter, producers) emu_flow_check(counter, producers)
-#define FLOW_RELEASE_ADD(counter) atomicAdd(counter, 1u)
-#else
-// The spin is bounded (FLOW_MAX_POLLS, seconds): a link naming more producers than will ever
-// signal (a host bug) ends the launch with a trap, an error the host reports, instead of a
-// GPU that never finishes the step.
-#define FLOW_MAX_POLLS (1u << 25)
-#if defined(TANDEM_FLOW_WARP_SPIN)
-// Session 52's spin: lane 0 of every warp polls with acquire loads. Measured slower (session
-// 53, H100: a batch-1 decode 0.678 ms against 0.604 without flow): a gate|up launch's 192
-// blocks of 8 warps put ~1,500 pollers on the one counter its producers add to.
-#define FLOW_SPIN(counter, producers)                                                    \
-    do {                                                                                 \
-        if ((threadIdx.x & 31) == 0) {                                                   \
-            unsigned int seen_, polls_ = 0;                                              \
-            do {                                                                         \
-                asm volatile("ld.acquire.gpu.u32 %0, [%1];"                              \
-                             : "=r"(seen_)                                               \
-                             : "l"(counter)                                              \
-                             : "memory");                                                \
-                if (++polls_ == FLOW_MAX_POLLS) {                                        \
-                    asm volatile("trap;");                                               \
-                }                                                                        \
-            } while (seen_ < (producers));                                               \
-        }                                                                                \
-        __syncwarp();                                                                    \
-    } while (0)
-#else
-// One poller a block (thread 0, relaxed loads, one acquire fence once the count is reached),
-// then a block barrier that orders the rest of the block after the fence: the pattern of
-// cooperative groups' grid sync. TANDEM_FLOW_SLEEP_NS: a pause between polls.
-#if defined(TANDEM_FLOW_SLEEP_NS) && __CUDA_ARCH__ >= 700
-#define FLOW_BACKOFF() __nanosleep(TANDEM_FLOW_SLEEP_NS)
-#else
-#define FLOW_BACKOFF()
-#endif
-#define FLOW_SPIN(counter, producers)                                                    \
-    do {                                                                                 \
-        if (threadIdx.x == 0) {                                                          \
-            unsigned int seen_, polls_ = 0;                                              \
-            while (true) {                                                               \
-                asm volatile("ld.relaxed.gpu.u32 %0, [%1];"                              \
-                             : "=r"(seen_)                                               \
-                             : "l"(counter)                                              \
-                             : "memory");                                                \
-                if (seen_ >= (producers)) {                                              \
-                    break;                                                               \
-                }                                                                        \
-                if (++polls_ == FLOW_MAX_POLLS) {                                        \
-                    asm volatile("trap;");                                               \
-                }                                                                        \
-                FLOW_BACKOFF();                                                          \
-            }                                                                            \
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");                             \
-        }                                                                                \
-        __syncthreads();                                                                 \
-    } while (0)
-#endif
-#define FLOW_RELEASE_ADD(counter) \
-    asm volatile("red.release.gpu.add.u32 [%0], 1;" ::"l"(counter) : "memory")
-#endif
-
-// Every thread of the block calls it once, where it would call PDL_WAIT.
-__device__ __forceinline__ void flow_wait(const unsigned int* counter, unsigned int producers) {
-    if (counter == nullptr) {
-        PDL_WAIT();
-        return;
-    }
-    FLOW_SPIN(counter, producers);
-    PDL_TRIGGER_AFTER_WAIT();
-}
-
-// The block's outputs are written: one add to `counter` (null: no link). Called by every lane
-// of the one warp that wrote the block's outputs (`__syncwarp` orders their writes before lane
-// 0's release), or by every thread of the block with `whole_block` (a block barrier instead).
-__device__ __forceinline__ void flow_signal(unsigned int* counter, bool whole_block) {
-    if (counter == nullptr) {
-        return;
-    }
-    if (whole_block) {
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            FLOW_RELEASE_ADD(counter);
-        }
-    } else {
-        __syncwarp();
-        if ((threadIdx.x & 31) == 0) {
-            FLOW_RELEASE_ADD(counter);
-        }
-    }
-}
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short v) {
     return __uint_as_float(((unsigned int)v) << 16);

@@ -13,19 +13,10 @@
 // NEG_INF, the bf16 conversions, warp_sum / block_sum, block_argmax and row_argmax:
 // kernels/common.cuh.
 
-// out[r, :] = embed[tokens[r], :] (the `embed` tap point). Grid: rows. A step's first launch,
-// so it also zeroes the step's `flow_count` flow counters (kernels/common.cuh, `flow_wait`;
-// null and 0 without): every launch of the previous step has finished when it starts, and
-// every launch of this one that adds to them comes after it.
+// out[r, :] = embed[tokens[r], :] (the `embed` tap point). Grid: rows.
 extern "C" __global__ void embed_rows(const unsigned short* table, const unsigned int* tokens,
-                                      float* out, int hidden, unsigned int* flow_counters = nullptr,
-                                      int flow_count = 0) {
+                                      float* out, int hidden) {
     const int r = blockIdx.x;
-    if (r == 0) {
-        for (int i = threadIdx.x; i < flow_count; i += blockDim.x) {
-            flow_counters[i] = 0;
-        }
-    }
     const unsigned short* src = table + (size_t)tokens[r] * hidden;
     float* dst = out + (size_t)r * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {

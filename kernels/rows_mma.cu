@@ -206,10 +206,7 @@ struct WaitOnly {
 extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
                                          const unsigned short* __restrict__ w,
                                          float* __restrict__ y, float* __restrict__ tap,
-                                         int rows, int inp, int out, int accumulate,
-                                         const unsigned int* flow_wait_on = nullptr,
-                                         unsigned int flow_producers = 0,
-                                         unsigned int* flow_signal_to = nullptr) {
+                                         int rows, int inp, int out, int accumulate) {
     const int r0 = MMA_GROUP * GROUP_ROWS;  // this block's row group
     rows = min(rows - r0, GROUP_ROWS);
     x += (size_t)r0 * inp;
@@ -231,7 +228,7 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
     // (prev + c and c + prev are the same float).
     float prev[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto stage = [&]() {
-        flow_wait(flow_wait_on, flow_producers);
+        PDL_WAIT();
         if (accumulate && threadIdx.x < 32) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -258,7 +255,6 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
             }
         }
     }
-    flow_signal(flow_signal_to, false);  // warp 0 wrote the block's outputs
 }
 
 // y[r, o] = bf16(rms_norm(xf[r]) * norm_w) . w[o, :], as gemv_norm_rows. Grid: ceil(out / 16);
@@ -307,10 +303,7 @@ extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
                                                  const unsigned short* __restrict__ norm_w,
                                                  const unsigned short* __restrict__ w,
                                                  unsigned short* __restrict__ act, int rows,
-                                                 int hidden, int inter, float eps,
-                                                 const unsigned int* flow_wait_on = nullptr,
-                                                 unsigned int flow_producers = 0,
-                                                 unsigned int* flow_signal_to = nullptr) {
+                                                 int hidden, int inter, float eps) {
     const int r0 = MMA_GROUP * GROUP_ROWS;
     rows = min(rows - r0, GROUP_ROWS);
     x += (size_t)r0 * hidden;
@@ -326,7 +319,7 @@ extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
     const MmaOperand none{w, xs, 0};
     float c[4];
     auto stage = [&]() {
-        flow_wait(flow_wait_on, flow_producers);
+        PDL_WAIT();
         stage_rms_normed(x, norm_w, xs, rows, hidden, eps);
     };
     if (!mma_rows_tile(a, none, (size_t)jw, (size_t)(inter + jw), rows, stage, c)) {
@@ -340,7 +333,6 @@ extern "C" __global__ void norm_gate_up_silu_mma(const float* __restrict__ x,
             act[(size_t)r * inter + j] = f32_to_bf16(gate / (1.0f + expf(-gate)) * c[2 + i]);
         }
     }
-    flow_signal(flow_signal_to, false);  // warp 0 wrote the block's outputs
 }
 
 // q|k|v of the normed input, the bias, RoPE and the cache write, as norm_qkv_rope (same
@@ -605,9 +597,7 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                       int hidden, int heads, int kv_heads, int head_dim, int capacity, int col0,
                       int total, float scale, const int* step_scalars, float eps, int groups,
                       int cluster, int width, const float* __restrict__ mlp_sums, int mlp_parts,
-                      float* __restrict__ x_out, float* __restrict__ tap,
-                      const unsigned int* flow_wait_on = nullptr, unsigned int flow_producers = 0,
-                      unsigned int* flow_signal_to = nullptr) {
+                      float* __restrict__ x_out, float* __restrict__ tap) {
     const int rank = blockIdx.x % cluster;
     const int b = blockIdx.x / cluster / heads;  // the sequence; its tokens are step rows
     const int r = b * width;                     // b * width .. + width - 1
@@ -666,7 +656,7 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
             if (pass > rank) {
                 return;
             }
-            flow_wait(flow_wait_on, flow_producers);
+            PDL_WAIT();
             if (step_scalars != nullptr) {
                 col0 = step_scalars[0];
                 total = step_scalars[1];
@@ -727,7 +717,7 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
     // A rank without a pass (more ranks than passes) still waits for its predecessor before
     // the barrier: the last rank reads step_scalars and the caches after it.
     if (rank >= passes) {
-        flow_wait(flow_wait_on, flow_producers);
+        PDL_WAIT();
         if (step_scalars != nullptr) {
             total = step_scalars[1];
         }
@@ -758,9 +748,6 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                              mask + (size_t)row * total, head_dim, attention_partials, q_shared,
                              out + ((size_t)row * heads + h) * head_dim);
     }
-    // Every block (attending or not) counts: the producers a linked o_proj waits for are the
-    // grid's blocks.
-    flow_signal(flow_signal_to, true);
 }
 
 // ---- A fused layer's MLP in one launch: gate|up, SwiGLU and down_proj's partial sums ----

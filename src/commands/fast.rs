@@ -308,10 +308,6 @@ pub fn run_bench(args: FastBenchArgs) -> anyhow::Result<()> {
             model.qkv_attention_width()
         );
     }
-    eprintln!(
-        "flow counters between a fused layer's launches (TANDEM_CUDA_FLOW=1): {}",
-        if gpu.flow() { "on" } else { "off" }
-    );
     let (regs, spilled, sms, warps) = gpu.persistent_resources()?;
     eprintln!(
         "persistent step: {regs} registers and {spilled} spilled bytes per thread, one block of {warps} warps on each of {sms} SMs"

@@ -4,7 +4,7 @@
 //! wrapper states the sizes it relies on and the callers pass buffers of those sizes.
 #![allow(unsafe_code)]
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -64,11 +64,7 @@ fn compile_source_for(
         full_source(
             source,
             name,
-            &format!(
-                "{}{}{defines}",
-                pdl_defines(programmatic, late),
-                flow_spin_defines(std::env::var("TANDEM_CUDA_FLOW_SPIN").ok().as_deref())
-            ),
+            &format!("{}{defines}", pdl_defines(programmatic, late)),
         ),
         CompileOptions {
             name: Some(name.into()),
@@ -86,20 +82,6 @@ pub(crate) fn pdl_defines(programmatic: bool, late: bool) -> &'static str {
         (false, _) => "",
         (true, false) => "#define TANDEM_PDL 1\n",
         (true, true) => "#define TANDEM_PDL 1\n#define TANDEM_PDL_LATE 1\n",
-    }
-}
-
-/// How a flow counter's consumer polls (kernels/common.cuh, `FLOW_SPIN`), from
-/// `TANDEM_CUDA_FLOW_SPIN`: unset, one thread a block; `warp`, lane 0 of every warp (session
-/// 52's spin, kept for A/B runs); a number of nanoseconds, one thread a block pausing that long
-/// between polls.
-pub(crate) fn flow_spin_defines(value: Option<&str>) -> String {
-    match value.map(str::trim) {
-        Some("warp") => "#define TANDEM_FLOW_WARP_SPIN 1\n".to_string(),
-        Some(ns) if ns.parse::<u32>().is_ok_and(|ns| ns > 0) => {
-            format!("#define TANDEM_FLOW_SLEEP_NS {ns}\n")
-        }
-        _ => String::new(),
     }
 }
 
@@ -448,34 +430,6 @@ pub struct Gpu {
     /// Whether fused steps take them (on sm_80+ unless `TANDEM_CUDA_MMA_ROWS=0`; see
     /// [`mma_rows::enabled`]).
     mma_rows_on: AtomicBool,
-    /// Whether a fused layer's launches wait for each other through flow counters instead of
-    /// the programmatic wait ([`FlowLink`]; `TANDEM_CUDA_FLOW=1`, [`Gpu::set_flow`]); only
-    /// with programmatic launch.
-    flow: AtomicBool,
-}
-
-/// A launch's link in a chain of flow counters (see `flow_wait` in kernels/common.cuh): the
-/// counter it waits on instead of the programmatic wait, with how many blocks add to it, and
-/// the counter each of its own blocks adds one to once its outputs are written. The default
-/// links nothing. The caller links a launch to the one just before it in the stream only
-/// (a launch between them would not be waited for), and the counters start at zero
-/// ([`Gpu::embed_rows`] zeroes a step's).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FlowLink {
-    pub wait: Option<FlowCounter>,
-    pub signal: Option<u64>,
-}
-
-/// A flow counter's device address and the blocks that add to it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FlowCounter {
-    pub address: u64,
-    pub producers: u32,
-}
-
-/// Whether `TANDEM_CUDA_FLOW` asks for flow counters: `1` (blanks ignored); off otherwise.
-pub fn flow_from_env(value: Option<&str>) -> bool {
-    value.map(str::trim) == Some("1")
 }
 
 /// A page-locked host buffer and the event recorded after the last copy into it.
@@ -534,11 +488,6 @@ impl std::fmt::Debug for Gpu {
 /// A null device pointer for optional kernel arguments.
 const NULL: u64 = 0;
 
-/// The blocks of a launch: what a flow counter its blocks add to reaches.
-fn grid_blocks(cfg: &LaunchConfig) -> u32 {
-    cfg.grid_dim.0 * cfg.grid_dim.1 * cfg.grid_dim.2
-}
-
 /// Kernel arguments for [`Gpu::launch_programmatic`], one 8-byte slot each: a device address,
 /// or an `i32` / `f32` in the low bytes (CUDA reads each parameter's own size from its slot).
 #[derive(Default)]
@@ -569,14 +518,6 @@ impl KernelArgs {
     }
     fn float(mut self, value: f32) -> Self {
         self.0.push(u64::from(value.to_bits()));
-        self
-    }
-    /// A launch's flow link: the counter it waits on (or null), its producers, the counter it
-    /// adds to (or null): the last three parameters of the linked kernels.
-    fn flow(mut self, link: FlowLink) -> Self {
-        self.0.push(link.wait.map_or(NULL, |w| w.address));
-        self.0.push(u64::from(link.wait.map_or(0, |w| w.producers)));
-        self.0.push(link.signal.unwrap_or(NULL));
         self
     }
 }
@@ -705,9 +646,6 @@ impl Gpu {
             mma_attention_rows: AtomicUsize::new(mma_attention::MMA_MIN_QUERY_ROWS),
             mma_rows: OnceLock::new(),
             mma_rows_on: AtomicBool::new(false),
-            flow: AtomicBool::new(
-                programmatic && flow_from_env(std::env::var("TANDEM_CUDA_FLOW").ok().as_deref()),
-            ),
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         let (compute_major, _) = gpu.ctx.compute_capability()?;
@@ -1206,8 +1144,7 @@ impl Gpu {
         }
     }
 
-    /// `out[r] = f32(table[tokens[r]])`; `out` holds `tokens.len() * hidden`. A step's first
-    /// launch also zeroes the step's flow counters (`flow_counters`, [`FlowLink`]).
+    /// `out[r] = f32(table[tokens[r]])`; `out` holds `tokens.len() * hidden`.
     pub fn embed_rows(
         &self,
         table: &CudaSlice<u16>,
@@ -1215,37 +1152,15 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         rows: usize,
         hidden: usize,
-        flow_counters: Option<&mut CudaSlice<u32>>,
     ) -> Result<(), CudaError> {
-        assert!(rows > 0 && tokens.len() >= rows && out.len() >= rows * hidden);
+        assert!(tokens.len() >= rows && out.len() >= rows * hidden);
         let hidden_i = hidden as i32;
-        let count = flow_counters.as_ref().map_or(0, |c| c.len());
-        let count_i = i32::try_from(count).expect("flow counters fit i32");
-        let counters = flow_counters.map_or(NULL, |c| self.address(c));
         let mut launch = self.stream.launch_builder(&self.kernels.embed_rows);
-        launch
-            .arg(table)
-            .arg(tokens)
-            .arg(out)
-            .arg(&hidden_i)
-            .arg(&counters)
-            .arg(&count_i);
-        // SAFETY: signature (u16*, u32*, f32*, int, u32*, int); sizes asserted; token ids were
-        // checked against the vocabulary on the host; `count` counters at `counters` (null
-        // with 0).
+        launch.arg(table).arg(tokens).arg(out).arg(&hidden_i);
+        // SAFETY: signature (u16*, u32*, f32*, int); sizes asserted; token ids were checked
+        // against the vocabulary on the host.
         unsafe { launch.launch(Self::rows_config(rows, 256)) }?;
         Ok(())
-    }
-
-    /// Whether fused layers link their launches through flow counters ([`FlowLink`]).
-    pub fn flow(&self) -> bool {
-        self.flow.load(Ordering::Relaxed)
-    }
-
-    /// Turns the flow counters on or off for steps encoded from now on (tests compare the
-    /// two); on only where the kernels launch with programmatic dependent launch.
-    pub fn set_flow(&self, on: bool) {
-        self.flow.store(on && self.programmatic, Ordering::Relaxed);
     }
 
     /// `x += delta` (when given), then `out = rms_norm(x) * w` in bf16, and in f32 into
@@ -1785,27 +1700,6 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        let link = FlowLink::default();
-        self.gemv_rows_linked(x, w, y, tap, rows, inp, out, accumulate, link)
-            .map(|_| ())
-    }
-
-    /// [`Gpu::gemv_rows_tapped`] in a chain of flow counters (`link`, [`FlowLink`]): returns
-    /// the blocks that add to `link.signal`, 0 when the product took a kernel without links
-    /// (the CUDA-core family), which then waits for its predecessor as usual.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_rows_linked(
-        &self,
-        x: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
-        y: &mut CudaSlice<f32>,
-        tap: Option<&mut CudaSlice<f32>>,
-        rows: usize,
-        inp: usize,
-        out: usize,
-        accumulate: bool,
-        link: FlowLink,
-    ) -> Result<u32, CudaError> {
         assert!(
             tap.as_ref().is_none_or(|t| t.len() >= rows * out),
             "tap of {rows} x {out}"
@@ -1824,24 +1718,24 @@ impl Gpu {
                 .int(rows)
                 .int(inp)
                 .int(out)
-                .int(usize::from(accumulate))
-                .flow(link);
+                .int(usize::from(accumulate));
             let cfg = mma.config(out.div_ceil(16), inp, 0, rows);
-            // SAFETY: signature (u16*, u16*, f32*, f32* or null, int, int, int, int, u32*,
-            // u32, u32*) of `gemv_rows_mma`; sizes asserted (the tap's too); inp a multiple of
-            // 32 (`mma_rows::takes`), so every 16-byte load is aligned; outputs past `out` load
-            // a valid row and write nothing; a block row per row group, each within `rows`;
-            // the wait (PDL_WAIT or the linked counter) before reading x or y.
-            unsafe { self.launch_programmatic(&mma.gemv_rows, cfg, args, group_rows(rows)) }?;
-            return Ok(link.signal.map_or(0, |_| grid_blocks(&cfg)));
+            // SAFETY: signature (u16*, u16*, f32*, f32* or null, int, int, int, int) of
+            // `gemv_rows_mma`; sizes asserted (the tap's too); inp a multiple of 32
+            // (`mma_rows::takes`), so every 16-byte load is aligned; outputs past `out` load a
+            // valid row and write nothing; a block row per row group, each within `rows`;
+            // PDL_WAIT before reading x or y.
+            return unsafe {
+                self.launch_programmatic(&mma.gemv_rows, cfg, args, group_rows(rows))
+            };
         }
         let bucket = gemv_bucket(rows);
         let outputs = self.gemv_outputs[bucket.trailing_zeros() as usize];
         self.gemv_rows_by(x, w, y, rows, inp, out, accumulate, bucket, outputs)?;
-        if let Some(tap) = tap {
-            self.copy_into(y, tap, rows * out)?;
+        match tap {
+            Some(tap) => self.copy_into(y, tap, rows * out),
+            None => Ok(()),
         }
-        Ok(0)
     }
 
     /// [`Gpu::gemv_rows`] with the kernel of row bucket `bucket` (1, 2, 4 or 8, at least
@@ -1983,25 +1877,6 @@ impl Gpu {
         inter: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
-        let link = FlowLink::default();
-        self.norm_gate_up_silu_linked(x, norm_w, w, act, rows, hidden, inter, eps, link)
-            .map(|_| ())
-    }
-
-    /// [`Gpu::norm_gate_up_silu`] in a chain of flow counters: as [`Gpu::gemv_rows_linked`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_gate_up_silu_linked(
-        &self,
-        x: &CudaSlice<f32>,
-        norm_w: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
-        act: &mut CudaSlice<u16>,
-        rows: usize,
-        hidden: usize,
-        inter: usize,
-        eps: f32,
-        link: FlowLink,
-    ) -> Result<u32, CudaError> {
         let mma = self.mma_rows_for(hidden, 1);
         assert!(Self::small_step_fits(mma.is_some(), rows, hidden, &[inter]));
         let staged = block_rows(mma.is_some(), rows) * hidden * 2;
@@ -2016,27 +1891,21 @@ impl Gpu {
             .int(hidden)
             .int(inter)
             .float(eps);
-        let (func, cfg, args, linked) = match mma {
+        let (func, cfg) = match mma {
             Some(mma) => (
                 &mma.norm_gate_up_silu,
                 mma.config(inter.div_ceil(8), hidden, staged, rows),
-                args.flow(link),
-                link.signal.is_some(),
             ),
             None => (
                 &self.kernels.norm_gate_up_silu,
                 Self::gemv_config(inter, staged),
-                args,
-                false,
             ),
         };
         // SAFETY: signature (f32*, u16*, u16*, u16*, int, int, int, float) of
-        // `norm_gate_up_silu`, and with the flow link's (u32*, u32, u32*) after it of
-        // `norm_gate_up_silu_mma`; sizes asserted; dynamic shared memory holds a block's rows
-        // (the step's, or its row group's) * hidden bf16 (beside the partial tiles:
-        // `mma_rows::takes`); the wait (PDL_WAIT or the linked counter) before reading x.
-        unsafe { self.launch_programmatic(func, cfg, args, group_rows(rows)) }?;
-        Ok(if linked { grid_blocks(&cfg) } else { 0 })
+        // `norm_gate_up_silu` and `norm_gate_up_silu_mma`; sizes asserted; dynamic shared
+        // memory holds a block's rows (the step's, or its row group's) * hidden bf16 (beside
+        // the partial tiles: `mma_rows::takes`); PDL_WAIT before reading x.
+        unsafe { self.launch_programmatic(func, cfg, args, group_rows(rows)) }
     }
 
     /// q|k|v of `rms_norm(x[r]) * norm_w`, the bias, RoPE and the cache write in one launch: what
@@ -2921,11 +2790,6 @@ mod tests {
         assert!(pdl_defines(true, true).contains("TANDEM_PDL_LATE 1"));
         assert!(!pdl_defines(true, false).contains("LATE"));
         assert_eq!(pdl_defines(false, true), "");
-        assert_eq!(flow_spin_defines(None), "");
-        assert_eq!(flow_spin_defines(Some("0")), "");
-        assert_eq!(flow_spin_defines(Some("warp")), "#define TANDEM_FLOW_WARP_SPIN 1\n");
-        assert_eq!(flow_spin_defines(Some(" 64")), "#define TANDEM_FLOW_SLEEP_NS 64\n");
-        assert_eq!(flow_spin_defines(Some("fast")), "");
     }
 
     #[test]

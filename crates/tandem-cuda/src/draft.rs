@@ -1080,7 +1080,7 @@ impl CudaDraft {
         let fused = self.fuses(rows);
         let fold = fused && self.fold;
         if !fold {
-            gpu.embed_rows(&self.embed, &tokens, &mut b.embeds, rows, h, None)?;
+            gpu.embed_rows(&self.embed, &tokens, &mut b.embeds, rows, h)?;
         }
         if fused {
             let first = if fold {

@@ -49,9 +49,6 @@ pub(crate) struct GraphKey {
     pub partial_fault: bool,
     /// Whether the step's MLPs ran as one launch a layer (`Gpu::mlp_partials`).
     pub mlp_partials: bool,
-    /// Whether the step's fused layers linked their launches through flow counters
-    /// (`Gpu::set_flow`).
-    pub flow: bool,
 }
 
 impl GraphKey {
@@ -76,7 +73,6 @@ impl GraphKey {
             qkv_attention: false,
             partial_fault: false,
             mlp_partials: false,
-            flow: false,
         }
     }
 
@@ -104,12 +100,6 @@ impl GraphKey {
             mlp_partials,
             ..self
         }
-    }
-
-    /// The key of a step whose fused layers linked (or did not link) their launches through
-    /// flow counters.
-    pub fn with_flow(self, flow: bool) -> Self {
-        Self { flow, ..self }
     }
 
     /// The key of a step that took (or did not take) the injected partial-sum tap.

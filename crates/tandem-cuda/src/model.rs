@@ -16,8 +16,8 @@ use tandem_wiring::TapId;
 
 use crate::cache::{CudaKvCache, HostStep, PeerCache, StepInputs};
 use crate::device::{
-    AttentionShape, DeviceRows, FlowCounter, FlowLink, GEMV_MAX_ROWS, Gpu, MMA_MAX_ROWS, MlpSums,
-    PERSISTENT_TABLE_WORDS, PersistentStep, QkvInput,
+    AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, MMA_MAX_ROWS, MlpSums, PERSISTENT_TABLE_WORDS,
+    PersistentStep, QkvInput,
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
@@ -27,69 +27,6 @@ use crate::weights::DeviceWeights;
 /// Widest step that replays a CUDA graph: decode (1 token per sequence) and tree verification
 /// (up to 64 tokens). Prefill widths change with every prompt, so prefill runs eagerly.
 pub const GRAPH_MAX_WIDTH: usize = 64;
-
-/// Flow counters a fused layer uses ([`CudaTarget`]'s linked launches): one each for its q|k|v
-/// and attention, o_proj, gate|up and down_proj to add to.
-const FLOW_LINKS_A_LAYER: usize = 4;
-
-/// The flow counters of a step being encoded ([`CudaTarget`]'s `links_flow`): the next one
-/// to hand out, and the previous launch's while nothing was launched after it.
-struct FlowChain {
-    /// The counters' device address (`StepBuffers::flow`) and how many there are; `None`: the
-    /// step links nothing.
-    base: Option<(u64, usize)>,
-    /// Counters handed out so far.
-    next: usize,
-    /// The launch being linked: its counter and the tap copies issued before it.
-    pending: Option<(u64, usize)>,
-    /// The previous linked launch's counter (with its producers) and the copies before it.
-    last: Option<(FlowCounter, usize)>,
-}
-
-impl FlowChain {
-    fn new(base: Option<(u64, usize)>) -> Self {
-        Self {
-            base,
-            next: 0,
-            pending: None,
-            last: None,
-        }
-    }
-
-    /// The next launch's link: it waits on the previous launch's counter when nothing (no tap
-    /// copy, `copies` unchanged) was issued since, and gets a counter of its own.
-    fn link(&mut self, copies: usize) -> FlowLink {
-        let Some((base, len)) = self.base else {
-            return FlowLink::default();
-        };
-        assert!(self.next < len, "a step links at most {len} launches");
-        let wait = self
-            .last
-            .take()
-            .filter(|&(_, before)| before == copies)
-            .map(|(counter, _)| counter);
-        let address = base + (self.next * std::mem::size_of::<u32>()) as u64;
-        self.next += 1;
-        self.pending = Some((address, copies));
-        FlowLink {
-            wait,
-            signal: Some(address),
-        }
-    }
-
-    /// The launch just linked took `blocks` blocks that add to its counter (0: a kernel
-    /// without links, which the next launch must not wait on through a counter).
-    fn launched(&mut self, blocks: u32) {
-        self.last = self
-            .pending
-            .take()
-            .filter(|_| blocks > 0)
-            .map(|(address, copies)| {
-                let producers = blocks;
-                (FlowCounter { address, producers }, copies)
-            });
-    }
-}
 
 /// A Llama-family target on the GPU.
 pub struct CudaTarget {
@@ -223,9 +160,6 @@ struct StepBuffers {
     /// The persistent step's table of layer and tap addresses, built for this step's cache
     /// before the step runs or is captured ([`CudaTarget::persistent_table`]).
     persistent_table: Option<CudaSlice<u64>>,
-    /// Flow counters, [`FLOW_LINKS_A_LAYER`] a layer, for steps whose fused layers link their
-    /// launches (`Gpu::set_flow`); zeroed by the step's `embed_rows`.
-    flow: CudaSlice<u32>,
     batch: usize,
     width: usize,
     logits_rows: usize,
@@ -291,9 +225,6 @@ impl StepBuffers {
                 1
             })?,
             persistent_table: None,
-            // Whatever the step takes now (tests switch fusion on and off over the same
-            // buffers): 16 bytes a layer.
-            flow: gpu.scratch(FLOW_LINKS_A_LAYER * spec.num_layers)?,
             batch: shape.batch,
             width: shape.width,
             logits_rows,
@@ -912,19 +843,6 @@ impl CudaTarget {
             )
     }
 
-    /// Whether a fused step of `shape` links each layer's four launches (the one-launch q|k|v
-    /// and attention, o_proj, gate|up with SwiGLU, down_proj) and each layer to the next
-    /// through flow counters (`Gpu::set_flow`, `FlowLink`): a launch waits for its
-    /// predecessor's blocks to have written their outputs instead of for its grid's end.
-    /// Only with the two-launch MLP and without the injected partial-sum tap (their launches
-    /// and copies sit between the linked ones).
-    fn links_flow(&self, shape: AttentionShape) -> bool {
-        self.gpu.flow()
-            && self.one_launch_attention(shape)
-            && self.mlp_parts(shape.rows()).is_none()
-            && !self.partial_sum_fault()
-    }
-
     /// The cluster sums each layer's MLP leaves when a fused step of `rows` rows takes it in
     /// one launch (`Gpu::mlp_partials`: gate|up, SwiGLU and down_proj's split-k products, the
     /// layer's output then added by its reader); `None`: two launches (gate|up, down_proj).
@@ -1489,7 +1407,6 @@ impl CudaTarget {
             .with_persistent(self.persists(shape.rows(), taps.taps.len()))
             .with_qkv_attention(self.one_launch_attention(shape))
             .with_mlp_partials(self.mlp_parts(shape.rows()).is_some())
-            .with_flow(self.links_flow(shape))
             .with_partial_fault(self.partial_sum_fault())
     }
 
@@ -1757,7 +1674,6 @@ impl CudaTarget {
             logits,
             taps,
             visible,
-            flow: flow_counters,
             ..
         } = b;
         // `partial`: the injected fault's tap, `rows_of` plus the rank's own down_proj product
@@ -1765,8 +1681,6 @@ impl CudaTarget {
         // `written`: the slot the launch computing the tap point already wrote (the fused
         // down_proj writes its output into the first slot asking for it), copied into no more.
         type Partial<'a> = Option<(&'a CudaSlice<u16>, &'a CudaSlice<u16>, usize)>;
-        // Tap copies issued so far: a copy between two launches unlinks them (FlowChain).
-        let copies = std::cell::Cell::new(0usize);
         let observe = |hook: &mut CaptureHook<()>,
                        taps: &mut [CudaSlice<f32>],
                        tap: TapId,
@@ -1777,7 +1691,6 @@ impl CudaTarget {
                 if written == Some(slot) {
                     return Ok(());
                 }
-                copies.set(copies.get() + 1);
                 gpu.copy_into(rows_of, &mut taps[slot], rows * h)?;
                 match partial {
                     Some((act, down, inter)) => {
@@ -1791,17 +1704,7 @@ impl CudaTarget {
         let (tokens, positions) = (inputs.tokens(), inputs.positions());
         let scalars = graphed.map(|()| inputs.scalars());
         let scalars = scalars.as_ref();
-        let links = self.links_flow(shape);
-        let mut flow =
-            FlowChain::new(links.then(|| (gpu.address(flow_counters), flow_counters.len())));
-        gpu.embed_rows(
-            &self.weights.embed,
-            &tokens,
-            hidden,
-            rows,
-            h,
-            links.then_some(flow_counters),
-        )?;
+        gpu.embed_rows(&self.weights.embed, &tokens, hidden, rows, h)?;
         observe(hook, taps, TapId::Embed, hidden, None, None)?;
         let layers = &self.weights.layers;
         // Small steps may run fused (see the small-step kernels in kernels/llama.cu): five
@@ -1889,9 +1792,7 @@ impl CudaTarget {
                     scalars,
                     eps,
                     mlp,
-                    flow.link(copies.get()),
-                )
-                .map(|blocks| flow.launched(blocks))?;
+                )?;
                 if let Some(prev) = pending.take() {
                     std::mem::swap(&mut cur, &mut other);
                     alt = !alt;
@@ -1956,9 +1857,7 @@ impl CudaTarget {
                 )?;
             }
             if fused {
-                let link = flow.link(copies.get());
-                gpu.gemv_rows_linked(attn, &layer.o, cur, None, rows, q_dim, h, true, link)
-                    .map(|blocks| flow.launched(blocks))?;
+                gpu.gemv_rows(attn, &layer.o, cur, rows, q_dim, h, true)?;
                 if mlp_parts.is_some() {
                     // The layer's output waits for its reader (see `pending` above).
                     gpu.mlp_partials(
@@ -1975,7 +1874,7 @@ impl CudaTarget {
                     )?;
                     pending = Some(k);
                 } else {
-                    gpu.norm_gate_up_silu_linked(
+                    gpu.norm_gate_up_silu(
                         cur,
                         &layer.post_norm,
                         &layer.gate_up,
@@ -1984,16 +1883,12 @@ impl CudaTarget {
                         h,
                         inter,
                         eps,
-                        flow.link(copies.get()),
-                    )
-                    .map(|blocks| flow.launched(blocks))?;
+                    )?;
                     // The block's output goes into its tap slot from the same launch.
                     let slot = hook.first_slot(TapId::Block(k)).filter(|_| !partial_fault);
                     written = slot;
                     let tap = slot.map(|slot| &mut taps[slot]);
-                    let link = flow.link(copies.get());
-                    gpu.gemv_rows_linked(act, &layer.down, cur, tap, rows, inter, h, true, link)
-                        .map(|blocks| flow.launched(blocks))?;
+                    gpu.gemv_rows_tapped(act, &layer.down, cur, tap, rows, inter, h, true)?;
                 }
             } else {
                 gpu.linear(attn, &layer.o, delta, rows, q_dim, h)?;
@@ -2095,61 +1990,5 @@ impl CudaTarget {
             _ => {}
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_flow_chain_links_each_launch_to_the_one_just_before_it() {
-        let mut chain = FlowChain::new(Some((0x1000, 4)));
-        // The first launch waits as usual; each launch gets the next counter.
-        let first = chain.link(0);
-        assert_eq!(first.wait, None);
-        assert_eq!(first.signal, Some(0x1000));
-        chain.launched(54);
-        let second = chain.link(0);
-        let counter = |address, producers| FlowCounter { address, producers };
-        assert_eq!(second.wait, Some(counter(0x1000, 54)));
-        assert_eq!(second.signal, Some(0x1004));
-        chain.launched(36);
-        // A tap copy between two launches unlinks them: the copy would not be waited for.
-        let third = chain.link(1);
-        assert_eq!(third.wait, None);
-        assert_eq!(third.signal, Some(0x1008));
-        // A launch that took a kernel without links (0 blocks add to its counter).
-        chain.launched(0);
-        let fourth = chain.link(1);
-        assert_eq!(fourth.wait, None);
-        chain.launched(36);
-    }
-
-    #[test]
-    #[should_panic(expected = "at most 2 launches")]
-    fn a_flow_chain_never_hands_out_more_counters_than_the_step_has() {
-        let mut chain = FlowChain::new(Some((0x1000, 2)));
-        for _ in 0..3 {
-            let _ = chain.link(0);
-            chain.launched(8);
-        }
-    }
-
-    #[test]
-    fn a_step_without_flow_links_nothing() {
-        let mut chain = FlowChain::new(None);
-        for _ in 0..3 {
-            assert_eq!(chain.link(0), FlowLink::default());
-            chain.launched(8);
-        }
-    }
-
-    #[test]
-    fn the_flow_switch_is_on_for_1_only() {
-        assert!(crate::device::flow_from_env(Some(" 1\n")));
-        for off in [None, Some("0"), Some(""), Some("yes")] {
-            assert!(!crate::device::flow_from_env(off), "{off:?}");
-        }
     }
 }

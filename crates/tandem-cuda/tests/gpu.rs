@@ -1081,16 +1081,6 @@ fn small_step_rows_are_batch_invariant() {
                 "fused, one-launch q|k|v and attention for verifications too, one-launch MLP, on tensor cores",
             ),
             (false, "fused, one-launch MLP, on tensor cores"),
-            // A and C's decode steps with each layer's four launches (and each layer and the
-            // next) linked through flow counters instead of the programmatic wait.
-            (
-                false,
-                "fused, one-launch q|k|v and attention, flow counters, on tensor cores",
-            ),
-            (
-                true,
-                "fused, one-launch q|k|v and attention, flow counters, on tensor cores",
-            ),
         ] {
             let dir = tiny_model_with(architecture, tied, 31, head_dim);
             gpu.set_mma_rows(mode.ends_with("tensor cores"))
@@ -1139,12 +1129,6 @@ fn small_step_rows_are_batch_invariant() {
                 0
             });
             let mlp = gpu.mlp_parts(target.spec.hidden_size, target.spec.intermediate_size);
-            gpu.set_flow(mode.contains("flow counters"));
-            if mode.contains("flow counters")
-                && ["H100", "H200"].iter().any(|h| gpu.name().contains(h))
-            {
-                assert!(gpu.flow(), "{mode}: flow counters need programmatic launch");
-            }
             if one_launch_mlp && ["H100", "H200"].iter().any(|h| gpu.name().contains(h)) {
                 assert_eq!(mlp, Some(2), "{mode}: the one-launch MLP on {}", gpu.name());
             }

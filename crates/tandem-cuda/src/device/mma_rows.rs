@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig};
 
 use super::{
-    AttentionShape, FlowLink, GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, KernelArgs, group_rows,
+    AttentionShape, GEMV_MAX_ROWS, GEMV_MAX_SHARED_BYTES, Gpu, KernelArgs, group_rows,
     mma_attention, mma_source,
 };
 use crate::error::CudaError;
@@ -601,8 +601,7 @@ impl Gpu {
         step_scalars: Option<&CudaView<'_, i32>>,
         eps: f32,
         mlp: Option<MlpSums<'_>>,
-        link: FlowLink,
-    ) -> Result<u32, CudaError> {
+    ) -> Result<(), CudaError> {
         let s = shape;
         let rows = s.rows();
         let (q_dim, kv_dim) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
@@ -661,8 +660,7 @@ impl Gpu {
             .optional(self, mlp.as_ref().map(|m| m.sums))
             .int(mlp.as_ref().map_or(0, |m| m.parts))
             .optional(self, mlp.as_ref().map(|m| &*m.out))
-            .optional(self, mlp.as_ref().and_then(|m| m.tap.as_deref()))
-            .flow(link);
+            .optional(self, mlp.as_ref().and_then(|m| m.tap.as_deref()));
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(s.batch * s.heads * cluster)
@@ -675,14 +673,12 @@ impl Gpu {
         };
         // SAFETY: the argument list matches `qkv_attention_mma`'s signature (13 pointers, seven
         // ints, the scale, step scalars, eps, groups, cluster, width, then the MLP's sums, their
-        // count, the new residual and the tap, null and 0 without, then the flow link's
-        // counter, producers and counter, null and 0 without); sizes asserted above;
+        // count, the new residual and the tap, null and 0 without); sizes asserted above;
         // dynamic shared memory as `qkv_attention_shared_bytes`, at most 48 KiB; `width` new
-        // columns a sequence from `col0` (with `step_scalars`, the caller checks each step's);
-        // lists hold columns below `total`; the wait (PDL_WAIT or the linked counter) before
-        // reading anything but the weights; the grid a whole number of clusters of at most 8
-        // blocks of at most 512 threads and 48 KiB, and clusters of more than one block only
-        // where the kernels were compiled for sm_90.
+        // columns a sequence from `col0` (with `step_scalars`, the caller checks each step's); lists hold
+        // columns below `total`; PDL_WAIT before reading anything but the weights; the grid a
+        // whole number of clusters of at most 8 blocks of at most 512 threads and 48 KiB, and
+        // clusters of more than one block only where the kernels were compiled for sm_90.
         unsafe {
             self.launch_programmatic_clusters(
                 &mma.qkv_attention,
@@ -691,8 +687,7 @@ impl Gpu {
                 rows,
                 u32::try_from(cluster).expect("at most 8"),
             )
-        }?;
-        Ok(link.signal.map_or(0, |_| super::grid_blocks(&cfg)))
+        }
     }
 }
 

@@ -145,17 +145,6 @@ inline int __syncthreads_or(int predicate) {
 }
 
 inline void emu_warp_sync() { emu_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
-inline void __syncwarp(unsigned int = 0xffffffffu) { emu_warp_sync(); }
-
-// A flow counter's wait (kernels/common.cuh, `flow_wait`): launches run one after another
-// here, so every producer block has signalled before the consumer starts, or the host linked
-// the wrong counter or producer count. Counted, and reported by the harness.
-inline std::atomic<int> emu_flow_failures{0};
-inline void emu_flow_check(const unsigned int* counter, unsigned int producers) {
-    if (std::atomic_ref<unsigned int>(*const_cast<unsigned int*>(counter)).load() < producers) {
-        emu_flow_failures.fetch_add(1);
-    }
-}
 
 // Every lane of the warp puts `value` out and takes lane `source(lane)`'s.
 template <typename T, typename Source>

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call, no GGUF transfer: fast-bench arms (environment switches) on a SmolLM2-shaped
+# model with random bf16 weights made on the GPU machine (step times depend on the shapes, not
+# the values), after one GPU test (the batch-invariance test by default). Here: `bash
+# scripts/gpu/shape_ab.sh pack` (after `cargo build --release` and the GPU test binary:
+# `rows_profile.sh pack` leaves .device/a/tandem.xz and .device/b/gpu-tests.xz); there (carry
+# .device/x): `ARMS="- TANDEM_CUDA_PDL_LATE=0 -" bash scripts/gpu/shape_ab.sh run`. Each arm is
+# `-` (the defaults) or comma-separated VAR=VALUE switches; repeat `-` last, so that a drift of
+# the card shows between the two default arms. Session 53 measured the flow counters with it
+# (BENCHMARKS.md).
+set -uo pipefail
+case "${1:-}" in
+pack)
+  rm -rf .device/x && mkdir -p .device/x/smol
+  cp .device/a/tandem.xz .device/b/gpu-tests.xz .device/x/
+  for f in config.json tokenizer.json tokenizer_config.json special_tokens_map.json generation_config.json; do
+    [[ -f "models/SmolLM2-135M-Instruct/$f" ]] && cp "models/SmolLM2-135M-Instruct/$f" .device/x/smol/
+  done
+  du -b .device/x
+  ;;
+run)
+  source "$(dirname "$0")/head_lib.sh"
+  use_cublas_libraries
+  W=/tmp/shape_ab && mkdir -p "$W" && R=${OUT:-$W/out} && mkdir -p "$R"
+  xz -dc .device/x/tandem.xz > "$W/tandem" && xz -dc .device/x/gpu-tests.xz > "$W/gpu-tests"
+  chmod +x "$W/tandem" "$W/gpu-tests"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  timeout 120 python3 scripts/reference/make_random_llama.py "$W/smol" --config-from .device/x/smol \
+    --tokenizer-from .device/x/smol 2>&1 | tail -1
+  test_name=${TEST:-small_step_rows_are_batch_invariant}
+  timeout 150 "$W/gpu-tests" --ignored --test-threads 1 --nocapture "$test_name" > "$R/test.log" 2>&1
+  echo "GPU test $test_name: exit $?"
+  grep -E "^test |test result|panicked" "$R/test.log" | head
+  arms=(${ARMS:--})
+  for i in "${!arms[@]}"; do
+    arm=${arms[$i]}
+    envs=()
+    [[ $arm != - ]] && IFS=, read -r -a envs <<< "$arm"
+    env "${envs[@]}" timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch "${FAST_BATCH:-1,8}" \
+      --verify-widths "${FAST_WIDTHS:-4,8}" --new-tokens 64 --repeats 3 --with-taps --graphs-only \
+      --fused on --json "$R/fb-$i.json" > "$R/fb-$i.md" 2> "$R/fb-$i.log"
+    echo "fast-bench arm $i (${envs[*]:-defaults}): exit $?"
+  done
+  for i in "${!arms[@]}"; do
+    grep -E "^\| fast" "$R/fb-$i.md" | sed "s/^/arm $i /"
+  done
+  ;;
+*) echo "usage: $0 pack|run" >&2; exit 2 ;;
+esac
