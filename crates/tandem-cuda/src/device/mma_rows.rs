@@ -551,10 +551,8 @@ impl Gpu {
         assert!(x.is_none_or(|x| x.len() >= rows * hidden) && out.len() >= rows * hidden);
         assert!(sums.len() >= parts * rows * hidden);
         assert!(tap.as_ref().is_none_or(|t| t.len() >= rows * hidden));
-        let x_address = x.map_or_else(|| self.address(&*out), |x| self.address(x));
-        let mut args = KernelArgs::default();
-        args.0.push(x_address);
-        let args = args
+        let args = KernelArgs::default()
+            .buffer(self, x.unwrap_or(&*out))
             .buffer(self, sums)
             .int(parts)
             .buffer(self, &*out)
