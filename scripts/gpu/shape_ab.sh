@@ -6,8 +6,8 @@
 # `rows_profile.sh pack` leaves .device/a/tandem.xz and .device/b/gpu-tests.xz); there (carry
 # .device/x): `ARMS="- TANDEM_CUDA_PDL_LATE=0 -" bash scripts/gpu/shape_ab.sh run`. Each arm is
 # `-` (the defaults) or comma-separated VAR=VALUE switches; repeat `-` last, so that a drift of
-# the card shows between the two default arms. Session 53 measured the flow counters with it
-# (BENCHMARKS.md).
+# the card shows between the two default arms. Its predecessor, flow_ab.sh, measured the flow
+# counters in session 53; it measured the one-launch q|k|v and attention's switch (BENCHMARKS.md).
 set -uo pipefail
 case "${1:-}" in
 pack)
