@@ -947,8 +947,18 @@ fn calibration_prices_a_plain_step_whatever_the_lookahead() {
         let costs = engine.calibrate(&mut batch, &[1]).unwrap();
         costs.at(0, 1, 32) / costs.at(1, 1, 32)
     };
-    let one = plain_over_chain(1);
-    let four = plain_over_chain(4);
+    // Wall-clock prices on a shared CI machine are noisy (a single pair once measured 2.75):
+    // the median of three calibrations of each lookahead.
+    let median_of_three = |lookahead: usize| {
+        let mut ratios = [0.0f64; 3];
+        for ratio in &mut ratios {
+            *ratio = plain_over_chain(lookahead);
+        }
+        ratios.sort_by(f64::total_cmp);
+        ratios[1]
+    };
+    let one = median_of_three(1);
+    let four = median_of_three(4);
     assert!(
         four / one < 2.0 && four / one > 0.5,
         "plain price over the chain's: {one:.3} one step a round, {four:.3} four"
