@@ -750,6 +750,208 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
     }
 }
 
+// ---- o_proj and the MLP's gate|up in one launch (a batch-1 layer in three launches) ----
+//
+// Why: a fused decode layer is four launches (q|k|v and attention, o_proj, norm + gate|up +
+// SwiGLU, down_proj), and each launch boundary costs ~2.6 us of a batch-1 step on an H100
+// (leaving o_proj's launch out saved 79 us a step, session 51). o_proj cannot join the
+// attention's launch without a cross-block sum behind the attention (session 43: slower), and
+// gate|up needs every o_proj output (the norm), so here every cluster of blocks computes the
+// whole o_proj itself: rank q's groups take o_proj tiles q * groups .. (one pass, weights
+// loaded before the wait), add the residual, and store the new residual rows into every rank's
+// shared memory (distributed shared memory, sm_90); after the cluster barrier each block norms
+// the full rows and takes its gate|up tiles, whose weights were loaded before the barrier. The
+// clusters repeat o_proj's product (its weights come from L2 after the first); cluster 0
+// writes the new residual into `x_out` (not `x`: the other clusters still read `x`) for
+// down_proj to add into.
+//
+// Bits: every o_proj tile is gemv_rows_mma's (the same `split` warps over the same k slices,
+// summed in slice order, then residual + product), the staged norm is stage_rms_normed's on the
+// same floats, and every gate|up tile and its SwiGLU are norm_gate_up_silu_mma's: a row's
+// outputs are the two launches' bits (the emulator and the GPU test check it), so steps that
+// take this launch and steps that do not agree, as greedy speculative output needs.
+//
+// Block: `groups` groups of max(o_split, gate_split) warps, a tile a group at once, each
+// product over its own kernel's warp count (a group's warps past it take an empty k slice and
+// are not summed); at most O_GATE_MAX_THREADS threads. Grid: clusters * cluster blocks
+// along x, one row group (at most 8 rows: decode steps and short verifications of one
+// sequence). Dynamic shared memory: the new residual rows (f32 [rows, hidden]), the normed rows
+// (bf16), a partial tile a warp (o_gate_shared_bytes in mma_rows.rs). The emulator runs a
+// cluster's blocks one after another without distributed shared memory: there every block
+// computes every o_proj tile itself into its own shared memory (the same tiles, the same bits).
+#ifndef O_GATE_MAX_THREADS
+#define O_GATE_MAX_THREADS 512
+#endif
+
+// The cluster barrier's two halves (sm_90; a block barrier elsewhere, where clusters are one
+// block): `arrive` early, `wait` when the cluster's other ranks must have got there.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if !defined(TANDEM_EMULATE) && defined(TANDEM_PDL) && TANDEM_PDL
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if !defined(TANDEM_EMULATE) && defined(TANDEM_PDL) && TANDEM_PDL
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+// Stores `v` at `local` (a shared-memory address of this block) in the shared memory of
+// cluster rank `rank` (distributed shared memory).
+__device__ __forceinline__ void store_shared_rank(float* local, unsigned int rank, float v) {
+#if !defined(TANDEM_EMULATE) && defined(TANDEM_PDL) && TANDEM_PDL
+    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(local));
+    unsigned int remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+#else
+    (void)rank;
+    *local = v;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
+    o_proj_gate_up_mma(const unsigned short* __restrict__ attn,
+                       const unsigned short* __restrict__ o_w, const float* __restrict__ x,
+                       float* __restrict__ x_out, const unsigned short* __restrict__ norm_w,
+                       const unsigned short* __restrict__ gate_up,
+                       unsigned short* __restrict__ act, int rows, int q_dim, int hidden,
+                       int inter, float eps, int cluster, int groups, int o_split,
+                       int gate_split) {
+    const int rank = blockIdx.x % cluster;
+    const int cluster_index = blockIdx.x / cluster;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const int group_warps = warps / groups;  // max(o_split, gate_split)
+    const int group = warp / group_warps;
+    const int slice = warp % group_warps;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int o_tiles = (hidden + 15) / 16;
+    const int gate_tiles = (inter + 7) / 8;
+    const int all_groups = gridDim.x * groups;
+    const int my_group = blockIdx.x * groups + group;
+    DYNAMIC_SHARED(uint4, mma_shared);
+    float* residual = reinterpret_cast<float*>(mma_shared);  // [rows, hidden]
+    unsigned short* xs = reinterpret_cast<unsigned short*>(residual + GROUP_ROWS * hidden);
+    float(*partials)[4][32] =
+        reinterpret_cast<float(*)[4][32]>(xs + ((GROUP_ROWS * hidden + 7) & ~7)) + group * group_warps;
+    // This block's gate|up tiles' weights into L2 while the previous launch runs.
+    for (int tile = my_group; tile < gate_tiles; tile += all_groups) {
+        const int j = min(tile * 8 + g, inter - 1);
+        if (slice == 0 && t == 0) {
+            for (int half = 0; half < 2; ++half) {
+                const char* row = reinterpret_cast<const char*>(gate_up + (size_t)(j + half * inter) * hidden);
+                for (int line = 0; line < hidden * 2 / 128; ++line) {
+                    prefetch_l2(row + line * 128);
+                }
+            }
+        }
+    }
+    cluster_arrive_relaxed();
+    const MmaOperand o_operand{o_w, attn, q_dim >> 5};
+    const MmaOperand gate_operand{gate_up, xs, hidden >> 5};
+    const MmaOperand none{o_w, attn, 0};
+    // o_proj: this rank's tiles (every rank's in the emulator), the new residual into every
+    // rank's shared memory, and by cluster 0 into x_out.
+#ifdef TANDEM_EMULATE
+    const int first_rank = 0, last_rank = cluster;
+#else
+    const int first_rank = rank, last_rank = rank + 1;
+#endif
+    for (int q = first_rank; q < last_rank; ++q) {
+        const int tile = q * groups + group;  // past o_tiles: a repeat of the last, unwritten
+        const int o0 = min(tile, o_tiles - 1) * 16;
+        const size_t lo = min(o0 + g, hidden - 1);
+        const size_t hi = min(o0 + g + 8, hidden - 1);
+        float prev[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        auto stage = [&]() {
+            if (q != first_rank) {
+                return;
+            }
+            PDL_WAIT();
+            if (slice == 0) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int o = o0 + g + (i >= 2 ? 8 : 0);
+                    const int r = 2 * t + (i & 1);
+                    if (o < hidden && r < rows) {
+                        prev[i] = x[(size_t)r * hidden + o];
+                    }
+                }
+            }
+        };
+        if (q != first_rank && slice == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int o = o0 + g + (i >= 2 ? 8 : 0);
+                const int r = 2 * t + (i & 1);
+                if (o < hidden && r < rows) {
+                    prev[i] = x[(size_t)r * hidden + o];
+                }
+            }
+        }
+        float c[4];
+        const bool leader =
+            mma_rows_tile_of(o_operand, none, lo, hi, rows, stage, c, slice, o_split, partials);
+        if (q == first_rank) {
+            cluster_wait();  // every rank has started: its shared memory may be written
+        }
+        if (leader && tile < o_tiles) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int o = o0 + g + (i >= 2 ? 8 : 0);
+                const int r = 2 * t + (i & 1);
+                if (o < hidden && r < rows) {
+                    const float value = prev[i] + c[i];
+                    if (cluster_index == 0) {
+                        x_out[(size_t)r * hidden + o] = value;
+                    }
+#ifdef TANDEM_EMULATE
+                    residual[(size_t)r * hidden + o] = value;
+#else
+                    for (int peer = 0; peer < cluster; ++peer) {
+                        store_shared_rank(&residual[(size_t)r * hidden + o], peer, value);
+                    }
+#endif
+                }
+            }
+        }
+        // The partial tiles are reused by the next tile.
+        __syncthreads();
+    }
+    // gate|up and SwiGLU of the normed new residual, as norm_gate_up_silu_mma.
+    for (int tile = my_group, pass = 0; pass * all_groups < gate_tiles;
+         tile += all_groups, ++pass) {
+        const int j = tile * 8 + g;
+        const int jw = min(j, inter - 1);
+        auto stage = [&]() {
+            if (pass > 0) {
+                return;
+            }
+            cluster_barrier(cluster);
+            stage_rms_normed_rows(F32Rows{residual}, norm_w, xs, rows, hidden, eps);
+        };
+        float c[4];
+        const bool leader = mma_rows_tile_of(gate_operand, none, (size_t)jw, (size_t)(inter + jw),
+                                             rows, stage, c, slice, gate_split, partials);
+        if (leader && tile < gate_tiles) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = 2 * t + i;
+                if (j < inter && r < rows) {
+                    const float gate = c[i];
+                    act[(size_t)r * inter + j] =
+                        f32_to_bf16(gate / (1.0f + expf(-gate)) * c[2 + i]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // ---- A fused layer's MLP in one launch: gate|up, SwiGLU and down_proj's partial sums ----
 //
 // Why: at batch 1 a fused layer's MLP is two dependent launches (norm_gate_up_silu_mma, then
