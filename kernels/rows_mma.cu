@@ -757,8 +757,8 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
 // (leaving o_proj's launch out saved 79 us a step, session 51). o_proj cannot join the
 // attention's launch without a cross-block sum behind the attention (session 43: slower), and
 // gate|up needs every o_proj output (the norm), so here every cluster of blocks computes the
-// whole o_proj itself: rank q's groups take o_proj tiles q * groups .. (one pass, weights
-// loaded before the wait), add the residual, and store the new residual rows into every rank's
+// whole o_proj itself: rank q's groups take o_proj tiles q * groups .. (in passes of
+// cluster * groups tiles, the first's weights loaded before the wait), add the residual, and store the new residual rows into every rank's
 // shared memory (distributed shared memory, sm_90); after the cluster barrier each block norms
 // the full rows and takes its gate|up tiles, whose weights were loaded before the barrier. The
 // clusters repeat o_proj's product (its weights come from L2 after the first); cluster 0
@@ -850,6 +850,22 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
             }
         }
     }
+    // o_proj's tiles in passes of cluster * groups: pass p's tile of rank q and group g is
+    // (p * cluster + q) * groups + g (past o_tiles: a repeat of the last, unwritten). The later
+    // passes' weights of this rank into L2 now, like gate|up's.
+    const int o_passes = (o_tiles + cluster * groups - 1) / (cluster * groups);
+    for (int pass = 1; pass < o_passes; ++pass) {
+        const int tile = min(((pass * cluster + rank) * groups + group), o_tiles - 1);
+        if (slice == 0 && t == 0) {
+            for (int half = 0; half < 2; ++half) {
+                const int row = min(tile * 16 + g + 8 * half, hidden - 1);
+                const char* w_row = reinterpret_cast<const char*>(o_w + (size_t)row * q_dim);
+                for (int line = 0; line < q_dim * 2 / 128; ++line) {
+                    prefetch_l2(w_row + line * 128);
+                }
+            }
+        }
+    }
     cluster_arrive_relaxed();
     const MmaOperand o_operand{o_w, attn, q_dim >> 5};
     const MmaOperand gate_operand{gate_up, xs, hidden >> 5};
@@ -857,18 +873,23 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
     // o_proj: this rank's tiles (every rank's in the emulator), the new residual into every
     // rank's shared memory, and by cluster 0 into x_out.
 #ifdef TANDEM_EMULATE
-    const int first_rank = 0, last_rank = cluster;
+    const int units = o_passes * cluster;
 #else
-    const int first_rank = rank, last_rank = rank + 1;
+    const int units = o_passes;
 #endif
-    for (int q = first_rank; q < last_rank; ++q) {
-        const int tile = q * groups + group;  // past o_tiles: a repeat of the last, unwritten
+    for (int unit = 0; unit < units; ++unit) {
+#ifdef TANDEM_EMULATE
+        const int tile = unit * groups + group;
+#else
+        const int tile = (unit * cluster + rank) * groups + group;
+#endif
+        const bool first = unit == 0;
         const int o0 = min(tile, o_tiles - 1) * 16;
         const size_t lo = min(o0 + g, hidden - 1);
         const size_t hi = min(o0 + g + 8, hidden - 1);
         float prev[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         auto stage = [&]() {
-            if (q != first_rank) {
+            if (!first) {
                 return;
             }
             PDL_WAIT();
@@ -883,7 +904,7 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
                 }
             }
         };
-        if (q != first_rank && slice == 0) {
+        if (!first && slice == 0) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int o = o0 + g + (i >= 2 ? 8 : 0);
@@ -896,7 +917,7 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
         float c[4];
         const bool leader =
             mma_rows_tile_of(o_operand, none, lo, hi, rows, stage, c, slice, o_split, partials);
-        if (q == first_rank) {
+        if (first) {
             cluster_wait();  // every rank has started: its shared memory may be written
         }
         if (leader && tile < o_tiles) {

@@ -321,11 +321,11 @@ fn o_gate_cluster(programmatic: bool, value: Option<&str>) -> usize {
 /// The launch of `o_proj_gate_up_mma` for a model of hidden size `hidden`, `q_dim` attention
 /// outputs and `inter` activations in clusters of `cluster` blocks: (groups a block, warps a
 /// group: the larger of the two products' [`split`], clusters), or `None` where it does not
-/// take the sizes (a rank's groups, one o_proj tile each, beyond [`O_GATE_MAX_THREADS`], or
-/// shared memory past 48 KiB). Each rank takes `groups` of
-/// o_proj's hidden / 16 tiles, every group one gate|up tile (inter / 8 of them) if the
-/// clusters allow. SmolLM2 (576, 576, 1536) in clusters of 12: 3 groups of 5 warps, 6
-/// clusters (72 blocks).
+/// take the sizes (a group wider than [`O_GATE_MAX_THREADS`], or shared memory past 48 KiB).
+/// A block has as many groups as its rank's share of o_proj's hidden / 16 tiles needs, at most
+/// what the threads allow (more tiles take more passes), and every group one gate|up tile
+/// (inter / 8 of them). SmolLM2 (576, 576, 1536) in clusters of 12: 3 groups of 5 warps, one
+/// pass, 6 clusters (72 blocks); of 8: 3 groups, two passes, 8 clusters.
 pub(super) fn o_gate_block(
     hidden: usize,
     q_dim: usize,
@@ -336,9 +336,10 @@ pub(super) fn o_gate_block(
         return None;
     }
     let warps = split(hidden).max(split(q_dim));
-    let groups = (hidden / 16).div_ceil(cluster);
-    let fits = groups * warps * 32 <= O_GATE_MAX_THREADS
-        && o_gate_shared_bytes(hidden, groups * warps) <= GEMV_MAX_SHARED_BYTES;
+    let groups = (hidden / 16)
+        .div_ceil(cluster)
+        .min(O_GATE_MAX_THREADS / (32 * warps));
+    let fits = groups > 0 && o_gate_shared_bytes(hidden, groups * warps) <= GEMV_MAX_SHARED_BYTES;
     let clusters = inter.div_ceil(8).div_ceil(cluster * groups);
     fits.then_some((groups, warps, clusters))
 }

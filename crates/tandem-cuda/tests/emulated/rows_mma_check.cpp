@@ -533,11 +533,11 @@ static bool check_mlp(std::mt19937& rng, int hidden, int inter, int cluster) {
 // then norm_gate_up_silu_mma: the new residual (into x_out, x untouched) and the activations
 // bit for bit at 1, 3 and 8 rows. Clusters whose ranks' groups overrun o_proj's tiles (repeats
 // that write nothing), several clusters, the two products over different warp counts, and
-// SmolLM2's o_proj in clusters of 12.
+// SmolLM2's o_proj in clusters of 12 (one pass) and of 8 (two passes, the second part-empty).
 static bool check_o_gate(std::mt19937& rng, int hidden, int q_dim, int inter, int cluster) {
     const unsigned int split = split_for(hidden);
     const unsigned int group_warps = std::max(split, split_for(q_dim));
-    const int groups = (hidden / 16 + cluster - 1) / cluster;
+    const int groups = std::min<int>((hidden / 16 + cluster - 1) / cluster, 512 / (32 * group_warps));
     const int clusters = ((inter + 7) / 8 + cluster * groups - 1) / (cluster * groups);
     const auto attn = random_bf16(rng, 8 * q_dim);
     const auto o_w = random_bf16(rng, hidden * q_dim, 0.1f);
@@ -616,5 +616,6 @@ int main() {
     ok = check_o_gate(rng, 160, 160, 200, 3) && ok;
     ok = check_o_gate(rng, 128, 320, 96, 4) && ok;  // o_proj over 3 warps, gate|up over 1
     ok = check_o_gate(rng, 576, 576, 384, 12) && ok;
+    ok = check_o_gate(rng, 576, 576, 384, 8) && ok;  // 3 groups: o_proj in two passes
     return ok ? 0 : 1;
 }
