@@ -901,6 +901,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn o_proj_and_gate_up_take_one_launch_in_clusters_that_cover_o_proj() {
+        // SmolLM2 (576, 576, 1536): 36 o_proj tiles, 192 gate|up tiles, 5 warps a group; at
+        // most 3 groups in 512 threads. (groups, warps a group, clusters):
+        assert_eq!(o_gate_block(576, 576, 1536, 12), Some((3, 5, 6))); // one o_proj pass
+        assert_eq!(o_gate_block(576, 576, 1536, 16), Some((3, 5, 4)));
+        assert_eq!(o_gate_block(576, 576, 1536, 8), Some((3, 5, 8))); // two passes
+        assert_eq!(o_gate_block(576, 576, 1536, 4), Some((3, 5, 16))); // three
+        // Every block's groups hold a gate|up tile each, and the ranks' passes cover o_proj.
+        for cluster in [4, 6, 8, 12, 16] {
+            let (groups, warps, clusters) = o_gate_block(576, 576, 1536, cluster).unwrap();
+            assert!(groups * warps * 32 <= O_GATE_MAX_THREADS);
+            assert!(clusters * cluster * groups >= 1536 / 8);
+            assert!(o_gate_shared_bytes(576, groups * warps) <= GEMV_MAX_SHARED_BYTES);
+        }
+        // The two products over different warp counts: a group has the larger.
+        assert_eq!(o_gate_block(128, 320, 96, 4), Some((2, 3, 2)));
+        // No cluster, or widths that are not whole chunks.
+        assert_eq!(o_gate_block(576, 576, 1536, 1), None);
+        assert_eq!(o_gate_block(584, 576, 1536, 12), None);
+        // Qwen2.5-1.5B (1,536): its staged rows leave no room in 48 KiB.
+        assert_eq!(o_gate_block(1536, 1536, 8960, 12), None);
+        // The switch: clusters of 2 to 16, only where compiled for sm_90.
+        assert_eq!(o_gate_cluster(true, Some("12")), 12);
+        assert_eq!(o_gate_cluster(true, None), 0);
+        assert_eq!(o_gate_cluster(true, Some("17")), 0);
+        assert_eq!(o_gate_cluster(false, Some("12")), 0);
+    }
+
+    #[test]
     fn row_groups_are_the_grids_x_unless_asked_for_in_y() {
         assert!(!groups_in_y(None));
         assert!(!groups_in_y(Some("0")));
