@@ -199,6 +199,24 @@ struct WaitOnly {
     __device__ __forceinline__ void operator()() const { PDL_WAIT(); }
 };
 
+// Calls f(i, r, o) for each of this lane's four tile outputs c[i] that exist: output o = o0 +
+// g (c[0], c[1]) or o0 + g + 8 (c[2], c[3]) of step rows r = 2t (c[0], c[2]) and 2t + 1, below
+// `out` and `rows` (the mma's C fragment, as mma_rows_tile_of leaves it in warp 0).
+template <typename F>
+__device__ __forceinline__ void for_tile_outputs(int o0, int rows, int out, F f) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int o = o0 + g + (i >= 2 ? 8 : 0);
+        const int r = 2 * t + (i & 1);
+        if (o < out && r < rows) {
+            f(i, r, o);
+        }
+    }
+}
+
 // y[r, o] = x[r, :] . w[o, :] (or y +=, `accumulate`), as gemv_rows. Grid: ceil(out / 16).
 // `tap` (null: none) gets a copy of what y gets: a block's output written into a capture slot
 // by the launch that computes it, so a step with taps has no copy nodes between its launches
@@ -216,7 +234,6 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
     }
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
-    const int t = lane & 3;
     const int o0 = MMA_TILE * 16;
     const size_t lo = min(o0 + g, out - 1);  // rows past the end load a valid row, write nothing
     const size_t hi = min(o0 + g + 8, out - 1);
@@ -230,31 +247,20 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
     auto stage = [&]() {
         PDL_WAIT();
         if (accumulate && threadIdx.x < 32) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int o = o0 + g + (i >= 2 ? 8 : 0);
-                const int r = 2 * t + (i & 1);
-                if (o < out && r < rows) {
-                    prev[i] = y[(size_t)r * out + o];
-                }
-            }
+            for_tile_outputs(o0, rows, out,
+                             [&](int i, int r, int o) { prev[i] = y[(size_t)r * out + o]; });
         }
     };
     if (!mma_rows_tile(a, none, lo, hi, rows, stage, c)) {
         return;
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int o = o0 + g + (i >= 2 ? 8 : 0);
-        const int r = 2 * t + (i & 1);
-        if (o < out && r < rows) {
-            const float value = accumulate ? prev[i] + c[i] : c[i];
-            y[(size_t)r * out + o] = value;
-            if (tap != nullptr) {
-                tap[(size_t)r * out + o] = value;
-            }
+    for_tile_outputs(o0, rows, out, [&](int i, int r, int o) {
+        const float value = accumulate ? prev[i] + c[i] : c[i];
+        y[(size_t)r * out + o] = value;
+        if (tap != nullptr) {
+            tap[(size_t)r * out + o] = value;
         }
-    }
+    });
 }
 
 // y[r, o] = bf16(rms_norm(xf[r]) * norm_w) . w[o, :], as gemv_norm_rows. Grid: ceil(out / 16);
@@ -272,7 +278,6 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
     unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
-    const int t = lane & 3;
     const int o0 = MMA_TILE * 16;
     const size_t lo = min(o0 + g, out - 1);
     const size_t hi = min(o0 + g + 8, out - 1);
@@ -286,14 +291,7 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
     if (!mma_rows_tile(a, none, lo, hi, rows, stage, c)) {
         return;
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int o = o0 + g + (i >= 2 ? 8 : 0);
-        const int r = 2 * t + (i & 1);
-        if (o < out && r < rows) {
-            y[(size_t)r * out + o] = c[i];
-        }
-    }
+    for_tile_outputs(o0, rows, out, [&](int i, int r, int o) { y[(size_t)r * out + o] = c[i]; });
 }
 
 // act[r, j] = bf16(silu(gate) * up), as norm_gate_up_silu: a tile is gate rows j0 .. j0 + 7
@@ -811,6 +809,9 @@ __device__ __forceinline__ void store_shared_rank(float* local, unsigned int ran
 #endif
 }
 
+// Only where clusters exist (compute_90, TANDEM_PDL) and on the emulator: the host never
+// launches it elsewhere (and ptxas for sm_80 spilled 8 bytes of it at 128 registers).
+#if defined(TANDEM_EMULATE) || (defined(TANDEM_PDL) && TANDEM_PDL)
 extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
     o_proj_gate_up_mma(const unsigned short* __restrict__ attn,
                        const unsigned short* __restrict__ o_w, const float* __restrict__ x,
@@ -852,20 +853,8 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
     }
     // o_proj's tiles in passes of cluster * groups: pass p's tile of rank q and group g is
     // (p * cluster + q) * groups + g (past o_tiles: a repeat of the last, unwritten). The later
-    // passes' weights of this rank into L2 now, like gate|up's.
+    // passes' weights load after the first pass.
     const int o_passes = (o_tiles + cluster * groups - 1) / (cluster * groups);
-    for (int pass = 1; pass < o_passes; ++pass) {
-        const int tile = min(((pass * cluster + rank) * groups + group), o_tiles - 1);
-        if (slice == 0 && t == 0) {
-            for (int half = 0; half < 2; ++half) {
-                const int row = min(tile * 16 + g + 8 * half, hidden - 1);
-                const char* w_row = reinterpret_cast<const char*>(o_w + (size_t)row * q_dim);
-                for (int line = 0; line < q_dim * 2 / 128; ++line) {
-                    prefetch_l2(w_row + line * 128);
-                }
-            }
-        }
-    }
     cluster_arrive_relaxed();
     const MmaOperand o_operand{o_w, attn, q_dim >> 5};
     const MmaOperand gate_operand{gate_up, xs, hidden >> 5};
@@ -887,32 +876,23 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
         const int o0 = min(tile, o_tiles - 1) * 16;
         const size_t lo = min(o0 + g, hidden - 1);
         const size_t hi = min(o0 + g + 8, hidden - 1);
+        // The residual this tile adds to, read by its leader warp (after the wait in the
+        // first pass).
         float prev[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        auto stage = [&]() {
-            if (!first) {
-                return;
-            }
-            PDL_WAIT();
+        auto read_prev = [&]() {
             if (slice == 0) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int o = o0 + g + (i >= 2 ? 8 : 0);
-                    const int r = 2 * t + (i & 1);
-                    if (o < hidden && r < rows) {
-                        prev[i] = x[(size_t)r * hidden + o];
-                    }
-                }
+                for_tile_outputs(o0, rows, hidden,
+                                 [&](int i, int r, int o) { prev[i] = x[(size_t)r * hidden + o]; });
             }
         };
-        if (!first && slice == 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int o = o0 + g + (i >= 2 ? 8 : 0);
-                const int r = 2 * t + (i & 1);
-                if (o < hidden && r < rows) {
-                    prev[i] = x[(size_t)r * hidden + o];
-                }
+        auto stage = [&]() {
+            if (first) {
+                PDL_WAIT();
+                read_prev();
             }
+        };
+        if (!first) {
+            read_prev();
         }
         float c[4];
         const bool leader =
@@ -921,24 +901,19 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
             cluster_wait();  // every rank has started: its shared memory may be written
         }
         if (leader && tile < o_tiles) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int o = o0 + g + (i >= 2 ? 8 : 0);
-                const int r = 2 * t + (i & 1);
-                if (o < hidden && r < rows) {
-                    const float value = prev[i] + c[i];
-                    if (cluster_index == 0) {
-                        x_out[(size_t)r * hidden + o] = value;
-                    }
-#ifdef TANDEM_EMULATE
-                    residual[(size_t)r * hidden + o] = value;
-#else
-                    for (int peer = 0; peer < cluster; ++peer) {
-                        store_shared_rank(&residual[(size_t)r * hidden + o], peer, value);
-                    }
-#endif
+            for_tile_outputs(o0, rows, hidden, [&](int i, int r, int o) {
+                const float value = prev[i] + c[i];
+                if (cluster_index == 0) {
+                    x_out[(size_t)r * hidden + o] = value;
                 }
-            }
+#ifdef TANDEM_EMULATE
+                residual[(size_t)r * hidden + o] = value;
+#else
+                for (int peer = 0; peer < cluster; ++peer) {
+                    store_shared_rank(&residual[(size_t)r * hidden + o], peer, value);
+                }
+#endif
+            });
         }
         // The partial tiles are reused by the next tile.
         __syncthreads();
@@ -972,6 +947,7 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
         __syncthreads();
     }
 }
+#endif
 
 // ---- A fused layer's MLP in one launch: gate|up, SwiGLU and down_proj's partial sums ----
 //

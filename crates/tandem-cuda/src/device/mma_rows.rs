@@ -53,7 +53,7 @@ pub(super) struct MmaRows {
     mlp_cluster: AtomicUsize,
     /// o_proj and the MLP's gate|up in one launch ([`Gpu::o_proj_gate_up`]), and its cluster
     /// ([`o_gate_cluster`]; 0: two launches).
-    pub(super) o_proj_gate_up: CudaFunction,
+    pub(super) o_proj_gate_up: Option<CudaFunction>,
     o_gate_cluster: AtomicUsize,
     programmatic: bool,
     groups_in_y: bool,
@@ -137,16 +137,17 @@ impl MmaRows {
                 programmatic,
                 std::env::var("TANDEM_CUDA_MLP_CLUSTER").ok().as_deref(),
             )),
-            o_proj_gate_up: {
+            // Compiled for sm_90 only (clusters), where it may take up to 16 blocks a cluster
+            // (an H100 takes 16; 8 is the portable size).
+            o_proj_gate_up: if programmatic {
                 let f = module.load_function("o_proj_gate_up_mma")?;
-                if programmatic {
-                    // Clusters of up to 16 blocks (an H100 takes 16; 8 is the portable size).
-                    f.set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                        1,
-                    )?;
-                }
-                f
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )?;
+                Some(f)
+            } else {
+                None
             },
             o_gate_cluster: AtomicUsize::new(o_gate_cluster(
                 programmatic,
@@ -633,7 +634,8 @@ impl Gpu {
     pub fn o_gate_fits(&self, hidden: usize, q_dim: usize, inter: usize, rows: usize) -> bool {
         (1..=GEMV_MAX_ROWS).contains(&rows)
             && self.mma_rows_for(hidden, 1).is_some_and(|mma| {
-                takes(q_dim, 0)
+                mma.o_proj_gate_up.is_some()
+                    && takes(q_dim, 0)
                     && o_gate_block(
                         hidden,
                         q_dim,
@@ -710,7 +712,9 @@ impl Gpu {
         // cluster * groups covering o_proj's tiles; PDL_WAIT before attn and x; x_out is not x.
         unsafe {
             self.launch_programmatic_clusters(
-                &mma.o_proj_gate_up,
+                mma.o_proj_gate_up
+                    .as_ref()
+                    .expect("o_gate_fits: compiled for sm_90"),
                 cfg,
                 args,
                 rows,
