@@ -1787,7 +1787,7 @@ impl CudaTarget {
         let mut alt = false;
         // Fused steps may take o_proj and gate|up in one launch a layer (`Gpu::o_proj_gate_up`,
         // off unless `TANDEM_CUDA_O_GATE_CLUSTER` is set).
-        let o_gate = fused && self.o_gate(rows);
+        let o_gate = self.o_gate(rows);
         for (k, layer) in layers.iter().enumerate() {
             let mut written = None;
             if let (Some(prev), Some(parts), false) = (pending, mlp_parts, one_launch_attention) {
@@ -1894,26 +1894,25 @@ impl CudaTarget {
                     scalars,
                 )?;
             }
-            // o_proj and gate|up in one launch (`o_gate`): the new residual goes to `other`
-            // while its blocks read `cur`, and the two swap; `act` is ready for down_proj.
-            if o_gate {
-                gpu.o_proj_gate_up(
-                    attn,
-                    &layer.o,
-                    cur,
-                    other,
-                    &layer.post_norm,
-                    &layer.gate_up,
-                    act,
-                    rows,
-                    (q_dim, h, inter),
-                    eps,
-                )?;
-                std::mem::swap(&mut cur, &mut other);
-                alt = !alt;
-            }
             if fused {
-                if !o_gate {
+                if o_gate {
+                    // o_proj and gate|up in one launch: the new residual goes to `other` while
+                    // its blocks read `cur`, and the two swap; `act` is ready for down_proj.
+                    gpu.o_proj_gate_up(
+                        attn,
+                        &layer.o,
+                        cur,
+                        other,
+                        &layer.post_norm,
+                        &layer.gate_up,
+                        act,
+                        rows,
+                        (q_dim, h, inter),
+                        eps,
+                    )?;
+                    std::mem::swap(&mut cur, &mut other);
+                    alt = !alt;
+                } else {
                     gpu.gemv_rows(attn, &layer.o, cur, rows, q_dim, h, true)?;
                 }
                 if mlp_parts.is_some() {

@@ -1039,12 +1039,9 @@ fn small_step_rows_are_batch_invariant() {
     // well (a cluster computes a sequence's four tokens and attends each after its barrier),
     // so with the first mode a verification through the one launch has the two launches' bits.
     let gpu = gpu();
-    // What the process's switch asks for (the kernels load below, so the GPU cannot say yet).
-    let o_gate_before = std::env::var("TANDEM_CUDA_O_GATE_CLUSTER")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| (2..=16).contains(n))
-        .unwrap_or(0);
+    // The o_proj + gate|up cluster the process had once the tensor-core kernels loaded, put
+    // back at the end.
+    let mut o_gate_before = None;
     for (architecture, tied, head_dim) in [
         ("LlamaForCausalLM", true, 32),
         ("Qwen2ForCausalLM", false, 64),
@@ -1149,6 +1146,9 @@ fn small_step_rows_are_batch_invariant() {
             let mlp = gpu.mlp_parts(target.spec.hidden_size, target.spec.intermediate_size);
             if one_launch_mlp && ["H100", "H200"].iter().any(|h| gpu.name().contains(h)) {
                 assert_eq!(mlp, Some(2), "{mode}: the one-launch MLP on {}", gpu.name());
+            }
+            if gpu.mma_rows() {
+                o_gate_before.get_or_insert(gpu.o_gate_cluster());
             }
             let o_gate = mode.contains("o_proj with gate|up");
             gpu.set_o_gate_cluster(if o_gate { 12 } else { 0 });
@@ -1338,7 +1338,9 @@ fn small_step_rows_are_batch_invariant() {
         }
     }
     // The GPU outlives this test: later tests get the launches they would have had.
-    gpu.set_o_gate_cluster(o_gate_before);
+    if let Some(cluster) = o_gate_before {
+        gpu.set_o_gate_cluster(cluster);
+    }
 }
 
 /// The trainer's corpus upload through two page-locked buffers (`PinnedUpload`): two and a

@@ -255,14 +255,18 @@ const PAIR_INPUT_BYTES: usize = 20;
 /// launch off.
 pub const QKV_ATTENTION_CLUSTER: usize = 6;
 
+/// A cluster-size switch's value: a whole number in `range`, else `None`.
+fn cluster_switch(value: Option<&str>, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| range.contains(n))
+}
+
 fn qkv_attention_cluster(programmatic: bool, value: Option<&str>) -> usize {
     if !programmatic {
         return 1;
     }
-    value
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| (1..=8).contains(n))
-        .unwrap_or(QKV_ATTENTION_CLUSTER)
+    cluster_switch(value, 1..=8).unwrap_or(QKV_ATTENTION_CLUSTER)
 }
 
 /// Activations a block of `mlp_partials_mma` holds (`MLP_SLICE`): one mma's k.
@@ -282,10 +286,7 @@ fn mlp_cluster(programmatic: bool, value: Option<&str>) -> usize {
     if !programmatic {
         return 0;
     }
-    value
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| *n <= 8)
-        .unwrap_or(0)
+    cluster_switch(value, 0..=8).unwrap_or(0)
 }
 
 /// The cluster of `mlp_partials_mma` for `inter` activations (inter / 16 slices): the most
@@ -313,10 +314,7 @@ fn o_gate_cluster(programmatic: bool, value: Option<&str>) -> usize {
     if !programmatic {
         return 0;
     }
-    value
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| (2..=16).contains(n))
-        .unwrap_or(0)
+    cluster_switch(value, 2..=16).unwrap_or(0)
 }
 
 /// The launch of `o_proj_gate_up_mma` for a model of hidden size `hidden`, `q_dim` attention
@@ -705,11 +703,11 @@ impl Gpu {
             shared_mem_bytes: o_gate_shared_bytes(hidden, warps) as u32,
         };
         // SAFETY: signature (u16*, u16*, f32*, f32*, u16*, u16*, u16*, int, int, int, int,
-        // float, int, int, int, int) of `o_proj_gate_up_mma`; each split at most a group's warps; sizes asserted; one row group; at most
-        // O_GATE_MAX_THREADS threads and 48 KiB of dynamic shared memory (o_gate_block); the
-        // grid a whole number of clusters of at most 16 blocks (the function allows
-        // non-portable sizes), clusters only where compiled for sm_90 (o_gate_cluster), and
-        // cluster * groups covering o_proj's tiles; PDL_WAIT before attn and x; x_out is not x.
+        // float, int, int, int, int) of `o_proj_gate_up_mma`; each split at most a group's
+        // warps; sizes asserted; one row group; at most O_GATE_MAX_THREADS threads and 48 KiB of
+        // dynamic shared memory (o_gate_block); the grid a whole number of clusters of at most
+        // 16 blocks (the function allows non-portable sizes), clusters only where compiled for
+        // sm_90 (o_gate_cluster); PDL_WAIT before attn and x; x_out is not x.
         unsafe {
             self.launch_programmatic_clusters(
                 mma.o_proj_gate_up
