@@ -8,6 +8,7 @@
 # `-` (the defaults) or comma-separated VAR=VALUE switches; repeat `-` last, so that a drift of
 # the card shows between the two default arms. Its predecessor, flow_ab.sh, measured the flow
 # counters in session 53; it measured the one-launch q|k|v and attention's switch (BENCHMARKS.md).
+# NCU=1: also each kernel's own time by kind of step (below).
 set -uo pipefail
 case "${1:-}" in
 pack)
@@ -44,6 +45,23 @@ run)
   for i in "${!arms[@]}"; do
     grep -E "^\| fast" "$R/fb-$i.md" | sed "s/^/arm $i /"
   done
+  # NCU=1: each kernel's own time (ncu, eager launches, caches kept between kernels as in the
+  # pipeline) in batch-1 decodes and 4- and 8-token verifications, by kind of step
+  # (scripts/gpu/ncu_steps.py); the graphed step's device time above minus this is what the
+  # launch boundaries cost.
+  if [[ "${NCU:-0}" == 1 ]]; then
+    ncu=$(find_tool ncu)
+    if [[ -z "$ncu" ]]; then
+      echo "ncu missing"
+    else
+      TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --csv --launch-count 6000 "$W/tandem" fast-bench \
+        --model "$W/smol" --prompt-tokens 128 --new-tokens 8 --repeats 1 --batch 1 \
+        --verify-widths 4,8 --fused on > "$R/ncu.csv" 2> "$R/ncu.err"
+      echo "ncu: exit $?"
+      python3 scripts/gpu/ncu_steps.py "$R/ncu.csv" | tee "$R/ncu_steps.txt"
+    fi
+  fi
   ;;
 *) echo "usage: $0 pack|run" >&2; exit 2 ;;
 esac
