@@ -4,9 +4,11 @@
     python3 scripts/gpu/ncu_steps.py ncu.csv [--heads 9]
 
 ncu (`--csv --metrics gpu__time_duration.sum,...`) lists every kernel of the run in launch
-order. A step ends with its logits (`gemv_norm_rows_mma`, or `argmax_rows` right after it);
-each step is named by what its attention ran: `qkv_attention_mma` (the one-launch q|k|v and
-attention) or `attention_invariant` with rows x heads blocks. For each kind: the steps seen,
+order (fast-bench, or `tandem bench` with a head). A step ends with its logits
+(`gemv_norm_rows_mma`) and the kernels that finish it (TAIL). The target's steps are named by
+what their attention ran: `qkv_attention_mma` (the one-launch q|k|v and attention) or
+`attention_invariant` with rows x heads blocks; the head's (logits over fewer tiles) as
+extends or draft steps. For each kind: the steps seen,
 the median kernel time a step and its kernel count, then each kernel's mean time and count a
 step. Set against a graphed step's device time (fast-bench), the difference is what the
 launch boundaries cost on top of the kernels' own time.
@@ -43,29 +45,46 @@ def read_kernels(path):
             if k["us"] is not None]
 
 
+# Kernels that finish a step after its logits: the greedy ids, an extend's roots for the next
+# chain, a chain's tokens scattered into the verification's input.
+TAIL = ("argmax_rows", "gather_accepted_roots", "scatter_chain_tokens")
+
+
 def split_steps(kernels):
-    """Lists of kernels, each ending with a step's logits (and its argmax when one follows)."""
-    steps, current = [], []
-    for i, (kid, name, grid, us) in enumerate(kernels):
-        current.append((name, grid, us))
-        logits = name.startswith("gemv_norm_rows")
-        next_is_argmax = i + 1 < len(kernels) and kernels[i + 1][1].startswith("argmax")
-        if (logits and not next_is_argmax) or (name.startswith("argmax") and i > 0
-                                               and kernels[i - 1][1].startswith("gemv_norm_rows")):
+    """Lists of (name, grid, us), each ending with a step's logits and the TAIL kernels after them."""
+    steps, current, after_logits = [], [], False
+    for _, name, grid, us in kernels:
+        if after_logits and not name.startswith(TAIL):
             steps.append(current)
-            current = []
+            current, after_logits = [], False
+        current.append((name, grid, us))
+        after_logits = after_logits or name.startswith("gemv_norm_rows")
+    if current:
+        steps.append(current)
     return steps
 
 
-def kind_of(step, heads):
+def grid_dims(grid):
+    return [int(v) for v in re.findall(r"[0-9]+", grid)]
+
+
+def kind_of(step, heads, target_tiles):
+    """The target's steps by their attention, the EAGLE-3 head's (logits of fewer tiles: its
+    draft vocabulary) as extends (fc input from the taps) or draft steps."""
     names = [n for n, _, _ in step]
+    logits = [grid_dims(g) for n, g, _ in step if n.startswith("gemv_norm_rows")]
+    if not logits:
+        return "other"
+    if logits[-1][1] < target_tiles:
+        extend = any(n.startswith(("taps_to_bf16", "gather_accepted_roots")) for n in names)
+        return "head extend" if extend else "head draft"
     if any(n.startswith("qkv_attention") for n in names):
         return "one-launch attention"
     for n, grid, _ in step:
         if n.startswith("attention_invariant"):
             blocks = 1
-            for v in re.findall(r"[0-9]+", grid):
-                blocks *= int(v)
+            for v in grid_dims(grid):
+                blocks *= v
             return f"{blocks // heads} rows"
     return "other"
 
@@ -76,9 +95,12 @@ def main():
     ap.add_argument("--heads", type=int, default=9, help="query heads (SmolLM2: 9)")
     args = ap.parse_args()
     steps = split_steps(read_kernels(args.csv))
+    # The target's logits span the most tiles (grid y) of any step's.
+    target_tiles = max((grid_dims(g)[1] for s in steps for n, g, _ in s
+                        if n.startswith("gemv_norm_rows")), default=0)
     by_kind = collections.defaultdict(list)
     for s in steps:
-        by_kind[kind_of(s, args.heads)].append(s)
+        by_kind[kind_of(s, args.heads, target_tiles)].append(s)
     for kind, group in sorted(by_kind.items()):
         totals = [sum(us for _, _, us in s) for s in group]
         counts = [len(s) for s in group]
@@ -86,12 +108,18 @@ def main():
               f"kernel time in {statistics.median(counts):.0f} kernels")
         per = collections.defaultdict(list)
         for s in group:
-            seen = collections.Counter()
+            # A layer's plain products share a kernel: o_proj, then down_proj (an extend's fc
+            # before them).
+            labels = ["fc"] if kind == "head extend" else []
+            products = 0
             for name, _, us in s:
-                # A layer's two plain products share a kernel: o_proj first, then down_proj.
                 if name == "gemv_rows_mma":
-                    name += " (o_proj)" if seen[name] % 2 == 0 else " (down_proj)"
-                    seen["gemv_rows_mma"] += 1
+                    if products < len(labels):
+                        label = labels[products]
+                    else:
+                        label = ("o_proj", "down_proj")[(products - len(labels)) % 2]
+                    name += f" ({label})"
+                    products += 1
                 per[name].append(us)
         for name, times in sorted(per.items(), key=lambda kv: -sum(kv[1])):
             print(f"  {name:32s} {len(times) / len(group):6.1f} a step  mean {statistics.mean(times):6.2f} us"

@@ -8,7 +8,8 @@
 # `-` (the defaults) or comma-separated VAR=VALUE switches; repeat `-` last, so that a drift of
 # the card shows between the two default arms. Its predecessor, flow_ab.sh, measured the flow
 # counters in session 53; it measured the one-launch q|k|v and attention's switch (BENCHMARKS.md).
-# NCU=1: also each kernel's own time by kind of step (below).
+# NCU=1: also each kernel's own time by kind of step (below); NCU_BENCH=1 the same for
+# speculative rounds with the committed head.
 set -uo pipefail
 case "${1:-}" in
 pack)
@@ -61,6 +62,27 @@ run)
       echo "ncu: exit $?"
       python3 scripts/gpu/ncu_steps.py "$R/ncu.csv" | tee "$R/ncu_steps.txt"
     fi
+  fi
+  # NCU_BENCH=1: speculative rounds (3/1/4, batch 1) with the committed head on the random
+  # target (KEEP_HEAD=1 lean tree; MT-Bench questions carried as .device/x/question.jsonl; the
+  # target's weights are not the head's, so drafts are rejected, but every step has the shape
+  # of a real round's): the phase-timed bench (graphed), then ncu over a few rounds with each
+  # kernel by kind of step, the head's extends and draft steps among them.
+  if [[ "${NCU_BENCH:-0}" == 1 ]]; then
+    mkdir -p "$W/data/mtbench" && cp .device/x/question.jsonl "$W/data/mtbench/"
+    spec=(bench --model "$W/smol" --draft heads/smollm2-135m-eagle3 --allow-wiring-mismatch
+      --device cuda --prompts mtbench --data-root "$W/data" --steps 3 --topk 1
+      --num-draft-tokens 4 --batch 1)
+    timeout 150 "$W/tandem" "${spec[@]}" --max-prompts 8 --max-new-tokens 64 --phase-timing \
+      --json "$R/bench.json" > "$R/bench.log" 2>&1
+    echo "phase-timed bench: exit $?"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if isinstance(v, (int, float))})" "$R/bench.json"
+    ncu=$(find_tool ncu)
+    TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum --csv --launch-count 8000 "$W/tandem" "${spec[@]}" \
+      --max-prompts 2 --max-new-tokens 24 --no-baseline > "$R/ncu-bench.csv" 2> "$R/ncu-bench.err"
+    echo "ncu bench: exit $?"
+    python3 scripts/gpu/ncu_steps.py "$R/ncu-bench.csv" | tee "$R/ncu_bench_steps.txt"
   fi
   ;;
 *) echo "usage: $0 pack|run" >&2; exit 2 ;;
