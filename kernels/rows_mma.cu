@@ -401,15 +401,24 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
                 col0 = step_scalars[0];
             }
         }
-        const int inputs = x2 != nullptr ? 2 : 1;
-        for (int task = warp; task < inputs * rows; task += warps) {
-            if (task >= rows) {
-                stage_rms_normed_row(F32Rows{x2}, norm_w2, xs2, task - rows, hidden, eps);
-            } else if (embed_table != nullptr) {
-                stage_rms_normed_row(EmbedRows{embed_table, tokens}, norm_w, xs, task, hidden,
-                                     eps);
+        if (x2 == nullptr) {
+            // The target's one input: a warp's rows in pairs (stage_rms_normed_warp_rows).
+            if (embed_table != nullptr) {
+                stage_rms_normed_warp_rows(EmbedRows{embed_table, tokens}, norm_w, xs, rows,
+                                           hidden, eps);
             } else {
-                stage_rms_normed_row(F32Rows{x}, norm_w, xs, task, hidden, eps);
+                stage_rms_normed_warp_rows(F32Rows{x}, norm_w, xs, rows, hidden, eps);
+            }
+        } else {
+            for (int task = warp; task < 2 * rows; task += warps) {
+                if (task >= rows) {
+                    stage_rms_normed_row(F32Rows{x2}, norm_w2, xs2, task - rows, hidden, eps);
+                } else if (embed_table != nullptr) {
+                    stage_rms_normed_row(EmbedRows{embed_table, tokens}, norm_w, xs, task,
+                                         hidden, eps);
+                } else {
+                    stage_rms_normed_row(F32Rows{x}, norm_w, xs, task, hidden, eps);
+                }
             }
         }
         __syncthreads();
@@ -928,7 +937,12 @@ extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
                 return;
             }
             cluster_barrier(cluster);
-            stage_rms_normed_rows(F32Rows{residual}, norm_w, xs, rows, hidden, eps);
+            // A row at a time (the pairs of stage_rms_normed_rows spill at this kernel's 128
+            // registers; same bits either way).
+            for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
+                stage_rms_normed_row(F32Rows{residual}, norm_w, xs, r, hidden, eps);
+            }
+            __syncthreads();
         };
         float c[4];
         const bool leader = mma_rows_tile_of(gate_operand, none, (size_t)jw, (size_t)(inter + jw),

@@ -66,14 +66,23 @@ pub(super) fn groups_in_y(value: Option<&str>) -> bool {
     value.map(str::trim) == Some("1")
 }
 
+/// Whether a warp stages its rows of a normed input two at a time (`stage_rms_normed_warp_rows`
+/// in kernels/common.cuh: an 8-row step over SmolLM2's 5 warps in one pass instead of two):
+/// on unless `TANDEM_CUDA_NORM_PAIRS=0`, which compiles the row-at-a-time loop of session 54
+/// and before (`NORM_STAGE_SERIAL`) for same-binary comparisons. The bits are the same.
+pub(super) fn norm_pairs(value: Option<&str>) -> bool {
+    super::switch_on_unless_zero(value)
+}
+
 /// `kernels/rows_mma.cu` as PTX: compute_80, or compute_90 with `TANDEM_PDL` when the other
 /// kernels launch with programmatic dependent launch (and `late`: the trigger after the wait,
-/// [`super::pdl_defines`]); `groups_in_y`: [`groups_in_y`].
+/// [`super::pdl_defines`]); `groups_in_y`: [`groups_in_y`]; `pairs`: [`norm_pairs`].
 pub(super) fn compile(
     programmatic: bool,
     groups_in_y: bool,
     late: bool,
     qkv_attention_threads: usize,
+    pairs: bool,
 ) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     let pdl = super::pdl_defines(programmatic, late);
     let order = if groups_in_y {
@@ -81,8 +90,13 @@ pub(super) fn compile(
     } else {
         ""
     };
+    let serial = if pairs {
+        ""
+    } else {
+        "#define NORM_STAGE_SERIAL 1\n"
+    };
     let order = format!(
-        "{order}#define QKV_ATTENTION_MAX_THREADS {qkv_attention_threads}\n#define O_GATE_MAX_THREADS {O_GATE_MAX_THREADS}\n"
+        "{order}{serial}#define QKV_ATTENTION_MAX_THREADS {qkv_attention_threads}\n#define O_GATE_MAX_THREADS {O_GATE_MAX_THREADS}\n"
     );
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
         mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", &format!("{pdl}{order}")),
@@ -112,11 +126,13 @@ impl MmaRows {
                 .ok()
                 .as_deref(),
         );
+        let pairs = norm_pairs(std::env::var("TANDEM_CUDA_NORM_PAIRS").ok().as_deref());
         let module = ctx.load_module(compile(
             programmatic,
             groups_in_y,
             late,
             qkv_attention_threads,
+            pairs,
         )?)?;
         Ok(Self {
             gemv_rows: module.load_function("gemv_rows_mma")?,

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <tuple>
 
 static bool report(const char* what, bool ok, const char* detail) {
     std::printf("%-64s %s %s\n", what, detail, ok ? "ok" : "FAILED");
@@ -580,6 +581,84 @@ static bool check_o_gate(std::mt19937& rng, int hidden, int q_dim, int inter, in
     return ok;
 }
 
+// The norm-staging kernels at SmolLM2's width (576: 5 warps a block), where an 8-row step gives
+// three warps two rows each (staged as a pair, stage_rms_normed_warp_rows) and a 1-row step one:
+// each row of the 8-row step must get the bits of that row run alone, for gemv_norm_rows_mma,
+// norm_gate_up_silu_mma and the target's norm_qkv_rope_mma (f32 rows and embedding rows).
+static bool check_paired_staging(std::mt19937& rng) {
+    const int hidden = 576, out = 32, inter = 16, rows = 8, vocab = 13;
+    const int heads = 2, kv_heads = 1, head_dim = 32, capacity = 16, half = head_dim / 2;
+    const int pairs = (heads + 2 * kv_heads) * half, q_dim = heads * head_dim;
+    const int qkv_dim = (heads + 2 * kv_heads) * head_dim;
+    const auto x = random_f32(rng, rows * hidden);
+    const auto norm_w = random_bf16(rng, hidden);
+    const auto w_out = random_bf16(rng, out * hidden);
+    const auto w_gate_up = random_bf16(rng, 2 * inter * hidden);
+    const auto w_qkv = random_bf16(rng, qkv_dim * hidden, 0.2f);
+    const auto table = random_bf16(rng, vocab * hidden);
+    const std::vector<unsigned int> tokens = {3, 12, 0, 7, 7, 5, 9, 1};
+    std::vector<int> positions(rows);
+    for (int r = 0; r < rows; ++r) positions[r] = r + 2;
+    std::vector<float> inv_freq(half);
+    for (int j = 0; j < half; ++j) inv_freq[j] = std::pow(10000.0f, -2.0f * j / head_dim);
+    const unsigned int warps = 32 * split_for(hidden);
+    // Every kernel over rows r0 .. r0 + n (a step of its own, width n: one sequence).
+    auto norm_rows = [&](int r0, int n) {
+        std::vector<float> y(n * out, NAN);
+        emu_launch(mma_grid((out + 15) / 16, n), EmuDim3{warps, 1, 1}, n * hidden * 2, [&] {
+            gemv_norm_rows_mma(x.data() + r0 * hidden, norm_w.data(), w_out.data(), y.data(), n,
+                               hidden, out, 1e-5f);
+        });
+        return y;
+    };
+    auto gate_up = [&](int r0, int n) {
+        std::vector<unsigned short> act(n * inter, 0xffff);
+        emu_launch(mma_grid((inter + 7) / 8, n), EmuDim3{warps, 1, 1}, n * hidden * 2, [&] {
+            norm_gate_up_silu_mma(x.data() + r0 * hidden, norm_w.data(), w_gate_up.data(),
+                                  act.data(), n, hidden, inter, 1e-5f);
+        });
+        return act;
+    };
+    auto qkv = [&](int r0, int n, bool embed) {
+        std::vector<float> q(n * q_dim, NAN);
+        std::vector<unsigned short> k(kv_heads * capacity * head_dim, 0), v = k;
+        emu_launch(mma_grid((pairs + 7) / 8, n), EmuDim3{warps, 1, 1}, n * hidden * 2, [&] {
+            norm_qkv_rope_mma(embed ? nullptr : x.data() + r0 * hidden, norm_w.data(),
+                              w_qkv.data(), nullptr, nullptr, nullptr, nullptr,
+                              positions.data() + r0, inv_freq.data(), q.data(), k.data(),
+                              v.data(), n, hidden, n, heads, kv_heads, head_dim, capacity, r0,
+                              nullptr, 1e-5f, embed ? table.data() : nullptr,
+                              embed ? tokens.data() + r0 : nullptr);
+        });
+        return std::make_tuple(q, k, v);
+    };
+    const auto y8 = norm_rows(0, rows);
+    const auto act8 = gate_up(0, rows);
+    const auto qkv8 = qkv(0, rows, false), emb8 = qkv(0, rows, true);
+    bool norm_ok = true, gate_ok = true, qkv_ok = true;
+    for (int r = 0; r < rows; ++r) {
+        norm_ok &= std::memcmp(norm_rows(r, 1).data(), y8.data() + r * out, out * 4) == 0;
+        gate_ok &= std::memcmp(gate_up(r, 1).data(), act8.data() + r * inter, inter * 2) == 0;
+        for (bool embed : {false, true}) {
+            const auto& all = embed ? emb8 : qkv8;
+            const auto [q, k, v] = qkv(r, 1, embed);
+            qkv_ok &= std::memcmp(q.data(), std::get<0>(all).data() + r * q_dim, q_dim * 4) == 0;
+            // Row r's key and value: cache column r (col0 = r0) of each key-value head.
+            for (int h = 0; h < kv_heads; ++h) {
+                const size_t at = (static_cast<size_t>(h) * capacity + r) * head_dim;
+                qkv_ok &= std::memcmp(k.data() + at, std::get<1>(all).data() + at, head_dim * 2) == 0;
+                qkv_ok &= std::memcmp(v.data() + at, std::get<2>(all).data() + at, head_dim * 2) == 0;
+            }
+        }
+    }
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "(gemv_norm_rows %s, gate|up %s, q|k|v %s: bit for bit)",
+                  norm_ok ? "same" : "DIFFERENT", gate_ok ? "same" : "DIFFERENT",
+                  qkv_ok ? "same" : "DIFFERENT");
+    return report("norm staging in pairs: 8 rows over 5 warps give each row its bits alone",
+                  norm_ok && gate_ok && qkv_ok, detail);
+}
+
 int main() {
     std::mt19937 rng(38);
     bool ok = check_gemv(rng);
@@ -588,6 +667,7 @@ int main() {
     ok = check_qkv_rope(rng, false) && ok;
     ok = check_qkv_rope(rng, true) && ok;
     ok = check_row_groups(rng) && ok;
+    ok = check_paired_staging(rng) && ok;
     ok = check_qkv_attention(rng, 160, 4, 2, 32, 6, 1) && ok;  // 6 tiles, split 2: one pass
     ok = check_qkv_attention(rng, 320, 4, 2, 32, 4, 1) && ok;  // two passes, the second half-empty
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 5, 1) && ok;  // 12 tiles, split 2: three passes
