@@ -197,14 +197,11 @@ struct EmbedRows {
 // row over the whole block, all rows' loads in flight at once, measured slower at 1 to 8 rows:
 // BENCHMARKS.md, session 18.) `Rows` gives x's values: F32Rows or EmbedRows, the same
 // arithmetic on the same values.
-// `stage_rms_normed_row_set` is one warp's share: rows r[0 .. count) (count <= R, the same in
-// every lane), each with the arithmetic of a row staged alone (the same sums in the same order,
-// so the same bits), their loads in flight together.
-template <int R, typename Rows>
-__device__ __forceinline__ void stage_rms_normed_row_set(const Rows& x,
-                                                         const unsigned short* __restrict__ w,
-                                                         unsigned short* xs, const int (&r)[R],
-                                                         int count, int n, float eps) {
+// `stage_rms_normed_row` is one warp's share: row r.
+template <typename Rows>
+__device__ __forceinline__ void stage_rms_normed_row(const Rows& x,
+                                                     const unsigned short* __restrict__ w,
+                                                     unsigned short* xs, int r, int n, float eps) {
     const int lane = threadIdx.x & 31;
     const uint2* w4 = reinterpret_cast<const uint2*>(w);
     const int nv = n >> 2;
@@ -218,97 +215,45 @@ __device__ __forceinline__ void stage_rms_normed_row_set(const Rows& x,
         const int i = lane + 32 * it;
         wpre[it] = i < nv ? w4[i] : make_uint2(0, 0);
     }
-    float inv[R];
     {
-        float squares[R];
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-            squares[j] = 0.0f;
-        }
+        float squares = 0.0f;
 #pragma unroll 4
         for (int i = lane; i < nv; i += 32) {
+            const float4 v = x.at(r, n, i);
+            squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        const float inv = 1.0f / sqrtf(warp_sum(squares) / (float)n + eps);
+        uint2* out = reinterpret_cast<uint2*>(xs + (size_t)r * n);
+        auto put = [&](int i, const uint2& wv) {
+            const float4 v = x.at(r, n, i);
+            const unsigned int lo = f32_to_bf16(v.x * inv * __uint_as_float(wv.x << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.y * inv * __uint_as_float(wv.x & 0xffff0000u)) << 16);
+            const unsigned int hi = f32_to_bf16(v.z * inv * __uint_as_float(wv.y << 16)) |
+                                    ((unsigned int)f32_to_bf16(v.w * inv * __uint_as_float(wv.y & 0xffff0000u)) << 16);
+            out[i] = make_uint2(lo, hi);
+        };
 #pragma unroll
-            for (int j = 0; j < R; ++j) {
-                if (j < count) {
-                    const float4 v = x.at(r[j], n, i);
-                    squares[j] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-                }
+        for (int it = 0; it < NORM_PREFETCH; ++it) {
+            const int i = lane + 32 * it;
+            if (i < nv) {
+                put(i, wpre[it]);
             }
         }
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-            inv[j] = 1.0f / sqrtf(warp_sum(squares[j]) / (float)n + eps);
-        }
-    }
-    auto put = [&](int j, int i, const uint2& wv) {
-        const float4 v = x.at(r[j], n, i);
-        const unsigned int lo = f32_to_bf16(v.x * inv[j] * __uint_as_float(wv.x << 16)) |
-                                ((unsigned int)f32_to_bf16(v.y * inv[j] * __uint_as_float(wv.x & 0xffff0000u)) << 16);
-        const unsigned int hi = f32_to_bf16(v.z * inv[j] * __uint_as_float(wv.y << 16)) |
-                                ((unsigned int)f32_to_bf16(v.w * inv[j] * __uint_as_float(wv.y & 0xffff0000u)) << 16);
-        reinterpret_cast<uint2*>(xs + (size_t)r[j] * n)[i] = make_uint2(lo, hi);
-    };
-#pragma unroll
-    for (int it = 0; it < NORM_PREFETCH; ++it) {
-        const int i = lane + 32 * it;
-        if (i < nv) {
-#pragma unroll
-            for (int j = 0; j < R; ++j) {
-                if (j < count) {
-                    put(j, i, wpre[it]);
-                }
-            }
-        }
-    }
 #pragma unroll 4
-    for (int i = lane + 32 * NORM_PREFETCH; i < nv; i += 32) {
-        const uint2 wv = w4[i];
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-            if (j < count) {
-                put(j, i, wv);
-            }
+        for (int i = lane + 32 * NORM_PREFETCH; i < nv; i += 32) {
+            put(i, w4[i]);
         }
     }
-}
-
-// `stage_rms_normed_row` is one warp's share: row r.
-template <typename Rows>
-__device__ __forceinline__ void stage_rms_normed_row(const Rows& x,
-                                                     const unsigned short* __restrict__ w,
-                                                     unsigned short* xs, int r, int n, float eps) {
-    const int one[1] = {r};
-    stage_rms_normed_row_set<1>(x, w, xs, one, 1, n, eps);
-}
-
-// Every row of the step, a warp's rows (r = warp, warp + warps, ...) two at a time: with more
-// rows than warps (8 rows over SmolLM2's 5 warps of a 576-wide product) a second pass after the
-// first cost every norm-staging launch its latency again (BENCHMARKS.md, session 55). No
-// barrier: the caller's.
-template <typename Rows>
-__device__ __forceinline__ void stage_rms_normed_warp_rows(const Rows& x,
-                                                           const unsigned short* __restrict__ w,
-                                                           unsigned short* xs, int rows, int n,
-                                                           float eps) {
-    const int warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
-#ifdef NORM_STAGE_SERIAL
-    // The row-at-a-time loop (TANDEM_CUDA_NORM_PAIRS=0), for same-binary comparisons.
-    for (int r = warp; r < rows; r += warps) {
-        stage_rms_normed_row(x, w, xs, r, n, eps);
-    }
-#else
-    for (int r = warp; r < rows; r += 2 * warps) {
-        const int pair[2] = {r, r + warps};
-        stage_rms_normed_row_set<2>(x, w, xs, pair, r + warps < rows ? 2 : 1, n, eps);
-    }
-#endif
 }
 
 template <typename Rows>
 __device__ void stage_rms_normed_rows(const Rows& x, const unsigned short* __restrict__ w,
                                       unsigned short* xs, int rows, int n, float eps) {
-    stage_rms_normed_warp_rows(x, w, xs, rows, n, eps);
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    for (int r = warp; r < rows; r += warps) {
+        stage_rms_normed_row(x, w, xs, r, n, eps);
+    }
     __syncthreads();
 }
 

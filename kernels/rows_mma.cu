@@ -199,24 +199,6 @@ struct WaitOnly {
     __device__ __forceinline__ void operator()() const { PDL_WAIT(); }
 };
 
-// Calls f(i, r, o) for each of this lane's four tile outputs c[i] that exist: output o = o0 +
-// g (c[0], c[1]) or o0 + g + 8 (c[2], c[3]) of step rows r = 2t (c[0], c[2]) and 2t + 1, below
-// `out` and `rows` (the mma's C fragment, as mma_rows_tile_of leaves it in warp 0).
-template <typename F>
-__device__ __forceinline__ void for_tile_outputs(int o0, int rows, int out, F f) {
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int o = o0 + g + (i >= 2 ? 8 : 0);
-        const int r = 2 * t + (i & 1);
-        if (o < out && r < rows) {
-            f(i, r, o);
-        }
-    }
-}
-
 // y[r, o] = x[r, :] . w[o, :] (or y +=, `accumulate`), as gemv_rows. Grid: ceil(out / 16).
 // `tap` (null: none) gets a copy of what y gets: a block's output written into a capture slot
 // by the launch that computes it, so a step with taps has no copy nodes between its launches
@@ -234,6 +216,7 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
     }
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
+    const int t = lane & 3;
     const int o0 = MMA_TILE * 16;
     const size_t lo = min(o0 + g, out - 1);  // rows past the end load a valid row, write nothing
     const size_t hi = min(o0 + g + 8, out - 1);
@@ -247,20 +230,31 @@ extern "C" __global__ void gemv_rows_mma(const unsigned short* __restrict__ x,
     auto stage = [&]() {
         PDL_WAIT();
         if (accumulate && threadIdx.x < 32) {
-            for_tile_outputs(o0, rows, out,
-                             [&](int i, int r, int o) { prev[i] = y[(size_t)r * out + o]; });
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int o = o0 + g + (i >= 2 ? 8 : 0);
+                const int r = 2 * t + (i & 1);
+                if (o < out && r < rows) {
+                    prev[i] = y[(size_t)r * out + o];
+                }
+            }
         }
     };
     if (!mma_rows_tile(a, none, lo, hi, rows, stage, c)) {
         return;
     }
-    for_tile_outputs(o0, rows, out, [&](int i, int r, int o) {
-        const float value = accumulate ? prev[i] + c[i] : c[i];
-        y[(size_t)r * out + o] = value;
-        if (tap != nullptr) {
-            tap[(size_t)r * out + o] = value;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int o = o0 + g + (i >= 2 ? 8 : 0);
+        const int r = 2 * t + (i & 1);
+        if (o < out && r < rows) {
+            const float value = accumulate ? prev[i] + c[i] : c[i];
+            y[(size_t)r * out + o] = value;
+            if (tap != nullptr) {
+                tap[(size_t)r * out + o] = value;
+            }
         }
-    });
+    }
 }
 
 // y[r, o] = bf16(rms_norm(xf[r]) * norm_w) . w[o, :], as gemv_norm_rows. Grid: ceil(out / 16);
@@ -278,6 +272,7 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
     unsigned short* xs = reinterpret_cast<unsigned short*>(mma_shared);
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
+    const int t = lane & 3;
     const int o0 = MMA_TILE * 16;
     const size_t lo = min(o0 + g, out - 1);
     const size_t hi = min(o0 + g + 8, out - 1);
@@ -291,7 +286,14 @@ extern "C" __global__ void gemv_norm_rows_mma(const float* __restrict__ xf,
     if (!mma_rows_tile(a, none, lo, hi, rows, stage, c)) {
         return;
     }
-    for_tile_outputs(o0, rows, out, [&](int i, int r, int o) { y[(size_t)r * out + o] = c[i]; });
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int o = o0 + g + (i >= 2 ? 8 : 0);
+        const int r = 2 * t + (i & 1);
+        if (o < out && r < rows) {
+            y[(size_t)r * out + o] = c[i];
+        }
+    }
 }
 
 // act[r, j] = bf16(silu(gate) * up), as norm_gate_up_silu: a tile is gate rows j0 .. j0 + 7
@@ -401,24 +403,15 @@ extern "C" __global__ void norm_qkv_rope_mma(const float* __restrict__ x,
                 col0 = step_scalars[0];
             }
         }
-        if (x2 == nullptr) {
-            // The target's one input: a warp's rows in pairs (stage_rms_normed_warp_rows).
-            if (embed_table != nullptr) {
-                stage_rms_normed_warp_rows(EmbedRows{embed_table, tokens}, norm_w, xs, rows,
-                                           hidden, eps);
+        const int inputs = x2 != nullptr ? 2 : 1;
+        for (int task = warp; task < inputs * rows; task += warps) {
+            if (task >= rows) {
+                stage_rms_normed_row(F32Rows{x2}, norm_w2, xs2, task - rows, hidden, eps);
+            } else if (embed_table != nullptr) {
+                stage_rms_normed_row(EmbedRows{embed_table, tokens}, norm_w, xs, task, hidden,
+                                     eps);
             } else {
-                stage_rms_normed_warp_rows(F32Rows{x}, norm_w, xs, rows, hidden, eps);
-            }
-        } else {
-            for (int task = warp; task < 2 * rows; task += warps) {
-                if (task >= rows) {
-                    stage_rms_normed_row(F32Rows{x2}, norm_w2, xs2, task - rows, hidden, eps);
-                } else if (embed_table != nullptr) {
-                    stage_rms_normed_row(EmbedRows{embed_table, tokens}, norm_w, xs, task,
-                                         hidden, eps);
-                } else {
-                    stage_rms_normed_row(F32Rows{x}, norm_w, xs, task, hidden, eps);
-                }
+                stage_rms_normed_row(F32Rows{x}, norm_w, xs, task, hidden, eps);
             }
         }
         __syncthreads();
@@ -756,212 +749,6 @@ extern "C" __global__ void __launch_bounds__(QKV_ATTENTION_MAX_THREADS)
                              out + ((size_t)row * heads + h) * head_dim);
     }
 }
-
-// ---- o_proj and the MLP's gate|up in one launch (a batch-1 layer in three launches) ----
-//
-// Why: a fused decode layer is four launches (q|k|v and attention, o_proj, norm + gate|up +
-// SwiGLU, down_proj), and each launch boundary costs ~2.6 us of a batch-1 step on an H100
-// (leaving o_proj's launch out saved 79 us a step, session 51). o_proj cannot join the
-// attention's launch without a cross-block sum behind the attention (session 43: slower), and
-// gate|up needs every o_proj output (the norm), so here every cluster of blocks computes the
-// whole o_proj itself: rank q's groups take o_proj tiles q * groups .. (in passes of
-// cluster * groups tiles, the first's weights loaded before the wait), add the residual, and store the new residual rows into every rank's
-// shared memory (distributed shared memory, sm_90); after the cluster barrier each block norms
-// the full rows and takes its gate|up tiles, whose weights were loaded before the barrier. The
-// clusters repeat o_proj's product (its weights come from L2 after the first); cluster 0
-// writes the new residual into `x_out` (not `x`: the other clusters still read `x`) for
-// down_proj to add into.
-//
-// Bits: every o_proj tile is gemv_rows_mma's (the same `split` warps over the same k slices,
-// summed in slice order, then residual + product), the staged norm is stage_rms_normed's on the
-// same floats, and every gate|up tile and its SwiGLU are norm_gate_up_silu_mma's: a row's
-// outputs are the two launches' bits (the emulator and the GPU test check it), so steps that
-// take this launch and steps that do not agree, as greedy speculative output needs.
-//
-// Block: `groups` groups of max(o_split, gate_split) warps, a tile a group at once, each
-// product over its own kernel's warp count (a group's warps past it take an empty k slice and
-// are not summed); at most O_GATE_MAX_THREADS threads. Grid: clusters * cluster blocks
-// along x, one row group (at most 8 rows: decode steps and short verifications of one
-// sequence). Dynamic shared memory: the new residual rows (f32 [rows, hidden]), the normed rows
-// (bf16), a partial tile a warp (o_gate_shared_bytes in mma_rows.rs). The emulator runs a
-// cluster's blocks one after another without distributed shared memory: there every block
-// computes every o_proj tile itself into its own shared memory (the same tiles, the same bits).
-#ifndef O_GATE_MAX_THREADS
-#define O_GATE_MAX_THREADS 512
-#endif
-
-// The cluster barrier's two halves (sm_90; a block barrier elsewhere, where clusters are one
-// block): `arrive` early, `wait` when the cluster's other ranks must have got there.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if !defined(TANDEM_EMULATE) && defined(TANDEM_PDL) && TANDEM_PDL
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void cluster_wait() {
-#if !defined(TANDEM_EMULATE) && defined(TANDEM_PDL) && TANDEM_PDL
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-
-// Stores `v` at `local` (a shared-memory address of this block) in the shared memory of
-// cluster rank `rank` (distributed shared memory).
-__device__ __forceinline__ void store_shared_rank(float* local, unsigned int rank, float v) {
-#if !defined(TANDEM_EMULATE) && defined(TANDEM_PDL) && TANDEM_PDL
-    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(local));
-    unsigned int remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-#else
-    (void)rank;
-    *local = v;
-#endif
-}
-
-// Only where clusters exist (compute_90, TANDEM_PDL) and on the emulator: the host never
-// launches it elsewhere (and ptxas for sm_80 spilled 8 bytes of it at 128 registers).
-#if defined(TANDEM_EMULATE) || (defined(TANDEM_PDL) && TANDEM_PDL)
-extern "C" __global__ void __launch_bounds__(O_GATE_MAX_THREADS)
-    o_proj_gate_up_mma(const unsigned short* __restrict__ attn,
-                       const unsigned short* __restrict__ o_w, const float* __restrict__ x,
-                       float* __restrict__ x_out, const unsigned short* __restrict__ norm_w,
-                       const unsigned short* __restrict__ gate_up,
-                       unsigned short* __restrict__ act, int rows, int q_dim, int hidden,
-                       int inter, float eps, int cluster, int groups, int o_split,
-                       int gate_split) {
-    const int rank = blockIdx.x % cluster;
-    const int cluster_index = blockIdx.x / cluster;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
-    const int group_warps = warps / groups;  // max(o_split, gate_split)
-    const int group = warp / group_warps;
-    const int slice = warp % group_warps;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    const int o_tiles = (hidden + 15) / 16;
-    const int gate_tiles = (inter + 7) / 8;
-    const int all_groups = gridDim.x * groups;
-    const int my_group = blockIdx.x * groups + group;
-    DYNAMIC_SHARED(uint4, mma_shared);
-    float* residual = reinterpret_cast<float*>(mma_shared);  // [rows, hidden]
-    unsigned short* xs = reinterpret_cast<unsigned short*>(residual + GROUP_ROWS * hidden);
-    float(*partials)[4][32] =
-        reinterpret_cast<float(*)[4][32]>(xs + ((GROUP_ROWS * hidden + 7) & ~7)) + group * group_warps;
-    // This block's gate|up tiles' weights into L2 while the previous launch runs.
-    for (int tile = my_group; tile < gate_tiles; tile += all_groups) {
-        const int j = min(tile * 8 + g, inter - 1);
-        if (slice == 0 && t == 0) {
-            for (int half = 0; half < 2; ++half) {
-                const char* row = reinterpret_cast<const char*>(gate_up + (size_t)(j + half * inter) * hidden);
-                for (int line = 0; line < hidden * 2 / 128; ++line) {
-                    prefetch_l2(row + line * 128);
-                }
-            }
-        }
-    }
-    // o_proj's tiles in passes of cluster * groups: pass p's tile of rank q and group g is
-    // (p * cluster + q) * groups + g (past o_tiles: a repeat of the last, unwritten). The later
-    // passes' weights load after the first pass.
-    const int o_passes = (o_tiles + cluster * groups - 1) / (cluster * groups);
-    cluster_arrive_relaxed();
-    const MmaOperand o_operand{o_w, attn, q_dim >> 5};
-    const MmaOperand gate_operand{gate_up, xs, hidden >> 5};
-    const MmaOperand none{o_w, attn, 0};
-    // o_proj: this rank's tiles (every rank's in the emulator), the new residual into every
-    // rank's shared memory, and by cluster 0 into x_out.
-#ifdef TANDEM_EMULATE
-    const int units = o_passes * cluster;
-#else
-    const int units = o_passes;
-#endif
-    for (int unit = 0; unit < units; ++unit) {
-#ifdef TANDEM_EMULATE
-        const int tile = unit * groups + group;
-#else
-        const int tile = (unit * cluster + rank) * groups + group;
-#endif
-        const bool first = unit == 0;
-        const int o0 = min(tile, o_tiles - 1) * 16;
-        const size_t lo = min(o0 + g, hidden - 1);
-        const size_t hi = min(o0 + g + 8, hidden - 1);
-        // The residual this tile adds to, read by its leader warp (after the wait in the
-        // first pass).
-        float prev[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        auto read_prev = [&]() {
-            if (slice == 0) {
-                for_tile_outputs(o0, rows, hidden,
-                                 [&](int i, int r, int o) { prev[i] = x[(size_t)r * hidden + o]; });
-            }
-        };
-        auto stage = [&]() {
-            if (first) {
-                PDL_WAIT();
-                read_prev();
-            }
-        };
-        if (!first) {
-            read_prev();
-        }
-        float c[4];
-        const bool leader =
-            mma_rows_tile_of(o_operand, none, lo, hi, rows, stage, c, slice, o_split, partials);
-        if (first) {
-            cluster_wait();  // every rank has started: its shared memory may be written
-        }
-        if (leader && tile < o_tiles) {
-            for_tile_outputs(o0, rows, hidden, [&](int i, int r, int o) {
-                const float value = prev[i] + c[i];
-                if (cluster_index == 0) {
-                    x_out[(size_t)r * hidden + o] = value;
-                }
-#ifdef TANDEM_EMULATE
-                residual[(size_t)r * hidden + o] = value;
-#else
-                for (int peer = 0; peer < cluster; ++peer) {
-                    store_shared_rank(&residual[(size_t)r * hidden + o], peer, value);
-                }
-#endif
-            });
-        }
-        // The partial tiles are reused by the next tile.
-        __syncthreads();
-    }
-    // gate|up and SwiGLU of the normed new residual, as norm_gate_up_silu_mma.
-    for (int tile = my_group, pass = 0; pass * all_groups < gate_tiles;
-         tile += all_groups, ++pass) {
-        const int j = tile * 8 + g;
-        const int jw = min(j, inter - 1);
-        auto stage = [&]() {
-            if (pass > 0) {
-                return;
-            }
-            cluster_barrier(cluster);
-            // A row at a time (the pairs of stage_rms_normed_rows spill at this kernel's 128
-            // registers; same bits either way).
-            for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5) {
-                stage_rms_normed_row(F32Rows{residual}, norm_w, xs, r, hidden, eps);
-            }
-            __syncthreads();
-        };
-        float c[4];
-        const bool leader = mma_rows_tile_of(gate_operand, none, (size_t)jw, (size_t)(inter + jw),
-                                             rows, stage, c, slice, gate_split, partials);
-        if (leader && tile < gate_tiles) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = 2 * t + i;
-                if (j < inter && r < rows) {
-                    const float gate = c[i];
-                    act[(size_t)r * inter + j] =
-                        f32_to_bf16(gate / (1.0f + expf(-gate)) * c[2 + i]);
-                }
-            }
-        }
-        __syncthreads();
-    }
-}
-#endif
 
 // ---- A fused layer's MLP in one launch: gate|up, SwiGLU and down_proj's partial sums ----
 //

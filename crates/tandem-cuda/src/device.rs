@@ -160,12 +160,11 @@ pub fn compile_all_kernels() -> Result<Vec<&'static str>, CudaError> {
     compile_source(crate::train::KERNEL_SOURCE, "train.cu")?;
     mma_attention::compile()?;
     let threads = mma_rows::QKV_ATTENTION_THREADS;
-    mma_rows::compile(false, false, false, threads, true)?;
-    mma_rows::compile(true, false, false, threads, true)?;
-    mma_rows::compile(true, true, false, threads, true)?;
-    mma_rows::compile(true, false, true, threads, true)?;
-    mma_rows::compile(true, false, false, 640, true)?;
-    mma_rows::compile(true, false, true, threads, false)?;
+    mma_rows::compile(false, false, false, threads)?;
+    mma_rows::compile(true, false, false, threads)?;
+    mma_rows::compile(true, true, false, threads)?;
+    mma_rows::compile(true, false, true, threads)?;
+    mma_rows::compile(true, false, false, 640)?;
     Ok(vec![
         "kernels/llama.cu",
         "kernels/train.cu",

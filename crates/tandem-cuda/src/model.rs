@@ -58,9 +58,6 @@ pub struct CudaTarget {
     /// ... when they have at most this many tokens a sequence
     /// ([`CudaTarget::set_qkv_attention_width`]).
     qkv_attention_width: AtomicUsize,
-    /// Fused steps of at most this many rows take o_proj and gate|up in one launch where the
-    /// GPU has it on ([`CudaTarget::set_o_gate_rows`], `Gpu::o_gate_fits`).
-    o_gate_rows: AtomicUsize,
     /// The persistent step's grid-barrier counter.
     barrier: CudaSlice<u32>,
     /// Where the persistent step records block 0's clock at each barrier
@@ -200,13 +197,7 @@ impl StepBuffers {
             inputs: StepInputs::new(gpu, shape, mask_columns)?,
             last: gpu.scratch(last_rows)?,
             hidden: gpu.scratch(rows * h)?,
-            // The one-launch MLP's and o_proj + gate|up's second residual buffer
-            // (`Gpu::o_gate_fits` may change between steps of one buffer set).
-            hidden_alt: gpu.scratch(if mlp_parts.is_some() || fuses {
-                rows * h
-            } else {
-                1
-            })?,
+            hidden_alt: gpu.scratch(if mlp_parts.is_some() { rows * h } else { 1 })?,
             mlp_scratch: gpu.scratch(match mlp_parts {
                 Some(_) => Gpu::mlp_scratch_len(rows, h, inter),
                 None => 1,
@@ -771,9 +762,6 @@ impl CudaTarget {
             persistent_rows: AtomicUsize::new(persistent_rows_default()),
             qkv_attention_sequences: AtomicUsize::new(qkv_attention_sequences_default()),
             qkv_attention_width: AtomicUsize::new(qkv_attention_width_default()),
-            o_gate_rows: AtomicUsize::new(
-                rows_from_env_or("TANDEM_CUDA_O_GATE_ROWS", GEMV_MAX_ROWS).min(GEMV_MAX_ROWS),
-            ),
             barrier: gpu.zeros::<u32>(1)?,
             profile: if std::env::var("TANDEM_CUDA_PERSISTENT_PROFILE").is_ok_and(|v| v == "1") {
                 Some(gpu.zeros::<u64>(Gpu::persistent_profile_len(spec.num_layers))?)
@@ -840,29 +828,6 @@ impl CudaTarget {
 
     pub fn qkv_attention_width(&self) -> usize {
         self.qkv_attention_width.load(Ordering::Relaxed)
-    }
-
-    /// Fused steps of at most `rows` rows (up to [`GEMV_MAX_ROWS`], the default;
-    /// `TANDEM_CUDA_O_GATE_ROWS=N`) take o_proj and gate|up in one launch a layer where the GPU
-    /// has it on (`Gpu::set_o_gate_cluster`, `TANDEM_CUDA_O_GATE_CLUSTER`); the bits are the
-    /// same either way (tests compare steps that take it with steps that do not).
-    pub fn set_o_gate_rows(&self, rows: usize) {
-        self.o_gate_rows
-            .store(rows.min(GEMV_MAX_ROWS), Ordering::Relaxed);
-    }
-
-    /// Whether a fused step of `rows` rows takes o_proj and gate|up in one launch a layer.
-    fn o_gate(&self, rows: usize) -> bool {
-        let spec = &self.rank_spec;
-        rows <= self.o_gate_rows.load(Ordering::Relaxed)
-            && self.fuses(rows)
-            && self.mlp_parts(rows).is_none()
-            && self.gpu.o_gate_fits(
-                spec.hidden_size,
-                spec.num_heads * spec.head_dim,
-                spec.intermediate_size,
-                rows,
-            )
     }
 
     /// Whether a fused step of `shape` takes its q|k|v and attention in one launch a layer.
@@ -1785,9 +1750,6 @@ impl CudaTarget {
         // the two swap. `alt`: whether `cur` is `hidden_alt` now.
         let (mut cur, mut other) = (hidden, hidden_alt);
         let mut alt = false;
-        // Fused steps may take o_proj and gate|up in one launch a layer (`Gpu::o_proj_gate_up`,
-        // off unless `TANDEM_CUDA_O_GATE_CLUSTER` is set).
-        let o_gate = self.o_gate(rows);
         for (k, layer) in layers.iter().enumerate() {
             let mut written = None;
             if let (Some(prev), Some(parts), false) = (pending, mlp_parts, one_launch_attention) {
@@ -1895,26 +1857,7 @@ impl CudaTarget {
                 )?;
             }
             if fused {
-                if o_gate {
-                    // o_proj and gate|up in one launch: the new residual goes to `other` while
-                    // its blocks read `cur`, and the two swap; `act` is ready for down_proj.
-                    gpu.o_proj_gate_up(
-                        attn,
-                        &layer.o,
-                        cur,
-                        other,
-                        &layer.post_norm,
-                        &layer.gate_up,
-                        act,
-                        rows,
-                        (q_dim, h, inter),
-                        eps,
-                    )?;
-                    std::mem::swap(&mut cur, &mut other);
-                    alt = !alt;
-                } else {
-                    gpu.gemv_rows(attn, &layer.o, cur, rows, q_dim, h, true)?;
-                }
+                gpu.gemv_rows(attn, &layer.o, cur, rows, q_dim, h, true)?;
                 if mlp_parts.is_some() {
                     // The layer's output waits for its reader (see `pending` above).
                     gpu.mlp_partials(
@@ -1931,18 +1874,16 @@ impl CudaTarget {
                     )?;
                     pending = Some(k);
                 } else {
-                    if !o_gate {
-                        gpu.norm_gate_up_silu(
-                            cur,
-                            &layer.post_norm,
-                            &layer.gate_up,
-                            act,
-                            rows,
-                            h,
-                            inter,
-                            eps,
-                        )?;
-                    }
+                    gpu.norm_gate_up_silu(
+                        cur,
+                        &layer.post_norm,
+                        &layer.gate_up,
+                        act,
+                        rows,
+                        h,
+                        inter,
+                        eps,
+                    )?;
                     // The block's output goes into its tap slot from the same launch.
                     let slot = hook.first_slot(TapId::Block(k)).filter(|_| !partial_fault);
                     written = slot;

@@ -1039,9 +1039,6 @@ fn small_step_rows_are_batch_invariant() {
     // well (a cluster computes a sequence's four tokens and attends each after its barrier),
     // so with the first mode a verification through the one launch has the two launches' bits.
     let gpu = gpu();
-    // The o_proj + gate|up cluster the process had once the tensor-core kernels loaded, put
-    // back at the end.
-    let mut o_gate_before = None;
     for (architecture, tied, head_dim) in [
         ("LlamaForCausalLM", true, 32),
         ("Qwen2ForCausalLM", false, 64),
@@ -1084,18 +1081,6 @@ fn small_step_rows_are_batch_invariant() {
                 "fused, one-launch q|k|v and attention for verifications too, one-launch MLP, on tensor cores",
             ),
             (false, "fused, one-launch MLP, on tensor cores"),
-            // o_proj and gate|up in one launch (Hopper: clusters of 12, distributed shared
-            // memory) in A's one-row decode steps only (C's two rows and the verifications the
-            // two launches), then in every step of up to 8 rows.
-            (
-                false,
-                "fused, one-launch q|k|v and attention, o_proj with gate|up for one row, on tensor cores",
-            ),
-            (
-                true,
-                "fused, one-launch q|k|v and attention, o_proj with gate|up for one row, on tensor cores",
-            ),
-            (true, "fused, o_proj with gate|up, on tensor cores"),
         ] {
             let dir = tiny_model_with(architecture, tied, 31, head_dim);
             gpu.set_mma_rows(mode.ends_with("tensor cores"))
@@ -1147,25 +1132,8 @@ fn small_step_rows_are_batch_invariant() {
             if one_launch_mlp && ["H100", "H200"].iter().any(|h| gpu.name().contains(h)) {
                 assert_eq!(mlp, Some(2), "{mode}: the one-launch MLP on {}", gpu.name());
             }
-            if gpu.mma_rows() {
-                o_gate_before.get_or_insert(gpu.o_gate_cluster());
-            }
-            let o_gate = mode.contains("o_proj with gate|up");
-            gpu.set_o_gate_cluster(if o_gate { 12 } else { 0 });
-            target.set_o_gate_rows(if mode.contains("for one row") { 1 } else { all });
-            let spec = &target.spec;
-            let o_gate_fits = gpu.o_gate_fits(
-                spec.hidden_size,
-                spec.num_heads * spec.head_dim,
-                spec.intermediate_size,
-                1,
-            );
-            if o_gate && ["H100", "H200"].iter().any(|h| gpu.name().contains(h)) {
-                assert!(o_gate_fits, "{mode}: o_proj with gate|up on {}", gpu.name());
-            }
             let label = format!(
-                "{architecture} {mode} head_dim {head_dim} graphs {graphs} mlp sums {mlp:?} \
-                 o_proj with gate|up {o_gate_fits}"
+                "{architecture} {mode} head_dim {head_dim} graphs {graphs} mlp sums {mlp:?}"
             );
             let taps = TapRequest::new(vec![TapId::Block(1), TapId::Final]);
             let prompt: Vec<u32> = (0..62u32).map(|i| (i * 7 + 3) % 300).collect();
@@ -1336,10 +1304,6 @@ fn small_step_rows_are_batch_invariant() {
                 );
             }
         }
-    }
-    // The GPU outlives this test: later tests get the launches they would have had.
-    if let Some(cluster) = o_gate_before {
-        gpu.set_o_gate_cluster(cluster);
     }
 }
 

@@ -51,10 +51,6 @@ pub(super) struct MmaRows {
     /// The most blocks a cluster of `mlp_partials_mma` takes ([`mlp_cluster`]; 0: the MLP
     /// takes two launches), and whether clusters exist (compiled for sm_90).
     mlp_cluster: AtomicUsize,
-    /// o_proj and the MLP's gate|up in one launch ([`Gpu::o_proj_gate_up`]), and its cluster
-    /// ([`o_gate_cluster`]; 0: two launches).
-    pub(super) o_proj_gate_up: Option<CudaFunction>,
-    o_gate_cluster: AtomicUsize,
     programmatic: bool,
     groups_in_y: bool,
 }
@@ -66,23 +62,14 @@ pub(super) fn groups_in_y(value: Option<&str>) -> bool {
     value.map(str::trim) == Some("1")
 }
 
-/// Whether a warp stages its rows of a normed input two at a time (`stage_rms_normed_warp_rows`
-/// in kernels/common.cuh: an 8-row step over SmolLM2's 5 warps in one pass instead of two):
-/// on unless `TANDEM_CUDA_NORM_PAIRS=0`, which compiles the row-at-a-time loop of session 54
-/// and before (`NORM_STAGE_SERIAL`) for same-binary comparisons. The bits are the same.
-pub(super) fn norm_pairs(value: Option<&str>) -> bool {
-    super::switch_on_unless_zero(value)
-}
-
 /// `kernels/rows_mma.cu` as PTX: compute_80, or compute_90 with `TANDEM_PDL` when the other
 /// kernels launch with programmatic dependent launch (and `late`: the trigger after the wait,
-/// [`super::pdl_defines`]); `groups_in_y`: [`groups_in_y`]; `pairs`: [`norm_pairs`].
+/// [`super::pdl_defines`]); `groups_in_y`: [`groups_in_y`].
 pub(super) fn compile(
     programmatic: bool,
     groups_in_y: bool,
     late: bool,
     qkv_attention_threads: usize,
-    pairs: bool,
 ) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     let pdl = super::pdl_defines(programmatic, late);
     let order = if groups_in_y {
@@ -90,14 +77,7 @@ pub(super) fn compile(
     } else {
         ""
     };
-    let serial = if pairs {
-        ""
-    } else {
-        "#define NORM_STAGE_SERIAL 1\n"
-    };
-    let order = format!(
-        "{order}{serial}#define QKV_ATTENTION_MAX_THREADS {qkv_attention_threads}\n#define O_GATE_MAX_THREADS {O_GATE_MAX_THREADS}\n"
-    );
+    let order = format!("{order}#define QKV_ATTENTION_MAX_THREADS {qkv_attention_threads}\n");
     Ok(cudarc::nvrtc::compile_ptx_with_opts(
         mma_source(MMA_ROWS_SOURCE, "rows_mma.cu", &format!("{pdl}{order}")),
         cudarc::nvrtc::CompileOptions {
@@ -126,13 +106,11 @@ impl MmaRows {
                 .ok()
                 .as_deref(),
         );
-        let pairs = norm_pairs(std::env::var("TANDEM_CUDA_NORM_PAIRS").ok().as_deref());
         let module = ctx.load_module(compile(
             programmatic,
             groups_in_y,
             late,
             qkv_attention_threads,
-            pairs,
         )?)?;
         Ok(Self {
             gemv_rows: module.load_function("gemv_rows_mma")?,
@@ -152,22 +130,6 @@ impl MmaRows {
             mlp_cluster: AtomicUsize::new(mlp_cluster(
                 programmatic,
                 std::env::var("TANDEM_CUDA_MLP_CLUSTER").ok().as_deref(),
-            )),
-            // Compiled for sm_90 only (clusters), where it may take up to 16 blocks a cluster
-            // (an H100 takes 16; 8 is the portable size).
-            o_proj_gate_up: if programmatic {
-                let f = module.load_function("o_proj_gate_up_mma")?;
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                    1,
-                )?;
-                Some(f)
-            } else {
-                None
-            },
-            o_gate_cluster: AtomicUsize::new(o_gate_cluster(
-                programmatic,
-                std::env::var("TANDEM_CUDA_O_GATE_CLUSTER").ok().as_deref(),
             )),
             programmatic,
             groups_in_y,
@@ -271,18 +233,14 @@ const PAIR_INPUT_BYTES: usize = 20;
 /// launch off.
 pub const QKV_ATTENTION_CLUSTER: usize = 6;
 
-/// A cluster-size switch's value: a whole number in `range`, else `None`.
-fn cluster_switch(value: Option<&str>, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
-    value
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| range.contains(n))
-}
-
 fn qkv_attention_cluster(programmatic: bool, value: Option<&str>) -> usize {
     if !programmatic {
         return 1;
     }
-    cluster_switch(value, 1..=8).unwrap_or(QKV_ATTENTION_CLUSTER)
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=8).contains(n))
+        .unwrap_or(QKV_ATTENTION_CLUSTER)
 }
 
 /// Activations a block of `mlp_partials_mma` holds (`MLP_SLICE`): one mma's k.
@@ -302,7 +260,10 @@ fn mlp_cluster(programmatic: bool, value: Option<&str>) -> usize {
     if !programmatic {
         return 0;
     }
-    cluster_switch(value, 0..=8).unwrap_or(0)
+    value
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n <= 8)
+        .unwrap_or(0)
 }
 
 /// The cluster of `mlp_partials_mma` for `inter` activations (inter / 16 slices): the most
@@ -315,56 +276,6 @@ fn mlp_cluster_for(most: usize, inter: usize) -> Option<usize> {
     }
     let slices = inter / MLP_SLICE;
     (2..=most).rev().find(|c| slices.is_multiple_of(*c))
-}
-
-/// Threads a block of `o_proj_gate_up_mma` may have (`O_GATE_MAX_THREADS`: at most 128
-/// registers a thread, what a group's two tiles of weights in flight need: at 640, 96 and
-/// ptxas spilled 100 bytes).
-pub const O_GATE_MAX_THREADS: usize = 512;
-
-/// Blocks a cluster of `o_proj_gate_up_mma` takes (`TANDEM_CUDA_O_GATE_CLUSTER`, 2 to 16; 16
-/// is past the portable 8, which the kernel is allowed on sm_90); 0 (unset, the default until
-/// measured on a GPU) or 1: o_proj and gate|up take their two launches. Never where the kernels
-/// are not compiled for sm_90 (`programmatic`): every block would need all of o_proj's tiles.
-fn o_gate_cluster(programmatic: bool, value: Option<&str>) -> usize {
-    if !programmatic {
-        return 0;
-    }
-    cluster_switch(value, 2..=16).unwrap_or(0)
-}
-
-/// The launch of `o_proj_gate_up_mma` for a model of hidden size `hidden`, `q_dim` attention
-/// outputs and `inter` activations in clusters of `cluster` blocks: (groups a block, warps a
-/// group: the larger of the two products' [`split`], clusters), or `None` where it does not
-/// take the sizes (a group wider than [`O_GATE_MAX_THREADS`], or shared memory past 48 KiB).
-/// A block has as many groups as its rank's share of o_proj's hidden / 16 tiles needs, at most
-/// what the threads allow (more tiles take more passes), and every group one gate|up tile
-/// (inter / 8 of them). SmolLM2 (576, 576, 1536) in clusters of 12: 3 groups of 5 warps, one
-/// pass, 6 clusters (72 blocks); of 8: 3 groups, two passes, 8 clusters.
-pub(super) fn o_gate_block(
-    hidden: usize,
-    q_dim: usize,
-    inter: usize,
-    cluster: usize,
-) -> Option<(usize, usize, usize)> {
-    if cluster < 2 || !hidden.is_multiple_of(32) || !q_dim.is_multiple_of(32) {
-        return None;
-    }
-    let warps = split(hidden).max(split(q_dim));
-    let groups = (hidden / 16)
-        .div_ceil(cluster)
-        .min(O_GATE_MAX_THREADS / (32 * warps));
-    let fits = groups > 0 && o_gate_shared_bytes(hidden, groups * warps) <= GEMV_MAX_SHARED_BYTES;
-    let clusters = inter.div_ceil(8).div_ceil(cluster * groups);
-    fits.then_some((groups, warps, clusters))
-}
-
-/// Dynamic shared memory of `o_proj_gate_up_mma` with `warps` warps a block: a row group's new
-/// residual rows (f32), their normed rows (bf16, rounded to 16 bytes), a partial tile a warp.
-fn o_gate_shared_bytes(hidden: usize, warps: usize) -> usize {
-    GEMV_MAX_ROWS * hidden * 4
-        + (GEMV_MAX_ROWS * hidden).next_multiple_of(8) * 2
-        + warps * 4 * 32 * 4
 }
 
 /// Dynamic shared memory of `mlp_partials_mma` for a model of hidden size `hidden` with
@@ -618,125 +529,6 @@ impl Gpu {
         }
     }
 
-    /// o_proj and gate|up in one launch from now on, in clusters of `cluster` blocks
-    /// ([`o_gate_cluster`]; 0: the two launches), where the tensor-core kernels are loaded and
-    /// compiled for sm_90 (elsewhere it stays off). A row's bits are the same either way; graphs
-    /// captured before keep the launches they captured.
-    pub fn set_o_gate_cluster(&self, cluster: usize) {
-        if let Some(mma) = self.mma_rows.get() {
-            let cluster = if mma.programmatic && cluster <= 16 {
-                cluster
-            } else {
-                0
-            };
-            mma.o_gate_cluster.store(cluster, Ordering::Relaxed);
-        }
-    }
-
-    /// The clusters o_proj and gate|up take one launch in (0: two launches, or no tensor-core
-    /// kernels loaded).
-    pub fn o_gate_cluster(&self) -> usize {
-        self.mma_rows
-            .get()
-            .map_or(0, |mma| mma.o_gate_cluster.load(Ordering::Relaxed))
-    }
-
-    /// Whether [`Gpu::o_proj_gate_up`] takes a step of `rows` rows of a model of these sizes
-    /// now: the tensor-core kernels take both products, the launch is on
-    /// ([`Gpu::set_o_gate_cluster`], `TANDEM_CUDA_O_GATE_CLUSTER`), and the rows are one row
-    /// group.
-    pub fn o_gate_fits(&self, hidden: usize, q_dim: usize, inter: usize, rows: usize) -> bool {
-        (1..=GEMV_MAX_ROWS).contains(&rows)
-            && self.mma_rows_for(hidden, 1).is_some_and(|mma| {
-                mma.o_proj_gate_up.is_some()
-                    && takes(q_dim, 0)
-                    && o_gate_block(
-                        hidden,
-                        q_dim,
-                        inter,
-                        mma.o_gate_cluster.load(Ordering::Relaxed),
-                    )
-                    .is_some()
-            })
-    }
-
-    /// `x_out = x + attn . o^T` and `act = silu(gate) * up` of `rms_norm(x_out) * norm_w` in
-    /// one launch: what [`Gpu::gemv_rows`] (accumulating into the residual) then
-    /// [`Gpu::norm_gate_up_silu`] do, with the same bits, except that the new residual goes to
-    /// `x_out` and `x` keeps the old one (see `o_proj_gate_up_mma` in kernels/rows_mma.cu).
-    /// Only where [`Gpu::o_gate_fits`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn o_proj_gate_up(
-        &self,
-        attn: &CudaSlice<u16>,
-        o_w: &CudaSlice<u16>,
-        x: &CudaSlice<f32>,
-        x_out: &mut CudaSlice<f32>,
-        norm_w: &CudaSlice<u16>,
-        gate_up: &CudaSlice<u16>,
-        act: &mut CudaSlice<u16>,
-        rows: usize,
-        (q_dim, hidden, inter): (usize, usize, usize),
-        eps: f32,
-    ) -> Result<(), CudaError> {
-        assert!(
-            self.o_gate_fits(hidden, q_dim, inter, rows),
-            "o_gate_fits before o_proj_gate_up"
-        );
-        let mma = self.mma_rows_for(hidden, 1).expect("o_gate_fits");
-        let cluster = mma.o_gate_cluster.load(Ordering::Relaxed);
-        let (groups, group_warps, clusters) =
-            o_gate_block(hidden, q_dim, inter, cluster).expect("o_gate_fits");
-        assert!(attn.len() >= rows * q_dim && o_w.len() >= hidden * q_dim);
-        assert!(x.len() >= rows * hidden && x_out.len() >= rows * hidden);
-        assert!(norm_w.len() >= hidden && gate_up.len() >= 2 * inter * hidden);
-        assert!(act.len() >= rows * inter);
-        let warps = groups * group_warps;
-        let args = KernelArgs::default()
-            .buffer(self, attn)
-            .buffer(self, o_w)
-            .buffer(self, x)
-            .buffer(self, &*x_out)
-            .buffer(self, norm_w)
-            .buffer(self, gate_up)
-            .buffer(self, &*act)
-            .int(rows)
-            .int(q_dim)
-            .int(hidden)
-            .int(inter)
-            .float(eps)
-            .int(cluster)
-            .int(groups)
-            .int(split(q_dim))
-            .int(split(hidden));
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(clusters * cluster).expect("blocks fit a grid"),
-                1,
-                1,
-            ),
-            block_dim: (32 * warps as u32, 1, 1),
-            shared_mem_bytes: o_gate_shared_bytes(hidden, warps) as u32,
-        };
-        // SAFETY: signature (u16*, u16*, f32*, f32*, u16*, u16*, u16*, int, int, int, int,
-        // float, int, int, int, int) of `o_proj_gate_up_mma`; each split at most a group's
-        // warps; sizes asserted; one row group; at most O_GATE_MAX_THREADS threads and 48 KiB of
-        // dynamic shared memory (o_gate_block); the grid a whole number of clusters of at most
-        // 16 blocks (the function allows non-portable sizes), clusters only where compiled for
-        // sm_90 (o_gate_cluster); PDL_WAIT before attn and x; x_out is not x.
-        unsafe {
-            self.launch_programmatic_clusters(
-                mma.o_proj_gate_up
-                    .as_ref()
-                    .expect("o_gate_fits: compiled for sm_90"),
-                cfg,
-                args,
-                rows,
-                u32::try_from(cluster).expect("at most 16"),
-            )
-        }
-    }
-
     /// `out = x + the MLP's cluster sums` ([`Gpu::mlp_partials`]; `x` `None`: `out` itself,
     /// in place) and `tap` the same: a layer's output where its reader does not add the sums
     /// itself (every step but one-sequence ones, and after the last layer), with the bits the
@@ -917,35 +709,6 @@ pub fn assemble_mma_rows(arch: &str) -> Result<mma_attention::Assembly, CudaErro
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn o_proj_and_gate_up_take_one_launch_in_clusters_that_cover_o_proj() {
-        // SmolLM2 (576, 576, 1536): 36 o_proj tiles, 192 gate|up tiles, 5 warps a group; at
-        // most 3 groups in 512 threads. (groups, warps a group, clusters):
-        assert_eq!(o_gate_block(576, 576, 1536, 12), Some((3, 5, 6))); // one o_proj pass
-        assert_eq!(o_gate_block(576, 576, 1536, 16), Some((3, 5, 4)));
-        assert_eq!(o_gate_block(576, 576, 1536, 8), Some((3, 5, 8))); // two passes
-        assert_eq!(o_gate_block(576, 576, 1536, 4), Some((3, 5, 16))); // three
-        // Every block's groups hold a gate|up tile each, and the ranks' passes cover o_proj.
-        for cluster in [4, 6, 8, 12, 16] {
-            let (groups, warps, clusters) = o_gate_block(576, 576, 1536, cluster).unwrap();
-            assert!(groups * warps * 32 <= O_GATE_MAX_THREADS);
-            assert!(clusters * cluster * groups >= 1536 / 8);
-            assert!(o_gate_shared_bytes(576, groups * warps) <= GEMV_MAX_SHARED_BYTES);
-        }
-        // The two products over different warp counts: a group has the larger.
-        assert_eq!(o_gate_block(128, 320, 96, 4), Some((2, 3, 2)));
-        // No cluster, or widths that are not whole chunks.
-        assert_eq!(o_gate_block(576, 576, 1536, 1), None);
-        assert_eq!(o_gate_block(584, 576, 1536, 12), None);
-        // Qwen2.5-1.5B (1,536): its staged rows leave no room in 48 KiB.
-        assert_eq!(o_gate_block(1536, 1536, 8960, 12), None);
-        // The switch: clusters of 2 to 16, only where compiled for sm_90.
-        assert_eq!(o_gate_cluster(true, Some("12")), 12);
-        assert_eq!(o_gate_cluster(true, None), 0);
-        assert_eq!(o_gate_cluster(true, Some("17")), 0);
-        assert_eq!(o_gate_cluster(false, Some("12")), 0);
-    }
 
     #[test]
     fn row_groups_are_the_grids_x_unless_asked_for_in_y() {

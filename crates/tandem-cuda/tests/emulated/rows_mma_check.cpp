@@ -530,62 +530,12 @@ static bool check_mlp(std::mt19937& rng, int hidden, int inter, int cluster) {
     return ok;
 }
 
-// o_proj_gate_up_mma against its two launches, gemv_rows_mma adding o_proj into the residual
-// then norm_gate_up_silu_mma: the new residual (into x_out, x untouched) and the activations
-// bit for bit at 1, 3 and 8 rows. Clusters whose ranks' groups overrun o_proj's tiles (repeats
-// that write nothing), several clusters, the two products over different warp counts, and
-// SmolLM2's o_proj in clusters of 12 (one pass) and of 8 (two passes, the second part-empty).
-static bool check_o_gate(std::mt19937& rng, int hidden, int q_dim, int inter, int cluster) {
-    const unsigned int split = split_for(hidden);
-    const unsigned int group_warps = std::max(split, split_for(q_dim));
-    const int groups = std::min<int>((hidden / 16 + cluster - 1) / cluster, 512 / (32 * group_warps));
-    const int clusters = ((inter + 7) / 8 + cluster * groups - 1) / (cluster * groups);
-    const auto attn = random_bf16(rng, 8 * q_dim);
-    const auto o_w = random_bf16(rng, hidden * q_dim, 0.1f);
-    const auto x = random_f32(rng, 8 * hidden);
-    const auto norm_w = random_bf16(rng, hidden);
-    const auto gate_up = random_bf16(rng, 2 * inter * hidden, 0.2f);
-    bool same = true, untouched = true;
-    for (int rows : {1, 3, 8}) {
-        std::vector<float> want_x = x;
-        emu_launch(mma_grid((hidden + 15) / 16, rows), EmuDim3{32 * split_for(q_dim), 1, 1}, 0, [&] {
-            gemv_rows_mma(attn.data(), o_w.data(), want_x.data(), nullptr, rows, q_dim, hidden, 1);
-        });
-        std::vector<unsigned short> want_act(8 * inter, 0xffff);
-        emu_launch(mma_grid((inter + 7) / 8, rows), EmuDim3{32 * split, 1, 1}, rows * hidden * 2, [&] {
-            norm_gate_up_silu_mma(want_x.data(), norm_w.data(), gate_up.data(), want_act.data(), rows,
-                                  hidden, inter, 1e-5f);
-        });
-        std::vector<float> x_in = x, x_out(8 * hidden, NAN);
-        std::vector<unsigned short> act(8 * inter, 0xffff);
-        const size_t shared = 8 * hidden * 4 + ((8 * hidden + 7) & ~7) * 2 + groups * group_warps * 512;
-        emu_launch(EmuDim3{static_cast<unsigned int>(clusters * cluster), 1, 1},
-                   EmuDim3{32 * groups * group_warps, 1, 1}, shared, [&] {
-                       o_proj_gate_up_mma(attn.data(), o_w.data(), x_in.data(), x_out.data(),
-                                          norm_w.data(), gate_up.data(), act.data(), rows, q_dim,
-                                          hidden, inter, 1e-5f, cluster, groups,
-                                          static_cast<int>(split_for(q_dim)),
-                                          static_cast<int>(split));
-                   });
-        same &= std::memcmp(x_out.data(), want_x.data(), rows * hidden * 4) == 0;
-        same &= std::memcmp(act.data(), want_act.data(), 8 * inter * 2) == 0;
-        untouched &= std::memcmp(x_in.data(), x.data(), 8 * hidden * 4) == 0;
-        for (int i = rows * hidden; i < 8 * hidden; ++i) untouched &= std::isnan(x_out[i]);
-    }
-    char what[160];
-    std::snprintf(what, sizeof what,
-                  "o_proj_gate_up_mma = gemv_rows_mma + norm_gate_up_silu_mma (%d/%d/%d, %d x %d)",
-                  hidden, q_dim, inter, clusters, cluster);
-    bool ok = report(what, same, "(bit for bit at 1, 3, 8 rows)");
-    ok &= report("o_proj_gate_up_mma: x kept, x_out past the rows untouched", untouched, "");
-    return ok;
-}
-
 // The norm-staging kernels at SmolLM2's width (576: 5 warps a block), where an 8-row step gives
-// three warps two rows each (staged as a pair, stage_rms_normed_warp_rows) and a 1-row step one:
-// each row of the 8-row step must get the bits of that row run alone, for gemv_norm_rows_mma,
-// norm_gate_up_silu_mma and the target's norm_qkv_rope_mma (f32 rows and embedding rows).
-static bool check_paired_staging(std::mt19937& rng) {
+// three warps two rows each and a 1-row step one: each row of the 8-row step must get the bits
+// of that row run alone, for gemv_norm_rows_mma, norm_gate_up_silu_mma and the target's
+// norm_qkv_rope_mma (f32 rows and embedding rows). (Staging a warp's two rows at once was
+// measured no faster on an H100, session 55; this check guarded it and guards the loop.)
+static bool check_staging_at_smollm2_width(std::mt19937& rng) {
     const int hidden = 576, out = 32, inter = 16, rows = 8, vocab = 13;
     const int heads = 2, kv_heads = 1, head_dim = 32, capacity = 16, half = head_dim / 2;
     const int pairs = (heads + 2 * kv_heads) * half, q_dim = heads * head_dim;
@@ -655,7 +605,7 @@ static bool check_paired_staging(std::mt19937& rng) {
     std::snprintf(detail, sizeof detail, "(gemv_norm_rows %s, gate|up %s, q|k|v %s: bit for bit)",
                   norm_ok ? "same" : "DIFFERENT", gate_ok ? "same" : "DIFFERENT",
                   qkv_ok ? "same" : "DIFFERENT");
-    return report("norm staging in pairs: 8 rows over 5 warps give each row its bits alone",
+    return report("norm staging at 576 wide: 8 rows over 5 warps give each row its bits alone",
                   norm_ok && gate_ok && qkv_ok, detail);
 }
 
@@ -667,7 +617,7 @@ int main() {
     ok = check_qkv_rope(rng, false) && ok;
     ok = check_qkv_rope(rng, true) && ok;
     ok = check_row_groups(rng) && ok;
-    ok = check_paired_staging(rng) && ok;
+    ok = check_staging_at_smollm2_width(rng) && ok;
     ok = check_qkv_attention(rng, 160, 4, 2, 32, 6, 1) && ok;  // 6 tiles, split 2: one pass
     ok = check_qkv_attention(rng, 320, 4, 2, 32, 4, 1) && ok;  // two passes, the second half-empty
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 5, 1) && ok;  // 12 tiles, split 2: three passes
@@ -689,13 +639,5 @@ int main() {
     ok = check_mlp(rng, 320, 64, 4) && ok;
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4, 1, 3) && ok;
     ok = check_qkv_attention(rng, 160, 3, 1, 64, 3, 4, 4, 1) && ok;
-    // o_proj and gate|up in one launch: 10 o_proj tiles over 4 ranks of 3 groups (two
-    // repeats), three clusters for 25 gate|up tiles, and SmolLM2's o_proj (36 tiles, 5 warps a
-    // tile) in clusters of 12 with a narrower MLP (two clusters).
-    ok = check_o_gate(rng, 160, 192, 96, 4) && ok;
-    ok = check_o_gate(rng, 160, 160, 200, 3) && ok;
-    ok = check_o_gate(rng, 128, 320, 96, 4) && ok;  // o_proj over 3 warps, gate|up over 1
-    ok = check_o_gate(rng, 576, 576, 384, 12) && ok;
-    ok = check_o_gate(rng, 576, 576, 384, 8) && ok;  // 3 groups: o_proj in two passes
     return ok ? 0 : 1;
 }
