@@ -558,6 +558,11 @@ fn print_report(r: &BenchReport, device: &str) {
             t.draft_queue_s, t.verify_queue_s, t.extend_queue_s
         );
     }
+    if tandem_cuda::host_spans::enabled() {
+        // TANDEM_HOST_SPANS=1: where the fast path's host time went (every bench of the
+        // process so far, target-only baselines included).
+        print!("{}", tandem_cuda::host_spans::totals().table());
+    }
     if let Some(m) = &r.first_mismatch {
         println!("first mismatch: {m}");
     }

@@ -19,6 +19,7 @@ use crate::cache::{CudaKvCache, HostStep, StepInputs};
 use crate::device::{AttentionShape, DeviceRows, GEMV_MAX_ROWS, Gpu, QkvInput};
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
+use crate::host_spans;
 use crate::model::{CudaTarget, DeviceLogits, GRAPH_MAX_WIDTH, fused_rows_default, graph_batch};
 use crate::weights::to_bf16_bits;
 
@@ -506,6 +507,7 @@ impl CudaDraft {
             }
             .into());
         }
+        let _extend = host_spans::span("head extend");
         self.check_taps(taps, tap_rows)?;
         let n = last.len();
         // Tap rows, then the kept slots, then their destinations 0..n.
@@ -516,14 +518,20 @@ impl CudaDraft {
             .chain(0..n as i32)
             .collect();
         let index = self.gpu.upload(&index)?;
-        let aux = self.fc_input_at(taps, &index.slice(..rows), rows)?;
+        let aux = {
+            let _fc_input = host_spans::span("head extend: index upload, fc input");
+            self.fc_input_at(taps, &index.slice(..rows), rows)?
+        };
         let rows_kept = Kept::Rows {
             from: index.slice(rows..rows + n),
             to: index.slice(rows + n..rows + 2 * n),
             count: n,
         };
         let keep = roots.unwrap_or(&rows_kept);
-        let host = self.step_host(cache, step)?;
+        let host = {
+            let _host = host_spans::span("head extend: host inputs");
+            self.step_host(cache, step)?
+        };
         let tokens = keep.device_tokens();
         self.forward_host_step(step, host, StepHidden::Fc(&aux), cache, tokens, Some(keep))
     }
@@ -837,6 +845,8 @@ impl CudaDraft {
     ) -> Result<Option<HostStep>, CudaError> {
         let gpu = &*self.gpu;
         let spec = &self.spec;
+        let _step = host_spans::span("chain step");
+        let host_inputs = host_spans::span("chain step: host inputs, graph lookup");
         let host = self.step_host(cache, step)?;
         if !self.graphs.enabled() || step.width > GRAPH_MAX_WIDTH {
             return Ok(Some(host));
@@ -850,13 +860,21 @@ impl CudaDraft {
             return Ok(Some(host));
         }
         let host = host.padded(padded);
+        drop(host_inputs);
         let entry = graphs.captured.get_mut(&key).expect("checked above");
-        entry.buffers.load(gpu, &host, Some(tokens))?;
-        if let Some(hidden) = hidden {
-            let n = step.batch * spec.hidden_size;
-            gpu.copy_into(hidden, &mut entry.buffers.hidden, n)?;
+        {
+            let _load = host_spans::span("chain step: load inputs");
+            entry.buffers.load(gpu, &host, Some(tokens))?;
+            if let Some(hidden) = hidden {
+                let n = step.batch * spec.hidden_size;
+                gpu.copy_into(hidden, &mut entry.buffers.hidden, n)?;
+            }
         }
-        gpu.replay(&entry.graph)?;
+        {
+            let _replay = host_spans::span("chain step: replay");
+            gpu.replay(&entry.graph)?;
+        }
+        let _argmax = host_spans::span("chain step: argmax");
         let map = Some(&self.draft_to_target);
         gpu.argmax_rows_into(
             &entry.buffers.logits,
@@ -916,6 +934,7 @@ impl CudaDraft {
         tokens: Option<&CudaView<'_, u32>>,
         keep: Option<&Kept<'_>>,
     ) -> Result<DraftStepOutput, CudaError> {
+        let _step = host_spans::span("head step");
         let rows = step.batch * step.width;
         let (h, fc_in) = (self.spec.hidden_size, self.spec.fc_in());
         let (held, wanted, what) = match &hidden {
@@ -1010,8 +1029,10 @@ impl CudaDraft {
     ) -> Result<DraftStepOutput, CudaError> {
         let gpu = &*self.gpu;
         let rows = host.shape.rows();
+        let lookup = host_spans::span("head step: graph lookup");
         let key = self.graph_key(host.shape, padded, cache);
         let mut graphs = self.graphs.lock();
+        drop(lookup);
         if !graphs.ready(&key) {
             // A new shape or cache runs eagerly (unpadded) for its first steps; the next one is
             // captured.
@@ -1032,7 +1053,10 @@ impl CudaDraft {
             );
         }
         let entry = graphs.captured.get_mut(&key).expect("captured above");
+        let load = host_spans::span("head step: load inputs");
         entry.buffers.load(gpu, &host, tokens)?;
+        drop(load);
+        let _hidden = host_spans::span("head step: hidden input");
         let h = self.spec.hidden_size;
         match hidden {
             StepHidden::Rows(data) => gpu.copy_into(&data, &mut entry.buffers.hidden, rows * h)?,
@@ -1044,7 +1068,11 @@ impl CudaDraft {
                 to,
             } => gpu.copy_rows(from, &src, &mut entry.buffers.hidden, &to, rows, h)?,
         }
-        gpu.replay(&entry.graph)?;
+        {
+            let _replay = host_spans::span("head step: replay");
+            gpu.replay(&entry.graph)?;
+        }
+        let _outputs = host_spans::span("head step: outputs");
         let output = match keep {
             Some(keep) => entry.buffers.kept_output(self, keep),
             None => entry.buffers.copy_output(self),

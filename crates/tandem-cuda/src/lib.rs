@@ -22,6 +22,7 @@ mod device;
 mod draft;
 mod error;
 mod graphs;
+pub mod host_spans;
 mod kv_pool;
 mod model;
 pub mod reference;

@@ -21,6 +21,7 @@ use crate::device::{
 };
 use crate::error::CudaError;
 use crate::graphs::{CapturedStep, GraphKey, GraphStats, Graphs};
+use crate::host_spans;
 use crate::tensor_parallel::{RankSplit, Reducer, TpReduction, unwinding_as_error};
 use crate::weights::DeviceWeights;
 
@@ -1437,10 +1438,12 @@ impl CudaTarget {
         keep_taps: bool,
     ) -> Result<CudaStepOutput, CudaError> {
         let spec = &self.rank_spec;
+        let _step = host_spans::span("target step");
         taps.validate(spec.num_layers)?;
         if self.tp.is_some() {
             self.gpu.bind_to_thread()?;
         }
+        let host_inputs = host_spans::span("target step: host inputs");
         let host = cache.step_host(
             step,
             spec.vocab_size,
@@ -1452,6 +1455,7 @@ impl CudaTarget {
             .enumerate()
             .map(|(b, i)| (b * step.width + i.unwrap_or(0)) as i32)
             .collect();
+        drop(host_inputs);
         let padded = match plan {
             GraphPlan::Own => self.graphs_enabled() && step.width <= GRAPH_MAX_WIDTH,
             GraphPlan::Shared { padded, .. } => padded,
@@ -1575,8 +1579,15 @@ impl CudaTarget {
         }
         graphs.last = Some(key.clone());
         let entry = graphs.captured.get_mut(&key).expect("captured above");
-        entry.buffers.load(gpu, host, last, chain)?;
-        gpu.replay(&entry.graph)?;
+        {
+            let _load = host_spans::span("target step: load inputs");
+            entry.buffers.load(gpu, host, last, chain)?;
+        }
+        {
+            let _replay = host_spans::span("target step: replay");
+            gpu.replay(&entry.graph)?;
+        }
+        let _outputs = host_spans::span("target step: outputs");
         let kept = (keep_taps && !taps.taps.is_empty()).then(|| KeptTaps {
             key: key.clone(),
             rows: host.shape.rows(),

@@ -2,6 +2,7 @@
 //! rows are f32 device matrices, gathers are `copy_rows` launches (one per source), greedy
 //! tokens and the head's top-k are computed on the GPU and only they come back.
 
+use tandem_cuda::host_spans;
 use tandem_cuda::{
     CudaDraft, CudaKvCache, CudaSlice, CudaStepOutput, CudaTarget, DeviceLogits, DeviceRows, Gpu,
     KeptTaps, PendingRead, chain_ids_to_host, chains_from_step_major,
@@ -241,6 +242,7 @@ impl SpecBackend for CudaTarget {
             let host = host_chain(self, head, cache, hidden, logits, batch, steps)?;
             return Ok(CudaChains::Host(host));
         }
+        let _chain = host_spans::span("draft chain");
         let ids = head.draft_chain_ids(cache, &hidden.data, &logits.data, batch, steps)?;
         Ok(CudaChains::Device { ids, batch, steps })
     }
@@ -290,6 +292,7 @@ impl SpecBackend for CudaTarget {
         logits: &DeviceLogits,
         chains: &CudaChains,
     ) -> Result<CudaReadBack, InferError> {
+        let _queue = host_spans::span("read-back: queue");
         let gpu = self.gpu();
         let rows = logits.rows;
         let (drafts, chain_len) = match chains {
@@ -358,6 +361,7 @@ impl SpecBackend for CudaTarget {
         taps: &Taps<DeviceRows>,
         read: &CudaReadBack,
     ) -> Result<(DeviceRows, DeviceLogits), InferError> {
+        let _extend = host_spans::span("extend (greedy, queued before the read-back)");
         let ids = read.ids.slice(..read.rows);
         let out = match &read.drafts {
             // Each sequence's root is found on the GPU from the ids and the drafts there.
@@ -381,7 +385,10 @@ impl SpecBackend for CudaTarget {
         &self,
         read: CudaReadBack,
     ) -> Result<(Vec<u32>, Vec<Vec<u32>>), InferError> {
-        let values = read.pending.wait()?;
+        let values = {
+            let _wait = host_spans::span("read-back: wait");
+            read.pending.wait()?
+        };
         let (ids, chain) = values.split_at(read.rows);
         let chains = match read.drafts {
             ReadDrafts::Host(host) => host,
