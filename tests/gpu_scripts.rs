@@ -176,3 +176,93 @@ fn round_logs_sum_admissions_and_rounds_by_kind() {
     assert!(out.contains("absent_c8: no round log"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// ncu_steps.py: an ncu CSV split into steps at their logits (and the kernels that finish a
+/// step after them), the target's steps named by their attention, the head's (logits over fewer
+/// tiles) as extends or draft steps, with each kernel's mean and time a step.
+#[test]
+fn ncu_steps_splits_a_run_into_steps_by_kind() {
+    let dir = scratch("ncu-steps");
+    let mut lines = vec![
+        "==PROF== Connected to process".to_string(),
+        r#""ID","Kernel Name","Grid Size","Metric Name","Metric Unit","Metric Value""#.to_string(),
+    ];
+    let mut id = 0;
+    let mut kernel = |name: &str, grid: &str, us: f64| {
+        // Times in ns, as ncu writes them; a second metric row that must be ignored.
+        lines.push(format!(
+            r#""{id}","{name}(int, float)","{grid}","gpu__time_duration.sum","nsecond","{:.0}""#,
+            us * 1e3
+        ));
+        lines.push(format!(
+            r#""{id}","{name}(int, float)","{grid}","launch__registers_per_thread","register/thread","64""#
+        ));
+        id += 1;
+    };
+    for _ in 0..2 {
+        // A one-row target step (two layers), its logits over 3072 tiles and the argmax ...
+        for _ in 0..2 {
+            kernel("qkv_attention_mma", "(9, 6, 1)", 12.0);
+            kernel("gemv_rows_mma", "(1, 36, 1)", 5.0);
+            kernel("norm_gate_up_silu_mma", "(1, 192, 1)", 7.0);
+            kernel("gemv_rows_mma", "(1, 36, 1)", 6.0);
+        }
+        kernel("gemv_norm_rows_mma", "(1, 3072, 1)", 20.0);
+        kernel("argmax_rows", "(1, 1, 1)", 5.0);
+        // ... the head's extend (fc from the taps, logits over 512 tiles, the roots) ...
+        kernel("taps_to_bf16", "(1, 1, 1)", 4.0);
+        kernel("gemv_rows_mma", "(1, 36, 1)", 3.0);
+        kernel("norm_qkv_rope_mma", "(1, 60, 1)", 8.0);
+        kernel("gemv_norm_rows_mma", "(1, 512, 1)", 9.0);
+        kernel("gather_accepted_roots", "(1, 1, 1)", 9.0);
+        kernel("argmax_rows", "(1, 1, 1)", 5.0);
+        // ... and a draft step.
+        kernel("build_mask", "(1, 1, 1)", 3.0);
+        kernel("norm_qkv_rope_mma", "(1, 60, 1)", 8.0);
+        kernel("gemv_norm_rows_mma", "(1, 512, 1)", 9.0);
+        kernel("argmax_rows", "(1, 1, 1)", 5.0);
+    }
+    // An 8-row step: attention over 8 rows x 9 heads.
+    kernel("norm_qkv_rope_mma", "(1, 60, 1)", 9.0);
+    kernel("attention_invariant", "(72, 1, 1)", 7.0);
+    kernel("gemv_norm_rows_mma", "(1, 3072, 1)", 22.0);
+    let csv = dir.join("ncu.csv");
+    std::fs::write(&csv, lines.join("\n") + "\n").expect("csv written");
+    let out = run_script("ncu_steps.py", &[csv.to_str().unwrap()]);
+    // Target step: 2 x (12 + 5 + 7 + 6) + 20 + 5 = 85 us in 10 kernels.
+    assert!(
+        out.contains(
+            "STEP one-launch attention: 2 steps, median 85.0 us of kernel time in 10 kernels"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("gemv_rows_mma (o_proj)"), "{out}");
+    // The layer's second product is down_proj: 6 us, twice a step.
+    let down = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("gemv_rows_mma (down_proj)"))
+        .unwrap_or_else(|| panic!("no down_proj line:\n{out}"));
+    let fields: Vec<&str> = down.split_whitespace().collect();
+    assert_eq!(
+        fields[2..],
+        [
+            "2.0", "a", "step", "mean", "6.00", "us", "12.0", "us", "a", "step"
+        ],
+        "{out}"
+    );
+    // Extend: 4 + 3 + 8 + 9 + 9 + 5 = 38 us in 6 kernels, its first product the fc.
+    assert!(
+        out.contains("STEP head extend: 2 steps, median 38.0 us of kernel time in 6 kernels"),
+        "{out}"
+    );
+    assert!(out.contains("gemv_rows_mma (fc)"), "{out}");
+    assert!(
+        out.contains("STEP head draft: 2 steps, median 25.0 us of kernel time in 4 kernels"),
+        "{out}"
+    );
+    assert!(
+        out.contains("STEP 8 rows: 1 steps, median 38.0 us of kernel time in 3 kernels"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
