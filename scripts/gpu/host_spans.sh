@@ -10,7 +10,7 @@
 # .device/e/gpu-train-tests.xz and .device/a/question.jsonl into .device/x, and `KEEP_HEAD=1
 # bash scripts/gpu/lean_tree.sh enter`. There (carry .device/x): `bash scripts/gpu/host_spans.sh`.
 source scripts/gpu/head_lib.sh; use_cublas_libraries
-W=/tmp/w; R=$OUT; mkdir -p $W
+W=/tmp/w; R=${OUT:-$W/out}; mkdir -p "$W" "$R"
 for t in tandem gpu-tests gpu-fast-tests gpu-compare-tests gpu-train-tests; do xz -dc .device/x/$t.xz > $W/$t; chmod +x $W/$t; done
 cp scripts/gpu/nccl_env.sh $W/
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
