@@ -50,18 +50,22 @@ run)
   # pipeline) in batch-1 decodes and 4- and 8-token verifications, by kind of step
   # (scripts/gpu/ncu_steps.py); the graphed step's device time above minus this is what the
   # launch boundaries cost.
-  if [[ "${NCU:-0}" == 1 ]]; then
+  # ncu_steps NAME LAUNCHES TANDEM_ARGS...: ncu over one eager tandem run (at most LAUNCHES
+  # kernels), its kernels by kind of step into $R/NAME_steps.txt.
+  ncu_steps() {
+    local name=$1 launches=$2 ncu
+    shift 2
     ncu=$(find_tool ncu)
-    if [[ -z "$ncu" ]]; then
-      echo "ncu missing"
-    else
-      TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --cache-control none \
-        --metrics gpu__time_duration.sum --csv --launch-count 6000 "$W/tandem" fast-bench \
-        --model "$W/smol" --prompt-tokens 128 --new-tokens 8 --repeats 1 --batch 1 \
-        --verify-widths 4,8 --fused on > "$R/ncu.csv" 2> "$R/ncu.err"
-      echo "ncu: exit $?"
-      python3 scripts/gpu/ncu_steps.py "$R/ncu.csv" | tee "$R/ncu_steps.txt"
-    fi
+    [[ -n "$ncu" ]] || { echo "ncu missing"; return 1; }
+    TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum --csv --launch-count "$launches" "$W/tandem" "$@" \
+      > "$R/$name.csv" 2> "$R/$name.err"
+    echo "ncu $name: exit $?"
+    python3 scripts/gpu/ncu_steps.py "$R/$name.csv" | tee "$R/${name}_steps.txt"
+  }
+  if [[ "${NCU:-0}" == 1 ]]; then
+    ncu_steps ncu 6000 fast-bench --model "$W/smol" --prompt-tokens 128 --new-tokens 8 \
+      --repeats 1 --batch 1 --verify-widths 4,8 --fused on
   fi
   # NCU_BENCH=1: speculative rounds (3/1/4, batch 1) with the committed head on the random
   # target (KEEP_HEAD=1 lean tree; MT-Bench questions carried as .device/x/question.jsonl; the
@@ -77,12 +81,7 @@ run)
       --json "$R/bench.json" > "$R/bench.log" 2>&1
     echo "phase-timed bench: exit $?"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if isinstance(v, (int, float))})" "$R/bench.json"
-    ncu=$(find_tool ncu)
-    TANDEM_CUDA_GRAPHS=0 timeout 280 "$ncu" --clock-control none --cache-control none \
-      --metrics gpu__time_duration.sum --csv --launch-count 8000 "$W/tandem" "${spec[@]}" \
-      --max-prompts 2 --max-new-tokens 24 --no-baseline > "$R/ncu-bench.csv" 2> "$R/ncu-bench.err"
-    echo "ncu bench: exit $?"
-    python3 scripts/gpu/ncu_steps.py "$R/ncu-bench.csv" | tee "$R/ncu_bench_steps.txt"
+    ncu_steps ncu-bench 8000 "${spec[@]}" --max-prompts 2 --max-new-tokens 24 --no-baseline
   fi
   ;;
 *) echo "usage: $0 pack|run" >&2; exit 2 ;;

@@ -517,10 +517,11 @@ impl CudaDraft {
             .copied()
             .chain(0..n as i32)
             .collect();
-        let index = self.gpu.upload(&index)?;
-        let aux = {
+        let (index, aux) = {
             let _fc_input = host_spans::span("head extend: index upload, fc input");
-            self.fc_input_at(taps, &index.slice(..rows), rows)?
+            let index = self.gpu.upload(&index)?;
+            let aux = self.fc_input_at(taps, &index.slice(..rows), rows)?;
+            (index, aux)
         };
         let rows_kept = Kept::Rows {
             from: index.slice(rows..rows + n),
@@ -1053,20 +1054,25 @@ impl CudaDraft {
             );
         }
         let entry = graphs.captured.get_mut(&key).expect("captured above");
-        let load = host_spans::span("head step: load inputs");
-        entry.buffers.load(gpu, &host, tokens)?;
-        drop(load);
-        let _hidden = host_spans::span("head step: hidden input");
-        let h = self.spec.hidden_size;
-        match hidden {
-            StepHidden::Rows(data) => gpu.copy_into(&data, &mut entry.buffers.hidden, rows * h)?,
-            // The live rows' fc output lands in the graph's input rows.
-            StepHidden::Fc(aux) => self.fc_into(aux, rows, &mut entry.buffers.hidden)?,
-            StepHidden::Gather {
-                from,
-                rows: src,
-                to,
-            } => gpu.copy_rows(from, &src, &mut entry.buffers.hidden, &to, rows, h)?,
+        {
+            let _load = host_spans::span("head step: load inputs");
+            entry.buffers.load(gpu, &host, tokens)?;
+        }
+        {
+            let _hidden = host_spans::span("head step: hidden input");
+            let h = self.spec.hidden_size;
+            match hidden {
+                StepHidden::Rows(data) => {
+                    gpu.copy_into(&data, &mut entry.buffers.hidden, rows * h)?
+                }
+                // The live rows' fc output lands in the graph's input rows.
+                StepHidden::Fc(aux) => self.fc_into(aux, rows, &mut entry.buffers.hidden)?,
+                StepHidden::Gather {
+                    from,
+                    rows: src,
+                    to,
+                } => gpu.copy_rows(from, &src, &mut entry.buffers.hidden, &to, rows, h)?,
+            }
         }
         {
             let _replay = host_spans::span("head step: replay");
