@@ -372,6 +372,70 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, const uns
     }
 }
 
+// argmax_rows for a few rows of a large vocabulary: a block a row leaves most SMs idle and
+// reads a 32,000- or 49,152-token row through one SM (argmax 5-6 us at batch 1 under ncu,
+// session 55). Grid: parts x rows; block: 256. Block (p, r) scans values
+// [p * span, (p + 1) * span) of row r and puts its best (value, index) in part_value /
+// part_index [rows, parts]; the block of the row that finishes last (an atomic count a row in
+// `done`, which that block sets back to 0 for the next launch or graph replay) reduces the
+// parts and writes the row's id. The result is argmax_rows': the first index among equal maxima
+// whatever the split, token 0 for a row with no maximum (all NaN), mapped through `map` when
+// given.
+extern "C" __global__ void argmax_rows_split(const float* logits, int vocab, int span,
+                                             const unsigned int* map, unsigned int* out,
+                                             float* part_value, int* part_index,
+                                             unsigned int* done) {
+    __shared__ float best_value[32];
+    __shared__ int best_index[32];
+    __shared__ int finishes_row;
+    const int parts = gridDim.x;
+    const int r = blockIdx.y;
+    const int begin = blockIdx.x * span;
+    const int end = vocab < begin + span ? vocab : begin + span;
+    const int n = end > begin ? end - begin : 0;
+    float best = NEG_INF;
+    int index = 0x7fffffff;
+    scan_row<8>(logits + (size_t)r * vocab + begin, n, [&](float v, int i) {
+        if (v > best) {
+            best = v;
+            index = begin + i;
+        }
+    });
+    float max_value;
+    index = block_argmax(best, index, best_value, best_index, &max_value);
+    if (threadIdx.x == 0) {
+        part_value[r * parts + blockIdx.x] = max_value;
+        part_index[r * parts + blockIdx.x] = index;
+        // The part is visible to every block before the count says it is there.
+        __threadfence();
+        finishes_row = atomicAdd(&done[r], 1u) == (unsigned int)parts - 1;
+    }
+    __syncthreads();
+    if (!finishes_row) {
+        return;
+    }
+    __threadfence();
+    // Volatile: the other blocks' parts, never cached here.
+    const volatile float* values = part_value + r * parts;
+    const volatile int* indices = part_index + r * parts;
+    best = NEG_INF;
+    index = 0x7fffffff;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) {
+        const float v = values[p];
+        const int i = indices[p];
+        if (v > best || (v == best && i < index)) {
+            best = v;
+            index = i;
+        }
+    }
+    index = block_argmax(best, index, best_value, best_index, &max_value);
+    if (threadIdx.x == 0) {
+        const unsigned int id = (unsigned int)(index == 0x7fffffff ? 0 : index);
+        out[r] = map != nullptr ? map[id] : id;
+        done[r] = 0;
+    }
+}
+
 // The drafted tokens of greedy chains into a verification step's tokens: ids [steps, batch]
 // (step s of sequence b at s * batch + b, as the device chain drafts them) to tokens[b * width
 // + first + s]: first = 1, after each sequence's root. The verification then starts without
@@ -391,10 +455,12 @@ extern "C" __global__ void scatter_chain_tokens(const unsigned int* __restrict__
 
 // The roots the next greedy chains draft from, chosen on the device right after the head's
 // extend over every verified slot (queued before the host reads the verification): for sequence
-// b (block b), its accepted length k, the leading drafts equal to the target's greedy id at the
-// slot before them (chain[s * batch + b] == ids[b * width + s], as verify_greedy walks a chain),
-// then row b * width + k of the extend's hidden [rows, h] and logits [rows, vocab] (f32) into
-// row b of `out_hidden` and `out_logits`. Grid: batch; block: 256.
+// b (blockIdx.x), its accepted length k, the leading drafts equal to the target's greedy id at
+// the slot before them (chain[s * batch + b] == ids[b * width + s], as verify_greedy walks a
+// chain), then row b * width + k of the extend's hidden [rows, h] and logits [rows, vocab] (f32)
+// into row b of `out_hidden` and `out_logits`. Grid: batch x parts; block: 256. Part p
+// (blockIdx.y) copies its share of the logits row (and part 0 the hidden row): one block a
+// sequence copied a 32,000-token row through one SM (9.0 us at batch 1 under ncu, session 55).
 extern "C" __global__ void gather_accepted_roots(const unsigned int* __restrict__ ids,
                                                  const unsigned int* __restrict__ chain,
                                                  int batch, int steps, int width,
@@ -408,10 +474,15 @@ extern "C" __global__ void gather_accepted_roots(const unsigned int* __restrict_
         ++k;
     }
     const size_t row = (size_t)b * width + k;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) {
-        out_hidden[(size_t)b * h + i] = hidden[row * h + i];
+    if (blockIdx.y == 0) {
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            out_hidden[(size_t)b * h + i] = hidden[row * h + i];
+        }
     }
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const int span = (vocab + gridDim.y - 1) / gridDim.y;
+    const int begin = blockIdx.y * span;
+    const int end = min(vocab, begin + span);
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
         out_logits[(size_t)b * vocab + i] = logits[row * vocab + i];
     }
 }

@@ -4,7 +4,7 @@
 //! wrapper states the sizes it relies on and the callers pass buffers of those sizes.
 #![allow(unsafe_code)]
 
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -235,6 +235,49 @@ pub fn parse_gemv_outputs(text: &str) -> Option<[usize; 4]> {
     values.try_into().ok()
 }
 
+/// Logits a block of `argmax_rows_split` scans at most: 256 threads, eight values each, all
+/// loads in flight at once.
+const ARGMAX_SPAN: usize = 2048;
+
+/// Threads per block of `argmax_rows_split` (a multiple of which every part's span is, so that a
+/// part's loads stay coalesced).
+const ARGMAX_SPLIT_THREADS: usize = 256;
+
+/// How `argmax_rows_split` cuts `rows` rows of `vocab` logits on a GPU of `sm_count` SMs:
+/// `(parts a row, values a part)`, or `None` for `argmax_rows`' block a row. Split while the
+/// rows alone leave SMs idle (fewer rows than SMs) and a row has at least two spans: parts of
+/// [`ARGMAX_SPAN`] values, or fewer and longer ones where that would make more than about two
+/// blocks an SM. `rows * parts` stays under `3 * sm_count` (the parts' scratch).
+pub(crate) fn argmax_split(rows: usize, vocab: usize, sm_count: usize) -> Option<(usize, usize)> {
+    if rows == 0 || rows >= sm_count || vocab < 2 * ARGMAX_SPAN {
+        return None;
+    }
+    let parts = vocab
+        .div_ceil(ARGMAX_SPAN)
+        .min((2 * sm_count).div_ceil(rows));
+    if parts < 2 {
+        return None;
+    }
+    let span = vocab.div_ceil(parts).next_multiple_of(ARGMAX_SPLIT_THREADS);
+    let parts = vocab.div_ceil(span);
+    (parts >= 2).then_some((parts, span))
+}
+
+/// The scratch of `argmax_rows_split`: each part's best value and index (`3 * sm_count` slots)
+/// and a count of finished parts a row (`sm_count`, zero between launches: the last part of a
+/// row sets it back).
+struct ArgmaxParts {
+    value: CudaSlice<f32>,
+    index: CudaSlice<i32>,
+    done: CudaSlice<u32>,
+}
+
+/// Blocks a sequence of `gather_accepted_roots` (each copies its share of the root's logits
+/// row): one per 2,048 logits, at most 32.
+pub(crate) fn gather_parts(vocab: usize) -> usize {
+    vocab.div_ceil(2048).clamp(1, 32)
+}
+
 /// Warps per block of `persistent_step` (PERSIST_WARPS in kernels/llama.cu), the most it is
 /// compiled with (shared memory is sized for it).
 const PERSISTENT_WARPS: usize = 16;
@@ -356,6 +399,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
+    argmax_rows_split: CudaFunction,
     scatter_chain_tokens: CudaFunction,
     gather_accepted_roots: CudaFunction,
     beam_select: CudaFunction,
@@ -430,6 +474,10 @@ pub struct Gpu {
     /// Whether fused steps take them (on sm_80+ unless `TANDEM_CUDA_MMA_ROWS=0`; see
     /// [`mma_rows::enabled`]).
     mma_rows_on: AtomicBool,
+    /// Whether the greedy ids of fewer rows than SMs come from `argmax_rows_split` ([`argmax_split`];
+    /// on unless `TANDEM_CUDA_ARGMAX_SPLIT=0`, [`Gpu::set_argmax_split`]). Same ids either way.
+    argmax_split_on: AtomicBool,
+    argmax_parts: ArgmaxParts,
 }
 
 /// A page-locked host buffer and the event recorded after the last copy into it.
@@ -599,6 +647,7 @@ impl Gpu {
             silu_mul: module.load_function("silu_mul")?,
             gather_rows: module.load_function("gather_rows")?,
             argmax_rows: module.load_function("argmax_rows")?,
+            argmax_rows_split: module.load_function("argmax_rows_split")?,
             scatter_chain_tokens: module.load_function("scatter_chain_tokens")?,
             gather_accepted_roots: module.load_function("gather_accepted_roots")?,
             beam_select: module.load_function("beam_select")?,
@@ -621,6 +670,11 @@ impl Gpu {
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
         )
         .unwrap_or(1);
+        let argmax_parts = ArgmaxParts {
+            value: stream.alloc_zeros::<f32>(3 * sm_count)?,
+            index: stream.alloc_zeros::<i32>(3 * sm_count)?,
+            done: stream.alloc_zeros::<u32>(sm_count)?,
+        };
         let gpu = Self {
             ctx,
             stream,
@@ -646,6 +700,10 @@ impl Gpu {
             mma_attention_rows: AtomicUsize::new(mma_attention::MMA_MIN_QUERY_ROWS),
             mma_rows: OnceLock::new(),
             mma_rows_on: AtomicBool::new(false),
+            argmax_split_on: AtomicBool::new(
+                std::env::var("TANDEM_CUDA_ARGMAX_SPLIT").map_or(true, |v| v != "0"),
+            ),
+            argmax_parts,
         };
         gpu.set_pool_release_threshold(u64::MAX)?;
         let (compute_major, _) = gpu.ctx.compute_capability()?;
@@ -2412,6 +2470,40 @@ impl Gpu {
         assert!(logits.len() >= rows * vocab && out.len() >= rows);
         assert!(map.is_none_or(|m| m.len() >= vocab));
         let vocab_i = vocab as i32;
+        let split = self
+            .argmax_split_on
+            .load(Ordering::Relaxed)
+            .then(|| argmax_split(rows, vocab, self.sm_count))
+            .flatten();
+        if let Some((parts, span)) = split {
+            let span_i = span as i32;
+            let scratch = &self.argmax_parts;
+            let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows_split);
+            launch.arg(logits).arg(&vocab_i).arg(&span_i);
+            match map {
+                Some(m) => launch.arg(m),
+                None => launch.arg(&NULL),
+            };
+            launch
+                .arg(out)
+                .arg(&scratch.value)
+                .arg(&scratch.index)
+                .arg(&scratch.done);
+            // SAFETY: signature (const f32*, int, int, const u32* or null, u32*, f32*, int*,
+            // u32*); block (p, r) reads values [p * span, (p + 1) * span) of row r < rows (and
+            // one `map` entry) and writes slot r * parts + p < 3 * sm_count of the parts
+            // (argmax_split) and count r < sm_count, which the row's last block sets back to 0;
+            // every launch on this GPU's one stream, so no two use the scratch at once; sizes
+            // asserted.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (parts as u32, rows as u32, 1),
+                    block_dim: (ARGMAX_SPLIT_THREADS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }?;
+            return Ok(());
+        }
         let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows);
         launch.arg(logits).arg(&vocab_i);
         match map {
@@ -2424,6 +2516,12 @@ impl Gpu {
         // asserted.
         unsafe { launch.launch(Self::rows_config(rows, 1024)) }?;
         Ok(())
+    }
+
+    /// Turns `argmax_rows_split` on or off for this GPU's greedy ids (benchmarks and the GPU
+    /// tests compare both; the ids are the same).
+    pub fn set_argmax_split(&self, on: bool) {
+        self.argmax_split_on.store(on, Ordering::Relaxed);
     }
 
     /// The next chains' roots from a head extend over whole verified greedy chains
@@ -2471,9 +2569,16 @@ impl Gpu {
             .arg(out_hidden)
             .arg(out_logits);
         // SAFETY: signature (const u32*, const u32*, int, int, int, const f32*, int, const
-        // f32*, int, f32*, f32*); block b reads `steps` chain and id entries of its sequence
-        // and one row of each input, and writes its own output rows; sizes asserted.
-        unsafe { launch.launch(Self::rows_config(batch, 256)) }?;
+        // f32*, int, f32*, f32*); block (b, p) reads `steps` chain and id entries of sequence
+        // b and its share of one row of each input, and writes that share of its output rows;
+        // sizes asserted.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (batch as u32, gather_parts(vocab) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
         Ok(())
     }
 
@@ -2763,6 +2868,54 @@ impl DeviceRows {
 
 #[cfg(test)]
 mod tests {
+    /// The split covers each row exactly (parts of whole spans, the last one short), keeps
+    /// spans a multiple of the block and at most ARGMAX_SPAN, stays inside the parts' scratch,
+    /// and is off where a block a row already fills the GPU or a row is short.
+    #[test]
+    fn argmax_split_covers_each_row_once_inside_its_scratch() {
+        use super::{ARGMAX_SPAN, ARGMAX_SPLIT_THREADS, argmax_split};
+        for sm in [1, 2, 66, 108, 132] {
+            for rows in [1, 2, 3, 4, 5, 8, 16, 31, 32, 64, 131, 132, 200] {
+                for vocab in [1, 100, 2048, 4095, 4096, 32_000, 49_152, 151_936, 128_256] {
+                    let Some((parts, span)) = argmax_split(rows, vocab, sm) else {
+                        assert!(
+                            rows >= sm || vocab < 2 * ARGMAX_SPAN || sm < 2 * rows,
+                            "{rows} rows of {vocab} on {sm} SMs not split"
+                        );
+                        continue;
+                    };
+                    assert!(rows < sm && parts >= 2, "{rows} rows, {vocab}, {sm} SMs");
+                    assert_eq!(span % ARGMAX_SPLIT_THREADS, 0);
+                    // Longer than a span only as far as the cap of about two blocks an SM needs.
+                    let capped = vocab
+                        .div_ceil((2 * sm).div_ceil(rows))
+                        .next_multiple_of(ARGMAX_SPLIT_THREADS);
+                    assert!(span <= ARGMAX_SPAN.max(capped), "{span} values a block");
+                    assert!((parts - 1) * span < vocab && parts * span >= vocab);
+                    assert!(rows * parts < 3 * sm, "{rows} x {parts} parts on {sm} SMs");
+                }
+            }
+        }
+        // SmolLM2's target (49,152) and head (32,000) vocabularies on an H100 (132 SMs): a
+        // decode's one row in 24 parts, a 3/1/4 verification's four rows in 24 each.
+        assert_eq!(argmax_split(1, 49_152, 132), Some((24, 2048)));
+        assert_eq!(argmax_split(1, 32_000, 132), Some((16, 2048)));
+        assert_eq!(argmax_split(4, 49_152, 132), Some((24, 2048)));
+        // 32 rows: nine parts a row (about two blocks an SM), each scanning more.
+        assert_eq!(argmax_split(32, 49_152, 132), Some((9, 5632)));
+        assert_eq!(argmax_split(132, 49_152, 132), None);
+    }
+
+    #[test]
+    fn gather_parts_give_each_block_at_most_2048_logits_up_to_32_blocks() {
+        use super::gather_parts;
+        assert_eq!(gather_parts(1), 1);
+        assert_eq!(gather_parts(2048), 1);
+        assert_eq!(gather_parts(2049), 2);
+        assert_eq!(gather_parts(32_000), 16);
+        assert_eq!(gather_parts(151_936), 32);
+    }
+
     #[test]
     fn pdl_rows_take_the_row_cap_first_and_every_step_only_for_1() {
         use super::pdl_rows;

@@ -363,7 +363,8 @@ fn norm_silu_and_argmax_kernels_match_their_references() {
     }
 
     // torch.argmax's first index, also for ties far apart, a maximum in the last entry and a
-    // constant row, at a few rows and at more (the kernel takes one block a row).
+    // constant row, at a few rows and at more, through `argmax_rows_split` (fewer rows than
+    // SMs: parts of a row in blocks of their own) and `argmax_rows` (a block a row).
     let vocab = 49_152;
     let mut logits: Vec<f32> = (0..10 * vocab)
         .map(|_| rng.random_range(-10.0..10.0))
@@ -373,20 +374,67 @@ fn norm_silu_and_argmax_kernels_match_their_references() {
     logits[3 * vocab..4 * vocab].fill(1.0);
     logits[5 * vocab - 1] = 50.0;
     let device = gpu.upload(&logits).unwrap();
-    for rows in [5, 10] {
-        let got = gpu.argmax_rows(&device, rows, vocab).unwrap();
-        let expected: Vec<u32> = logits
-            .chunks(vocab)
-            .take(rows)
-            .map(|r| reference::argmax(r) as u32)
-            .collect();
-        assert_eq!(got, expected, "{rows} rows");
-        assert_eq!(
-            &got[1..5],
-            &[777, expected[2], 0, vocab as u32 - 1],
-            "{rows} rows"
-        );
+    for split in [true, false] {
+        gpu.set_argmax_split(split);
+        for rows in [5, 10] {
+            let got = gpu.argmax_rows(&device, rows, vocab).unwrap();
+            let expected: Vec<u32> = logits
+                .chunks(vocab)
+                .take(rows)
+                .map(|r| reference::argmax(r) as u32)
+                .collect();
+            assert_eq!(got, expected, "{rows} rows, split {split}");
+            assert_eq!(
+                &got[1..5],
+                &[777, expected[2], 0, vocab as u32 - 1],
+                "{rows} rows, split {split}"
+            );
+        }
     }
+    // NaNs (never a maximum) around a row's maximum, a row of NaNs and -inf (token 0), and a
+    // head's 32,000-token rows through a d2t-like table: the split's ids are the block-a-row
+    // kernel's, launched again and again (each launch leaves its counts at 0 for the next).
+    let draft_vocab = 32_000;
+    let mut odd: Vec<f32> = (0..3 * draft_vocab)
+        .map(|_| rng.random_range(-10.0..10.0))
+        .collect();
+    for i in (0..draft_vocab).step_by(3) {
+        odd[i] = f32::NAN;
+    }
+    odd[20_001] = 60.0;
+    for (i, v) in odd[draft_vocab..2 * draft_vocab].iter_mut().enumerate() {
+        *v = if i % 2 == 0 {
+            f32::NAN
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    let odd_device = gpu.upload(&odd).unwrap();
+    let table: Vec<u32> = (0..draft_vocab as u32).map(|i| 3 * i + 1).collect();
+    let table = gpu.upload(&table).unwrap();
+    let ids = |split: bool| {
+        gpu.set_argmax_split(split);
+        let mut out = gpu.scratch::<u32>(3).unwrap();
+        gpu.argmax_rows_into(
+            &odd_device,
+            3,
+            draft_vocab,
+            Some(&table),
+            &mut out.slice_mut(..),
+        )
+        .unwrap();
+        gpu.download(&out).unwrap()
+    };
+    let plain = ids(false);
+    assert_eq!(
+        &plain[..2],
+        &[3 * 20_001 + 1, 1],
+        "NaNs skipped; no maximum: token 0"
+    );
+    for _ in 0..3 {
+        assert_eq!(ids(true), plain);
+    }
+    gpu.set_argmax_split(true);
 }
 
 #[test]

@@ -37,8 +37,10 @@ static bool report(const char* what, bool ok, const char* detail) {
 constexpr unsigned int ROWS_BLOCK = 256;
 constexpr unsigned int ATTENTION_THREADS = 256;
 
-static bool check_gather_accepted_roots(std::mt19937& rng) {
-    const int batch = 6, steps = 3, width = 4, h = 40, vocab = 70;
+// `parts` blocks a sequence, as `gather_parts` in crates/tandem-cuda/src/device.rs gives them
+// (one per 2,048 logits): 1 for a 70-token row, 3 for 5,000 (the last part short).
+static bool check_gather_accepted_roots(std::mt19937& rng, int vocab, unsigned int parts) {
+    const int batch = 6, steps = 3, width = 4, h = 40;
     // Sequence b accepts b % (steps + 1) drafts: its first k drafts equal the target's greedy
     // id at the slot before them, and draft k (if any) differs.
     std::vector<unsigned int> ids(batch * width), chain(steps * batch);
@@ -57,7 +59,7 @@ static bool check_gather_accepted_roots(std::mt19937& rng) {
     for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = static_cast<float>(i);
     for (size_t i = 0; i < logits.size(); ++i) logits[i] = -static_cast<float>(i);
     std::vector<float> out_hidden(batch * h, NAN), out_logits(batch * vocab, NAN);
-    emu_launch(EmuDim3{batch, 1, 1}, EmuDim3{ROWS_BLOCK, 1, 1}, 0, [&] {
+    emu_launch(EmuDim3{batch, parts, 1}, EmuDim3{ROWS_BLOCK, 1, 1}, 0, [&] {
         gather_accepted_roots(ids.data(), chain.data(), batch, steps, width, hidden.data(), h,
                               logits.data(), vocab, out_hidden.data(), out_logits.data());
     });
@@ -67,10 +69,83 @@ static bool check_gather_accepted_roots(std::mt19937& rng) {
         for (int i = 0; i < h; ++i) ok &= out_hidden[b * h + i] == hidden[row * h + i];
         for (int i = 0; i < vocab; ++i) ok &= out_logits[b * vocab + i] == logits[row * vocab + i];
     }
-    return report("gather_accepted_roots: each sequence's last accepted slot", ok,
-                  "(accepted lengths 0..3, a match after a mismatch)");
+    char detail[96];
+    std::snprintf(detail, sizeof detail, "(accepted 0..3, a match after a mismatch; %d logits, %u parts)",
+                  vocab, parts);
+    return report("gather_accepted_roots: each sequence's last accepted slot", ok, detail);
 }
 
+// torch.argmax's first index among equal maxima; NaN never a maximum, -inf never one either
+// (the kernels start from -inf and take only larger values); 0 for a row with none.
+static unsigned int host_argmax(const float* row, int n) {
+    float best = -INFINITY;
+    int index = -1;
+    for (int i = 0; i < n; ++i) {
+        if (row[i] > best) {
+            best = row[i];
+            index = i;
+        }
+    }
+    return index < 0 ? 0u : static_cast<unsigned int>(index);
+}
+
+// argmax_rows_split (`parts` blocks of `span` values a row, as `argmax_split` in device.rs
+// cuts it) against the host's first-index argmax and against argmax_rows (a block a row), on
+// rows made to catch a wrong reduction: equal maxima in different parts (the first must win,
+// also when its part finishes last), a constant row, the maximum in the last entry, NaNs
+// around the maximum, a row of NaNs and -inf (token 0), random rows; mapped through a table
+// when `mapped`. Launched twice: the second launch must find every row's count back at 0.
+static bool check_argmax_rows_split(std::mt19937& rng, int rows, int vocab, unsigned int parts,
+                                    int span, bool mapped) {
+    std::uniform_real_distribution<float> uni(-10.0f, 10.0f);
+    std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+    for (auto& v : logits) v = uni(rng);
+    auto row = [&](int r) { return logits.data() + static_cast<size_t>(r) * vocab; };
+    if (rows > 1) {
+        // Equal maxima in the first and the last part (which also finishes last here).
+        row(1)[vocab - 3] = 99.0f;
+        row(1)[5] = 99.0f;
+    }
+    if (rows > 2) std::fill(row(2), row(2) + vocab, 1.0f);
+    if (rows > 3) row(3)[vocab - 1] = 50.0f;
+    if (rows > 4) {
+        for (int i = 0; i < vocab; i += 3) row(4)[i] = NAN;
+        row(4)[span + 7] = 60.0f;
+    }
+    if (rows > 5) {
+        for (int i = 0; i < vocab; ++i) row(5)[i] = i % 2 ? NAN : -INFINITY;
+    }
+    std::vector<unsigned int> map(vocab);
+    for (int i = 0; i < vocab; ++i) map[i] = 3 * i + 1;
+    const unsigned int* table = mapped ? map.data() : nullptr;
+    std::vector<float> part_value(rows * parts, NAN);
+    std::vector<int> part_index(rows * parts, -1);
+    std::vector<unsigned int> done(rows, 0), split(rows, 12345), plain(rows, 54321);
+    bool ok = true;
+    for (int launch = 0; launch < 2; ++launch) {
+        std::fill(split.begin(), split.end(), 12345u);
+        emu_launch(EmuDim3{parts, static_cast<unsigned int>(rows), 1}, EmuDim3{256, 1, 1}, 0, [&] {
+            argmax_rows_split(logits.data(), vocab, span, table, split.data(), part_value.data(),
+                              part_index.data(), done.data());
+        });
+        for (int r = 0; r < rows; ++r) {
+            const unsigned int id = host_argmax(row(r), vocab);
+            ok &= split[r] == (mapped ? map[id] : id);
+            ok &= done[r] == 0;
+        }
+    }
+    emu_launch(EmuDim3{static_cast<unsigned int>(rows), 1, 1}, EmuDim3{1024, 1, 1}, 0, [&] {
+        argmax_rows(logits.data(), vocab, table, plain.data());
+    });
+    ok &= split == plain;
+    if (rows > 2) {
+        ok &= split[1] == (mapped ? map[5] : 5u) && split[2] == (mapped ? map[0] : 0u);
+    }
+    char detail[96];
+    std::snprintf(detail, sizeof detail, "(%d rows of %d, %u parts of %d%s, twice)", rows, vocab,
+                  parts, span, mapped ? ", mapped" : "");
+    return report("argmax_rows_split: argmax_rows' ids, counts back at 0", ok, detail);
+}
 
 static bool check_attention_kernels(std::mt19937& rng) {
     // A ragged causal prefill (sequence 1 is 17 of 24 slots, its padding sees itself), 6/2
@@ -294,7 +369,13 @@ static bool check_copy_f32_pairs(std::mt19937& rng) {
 
 int main() {
     std::mt19937 rng(34);
-    bool ok = check_gather_accepted_roots(rng);
+    bool ok = check_gather_accepted_roots(rng, 70, 1);
+    ok = check_gather_accepted_roots(rng, 5000, 3) && ok;
+    // SmolLM2's target vocabulary at five rows (a 4-row verification's split on an H100: 24
+    // parts of 2,048), its head's at one row through d2t (16 parts), and a short last part.
+    ok = check_argmax_rows_split(rng, 6, 49152, 24, 2048, false) && ok;
+    ok = check_argmax_rows_split(rng, 1, 32000, 16, 2048, true) && ok;
+    ok = check_argmax_rows_split(rng, 6, 5000, 3, 1792, true) && ok;
     ok = check_attention_kernels(rng) && ok;
     ok = check_gemv_rows_invariance(rng) && ok;
     ok = check_attention_invariance(rng, 45) && ok;
