@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, no GGUF transfer (issue #16, session 55, not yet run): every GPU suite, then
+# One device call, no GGUF transfer (issue #16, sessions 55-56, not yet run): every GPU suite, then
 # where a 3/1/4 round's host time goes. `tandem bench --phase-timing` showed ~59 us of host
 # queueing in each of draft, verify and extend a round (H100, session 55); TANDEM_HOST_SPANS=1
 # prints the fast path's host time by call site. The committed head runs on a SmolLM2-shaped
@@ -27,3 +27,15 @@ done
 # the target-only decode loop alone, for its spans
 TANDEM_HOST_SPANS=1 timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch 1 --verify-widths 4 --new-tokens 64 --repeats 3 --graphs-only --fused on > $W/fb.log 2>&1
 echo "== fast-bench: exit $?"; grep -E "^\|" $W/fb.log | head -12
+# argmax_rows_split (session 56, emulator-checked only): the same runs with TANDEM_CUDA_ARGMAX_SPLIT
+# 0 and 1, alternating, no spans (gather_accepted_roots' split has no switch: in both arms). The
+# GPU suites above ran with the split on (the default); kernels_match_their_references also
+# compares it with the block-a-row kernel.
+for rep in 1 2; do
+  for split in 0 1; do
+    TANDEM_CUDA_ARGMAX_SPLIT=$split timeout 100 "$W/tandem" "${spec[@]}" --no-baseline > $W/ab.log 2>&1
+    echo "== 3/1/4 bench, TANDEM_CUDA_ARGMAX_SPLIT=$split (rep $rep): exit $?"; grep -E "^\| cuda" $W/ab.log
+    TANDEM_CUDA_ARGMAX_SPLIT=$split timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch 1 --verify-widths 4,8 --new-tokens 64 --repeats 3 --graphs-only --fused on > $W/abfb.log 2>&1
+    echo "== fast-bench, TANDEM_CUDA_ARGMAX_SPLIT=$split (rep $rep): exit $?"; grep -E "^\|" $W/abfb.log | head -8
+  done
+done
