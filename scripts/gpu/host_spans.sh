@@ -29,7 +29,7 @@ TANDEM_HOST_SPANS=1 timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch
 echo "== fast-bench: exit $?"; grep -E "^\|" $W/fb.log | head -12
 # argmax_rows_split (session 56, emulator-checked only): the same runs with TANDEM_CUDA_ARGMAX_SPLIT
 # 0 and 1, alternating, no spans (gather_accepted_roots' split has no switch: in both arms). The
-# GPU suites above ran with the split on (the default); kernels_match_their_references also
+# GPU suites above ran with the split on (the default); norm_silu_and_argmax_kernels_match_their_references also
 # compares it with the block-a-row kernel.
 for rep in 1 2; do
   for split in 0 1; do

@@ -2478,6 +2478,7 @@ impl Gpu {
         if let Some((parts, span)) = split {
             let span_i = span as i32;
             let scratch = &self.argmax_parts;
+            assert!(rows * parts <= scratch.value.len() && rows <= scratch.done.len());
             let mut launch = self.stream.launch_builder(&self.kernels.argmax_rows_split);
             launch.arg(logits).arg(&vocab_i).arg(&span_i);
             match map {
