@@ -12,6 +12,7 @@
 
 pub mod burn;
 pub mod cuda;
+pub mod scripted;
 
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
