@@ -33,7 +33,9 @@ fn requests(count: usize, max_new_tokens: usize) -> Vec<Request> {
     (0..count)
         .map(|i| Request {
             id: i as u64,
-            prompt: (0..20 + 7 * i as u32).map(|t| (t * 131 + 7) % 49_152).collect(),
+            prompt: (0..20 + 7 * i as u32)
+                .map(|t| (t * 131 + 7) % 49_152)
+                .collect(),
             max_new_tokens,
             stop_ids: Vec::new(),
             sampling: SamplingParams::greedy(),
