@@ -6,9 +6,10 @@
 //! the device may wait for it. Target-only rounds at the same batch size are the baseline, in
 //! the same run.
 //!
-//!     cargo run --release -p tandem-infer --example driver_host_time [-- REPEATS]
+//!     cargo run --release -p tandem-infer --example driver_host_time [-- REPEATS [SHAPE]]
 //!
-//! Prints, for each round shape and batch size, the median over REPEATS runs (default 5) of
+//! SHAPE (e.g. `chain` or `5/8/32`) keeps only the shapes whose label holds it, with the
+//! target-only baseline (for a profiler). Prints, for each round shape and batch size, the median over REPEATS runs (default 5) of
 //! each run's median round, the tokens a round commits, and the phases' mean host time a
 //! round (draft, verify, extend as the driver books them).
 
@@ -100,6 +101,7 @@ fn main() {
         .nth(1)
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
+    let only = std::env::args().nth(2);
     let target = ScriptedTarget {
         vocab: 49_152,
         max_positions: 8192,
@@ -135,6 +137,9 @@ fn main() {
     for batch_size in [1usize, 8, 32] {
         let mut baseline = f64::NAN;
         for (label, config) in shapes {
+            if config.is_some() && only.as_ref().is_some_and(|o| !label.contains(o.as_str())) {
+                continue;
+            }
             let results: Vec<RunResult> = (0..repeats)
                 .map(|_| run(&target, &head, config, batch_size))
                 .collect();
