@@ -146,10 +146,18 @@ extern "C" __global__ void rope_qkv(const float* qkv, const float* bias, const i
 // the GPU from its compact parts (`tandem_model::MaskParts`, whose `expand` is the reference):
 // `valid [batch, used]` (cached columns each sequence owns), `sees [rows, width]` (the step's own
 // columns each slot sees), `real [rows]` (padding sees only its own column). Grid: rows.
+// `step_scalars` (when not null) overrides used and total with the step's [col0, total] (col0 is
+// the used columns), as the graphed steps' launches read them: a graph then expands each
+// replay's mask itself instead of an eager launch before it.
 extern "C" __global__ void build_mask(const unsigned char* __restrict__ valid,
                                       const unsigned char* __restrict__ sees,
                                       const unsigned char* __restrict__ real,
-                                      float* __restrict__ mask, int width, int used, int total) {
+                                      float* __restrict__ mask, int width, int used, int total,
+                                      const int* __restrict__ step_scalars) {
+    if (step_scalars != nullptr) {
+        used = step_scalars[0];
+        total = step_scalars[1];
+    }
     const int r = blockIdx.x;
     const int b = r / width;
     const int i = r % width;

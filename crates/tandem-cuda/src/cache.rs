@@ -64,8 +64,20 @@ pub(crate) struct StepInputs {
     staging: Vec<u8>,
     rows: usize,
     width: usize,
+    /// Columns the mask has room for (the capacity, for a graph's buffers).
+    mask_columns: usize,
+    /// Whether a graph captured over these buffers expands the mask itself
+    /// ([`StepInputs::build_mask_in_graph`]); [`StepInputs::load`] then only copies.
+    mask_in_graph: bool,
     /// `[rows, total]` of the step, inside room for `[rows, mask_columns]`.
     pub mask: CudaSlice<f32>,
+}
+
+/// Whether graphed steps expand their mask inside the graph (`TANDEM_CUDA_GRAPH_MASK=0`: an
+/// eager `build_mask` launch before each replay, as before session 56).
+pub(crate) fn graph_mask() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_CUDA_GRAPH_MASK").map_or(true, |v| v != "0"))
 }
 
 impl StepInputs {
@@ -77,8 +89,33 @@ impl StepInputs {
             staging: Vec::with_capacity(fixed),
             rows,
             width: shape.width,
+            mask_columns,
+            mask_in_graph: false,
             mask: gpu.scratch(rows * mask_columns)?,
         })
+    }
+
+    /// Queues (inside a capture) the mask's expansion from the parts [`StepInputs::load`]
+    /// copies in, reading the used columns and the row stride from the scalars: each replay
+    /// expands its own step's mask, one eager launch fewer a graphed step. From then on `load`
+    /// leaves the mask to the graph.
+    pub fn build_mask_in_graph(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        let (rows, width) = (self.rows, self.width);
+        let valid_at = Self::valid_at(rows, width);
+        let scalars = words::<i32>(&self.bytes, Self::scalars_at(rows), 2);
+        let valid = self.bytes.slice(valid_at..);
+        let sees = self.bytes.slice(Self::sees_at(rows)..valid_at);
+        let real = self.bytes.slice(Self::real_at(rows)..Self::sees_at(rows));
+        gpu.build_mask_graphed(
+            &valid,
+            &sees,
+            &real,
+            &mut self.mask,
+            (rows, width, self.mask_columns),
+            &scalars,
+        )?;
+        self.mask_in_graph = true;
+        Ok(())
     }
 
     /// Where the scalars, `real`, `sees` and `valid` start (tokens at 0, positions at 4 * rows).
@@ -119,7 +156,8 @@ impl StepInputs {
         self.words(Self::scalars_at(self.rows), 2)
     }
 
-    /// Copies the step's inputs in with one copy and expands the mask.
+    /// Copies the step's inputs in with one copy and expands the mask (unless a graph over these
+    /// buffers does: [`StepInputs::build_mask_in_graph`]).
     pub fn load(&mut self, gpu: &Gpu, host: &HostStep) -> Result<(), CudaError> {
         let (rows, width) = (self.rows, self.width);
         let parts = &host.mask;
@@ -146,6 +184,9 @@ impl StepInputs {
         put(Self::sees_at(rows), &parts.sees);
         put(valid_at, &parts.valid);
         gpu.upload_into(staging, &mut self.bytes)?;
+        if self.mask_in_graph {
+            return Ok(());
+        }
         let at = |from: usize, n: usize| self.bytes.slice(from..from + n);
         gpu.build_mask(
             &at(valid_at, parts.valid.len()),

@@ -1372,10 +1372,45 @@ impl Gpu {
         used: usize,
     ) -> Result<(), CudaError> {
         let total = used + width;
-        assert!(rows.is_multiple_of(width.max(1)));
         assert!(valid.len() >= rows / width.max(1) * used || used == 0);
-        assert!(sees.len() >= rows * width && real.len() >= rows);
         assert!(mask.len() >= rows * total);
+        self.launch_build_mask(valid, sees, real, mask, rows, width, used, None)
+    }
+
+    /// [`Gpu::build_mask`] as a graphed step launches it: the used columns and the mask's
+    /// row stride read from `scalars` (`[col0, total]`) at run time, so each replay expands its
+    /// own step's mask. `valid` and `mask` must hold the largest step the buffers take
+    /// (`capacity` columns).
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_mask_graphed(
+        &self,
+        valid: &CudaView<'_, u8>,
+        sees: &CudaView<'_, u8>,
+        real: &CudaView<'_, u8>,
+        mask: &mut CudaSlice<f32>,
+        (rows, width, capacity): (usize, usize, usize),
+        scalars: &CudaView<'_, i32>,
+    ) -> Result<(), CudaError> {
+        assert!(valid.len() >= rows / width.max(1) * capacity.saturating_sub(width));
+        assert!(mask.len() >= rows * capacity && scalars.len() >= 2);
+        self.launch_build_mask(valid, sees, real, mask, rows, width, 0, Some(scalars))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_build_mask(
+        &self,
+        valid: &CudaView<'_, u8>,
+        sees: &CudaView<'_, u8>,
+        real: &CudaView<'_, u8>,
+        mask: &mut CudaSlice<f32>,
+        rows: usize,
+        width: usize,
+        used: usize,
+        scalars: Option<&CudaView<'_, i32>>,
+    ) -> Result<(), CudaError> {
+        assert!(rows.is_multiple_of(width.max(1)));
+        assert!(sees.len() >= rows * width && real.len() >= rows);
+        let total = used + width;
         let (width_i, used_i, total_i) = (width as i32, used as i32, total as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.build_mask);
         launch
@@ -1386,7 +1421,13 @@ impl Gpu {
             .arg(&width_i)
             .arg(&used_i)
             .arg(&total_i);
-        // SAFETY: sizes asserted above; one block per mask row, threads stride its columns.
+        match scalars {
+            Some(s) => launch.arg(s),
+            None => launch.arg(&NULL),
+        };
+        // SAFETY: signature (const u8*, const u8*, const u8*, f32*, int, int, int, const int*
+        // or null); one block per mask row, threads stride its `total` columns; sizes asserted
+        // by the callers (with scalars, for the largest step the buffers take).
         unsafe { launch.launch(Self::rows_config(rows, 256)) }?;
         Ok(())
     }

@@ -1104,6 +1104,9 @@ impl CudaDraft {
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
+        if graphed && crate::cache::graph_mask() {
+            b.inputs.build_mask_in_graph(gpu)?;
+        }
         let (tokens, positions) = (b.inputs.tokens(), b.inputs.positions());
         let scalars = graphed.then(|| b.inputs.scalars());
         let scalars = scalars.as_ref();

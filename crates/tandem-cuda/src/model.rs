@@ -1622,6 +1622,9 @@ impl CudaTarget {
         let q_dim = spec.num_heads * spec.head_dim;
         let qkv_dim = q_dim + 2 * spec.num_kv_heads * spec.head_dim;
         let eps = spec.rms_norm_eps as f32;
+        if graphed.is_some() && crate::cache::graph_mask() {
+            b.inputs.build_mask_in_graph(gpu)?;
+        }
         if let Some(table) = &b.persistent_table {
             // The whole step in one launch (see `persistent_step` in kernels/llama.cu).
             let inputs = &b.inputs;

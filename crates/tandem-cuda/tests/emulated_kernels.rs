@@ -66,10 +66,12 @@ fn tensor_core_attention_matches_a_plain_attention_on_the_emulator() {
 /// over one with rejected drafts hidden between the visible keys, at 45 and 300 keys (one group
 /// of chunks of the block's eight warps, and two), against a plain attention (5e-3; an
 /// off-by-one in the visible list fails it); and `copy_f32_pairs` (a plain round's taps
-/// appended to the head's backlog in one launch) bit for bit, nothing outside the range.
+/// appended to the head's backlog in one launch) bit for bit, nothing outside the range; the
+/// split argmax (`argmax_rows_split`) against the host's and `argmax_rows`' ids, and
+/// `build_mask` from its arguments and from a graphed step's scalars, bit for bit (session 56).
 #[test]
 fn llama_kernels_match_their_host_models_on_the_emulator() {
-    expect_all_ok(&build_and_run("llama_kernels_check.cpp"), 15);
+    expect_all_ok(&build_and_run("llama_kernels_check.cpp"), 16);
 }
 
 /// kernels/rows_mma.cu (the fused small steps' products on the tensor cores, behind

@@ -891,7 +891,8 @@ fn sample_kernel_draws_from_the_nucleus_distribution() {
 /// `build_mask` expands a step's compact mask parts into exactly the additive mask the host
 /// builds (`ColumnLayout::attention_mask`, one group) for a ragged prefill from an empty cache,
 /// a branching tree over cached columns, a chunk with an idle (all-padding) sequence, and the
-/// same parts padded to more sequences (`MaskParts::padded`).
+/// same parts padded to more sequences (`MaskParts::padded`); and the graphed launch (used
+/// columns and row stride read from the step's scalars) gives the same mask.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn build_mask_kernel_expands_the_layouts_mask() {
@@ -914,7 +915,28 @@ fn build_mask_kernel_expands_the_layouts_mask() {
             parts.used,
         )
         .unwrap();
-        gpu.download(&mask).unwrap()[..rows * total].to_vec()
+        let eager = gpu.download(&mask).unwrap()[..rows * total].to_vec();
+        // As a graphed step launches it: used and total read from [col0, total] on the device,
+        // `valid` and the mask sized for a capacity of 600 columns.
+        let capacity = 600;
+        let batch = rows / parts.width.max(1);
+        let mut valid_room = parts.valid.clone();
+        valid_room.resize(batch * capacity, 7);
+        let valid_room = gpu.upload(&valid_room).unwrap();
+        let scalars = gpu.upload(&[parts.used as i32, total as i32]).unwrap();
+        let mut graphed = gpu.zeros::<f32>(rows * capacity).unwrap();
+        gpu.build_mask_graphed(
+            &valid_room.as_view(),
+            &sees.as_view(),
+            &real.as_view(),
+            &mut graphed,
+            (rows, parts.width, capacity),
+            &scalars.as_view(),
+        )
+        .unwrap();
+        let graphed = gpu.download(&graphed).unwrap()[..rows * total].to_vec();
+        assert!(graphed == eager, "the mask from the scalars differs");
+        eager
     };
     let mut layout = ColumnLayout::new(3, 512);
     let mut checked = 0;

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 
 static bool report(const char* what, bool ok, const char* detail) {
@@ -145,6 +146,44 @@ static bool check_argmax_rows_split(std::mt19937& rng, int rows, int vocab, unsi
     std::snprintf(detail, sizeof detail, "(%d rows of %d, %u parts of %d%s, twice)", rows, vocab,
                   parts, span, mapped ? ", mapped" : "");
     return report("argmax_rows_split: argmax_rows' ids, counts back at 0", ok, detail);
+}
+
+// build_mask with its used columns and row stride as arguments (an eager step) and read from
+// the step's scalars [col0, total] (a graphed step), against the mask's definition: a ragged
+// step of 2 sequences x 3 slots after 5 cached columns, one padding slot, random parts; the
+// `valid` bytes past the step's batch * used are garbage a wrong stride would read.
+static bool check_build_mask(std::mt19937& rng) {
+    const int batch = 2, width = 3, used = 5, rows = batch * width, total = used + width;
+    std::vector<unsigned char> valid(batch * 40, 1), sees(rows * width), real(rows, 1);
+    for (int i = 0; i < batch * used; ++i) valid[i] = rng() % 2;
+    for (auto& v : sees) v = rng() % 2;
+    real[5] = 0;
+    std::vector<float> want(rows * total);
+    for (int r = 0; r < rows; ++r) {
+        const int b = r / width, i = r % width;
+        for (int j = 0; j < total; ++j) {
+            const bool visible = !real[r] ? j == used + i
+                                 : j < used ? valid[b * used + j] != 0
+                                            : sees[r * width + (j - used)] != 0;
+            want[r * total + j] = visible ? 0.0f : NEG_INF;
+        }
+    }
+    std::vector<float> eager(rows * 40, 3.0f), graphed(rows * 40, 3.0f);
+    const int scalars[2] = {used, total};
+    emu_launch(EmuDim3{rows, 1, 1}, EmuDim3{ROWS_BLOCK, 1, 1}, 0, [&] {
+        build_mask(valid.data(), sees.data(), real.data(), eager.data(), width, used, total,
+                   nullptr);
+    });
+    emu_launch(EmuDim3{rows, 1, 1}, EmuDim3{ROWS_BLOCK, 1, 1}, 0, [&] {
+        build_mask(valid.data(), sees.data(), real.data(), graphed.data(), width, 0, width,
+                   scalars);
+    });
+    bool ok = true;
+    for (int i = 0; i < rows * total; ++i) {
+        ok &= std::memcmp(&eager[i], &want[i], 4) == 0 && std::memcmp(&graphed[i], &want[i], 4) == 0;
+    }
+    for (int i = rows * total; i < rows * 40; ++i) ok &= eager[i] == 3.0f && graphed[i] == 3.0f;
+    return report("build_mask: arguments and step scalars give the mask", ok, "(bit for bit)");
 }
 
 static bool check_attention_kernels(std::mt19937& rng) {
@@ -376,6 +415,7 @@ int main() {
     ok = check_argmax_rows_split(rng, 6, 49152, 24, 2048, false) && ok;
     ok = check_argmax_rows_split(rng, 1, 32000, 16, 2048, true) && ok;
     ok = check_argmax_rows_split(rng, 6, 5000, 3, 1792, true) && ok;
+    ok = check_build_mask(rng) && ok;
     ok = check_attention_kernels(rng) && ok;
     ok = check_gemv_rows_invariance(rng) && ok;
     ok = check_attention_invariance(rng, 45) && ok;
