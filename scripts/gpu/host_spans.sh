@@ -27,15 +27,17 @@ done
 # the target-only decode loop alone, for its spans
 TANDEM_HOST_SPANS=1 timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch 1 --verify-widths 4 --new-tokens 64 --repeats 3 --graphs-only --fused on > $W/fb.log 2>&1
 echo "== fast-bench: exit $?"; grep -E "^\|" $W/fb.log | head -12
-# argmax_rows_split (session 56, emulator-checked only): the same runs with TANDEM_CUDA_ARGMAX_SPLIT
-# 0 and 1, alternating, no spans (gather_accepted_roots' split has no switch: in both arms). The
-# GPU suites above ran with the split on (the default); norm_silu_and_argmax_kernels_match_their_references also
-# compares it with the block-a-row kernel.
+# Session 56's two changes, emulator-checked only: argmax_rows_split and the mask built inside
+# each graph. The same runs with each switched off, alternating, no spans (gather_accepted_roots'
+# split has no switch: in every arm). The GPU suites above ran with both on (the defaults);
+# norm_silu_and_argmax_kernels_match_their_references and build_mask_kernel_expands_the_layouts_mask
+# also compare each with the old launch.
 for rep in 1 2; do
-  for split in 0 1; do
-    TANDEM_CUDA_ARGMAX_SPLIT=$split timeout 100 "$W/tandem" "${spec[@]}" --no-baseline > $W/ab.log 2>&1
-    echo "== 3/1/4 bench, TANDEM_CUDA_ARGMAX_SPLIT=$split (rep $rep): exit $?"; grep -E "^\| cuda" $W/ab.log
-    TANDEM_CUDA_ARGMAX_SPLIT=$split timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch 1 --verify-widths 4,8 --new-tokens 64 --repeats 3 --graphs-only --fused on > $W/abfb.log 2>&1
-    echo "== fast-bench, TANDEM_CUDA_ARGMAX_SPLIT=$split (rep $rep): exit $?"; grep -E "^\|" $W/abfb.log | head -8
+  for arm in - TANDEM_CUDA_ARGMAX_SPLIT=0 TANDEM_CUDA_GRAPH_MASK=0; do
+    envs=(); [[ $arm != - ]] && envs=("$arm")
+    env "${envs[@]}" timeout 100 "$W/tandem" "${spec[@]}" --no-baseline > $W/ab.log 2>&1
+    echo "== 3/1/4 bench, ${arm/-/defaults} (rep $rep): exit $?"; grep -E "^\| cuda" $W/ab.log
+    env "${envs[@]}" timeout 100 "$W/tandem" fast-bench --model "$W/smol" --batch 1 --verify-widths 4,8 --new-tokens 64 --repeats 3 --graphs-only --fused on > $W/abfb.log 2>&1
+    echo "== fast-bench, ${arm/-/defaults} (rep $rep): exit $?"; grep -E "^\|" $W/abfb.log | head -8
   done
 done
