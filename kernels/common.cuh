@@ -156,12 +156,14 @@ __device__ __forceinline__ void scan_row(const float* row, int n, F f) {
 
 // Largest entry of a row of `n` floats, scanned by the whole block: block_argmax over each
 // thread's strided share (the first index on ties). A row with no maximum (all NaN) gives
-// 0x7fffffff. Every thread gets the index, and the value in `*max_value`.
+// 0x7fffffff. Every thread gets the index, and the value in `*max_value`. `U`: loads in flight a
+// thread (scan_row; 8 where a block's share is 8 values a thread).
+template <int U = 16>
 __device__ int row_argmax(const float* row, int n, float* best_value, int* best_index,
                           float* max_value) {
     float best = NEG_INF;
     int index = 0x7fffffff;
-    scan_row<16>(row, n, [&](float v, int i) {
+    scan_row<U>(row, n, [&](float v, int i) {
         if (v > best) {
             best = v;
             index = i;

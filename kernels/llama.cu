@@ -399,18 +399,13 @@ extern "C" __global__ void argmax_rows_split(const float* logits, int vocab, int
     const int parts = gridDim.x;
     const int r = blockIdx.y;
     const int begin = blockIdx.x * span;
-    const int end = vocab < begin + span ? vocab : begin + span;
-    const int n = end > begin ? end - begin : 0;
-    float best = NEG_INF;
-    int index = 0x7fffffff;
-    scan_row<8>(logits + (size_t)r * vocab + begin, n, [&](float v, int i) {
-        if (v > best) {
-            best = v;
-            index = begin + i;
-        }
-    });
+    const int n = max(0, min(vocab, begin + span) - begin);
     float max_value;
-    index = block_argmax(best, index, best_value, best_index, &max_value);
+    int index = row_argmax<8>(logits + (size_t)r * vocab + begin, n, best_value, best_index,
+                              &max_value);
+    if (index != 0x7fffffff) {
+        index += begin;
+    }
     if (threadIdx.x == 0) {
         part_value[r * parts + blockIdx.x] = max_value;
         part_index[r * parts + blockIdx.x] = index;
@@ -426,7 +421,7 @@ extern "C" __global__ void argmax_rows_split(const float* logits, int vocab, int
     // Volatile: the other blocks' parts, never cached here.
     const volatile float* values = part_value + r * parts;
     const volatile int* indices = part_index + r * parts;
-    best = NEG_INF;
+    float best = NEG_INF;
     index = 0x7fffffff;
     for (int p = threadIdx.x; p < parts; p += blockDim.x) {
         const float v = values[p];

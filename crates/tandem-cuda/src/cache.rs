@@ -8,7 +8,7 @@ use tandem_model::{ColumnLayout, MaskParts, ModelError, StepInput, check_token_i
 
 use std::sync::Arc;
 
-use crate::device::{AttentionShape, Gpu, Word, first_words_mut, words};
+use crate::device::{AttentionShape, Gpu, MaskColumns, Word, first_words_mut, words};
 use crate::error::CudaError;
 use crate::kv_pool::KvPool;
 
@@ -106,14 +106,11 @@ impl StepInputs {
         let valid = self.bytes.slice(valid_at..);
         let sees = self.bytes.slice(Self::sees_at(rows)..valid_at);
         let real = self.bytes.slice(Self::real_at(rows)..Self::sees_at(rows));
-        gpu.build_mask_graphed(
-            &valid,
-            &sees,
-            &real,
-            &mut self.mask,
-            (rows, width, self.mask_columns),
-            &scalars,
-        )?;
+        let columns = MaskColumns::FromScalars {
+            scalars: &scalars,
+            capacity: self.mask_columns,
+        };
+        gpu.build_mask(&valid, &sees, &real, &mut self.mask, (rows, width), columns)?;
         self.mask_in_graph = true;
         Ok(())
     }
@@ -193,9 +190,8 @@ impl StepInputs {
             &at(Self::sees_at(rows), parts.sees.len()),
             &at(Self::real_at(rows), parts.real.len()),
             &mut self.mask,
-            parts.real.len(),
-            parts.width,
-            parts.used,
+            (parts.real.len(), parts.width),
+            MaskColumns::Used(parts.used),
         )
     }
 }

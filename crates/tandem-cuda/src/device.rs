@@ -263,6 +263,17 @@ pub(crate) fn argmax_split(rows: usize, vocab: usize, sm_count: usize) -> Option
     (parts >= 2).then_some((parts, span))
 }
 
+/// The cached columns a mask's rows have ([`Gpu::build_mask`]): known on the host (an eager
+/// step), or read at run time from a graphed step's `[col0, total]` scalars, so each replay
+/// expands its own step's mask (the buffers hold `capacity` columns).
+pub enum MaskColumns<'a> {
+    Used(usize),
+    FromScalars {
+        scalars: &'a CudaView<'a, i32>,
+        capacity: usize,
+    },
+}
+
 /// The scratch of `argmax_rows_split`: each part's best value and index (`3 * sm_count` slots)
 /// and a count of finished parts a row (`sm_count`, zero between launches: the last part of a
 /// row sets it back).
@@ -1359,57 +1370,31 @@ impl Gpu {
 
     /// Expands a step's compact mask parts (already on the device: `valid [batch, used]`,
     /// `sees [rows, width]`, `real [rows]`) into the `[rows, used + width]` additive mask the
-    /// attention kernel reads. See `build_mask` in kernels/llama.cu.
-    #[allow(clippy::too_many_arguments)]
+    /// attention kernel reads, `used` as `columns` gives it. See `build_mask` in
+    /// kernels/llama.cu.
     pub fn build_mask(
         &self,
         valid: &CudaView<'_, u8>,
         sees: &CudaView<'_, u8>,
         real: &CudaView<'_, u8>,
         mask: &mut CudaSlice<f32>,
-        rows: usize,
-        width: usize,
-        used: usize,
-    ) -> Result<(), CudaError> {
-        let total = used + width;
-        assert!(valid.len() >= rows / width.max(1) * used || used == 0);
-        assert!(mask.len() >= rows * total);
-        self.launch_build_mask(valid, sees, real, mask, rows, width, used, None)
-    }
-
-    /// [`Gpu::build_mask`] as a graphed step launches it: the used columns and the mask's
-    /// row stride read from `scalars` (`[col0, total]`) at run time, so each replay expands its
-    /// own step's mask. `valid` and `mask` must hold the largest step the buffers take
-    /// (`capacity` columns).
-    #[allow(clippy::too_many_arguments)]
-    pub fn build_mask_graphed(
-        &self,
-        valid: &CudaView<'_, u8>,
-        sees: &CudaView<'_, u8>,
-        real: &CudaView<'_, u8>,
-        mask: &mut CudaSlice<f32>,
-        (rows, width, capacity): (usize, usize, usize),
-        scalars: &CudaView<'_, i32>,
-    ) -> Result<(), CudaError> {
-        assert!(valid.len() >= rows / width.max(1) * capacity.saturating_sub(width));
-        assert!(mask.len() >= rows * capacity && scalars.len() >= 2);
-        self.launch_build_mask(valid, sees, real, mask, rows, width, 0, Some(scalars))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn launch_build_mask(
-        &self,
-        valid: &CudaView<'_, u8>,
-        sees: &CudaView<'_, u8>,
-        real: &CudaView<'_, u8>,
-        mask: &mut CudaSlice<f32>,
-        rows: usize,
-        width: usize,
-        used: usize,
-        scalars: Option<&CudaView<'_, i32>>,
+        (rows, width): (usize, usize),
+        columns: MaskColumns<'_>,
     ) -> Result<(), CudaError> {
         assert!(rows.is_multiple_of(width.max(1)));
         assert!(sees.len() >= rows * width && real.len() >= rows);
+        let batch = rows / width.max(1);
+        let (used, scalars) = match columns {
+            MaskColumns::Used(used) => {
+                assert!(valid.len() >= batch * used && mask.len() >= rows * (used + width));
+                (used, None)
+            }
+            MaskColumns::FromScalars { scalars, capacity } => {
+                assert!(valid.len() >= batch * capacity.saturating_sub(width));
+                assert!(mask.len() >= rows * capacity && scalars.len() >= 2);
+                (0, Some(scalars))
+            }
+        };
         let total = used + width;
         let (width_i, used_i, total_i) = (width as i32, used as i32, total as i32);
         let mut launch = self.stream.launch_builder(&self.kernels.build_mask);
@@ -1427,7 +1412,7 @@ impl Gpu {
         };
         // SAFETY: signature (const u8*, const u8*, const u8*, f32*, int, int, int, const int*
         // or null); one block per mask row, threads stride its `total` columns; sizes asserted
-        // by the callers (with scalars, for the largest step the buffers take).
+        // above (with scalars, for the largest step the buffers take).
         unsafe { launch.launch(Self::rows_config(rows, 256)) }?;
         Ok(())
     }
@@ -2911,8 +2896,9 @@ impl DeviceRows {
 #[cfg(test)]
 mod tests {
     /// The split covers each row exactly (parts of whole spans, the last one short), keeps
-    /// spans a multiple of the block and at most ARGMAX_SPAN, stays inside the parts' scratch,
-    /// and is off where a block a row already fills the GPU or a row is short.
+    /// spans a multiple of the block and at most ARGMAX_SPAN unless the cap of about two blocks
+    /// an SM makes them longer, stays inside the parts' scratch, and is off where a block a row
+    /// already fills the GPU or a row is short.
     #[test]
     fn argmax_split_covers_each_row_once_inside_its_scratch() {
         use super::{ARGMAX_SPAN, ARGMAX_SPLIT_THREADS, argmax_split};

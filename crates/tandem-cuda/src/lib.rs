@@ -35,8 +35,8 @@ pub use collective::{Collective, NcclId, ProcessGroup};
 pub use cudarc::driver::{CudaSlice, CudaView};
 pub use device::{
     Assembly, AttentionShape, DEFAULT_MMA_MIN_WIDTH, DeviceRows, GEMV_MAX_ROWS, Gpu, MLP_CLUSTER,
-    MMA_MIN_QUERY_ROWS, PendingRead, QkvInput, assemble_mma_attention, assemble_mma_rows,
-    compile_all_kernels, nvrtc_present,
+    MMA_MIN_QUERY_ROWS, MaskColumns, PendingRead, QkvInput, assemble_mma_attention,
+    assemble_mma_rows, compile_all_kernels, nvrtc_present,
 };
 pub use draft::{
     BeamRecord, CudaDraft, DraftStepOutput, chain_ids_to_host, chains_from_step_major,

@@ -896,6 +896,7 @@ fn sample_kernel_draws_from_the_nucleus_distribution() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn build_mask_kernel_expands_the_layouts_mask() {
+    use tandem_cuda::MaskColumns;
     use tandem_model::{ColumnLayout, MaskParts};
     let gpu = gpu();
     let expand_on_gpu = |parts: &MaskParts| -> Vec<f32> {
@@ -910,9 +911,8 @@ fn build_mask_kernel_expands_the_layouts_mask() {
             &sees.as_view(),
             &real.as_view(),
             &mut mask,
-            rows,
-            parts.width,
-            parts.used,
+            (rows, parts.width),
+            MaskColumns::Used(parts.used),
         )
         .unwrap();
         let eager = gpu.download(&mask).unwrap()[..rows * total].to_vec();
@@ -925,13 +925,17 @@ fn build_mask_kernel_expands_the_layouts_mask() {
         let valid_room = gpu.upload(&valid_room).unwrap();
         let scalars = gpu.upload(&[parts.used as i32, total as i32]).unwrap();
         let mut graphed = gpu.zeros::<f32>(rows * capacity).unwrap();
-        gpu.build_mask_graphed(
+        let columns = MaskColumns::FromScalars {
+            scalars: &scalars.as_view(),
+            capacity,
+        };
+        gpu.build_mask(
             &valid_room.as_view(),
             &sees.as_view(),
             &real.as_view(),
             &mut graphed,
-            (rows, parts.width, capacity),
-            &scalars.as_view(),
+            (rows, parts.width),
+            columns,
         )
         .unwrap();
         let graphed = gpu.download(&graphed).unwrap()[..rows * total].to_vec();

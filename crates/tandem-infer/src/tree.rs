@@ -400,12 +400,10 @@ impl BeamStep {
 fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
     let by_rank = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]).then(a.cmp(b));
     let mut order: Vec<usize> = (0..values.len()).collect();
-    if k < order.len() {
-        if k > 0 {
-            order.select_nth_unstable_by(k - 1, by_rank);
-        }
-        order.truncate(k);
+    if (1..order.len()).contains(&k) {
+        order.select_nth_unstable_by(k - 1, by_rank);
     }
+    order.truncate(k);
     order.sort_unstable_by(by_rank);
     order
 }

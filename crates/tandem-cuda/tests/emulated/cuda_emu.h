@@ -46,6 +46,11 @@ inline T min(T a, T b) {
     return b < a ? b : a;
 }
 
+template <typename T>
+inline T max(T a, T b) {
+    return a < b ? b : a;
+}
+
 inline float __int_as_float(int v) {
     float f;
     std::memcpy(&f, &v, 4);

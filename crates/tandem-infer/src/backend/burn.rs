@@ -201,10 +201,7 @@ impl<B: Backend> SpecBackend for TargetModel<B> {
         taps: &Taps<Tensor<B, 3>>,
         read: &Self::ReadBack,
     ) -> Result<(Tensor<B, 3>, Tensor<B, 3>), InferError> {
-        let slots: Vec<usize> = (0..step.batch * step.width).collect();
-        let roots = super::accepted_slots(&read.0, &read.1, step.width);
-        let step = super::with_greedy_tokens(step, &read.0)?;
-        self.head_extend(head, cache, &step, taps, &slots, &roots)
+        super::host_extend_greedy(self, head, cache, step, taps, (&read.0, &read.1))
     }
     fn finish_read_back(
         &self,

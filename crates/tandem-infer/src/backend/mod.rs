@@ -431,6 +431,24 @@ pub fn host_beams<T: SpecBackend>(
     Ok(searches.iter().map(|s| s.steps().to_vec()).collect())
 }
 
+/// [`SpecBackend::head_extend_greedy`] for a backend whose read-back is already on the host
+/// (`ids`, the verification's greedy ids, and the verified `chains`): every slot of `step`
+/// extended with the greedy ids as its tokens, each sequence's last accepted slot returned.
+/// The burn and scripted backends' extend.
+pub fn host_extend_greedy<T: SpecBackend>(
+    backend: &T,
+    head: &T::Head,
+    cache: &mut T::Cache,
+    step: &StepInput,
+    taps: &Taps<T::Rows>,
+    (ids, chains): (&[u32], &[Vec<u32>]),
+) -> Result<(T::Rows, T::Logits), InferError> {
+    let slots: Vec<usize> = (0..step.batch * step.width).collect();
+    let roots = accepted_slots(ids, chains, step.width);
+    let step = with_greedy_tokens(step, ids)?;
+    backend.head_extend(head, cache, &step, taps, &slots, &roots)
+}
+
 /// `step` (a tree step of chains: each sequence's root, then its drafts) with the drafts of
 /// `chains[b]` in sequence `b`'s slots 1..: how a backend whose chains are on the host verifies
 /// them ([`SpecBackend::forward_chains`]).

@@ -11,7 +11,7 @@
 
 use tandem_model::{ColumnLayout, LogitsFor, StepInput, TapRequest, Taps};
 
-use super::{SpecBackend, accepted_slots, host_chain, with_chain_tokens, with_greedy_tokens};
+use super::{SpecBackend, host_chain, host_extend_greedy, with_chain_tokens, with_greedy_tokens};
 use crate::engine::InferError;
 
 /// The target: `vocab` tokens, greedy continuation [`ScriptedTarget::next`].
@@ -319,10 +319,7 @@ impl SpecBackend for ScriptedTarget {
         taps: &Taps<ScriptedRows>,
         read: &Self::ReadBack,
     ) -> Result<(ScriptedRows, ScriptedLogits), InferError> {
-        let slots: Vec<usize> = (0..step.batch * step.width).collect();
-        let roots = accepted_slots(&read.0, &read.1, step.width);
-        let step = with_greedy_tokens(step, &read.0)?;
-        self.head_extend(head, cache, &step, taps, &slots, &roots)
+        host_extend_greedy(self, head, cache, step, taps, (&read.0, &read.1))
     }
     fn finish_read_back(
         &self,
